@@ -1,0 +1,88 @@
+"""Reference attention over the paged KV cache in plain torch (CPU and GPU).
+
+Stores the step's new K/V into their slots, then attends. Decode rows (query length 1) are
+gathered from their pages into one padded batch and go through a single masked SDPA call;
+prefill/extend rows run one request at a time with a causal mask shifted by the cached context.
+This is the correctness reference the Triton backend is tested against, and the CPU fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from roofline.attention.metadata import AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_pages, page_size, num_kv_heads, head_dim]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    page_size = cache.shape[1]
+    num_blocks = (seq_len + page_size - 1) // page_size
+    pages = cache[block_ids[:num_blocks]]  # [num_blocks, page_size, num_kv_heads, head_dim]
+    return pages.flatten(0, 1)[:seq_len]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            rows = slice(starts[i], starts[i] + q_len)
+            ks = gather_kv(k_cache, meta.block_table[i], seq_len)
+            vs = gather_kv(v_cache, meta.block_table[i], seq_len)
+            out[rows] = _attend(q[rows], ks, vs, seq_len - q_len, scale)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        page_size = k_cache.shape[1]
+        num_blocks = (meta.max_seq_len + page_size - 1) // page_size
+        block_table = meta.block_table[:, :num_blocks]
+        # [num_reqs, num_blocks * page_size, num_kv_heads, head_dim] -> heads first
+        ks = k_cache[block_table].flatten(1, 2).transpose(1, 2)
+        vs = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(ks.shape[2], device=q.device)
+        mask = positions[None, :] < meta.seq_lens[:, None]  # [num_reqs, max_len]
+        qh = q.unsqueeze(2)  # [num_reqs, num_heads, 1, head_dim]
+        out = F.scaled_dot_product_attention(
+            qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=q.shape[1] != ks.shape[1],
+        )
+        return out.squeeze(2)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``q`` (the last q_len positions) over all ``k``/``v`` positions."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    gqa = qh.shape[0] != kh.shape[0]
+    if context_len == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + context_len
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [q_len, seq_len]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)

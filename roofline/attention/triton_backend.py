@@ -1,0 +1,60 @@
+"""Triton attention backend: paged KV store, then flash-decoding or varlen causal flash attention.
+
+Same contract as ``torch_backend.TorchAttentionBackend``: ``forward`` first writes the step's new
+K/V rows into the layer's cache at ``meta.slot_mapping``, then attends every query row over its
+request's cached sequence. A decode-only step (every request brings exactly one query token) goes
+to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
+(prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
+``kernels.prefill_attention``, which handles query length 1 rows as well. Host-side values come
+from the metadata's CPU fields, so the forward never syncs with the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.kernels.decode_attention import decode_attention
+from roofline.kernels.kv_store import store_kv
+from roofline.kernels.prefill_attention import prefill_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, decode_num_splits: int | None = None) -> None:
+        # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
+        self.decode_num_splits = decode_num_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                scale,
+                max_seq_len=meta.max_seq_len,
+                num_splits=self.decode_num_splits,
+            )
+        return prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+        )

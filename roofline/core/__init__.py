@@ -1,0 +1,1 @@
+"""Scheduling and KV-page bookkeeping: pure Python, no torch."""

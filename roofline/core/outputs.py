@@ -1,0 +1,79 @@
+"""The typed contracts of one engine step.
+
+``Scheduler.schedule()`` -> :class:`SchedulerOutput` -> ``ModelRunner.execute()`` ->
+:class:`ModelRunnerOutput` -> ``Scheduler.update()`` -> list of :class:`RequestUpdate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from roofline.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens computed for this request in this step: positions
+    ``[request.num_computed_tokens, request.num_computed_tokens + num_new_tokens)``."""
+    block_ids: list[int]
+    """The request's whole block table after this step's allocation (page ids, in order)."""
+
+    @property
+    def start_position(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids fed to the model this step."""
+        start = self.request.num_computed_tokens
+        return self.request.all_token_ids[start : start + self.num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's known tokens, so the last
+        position's logits produce its next token (False for a partial prefill chunk)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    """Requests computed this step, in the order the runner lays out the ragged batch."""
+    num_batched_tokens: int
+    """Sum of ``num_new_tokens`` (never above ``max_num_batched_tokens``)."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+    """Requests whose pages were taken in this ``schedule()`` call (they will recompute)."""
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests finished or aborted since the previous step: the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class TokenLogprobs(NamedTuple):
+    token_id: int
+    logprob: float
+    rank: int
+    """1-based rank of the sampled token in the model's distribution."""
+    top: list[tuple[int, float]]
+    """The ``logprobs`` most likely (token id, logprob) pairs, most likely first."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    """request_id -> sampled token, for every scheduled request whose ``samples`` is True."""
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """request_id -> log-probabilities of the sampled token, for requests that asked."""
+
+
+@dataclass
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool

@@ -1,0 +1,346 @@
+"""Token-budget continuous batching: which requests run each step and how many tokens each.
+
+There are no prefill or decode phases. Every step spends a budget of
+``max_num_batched_tokens``: first on the running requests (each gets
+``min(num_tokens - num_computed_tokens, remaining budget)`` new tokens, so a long prompt is
+chunked over steps and decodes run beside prefill chunks), then on admitting waiting requests.
+When pages run out a running request is preempted (its pages freed, recomputed from scratch
+later). ``update()`` folds the runner's sampled tokens back in and applies the stop rules. Pure
+Python: requests, token ids and page ids only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from roofline.config import SchedulerConfig
+from roofline.core.kv_cache_manager import KVCacheManager, PrefixHit
+from roofline.core.outputs import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from roofline.request import Request, RequestStatus
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at ``max_num_waiting``; retry later (the server answers 429)."""
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+        self.scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, block_ids)
+        self.budget -= num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        entry = self.scheduled.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += entry.num_new_tokens
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the KV manager owns the pages.
+
+    Invariants: a request is in exactly one of ``waiting`` (status WAITING or PREEMPTED, no
+    pages) and ``running`` (status RUNNING, holds pages) until it finishes, when it leaves both
+    and its pages are freed. ``running`` is in admission order, so under ``fcfs`` its last
+    element is the most recently admitted request (the preemption victim).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, page_size: int) -> None:
+        if page_size != kv.page_size:
+            raise ValueError(f"page_size {page_size} differs from the KV manager's {kv.page_size}")
+        self.config = config
+        self.kv = kv
+        self.page_size = page_size
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (None once it has finished or if unknown)."""
+        return self._requests.get(request_id)
+
+    # ----------------------------------------------------------------- admission
+
+    def add_request(self, request: Request) -> None:
+        """Validate and enqueue. ValueError for a request that can never run, QueueFullError
+        when the waiting queue is full."""
+        max_len = request.num_prompt_tokens + request.max_tokens
+        if max_len > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {max_len} exceeds max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        if not self.kv.can_ever_fit(max_len):
+            raise ValueError(
+                f"prompt + max_tokens = {max_len} tokens needs {self.kv.pages_needed(max_len)} "
+                f"KV pages but the whole pool has {self.kv.num_pages}: it can never fit"
+            )
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_num_waiting
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ----------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: running requests first, then (if nobody was preempted and there
+        is room under ``max_num_seqs``) waiting requests in policy order."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:
+            self._schedule_waiting(step)
+        scheduled = list(step.scheduled.values())
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            preempted_request_ids=step.preempted_ids,
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return out
+
+    def _schedule_running(self, step: _Step) -> None:
+        for request in list(self.running):
+            if step.budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            while True:
+                block_ids = self.kv.allocate(request, num_new)
+                if block_ids is not None:
+                    step.add(request, num_new, block_ids)
+                    break
+                victim = self._running_victim()
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+
+    def _running_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Free the victim's pages and put it at the front of the queue to recompute from 0."""
+        step.unschedule(victim)
+        self.kv.free(victim)  # before resetting num_computed_tokens: free() reads it
+        self.running.remove(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.insert(0, victim)
+        step.preempted_ids.append(victim.request_id)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        if self.config.policy == "priority":
+            order = sorted(self.waiting, key=_priority_key)
+        else:
+            order = list(self.waiting)
+        for request in order:
+            if len(self.running) >= self.config.max_num_seqs or step.budget == 0:
+                break
+            if self._waits_for_parent(request):
+                continue  # do not block unrelated requests behind a fork
+            if not self._admit(request, step):
+                break
+
+    def _share_len(self, request: Request) -> int:
+        """Tokens of the parent's prompt a fork can share: whole pages, one token left over."""
+        parent = request.parent
+        if parent is None:
+            return 0
+        return ((parent.num_prompt_tokens - 1) // self.page_size) * self.page_size
+
+    def _waits_for_parent(self, request: Request) -> bool:
+        parent = request.parent
+        return (
+            parent is not None
+            and parent.status is RequestStatus.RUNNING
+            and parent.num_computed_tokens < self._share_len(request)
+        )
+
+    def _fork_share_len(self, request: Request) -> int:
+        """Tokens to take from the running parent's pages now (0: go through the cache)."""
+        parent = request.parent
+        share_len = self._share_len(request)
+        if parent is None or share_len == 0 or parent.status is not RequestStatus.RUNNING:
+            return 0
+        if parent.num_computed_tokens < share_len:
+            return 0
+        if len(self.kv.get_block_ids(parent.request_id)) < share_len // self.page_size:
+            return 0
+        if request.prompt_token_ids[:share_len] != parent.prompt_token_ids[:share_len]:
+            return 0
+        return share_len
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        """Try to start a waiting request; False means stop admitting for this step."""
+        count_lookup = True
+        while True:
+            share_len = self._fork_share_len(request)
+            if share_len:
+                self.kv.share_prefix(request.parent, request, share_len)  # type: ignore[arg-type]
+                request.num_computed_tokens = share_len
+                hit = PrefixHit([], 0)
+            else:
+                hit = self.kv.lookup_prefix(request, count=count_lookup)
+                count_lookup = False
+            num_cached = share_len or hit.num_cached_tokens
+            remaining = request.num_tokens - num_cached
+            num_new = min(remaining, step.budget)
+            fits_budget = num_new == remaining or self.config.enable_chunked_prefill
+            block_ids = self.kv.allocate(request, num_new, hit) if fits_budget else None
+            if block_ids is not None:
+                self._start(request, num_cached, num_new, block_ids, step)
+                return True
+            if share_len:  # undo the share; the pages stay with the parent
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+            victim = self._admission_victim(request) if fits_budget else None
+            if victim is None:
+                return False
+            self._preempt(victim, step)  # then look up and allocate again
+
+    def _admission_victim(self, request: Request) -> Request | None:
+        """Under ``priority``: the running request of strictly lower priority (larger value)
+        with the largest (priority, arrival_time), skipping any whose not-yet-written pages a
+        request admitted this step already relies on. None under ``fcfs``."""
+        if self.config.policy != "priority":
+            return None
+        candidates = [
+            r
+            for r in self.running
+            if r.priority > request.priority and not self.kv.has_unwritten_shared_pages(r)
+        ]
+        return max(candidates, key=_priority_key, default=None)
+
+    def _start(
+        self,
+        request: Request,
+        num_cached: int,
+        num_new: int,
+        block_ids: list[int],
+        step: _Step,
+    ) -> None:
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        step.add(request, num_new, block_ids)
+
+    # ----------------------------------------------------------------- update
+
+    def update(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Fold a step's results in: advance ``num_computed_tokens``, append sampled tokens,
+        apply stop rules and free finished requests. Returns one update per request that got a
+        token; requests finished or aborted since ``schedule()`` are skipped."""
+        updates: list[RequestUpdate] = []
+        for entry in sched_out.scheduled:
+            request = entry.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted mid-step: never resurrect it
+            request.num_computed_tokens += entry.num_new_tokens
+            token = runner_out.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end yet
+            request.output_token_ids.append(token)
+            now = time.monotonic()
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            logprobs: list[TokenLogprobs] = []
+            if request.request_id in runner_out.logprobs:
+                logprobs.append(runner_out.logprobs[request.request_id])
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(RequestUpdate(request, [token], logprobs, status is not None))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Stop rules, in order: EOS, stop token ids (both only after ``min_tokens`` outputs),
+        then length (``max_tokens`` outputs or ``max_model_len`` tokens)."""
+        params = request.sampling_params
+        past_min = request.num_output_tokens >= params.min_tokens
+        if token in request.eos_token_ids and past_min:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids and past_min:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        self._requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string). Idempotent; unknown or already
+        finished ids are ignored; waiting and running requests alike release their pages."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)

@@ -1,0 +1,134 @@
+"""EngineArgs: the user-facing engine options, shared by ``LLM(...)`` and every CLI command.
+
+Turns loose keyword arguments (or CLI flags) into the frozen configs, resolving ``auto`` values
+(device, dtype, context length, token budget) against the model and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+_HELP = {
+    "dtype": "weights/activations dtype: auto (fp32 on CPU, the checkpoint's 16-bit type on GPU), "
+    "float32, bfloat16, float16",
+    "device": "auto (cuda when available), cpu or cuda",
+    "load_format": "auto (read the weights) or dummy (random weights from the config)",
+    "max_model_len": "longest context (prompt + output); default: the model's, capped at 8192 on CPU",
+    "max_num_seqs": "most requests running in one step",
+    "max_num_batched_tokens": "token budget per step (default 8192 on GPU, 2048 on CPU)",
+    "enable_prefix_caching": "reuse KV pages of shared prompt prefixes",
+    "page_size": "tokens per KV page",
+    "kv_cache_memory_bytes": "bytes for the KV pool (overrides gpu_memory_utilization)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "seed": "seed for random weights and unseeded sampling",
+    "policy": "scheduling policy: fcfs or priority",
+    "max_num_waiting": "refuse new requests past this many waiting (server: 429)",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "attention_backend": "auto, torch or triton",
+    "num_pages": "exact number of KV pages (testing)",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    page_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    policy: str = "fcfs"
+    max_num_waiting: int | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    num_pages: int | None = None
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            if device.type == "cpu":
+                return torch.float32
+            ckpt = model_config.torch_dtype
+            return torch.float16 if ckpt in ("float16", "fp16") else torch.bfloat16
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            page_size=self.page_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_pages_override=self.num_pages,
+        )
+
+    def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = model_config.max_position_embeddings
+            if device.type == "cpu":
+                max_len = min(max_len, 8192)
+        elif max_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's "
+                f"max_position_embeddings={model_config.max_position_embeddings}"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if device.type == "cuda" else 2048
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            policy=self.policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_waiting=self.max_num_waiting,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(EngineArgs):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool" or isinstance(f.default, bool):
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default,
+                    help=_HELP.get(f.name),
+                )
+                continue
+            kind = {"int": int, "float": float, "str": str}.get(
+                str(f.type).split(" |")[0], str
+            )
+            parser.add_argument(flag, type=kind, default=f.default, help=_HELP.get(f.name))
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})

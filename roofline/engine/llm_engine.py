@@ -1,0 +1,333 @@
+"""LLMEngine: the step loop that ties scheduler, model runner and detokenizers together.
+
+``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()`` ->
+detokenize, check stop strings, and build one cumulative :class:`RequestOutput` per user
+request that changed. A user request with ``n > 1`` is ``n`` scheduler requests (a *group*);
+the 2nd..nth fork from the first so they share its prompt pages. Input is validated here, before
+it reaches the scheduler, so a bad request is refused with a ``ValueError`` and never enters the
+loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from roofline.config import ModelConfig
+from roofline.core.kv_cache_manager import KVCacheManager
+from roofline.core.outputs import TokenLogprobs
+from roofline.core.scheduler import Scheduler
+from roofline.engine.args import EngineArgs
+from roofline.engine.detokenizer import IncrementalDetokenizer
+from roofline.models.weights import (
+    iter_weights, load_model_config, load_tokenizer, resolve_model,
+)
+from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from roofline.request import Request, RequestStatus
+from roofline.sampling_params import SamplingParams
+from roofline.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+
+
+@dataclass
+class _Group:
+    """One user request: its prompt and the ``n`` sequences generated from it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+    arrival_time: float
+    logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
+    cumulative_logprob: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        source = resolve_model(args.model)
+        self.model_name = source.name
+        self.model_config: ModelConfig = load_model_config(source)
+        device = args.resolve_device()
+        dtype = args.resolve_dtype(self.model_config, device)
+        self.scheduler_config = args.scheduler_config(self.model_config, device)
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.tokenizer = load_tokenizer(source)
+        dummy = args.load_format == "dummy" or source.kind == "config"
+        if args.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+        self.runner = ModelRunner(
+            self.model_config, args.cache_config(), self.scheduler_config, device, dtype,
+            weights=None if dummy else iter_weights(source), seed=args.seed,
+            attention_backend=_make_backend(args.attention_backend, device),
+        )
+        self.kv_manager = KVCacheManager(
+            self.runner.num_pages, args.page_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, args.page_size)
+        self.eos_token_ids = self._eos_ids()
+        self._groups: dict[str, _Group] = {}
+        self._seq_owner: dict[str, tuple[_Group, int]] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_id)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        return frozenset(ids)
+
+    # ----------------------------------------------------------------- requests in
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        priority: int = 0, arrival_time: float | None = None, prompt_text: str | None = None,
+    ) -> None:
+        """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        text = text if prompt_text is None else prompt_text
+        self._validate(token_ids, params)
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs: list[Request] = []
+        for i in range(params.n):
+            seq_params = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            seqs.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=list(token_ids),
+                sampling_params=seq_params,
+                eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+                max_tokens=max_tokens,
+                arrival_time=arrival,
+                priority=priority,
+                parent=seqs[0] if i > 0 else None,
+            ))
+        group = _Group(
+            request_id, text, list(token_ids), seqs,
+            [self._detokenizer(token_ids, params) for _ in seqs], arrival,
+            [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
+        )
+        added: list[str] = []
+        try:
+            for seq in seqs:
+                self.scheduler.add_request(seq)
+                added.append(seq.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._groups[request_id] = group
+        for i, seq in enumerate(seqs):
+            self._seq_owner[seq.request_id] = (group, i)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("a prompt must be a string or a list of token ids (ints)")
+        return None, list(prompt)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (dummy weights)")
+        max_tokens = params.max_tokens or 1
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
+                f"prompt, {max_tokens} in the completion)."
+            )
+
+    def _detokenizer(
+        self, token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort user requests (all their completions); unknown ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            ids = [s.request_id for s in group.seqs]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for sid in ids:
+                self._seq_owner.pop(sid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        run_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update(sched_out, run_out)
+        for s in sched_out.scheduled:
+            req = s.request
+            if req.num_computed_tokens == req.num_prompt_tokens and s.samples:
+                self._prompt_tokens_total += req.num_prompt_tokens - req.num_cached_tokens
+        changed: dict[str, _Group] = {}
+        now = time.monotonic()
+        for upd in updates:
+            owner = self._seq_owner.get(upd.request.request_id)
+            if owner is None:
+                continue
+            group, index = owner
+            self._generation_tokens_total += len(upd.new_token_ids)
+            self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
+            upd.request.last_token_time = now
+            changed[group.request_id] = group
+        outputs = []
+        for group in changed.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self._drop(group)
+        return outputs
+
+    def _apply_update(
+        self, group: _Group, index: int, new_ids: list[int],
+        new_logprobs: list[TokenLogprobs], finished: bool,
+    ) -> None:
+        seq = group.seqs[index]
+        detok = group.detoks[index]
+        if detok is not None:
+            delta = detok.update(new_ids, finished=finished)
+            if delta.stop_string is not None and not finished:
+                self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
+            if delta.stop_string is not None:
+                seq.status = RequestStatus.FINISHED_STOPPED
+                seq.stop_reason = delta.stop_string
+        if group.logprobs[index] is not None:
+            for lp in new_logprobs:
+                group.logprobs[index].append(self._convert_logprobs(lp))
+                group.cumulative_logprob[index] += lp.logprob
+
+    def _convert_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        out = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
+        if lp.token_id not in out:
+            out[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
+        return out
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(group.seqs):
+            detok = group.detoks[i]
+            completions.append(CompletionOutput(
+                index=i,
+                text=detok.output_text if detok is not None else "",
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=group.cumulative_logprob[i] if group.logprobs[i] is not None else None,
+                logprobs=list(group.logprobs[i]) if group.logprobs[i] is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        first = group.seqs[0]
+        finished = group.finished
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            finished_time=time.monotonic() if finished else None,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in group.seqs),
+        )
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
+            metrics=metrics, num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _drop(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seq_owner.pop(seq.request_id, None)
+
+    # ----------------------------------------------------------------- helpers
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries_total=kv.prefix_queries,
+            prefix_cache_hits_total=kv.prefix_hits,
+        )
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _make_backend(name: str, device):
+    if name in ("auto", "torch") and not (name == "auto" and device.type == "cuda"):
+        return None  # the runner's default: the torch reference backend
+    if name in ("auto", "triton"):
+        try:
+            from roofline.attention.triton_backend import TritonAttentionBackend
+        except ImportError as e:
+            if name == "triton":
+                raise ValueError(f"the triton attention backend is unavailable: {e}") from e
+            return None
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")

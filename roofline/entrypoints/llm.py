@@ -1,0 +1,140 @@
+"""The offline API, named after vLLM's so users switch without relearning.
+
+``LLM(model=...)`` builds an engine; ``generate(prompts, SamplingParams | list)`` and
+``chat(messages | list of conversations)`` run them to completion in one continuous batch and
+return ``RequestOutput``s in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from roofline.engine.args import EngineArgs
+from roofline.engine.llm_engine import LLMEngine
+from roofline.outputs import RequestOutput
+from roofline.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self, prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _broadcast_params(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError("priority must have one entry per prompt")
+        ids = self._add(prompt_list, params, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        engine = self.llm_engine
+        prompts: list[PromptType] = []
+        for conv in convs:
+            text = engine.apply_chat_template(list(conv), add_generation_prompt)
+            ids = list(engine.tokenizer(text, add_special_tokens=False).input_ids)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(
+        self, prompts: list[PromptType], params: list[SamplingParams],
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                text, token_ids = _unpack(prompt)
+                self.llm_engine.add_request(
+                    rid, token_ids if token_ids is not None else text, p,
+                    priority=priority[i] if priority is not None else 0, prompt_text=text,
+                )
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)  # a bad prompt leaves nothing half-queued
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", unit="req", file=sys.stderr,
+            disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True,
+        )
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(
+                            f"out {out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                        )
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single list of token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _unpack(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), None if ids is None else list(ids)
+    return None, list(prompt)
+
+
+def _broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(num_prompts)]
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+    return params

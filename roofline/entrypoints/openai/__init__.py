@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, handlers, metrics and its CLI."""

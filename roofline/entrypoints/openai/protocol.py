@@ -1,0 +1,296 @@
+"""Pydantic models of the OpenAI API subset roofline serves, with validation at the edge.
+
+Requests are parsed strictly (no string-to-number coercion, no NaN), unknown fields are
+ignored, and every sampling field is checked again by ``SamplingParams`` when the request is
+converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement (``echo``,
+``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
+refused with a 400 rather than silently ignored. Response models document the answers' shape in
+the OpenAPI schema; streamed chunks are built as plain dicts by the handlers.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from roofline.entrypoints.openai.errors import OpenAIError
+from roofline.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_PROMPTS = 256
+"""Most prompts one completions request may batch."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+
+    def _base_checks(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream=true",
+                              param="stream_options")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > 1024:
+            raise OpenAIError(400, "stop_token_ids may hold at most 1024 ids",
+                              param="stop_token_ids")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build validated ``SamplingParams`` (raises ``ValueError`` naming the field)."""
+        self._base_checks()
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0),
+            min_p=pick(self.min_p, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=pick(self.stop, []),
+            stop_token_ids=pick(self.stop_token_ids, []),
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a string, ids, or a batch of either)."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif not p:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt",
+                              code="invalid_value")
+        elif isinstance(p[0], int):
+            out = [p]  # type: ignore[list-item]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if len(out) > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(out)}",
+                              param="prompt")
+        for one in out:
+            if len(one) == 0:
+                raise OpenAIError(400, "prompt must not be empty", param="prompt",
+                              code="invalid_value")
+        return out
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError(400, "only response_format type 'text' is supported",
+                              param="response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise OpenAIError(400, "top_logprobs requires logprobs=true",
+                                  param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+                                  param="top_logprobs")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+# --------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "roofline"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,1 @@
+"""Model building blocks: linear, norm, rotary, activation, embedding, sampler."""

@@ -1,0 +1,1 @@
+"""Model architectures, the architecture registry and checkpoint loaders."""

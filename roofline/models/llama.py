@@ -1,0 +1,182 @@
+"""The Llama family: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, SmolLM2, and the Qwen2
+(q/k/v bias) and Qwen3 (per-head q/k RMSNorm) variants, which differ only by two flags.
+
+Checkpoint names follow HF; ``q/k/v_proj`` load into the packed ``qkv_proj`` and
+``gate/up_proj`` into ``gate_up_proj`` (see ``PACKED_MODULES``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from roofline.config import ModelConfig
+from roofline.layers.activation import SiluAndMul
+from roofline.layers.attention import Attention, ForwardContext
+from roofline.layers.linear import MergedLinear
+from roofline.layers.norm import RMSNorm
+from roofline.layers.rotary import RotaryEmbedding
+
+# checkpoint module name -> (packed module name, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary  # shared by all layers, not owned
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))  # [num_tokens, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i])
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden] -> [num_rows, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises if any parameter stays unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the LM head
+            parts = name.split(".")
+            packed = PACKED_MODULES.get(parts[-2]) if len(parts) >= 2 else None
+            if packed is not None:
+                module_name = ".".join(parts[:-2] + [packed[0]])
+                module = self.get_submodule(module_name)
+                assert isinstance(module, MergedLinear)
+                module.load_shard(packed[1], tensor, is_bias=parts[-1] == "bias")
+                loaded.add(f"{module_name}.{parts[-1]}#{packed[1]}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        if self.lm_head is not None and "lm_head.weight" not in loaded:
+            with torch.no_grad():  # some checkpoints omit a head equal to the embedding
+                self.lm_head.weight.copy_(self.embed_tokens.weight)
+            loaded.add("lm_head.weight")
+        self._check_loaded(loaded)
+
+    def _check_loaded(self, loaded: set[str]) -> None:
+        missing = []
+        for name, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                for kind in ("weight", "bias") if module.bias is not None else ("weight",):
+                    for shard in range(len(module.output_sizes)):
+                        if f"{name}.{kind}#{shard}" not in loaded:
+                            missing.append(f"{name}.{kind}[{shard}]")
+        for name, _ in self.named_parameters():
+            owner = name.rsplit(".", 1)[0]
+            if not isinstance(self.get_submodule(owner), MergedLinear) and name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases (``attention_bias`` is set for this architecture)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head RMSNorm on q and k (``qk_norm`` is set for this architecture)."""

@@ -1,0 +1,237 @@
+"""Step-time models for the simulator: the roofline, or a fit to measured steps.
+
+A calibration file (JSON, written by ``roofline bench latency`` through :func:`save_calibration`)
+holds measured step times with the shape of each step:
+
+    {"version": 1, "device": "...", "model": "...", "meta": {...},
+     "points": [{"num_decode_tokens": 64, "decode_context_len_sum": 65600,
+                 "num_prefill_tokens": 0, "prefill_attention_pairs": 0,
+                 "step_time_s": 0.0071}, ...]}
+
+:func:`fit_calibration` fits ``t = c0 + c_decode * num_decode_tokens + c_context *
+decode_context_len_sum + c_prefill * num_prefill_tokens + c_pairs * prefill_attention_pairs``
+by non-negative least squares on relative error (every point counts alike, whether 5 ms or
+500 ms). Terms a file does not exercise (e.g. no prefill points) get a zero coefficient. ``meta``
+may carry the engine's KV pool (``num_pages``, ``page_size``) and limits for the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from roofline.config import ModelConfig
+from roofline.planner.hardware import GPUSpec
+from roofline.planner.roofline import BF16, Precision, prefill_attention_pairs, step_cost
+
+FEATURES = (
+    "num_decode_tokens",
+    "decode_context_len_sum",
+    "num_prefill_tokens",
+    "prefill_attention_pairs",
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, as the step-time models see it."""
+
+    num_decode_tokens: int = 0
+    decode_context_len_sum: int = 0
+    """Sum over decode tokens of the context each attends to (itself included)."""
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+    """``(num_new_tokens, num_cached_tokens)`` per prefilling request."""
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(q for q, _ in self.prefill_chunks)
+
+    @property
+    def prefill_attention_pairs(self) -> int:
+        return sum(prefill_attention_pairs(q, p) for q, p in self.prefill_chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    def features(self) -> list[float]:
+        return [
+            float(self.num_decode_tokens),
+            float(self.decode_context_len_sum),
+            float(self.num_prefill_tokens),
+            float(self.prefill_attention_pairs),
+        ]
+
+
+class StepTimer(Protocol):
+    def __call__(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True)
+class RooflineStepTimer:
+    """Step time from :func:`step_cost`, plus a fixed per-step overhead (launches, host)."""
+
+    model: ModelConfig
+    gpu: GPUSpec
+    precision: Precision = BF16
+    tp: int = 1
+    overhead_s: float = 0.0
+
+    def __call__(self, shape: StepShape) -> float:
+        return step_cost(
+            self.model,
+            self.gpu,
+            shape.num_decode_tokens,
+            shape.decode_context_len_sum,
+            prefill_chunks=list(shape.prefill_chunks),
+            precision=self.precision,
+            tp=self.tp,
+            overhead_s=self.overhead_s,
+        ).time_s
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    num_decode_tokens: int
+    decode_context_len_sum: int
+    num_prefill_tokens: int
+    step_time_s: float
+    prefill_attention_pairs: int | None = None
+    """None: the prefill tokens were one fresh prompt, ``q (q + 1) / 2`` pairs."""
+
+    @classmethod
+    def from_shape(cls, shape: StepShape, step_time_s: float) -> CalibrationPoint:
+        return cls(
+            shape.num_decode_tokens,
+            shape.decode_context_len_sum,
+            shape.num_prefill_tokens,
+            step_time_s,
+            shape.prefill_attention_pairs,
+        )
+
+    def features(self) -> list[float]:
+        pairs = self.prefill_attention_pairs
+        if pairs is None:
+            pairs = prefill_attention_pairs(self.num_prefill_tokens)
+        return [
+            float(self.num_decode_tokens),
+            float(self.decode_context_len_sum),
+            float(self.num_prefill_tokens),
+            float(pairs),
+        ]
+
+
+@dataclass
+class Calibration:
+    points: list[CalibrationPoint]
+    device: str = ""
+    model: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def save_calibration(path: str | os.PathLike[str], calibration: Calibration) -> None:
+    doc = {
+        "version": 1,
+        "device": calibration.device,
+        "model": calibration.model,
+        "meta": calibration.meta,
+        "points": [asdict(p) for p in calibration.points],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def load_calibration(path: str | os.PathLike[str]) -> Calibration:
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("points"), list):
+        raise ValueError(f"{path}: not a calibration file (no 'points' list)")
+    points = []
+    for i, p in enumerate(doc["points"]):
+        try:
+            points.append(
+                CalibrationPoint(
+                    num_decode_tokens=int(p.get("num_decode_tokens", 0)),
+                    decode_context_len_sum=int(p.get("decode_context_len_sum", 0)),
+                    num_prefill_tokens=int(p.get("num_prefill_tokens", 0)),
+                    step_time_s=float(p["step_time_s"]),
+                    prefill_attention_pairs=p.get("prefill_attention_pairs"),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: point {i} is malformed: {p!r}") from e
+    return Calibration(
+        points, str(doc.get("device", "")), str(doc.get("model", "")), doc.get("meta") or {}
+    )
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """Lawson-Hanson non-negative least squares: argmin ||a x - b|| subject to x >= 0."""
+    n = a.shape[1]
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    for _ in range(3 * n + 10):
+        w = a.T @ (b - a @ x)
+        candidates = np.where(~passive & (w > tol))[0]
+        if candidates.size == 0:
+            break
+        passive[candidates[np.argmax(w[candidates])]] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if np.all(z[passive] > tol):
+                x = z
+                break
+            neg = passive & (z <= tol)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+@dataclass(frozen=True)
+class FittedStepTimer:
+    """``t = intercept_s + sum(coef_s[i] * feature[i])`` over :data:`FEATURES`."""
+
+    intercept_s: float
+    coef_s: tuple[float, ...]
+    max_rel_error: float = 0.0
+    """Largest |fit - measured| / measured over the calibration points."""
+    mean_rel_error: float = 0.0
+
+    def __call__(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        return self.intercept_s + float(np.dot(self.coef_s, shape.features()))
+
+    def predict_point(self, point: CalibrationPoint) -> float:
+        return self.intercept_s + float(np.dot(self.coef_s, point.features()))
+
+
+def fit_calibration(points: Sequence[CalibrationPoint]) -> FittedStepTimer:
+    if len(points) < 2:
+        raise ValueError("a calibration needs at least two measured steps")
+    t = np.array([p.step_time_s for p in points])
+    if np.any(t <= 0):
+        raise ValueError("measured step times must be positive")
+    feats = np.array([[1.0, *p.features()] for p in points])
+    scale = np.abs(feats).max(axis=0)
+    used = scale > 0
+    design = feats[:, used] / scale[used] / t[:, None]  # relative error: divide rows by t
+    sol = nnls(design, np.ones(len(points)))
+    coef = np.zeros(feats.shape[1])
+    coef[used] = sol / scale[used]
+    fitted = feats @ coef
+    rel = np.abs(fitted - t) / t
+    return FittedStepTimer(
+        intercept_s=float(coef[0]),
+        coef_s=tuple(float(c) for c in coef[1:]),
+        max_rel_error=float(rel.max()),
+        mean_rel_error=float(rel.mean()),
+    )

@@ -1,0 +1,86 @@
+"""A request's logical state: its tokens, how many of them sit in the KV cache, its status.
+
+The scheduler and the KV cache manager work on these objects and never on tensors. One
+``Request`` is one sequence: a prompt with ``n > 1`` becomes ``n`` requests (``Request.parent``
+links the forks to the first one so they can share its prompt pages).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from roofline.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    """Back in the waiting queue after its pages were taken; it recomputes on resumption."""
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    """Token ids that end the request (empty when ``ignore_eos``)."""
+    max_tokens: int = 16
+    """Resolved cap on new tokens (the params' max_tokens clipped to the model length)."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    """Lower runs first under the ``priority`` policy."""
+    parent: Request | None = None
+    """For the 2nd..nth completion of an ``n > 1`` prompt: the request whose prompt pages it
+    shares once they are computed."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache (prompt and output)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was (last) admitted."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if any."""
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,1 @@
+"""The model runner: the only place that turns scheduler decisions into tensors."""

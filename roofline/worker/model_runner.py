@@ -1,0 +1,190 @@
+"""ModelRunner: loads the model, owns the KV pool, and executes one scheduled step.
+
+``execute(SchedulerOutput)`` lays the scheduled requests out as one ragged batch (no padding):
+``input_ids[num_tokens]``, ``positions[num_tokens]`` and an :class:`AttentionMetadata`, runs the
+model, computes logits only for the rows that sample (the last row of each request whose chunk
+reaches its end) and samples them. The only host synchronisation is reading the sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.attention.torch_backend import TorchAttentionBackend
+from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
+from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput
+from roofline.layers.attention import AttentionBackend, ForwardContext
+from roofline.layers.sampler import Sampler
+from roofline.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig, device: torch.device, dtype: torch.dtype,
+        weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = device
+        self.dtype = dtype
+        self.page_size = cache_config.page_size
+        torch.manual_seed(seed)
+        self.model = self._build_model(weights, seed)
+        self.num_pages = self._num_pages()
+        cfg = model_config
+        # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers, 2, self.num_pages, self.page_size,
+            cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device,
+        )
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.backend = attention_backend or TorchAttentionBackend()
+        self.sampler = Sampler()
+
+    def _build_model(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int
+    ) -> torch.nn.Module:
+        cls = get_model_class(self.model_config)
+        max_positions = max(self.scheduler_config.max_model_len, 1)
+        with torch.device("meta"):
+            model = cls(self.model_config, max_positions)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.rotary.reset_cache()
+        if weights is None:
+            init_dummy_weights(model, seed)
+        else:
+            model.load_weights(weights)
+        return model.eval()
+
+    def _num_pages(self) -> int:
+        cc, cfg = self.cache_config, self.model_config
+        if cc.num_pages_override is not None:
+            return cc.num_pages_override
+        page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype.itemsize)
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._default_kv_budget()
+        num_pages = budget // page_bytes
+        needed = -(-self.scheduler_config.max_model_len // self.page_size)
+        if num_pages < needed:
+            raise ValueError(
+                f"the KV budget holds {num_pages * self.page_size} tokens, fewer than "
+                f"max_model_len={self.scheduler_config.max_model_len}: raise "
+                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        return int(num_pages)
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        cfg = self.model_config
+        # Activations of the largest step: a few hidden-sized and MLP-sized buffers per token,
+        # plus fp32 logits for every sampled row; 512 MiB of slack for the allocator.
+        tokens = self.scheduler_config.max_num_batched_tokens
+        act = tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
+        logits = self.scheduler_config.max_num_seqs * cfg.vocab_size * 4 * 3
+        budget = int(total * self.cache_config.gpu_memory_utilization) - used_by_others
+        budget -= torch.cuda.memory_allocated(self.device) + act + logits + (512 << 20)
+        if budget <= 0:
+            raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+        return budget
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if sched_out.finished_request_ids:
+            self.sampler.remove(sched_out.finished_request_ids)
+        if sched_out.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(sched_out)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        if not sample_rows:
+            return ModelRunnerOutput(sampled_token_ids={})
+        rows, requests = zip(*sample_rows)
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[row_index])  # [num_sampled, vocab]
+        out = self.sampler.sample(logits, list(requests))
+        token_ids = out.token_ids.tolist()  # the step's one host sync
+        sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
+        logprobs = {
+            r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None
+        }
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prepare_inputs(self, sched_out: SchedulerOutput):
+        page = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        block_rows: list[list[int]] = []
+        sample_rows = []
+        for s in sched_out.scheduled:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            if n == 1 and start == req.num_tokens - 1 and req.output_token_ids:
+                input_ids.append(req.output_token_ids[-1])  # decode: skip the list concat
+            else:
+                input_ids.extend(s.token_ids)
+            positions.extend(range(start, start + n))
+            bt = s.block_ids
+            slots.extend(bt[p // page] * page + p % page for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            block_rows.append(bt)
+            if s.samples:
+                sample_rows.append((query_start[-1] - 1, req))
+        width = max(len(b) for b in block_rows)
+        table = [b + [0] * (width - len(b)) for b in block_rows]
+        dev = self.device
+        query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+        meta = AttentionMetadata(
+            num_reqs=len(seq_lens),
+            num_tokens=len(input_ids),
+            query_start_loc=_to_device(query_start, torch.int32, dev),
+            seq_lens=_to_device(seq_lens, torch.int32, dev),
+            block_table=_to_device(table, torch.int32, dev),
+            slot_mapping=_to_device(slots, torch.int64, dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            page_size=page,
+            query_start_loc_cpu=query_start,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        ids = _to_device(input_ids, torch.int64, dev)
+        pos = _to_device(positions, torch.int64, dev)
+        return ids, pos, meta, sample_rows
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights for benchmarks: N(0, std) matrices, unit norms, zero biases."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, std, generator=gen)

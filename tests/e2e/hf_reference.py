@@ -1,0 +1,58 @@
+"""Helpers that run HF transformers as the reference: greedy decoding with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
+    """Greedy tokens from an HF causal LM, one prompt at a time (no padding, no EOS stop)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past, tokens = out.past_key_values, []
+    next_id = int(out.logits[0, -1].argmax())
+    for _ in range(num_new_tokens):
+        tokens.append(next_id)
+        out = model(torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        next_id = int(out.logits[0, -1].argmax())
+    return tokens
+
+
+def tiny_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
+    """A small random HF model of ``arch`` saved as safetensors in ``tmp_path``; returns it.
+
+    Weights are drawn with a large std so greedy argmax has clear margins (no near-ties that
+    float reassociation could flip)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_theta=500000.0,
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model = model.float().eval()
+    with torch.no_grad():  # biases default to zero; give them values so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model

@@ -1,0 +1,135 @@
+"""End to end on the embedded default model (SmolLM2-135M-Instruct, GGUF): greedy parity with
+HF transformers loading the same GGUF in fp32, seeded sampling, stops, n > 1, chat, and refusal of
+bad input without harm to the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roofline import LLM, SamplingParams
+from roofline.models.weights import gguf_path
+from tests.e2e.hf_reference import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea. The waves",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "In 1969, astronauts landed on the Moon for the first time. The mission was called Apollo "
+    "11, and the crew consisted of Neil Armstrong, Buzz Aldrin and Michael Collins. After the",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("smollm2", dtype="float32", device="cpu", max_model_len=1024)
+
+
+def test_greedy_matches_hf_on_gguf(llm):
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    ).eval()
+    tok = llm.get_tokenizer()
+    ids = [tok(p).input_ids for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids)  # different lengths
+    expected = [hf_greedy(hf, p, 64) for p in ids]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == expected
+    assert outs[0].outputs[0].text == tok.decode(expected[0], skip_special_tokens=True)
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+    )[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended on the end-of-turn token, not on length
+
+
+def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10),
+              SamplingParams(temperature=0.7, max_tokens=16, seed=7, ignore_eos=True)]
+    batch = llm.generate(
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]],
+        [others[0], others[1], seeded, others[2]], use_tqdm=False,
+    )
+    assert batch[2].outputs[0].token_ids == alone
+    different = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99, ignore_eos=True)
+    assert llm.generate([PROMPTS[1]], different, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_not_emitted(llm):
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20),
+                          use_tqdm=False)[0].outputs[0]
+    words = greedy.text.split()
+    assert len(words) >= 3
+    stop = words[2]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text
+    assert greedy.text.startswith(out.text)
+
+
+def test_stop_token_ids(llm):
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10),
+                          use_tqdm=False)[0].outputs[0]
+    stop_id = greedy.token_ids[3]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    first = greedy.token_ids.index(stop_id)
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_n_completions_share_prompt_pages(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+    before = llm.llm_engine.get_stats()
+    out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent samples
+    assert llm.llm_engine.get_stats().kv_cache_usage == before.kv_cache_usage == 0.0
+
+
+def test_logprobs(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tid, entry in zip(out.token_ids, out.logprobs):
+        assert tid in entry and entry[tid].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+        values = [lp.logprob for lp in entry.values()]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=2.0),
+    dict(max_tokens=0), dict(n=0), dict(logprobs=100), dict(stop=[""]),
+])
+def test_bad_parameters_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_bad_requests_refused_and_engine_survives(llm):
+    with pytest.raises(ValueError, match="1024"):
+        llm.generate(["hello " * 2000], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10**7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,0 +1,23 @@
+"""Kernel parity tests run on CUDA when present, else in Triton's CPU interpreter on small shapes.
+
+Without a GPU this conftest sets ``TRITON_INTERPRET=1`` before any test module imports a kernel.
+``@triton.jit`` decides compiled vs interpreted when a kernel is *defined*, so kernel modules that
+an earlier test directory already imported are reloaded here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    _stale = [m for m in sys.modules if m.startswith("roofline.kernels")]
+    if "roofline.attention.triton_backend" in sys.modules:
+        _stale.append("roofline.attention.triton_backend")
+    # The package first (it patches the interpreter), then kernels, then the backend using them.
+    for _name in sorted(_stale, key=lambda n: (n != "roofline.kernels", "backend" in n, n)):
+        importlib.reload(sys.modules[_name])

@@ -1,0 +1,70 @@
+"""TritonAttentionBackend end to end: stores the step's K/V, then attends (decode-only and mixed).
+
+Compared with the kernels' torch references and with the lead's ``TorchAttentionBackend`` on the
+same metadata, for a decode-only step and a mixed prefill / chunked-prefill / decode step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import ON_GPU, PagedBatch, assert_close, dense_causal_sdpa, make_paged
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.attention.triton_backend import TritonAttentionBackend
+
+HEAD_DIM = 128 if ON_GPU else 32
+
+
+def _metadata(batch: PagedBatch, page_size: int) -> AttentionMetadata:
+    qsl = batch.query_start_loc.tolist()
+    return AttentionMetadata(
+        num_reqs=len(batch.query_lens),
+        num_tokens=sum(batch.query_lens),
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        slot_mapping=batch.slot_mapping,
+        max_query_len=max(batch.query_lens),
+        max_seq_len=max(batch.seq_lens_list),
+        page_size=page_size,
+        query_start_loc_cpu=qsl,
+        query_lens_cpu=list(batch.query_lens),
+        seq_lens_cpu=list(batch.seq_lens_list),
+    )
+
+
+def _new_kv(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new K/V rows; their cache slots are then overwritten with garbage."""
+    lens = list(zip(batch.seq_lens_list, batch.query_lens, strict=True))
+    k = torch.cat([ks[s - q :] for ks, (s, q) in zip(batch.k_seqs, lens, strict=True)])
+    v = torch.cat([vs[s - q :] for vs, (s, q) in zip(batch.v_seqs, lens, strict=True)])
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    batch.k_cache.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = 1e4
+    batch.v_cache.view(-1, num_kv_heads, head_dim)[batch.slot_mapping] = -1e4
+    return k, v
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [([1, 1, 1], [0, 40, 17]), ([9, 1, 23, 1], [0, 35, 10, 3])],
+    ids=["decode", "mixed"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend(query_lens: list[int], context_lens: list[int], dtype: torch.dtype) -> None:
+    page_size = 16
+    batch = make_paged(query_lens, context_lens, 8, 2, HEAD_DIM, page_size, dtype, seed=4)
+    meta = _metadata(batch, page_size)
+    k, v = _new_kv(batch)
+    scale = HEAD_DIM**-0.5
+    out = TritonAttentionBackend().forward(batch.q, k, v, batch.k_cache, batch.v_cache, meta, scale)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert_close(out, dense_causal_sdpa(batch, scale), dtype)
+
+    torch_backend = pytest.importorskip("roofline.attention.torch_backend")
+    k_cache2, v_cache2 = batch.k_cache.clone(), batch.v_cache.clone()
+    expected = torch_backend.TorchAttentionBackend().forward(
+        batch.q, k, v, k_cache2, v_cache2, meta, scale
+    )
+    assert_close(out, expected, dtype)
+    torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)

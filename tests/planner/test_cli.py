@@ -1,0 +1,73 @@
+"""`roofline plan` sub-commands run end to end and print their tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from roofline.planner.calibration import Calibration, CalibrationPoint, save_calibration
+from roofline.planner.cli import main
+
+
+def _run(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_kv_literature_line(capsys):
+    out = _run(capsys, "kv", "--model", "llama-2-70b", "--kv-dtype", "fp16", "--context", "4096")
+    assert "GQA-8" in out and "327,680" in out and "1.342" in out
+
+
+def test_kv_explicit_dims_and_mla(capsys):
+    out = _run(capsys, "kv", "--layers", "61", "--hidden", "7168", "--heads", "128",
+               "--intermediate", "18432", "--vocab", "129280", "--mla-kv-lora-rank", "512",
+               "--kv-dtype", "bf16")  # fmt: skip
+    assert "MLA" in out and "70,272" in out
+
+
+def test_calculators(capsys, tmp_path):
+    assert "H100 SXM" in _run(capsys, "gpus")
+    out = _run(capsys, "memory", "--model", "llama-3.1-8b", "--gpu", "h100")
+    assert "max sequences at 4096 tokens" in out and "14.96" in out
+    out = _run(capsys, "decode", "--model", "llama-3.1-8b", "--gpu", "h100",
+               "--batch-sizes", "1,512")  # fmt: skip
+    assert "compute-bound from batch" in out and "TTFT" in out
+    out = _run(capsys, "parallel", "--model", "llama-2-70b", "--gpu", "h100", "--pp-list", "1,2")
+    assert "AR/layer us" in out
+    out = _run(capsys, "cost", "--price", "2.5", "--tokens-per-s", "1000")
+    assert "$0.694 per million tokens" in out and "continuous" in out
+    out = _run(capsys, "specdec", "--alpha", "0.8", "--cost-ratio", "0.05")
+    assert "best k = 8" in out and "k = 6..10" in out
+    out = _run(capsys, "specdec", "--model", "qwen3-8b", "--draft-model", "qwen3-0.6b",
+               "--batch-sizes", "1,64")  # fmt: skip
+    assert "verify ms" in out
+
+
+def test_simulate_and_fit(capsys, tmp_path):
+    js = tmp_path / "s.json"
+    out = _run(capsys, "simulate", "--model", "qwen3-0.6b", "--gpu", "h100", "--num-requests",
+               "40", "--rate", "5", "--slo-ttft-ms", "100", "--json", str(js),
+               "--plot-dir", str(tmp_path / "plots"))  # fmt: skip
+    assert "TTFT p50 / p90 / p99" in out
+    assert json.loads(js.read_text())["num_requests"] == 40
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "plots" / "timeline.png").stat().st_size > 1000
+    out = _run(capsys, "simulate", "--model", "qwen3-0.6b", "--num-requests", "30",
+               "--rates", "1,1000")  # fmt: skip
+    assert "rate sweep" in out
+    cal = tmp_path / "cal.json"
+    points = [CalibrationPoint(b, b * 512, 0, 2e-3 + b * 2e-5) for b in (1, 4, 16, 64)]
+    points += [CalibrationPoint(0, 0, q, 2e-3 + q * 1e-5) for q in (128, 512, 2048)]
+    save_calibration(cal, Calibration(points, "test", "qwen3-0.6b", {"num_pages": 500}))
+    out = _run(capsys, "fit", "--calibration", str(cal), "--model", "qwen3-0.6b")
+    assert "per prefill token" in out and "of roofline" in out
+    out = _run(capsys, "simulate", "--calibration", str(cal), "--num-requests", "20",
+               "--max-model-len", "2048")  # fmt: skip
+    assert "500 KV pages" in out
+
+
+def test_bad_input_is_an_error(capsys):
+    assert main(["kv", "--model", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err

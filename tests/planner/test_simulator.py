@@ -1,0 +1,103 @@
+"""The serving simulator driving the real scheduler: limits it must reproduce."""
+
+from __future__ import annotations
+
+import pytest
+
+from roofline.config import SchedulerConfig
+from roofline.planner.calibration import (
+    CalibrationPoint,
+    RooflineStepTimer,
+    StepShape,
+    fit_calibration,
+)
+from roofline.planner.hardware import get_gpu
+from roofline.planner.metrics import SLO, replicas_needed, summarize, sweep_rates
+from roofline.planner.roofline import step_time
+from roofline.planner.simulator import SimConfig, simulate
+from roofline.planner.workload import LengthDist, Workload
+
+
+def _sim(num_pages: int = 4096, **sched) -> SimConfig:
+    cfg = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
+    cfg.update(sched)
+    return SimConfig(SchedulerConfig(**cfg), num_pages=num_pages, page_size=16)
+
+
+def _workload(n: int, rate: float | None, prompt="512", output="32", **kw) -> Workload:
+    return Workload(n, LengthDist.parse(prompt), LengthDist.parse(output), rate, **kw)
+
+
+def test_low_rate_ttft_is_prefill_and_tpot_is_batch1_decode(small_model):
+    gpu = get_gpu("h100")
+    timer = RooflineStepTimer(small_model, gpu)
+    result = simulate(_workload(20, 0.01), _sim(), timer)
+    s = summarize(result)
+    assert s.num_requests == 20 and s.mean_running == pytest.approx(1.0)
+    prefill = step_time(small_model, gpu, num_prefill_tokens=512)
+    assert s.ttft_s[50] == pytest.approx(prefill, rel=1e-9)
+    assert s.ttft_s[99] == pytest.approx(prefill, rel=1e-9)
+    decode = step_time(small_model, gpu, 1, 512 + 16)  # mid-output context
+    assert s.tpot_s[50] == pytest.approx(decode, rel=0.01)
+    assert all(r.num_output_tokens == 32 for r in result.requests)
+
+
+def test_throughput_saturates_with_rate(small_model):
+    timer = RooflineStepTimer(small_model, get_gpu("h100"))
+    rows = sweep_rates(_workload(150, 1.0, "uniform:64:512", "uniform:16:128"),
+                       [2.0, 2000.0, 20000.0], _sim(), timer)  # fmt: skip
+    low, high, higher = (r.summary for r in rows)
+    assert low.request_throughput == pytest.approx(2.0, rel=0.25)
+    assert high.request_throughput > 20 * low.request_throughput
+    assert higher.request_throughput == pytest.approx(high.request_throughput, rel=0.1)
+    assert higher.ttft_s[50] > low.ttft_s[50]  # queueing
+
+
+def test_tiny_kv_pool_forces_preemptions(small_model):
+    timer = RooflineStepTimer(small_model, get_gpu("h100"))
+    sim = _sim(num_pages=40)  # 640 tokens for 16 requests of up to 64 + 128
+    result = simulate(_workload(16, None, "64", "128"), sim, timer)
+    s = summarize(result)
+    assert s.num_preemptions > 0 and result.timeline[-1].num_preemptions_total == s.num_preemptions
+    assert sum(r.num_preemptions for r in result.requests) == s.num_preemptions
+    assert s.peak_kv_usage > 0.9
+    assert all(r.num_output_tokens == 128 for r in result.requests)
+    roomy = summarize(simulate(_workload(16, None, "64", "128"), _sim(), timer))
+    assert roomy.num_preemptions == 0 and roomy.duration_s < s.duration_s
+
+
+def test_prefix_hits_cut_ttft(small_model):
+    timer = RooflineStepTimer(small_model, get_gpu("h100"))
+    kw = dict(prefix_len=1024, prefix_fraction=1.0, seed=5)
+    shared = summarize(simulate(_workload(20, 0.5, "1100", "8", **kw), _sim(), timer))
+    assert shared.prefix_hit_rate > 0.8
+    cold = SimConfig(_sim().scheduler, 4096, 16, enable_prefix_caching=False)
+    plain = summarize(simulate(_workload(20, 0.5, "1100", "8", **kw), cold, timer))
+    assert plain.prefix_hit_rate == 0.0 and shared.ttft_s[50] < plain.ttft_s[50] / 2
+
+
+def test_slo_goodput_and_replicas(small_model):
+    timer = RooflineStepTimer(small_model, get_gpu("h100"))
+    work = _workload(120, 1.0, "uniform:256:1024", "uniform:32:128", seed=2)
+    slo = SLO(ttft_s=0.05)
+    plan = replicas_needed(work, 3000.0, _sim(), timer, slo, 0.95, max_replicas=32)
+    assert plan.num_replicas is not None and plan.num_replicas > 1
+    by_n = {int(r.x): r.summary for r in plan.rows}
+    assert by_n[plan.num_replicas].slo_attainment >= 0.95
+    below = [n for n in by_n if n < plan.num_replicas]
+    assert below and all(by_n[n].slo_attainment < 0.95 for n in below)
+    assert by_n[plan.num_replicas].goodput_rps <= by_n[plan.num_replicas].request_throughput
+
+
+def test_calibrated_timer_reproduces_roofline_sim(llama3_8b):
+    gpu = get_gpu("h100")
+    roof = RooflineStepTimer(llama3_8b, gpu, overhead_s=0.5e-3)
+    shapes = [StepShape(b, b * c) for b in (1, 8, 32, 64, 128) for c in (256, 1024)]
+    shapes += [StepShape(prefill_chunks=((q, 0),)) for q in (128, 512, 1024, 2048)]
+    shapes += [StepShape(b, b * 600, ((2048 - b, 0),)) for b in (16, 64)]
+    fit = fit_calibration([CalibrationPoint.from_shape(s, roof(s)) for s in shapes])
+    work = _workload(100, None, "uniform:128:1024", "uniform:32:256", vocab_size=1000)
+    a = summarize(simulate(work, _sim(max_num_seqs=128), roof))
+    b = summarize(simulate(work, _sim(max_num_seqs=128), fit))
+    assert b.output_tokens_per_s == pytest.approx(a.output_tokens_per_s, rel=0.15)
+    assert b.tpot_s[50] == pytest.approx(a.tpot_s[50], rel=0.15)
