@@ -37,6 +37,7 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "attention_backend": "auto, torch or triton",
     "num_pages": "exact number of KV pages (testing)",
+    "enforce_eager": "never capture CUDA graphs for decode steps",
 }
 
 
@@ -59,6 +60,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     num_pages: int | None = None
+    enforce_eager: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

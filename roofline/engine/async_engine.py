@@ -101,8 +101,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        await self._event.wait()
-        self._event.clear()
+        while self._latest is None and self._error is None:
+            await self._event.wait()
+            self._event.clear()
         if self._latest is not None:
             output, self._latest = self._latest, None
             if output.finished:

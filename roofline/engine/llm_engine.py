@@ -56,6 +56,8 @@ class _Group:
     arrival_time: float
     logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
     cumulative_logprob: list[float] = field(default_factory=list)
+    stream: bool = True
+    """Emit an output every step the request changes (False: only once it has finished)."""
 
     @property
     def finished(self) -> bool:
@@ -81,6 +83,8 @@ class LLMEngine:
             weights=None if dummy else iter_weights(source), seed=args.seed,
             attention_backend=_make_backend(args.attention_backend, device),
         )
+        if device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, args.page_size, args.enable_prefix_caching
         )
@@ -106,8 +110,10 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
         priority: int = 0, arrival_time: float | None = None, prompt_text: str | None = None,
+        stream: bool = True,
     ) -> None:
-        """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs."""
+        """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs; with
+        ``stream=False`` step() reports the request only once, when it has finished."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -135,6 +141,7 @@ class LLMEngine:
             request_id, text, list(token_ids), seqs,
             [self._detokenizer(token_ids, params) for _ in seqs], arrival,
             [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
+            stream,
         )
         added: list[str] = []
         try:
@@ -224,8 +231,10 @@ class LLMEngine:
             changed[group.request_id] = group
         outputs = []
         for group in changed.values():
-            outputs.append(self._make_output(group))
-            if group.finished:
+            finished = group.finished
+            if group.stream or finished:
+                outputs.append(self._make_output(group))
+            if finished:
                 self._drop(group)
         return outputs
 

@@ -72,6 +72,7 @@ class LLM:
                 self.llm_engine.add_request(
                     rid, token_ids if token_ids is not None else text, p,
                     priority=priority[i] if priority is not None else 0, prompt_text=text,
+                    stream=False,
                 )
                 ids.append(rid)
         except Exception:

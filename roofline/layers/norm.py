@@ -29,7 +29,18 @@ class RMSNorm(nn.Module):
         out = self.weight * (xf * torch.rsqrt(var + self.eps)).to(dtype)
         return out if residual is None else (out, residual)
 
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from roofline.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            return self.forward_cuda(x, residual)
         return self.forward_native(x, residual)

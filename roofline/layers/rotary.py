@@ -73,15 +73,24 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-        cos_sin = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # [num_tokens, head_dim]
         half = self.head_dim // 2
         cos = cos_sin[:, None, :half].to(q.dtype)  # [num_tokens, 1, half]
         sin = cos_sin[:, None, half:].to(q.dtype)
         return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
 
+    def forward_cuda(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from roofline.kernels.rotary import apply_rotary
+
+        return apply_rotary(q, k, positions, self.cos_sin_cache)  # in place, strided views ok
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            return self.forward_cuda(positions, q, k)
         return self.forward_native(positions, q, k)
 
 

@@ -221,6 +221,16 @@ def apply_truncation(logits: Tensor, t: SamplingTensors) -> Tensor:
     return logits
 
 
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that changes the logits' argmax (penalties, min_tokens masking)."""
+    p = r.sampling_params
+    return (
+        p.temperature < SAMPLING_EPS and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        and r.num_output_tokens >= p.min_tokens
+    )
+
+
 class Sampler:
     """Samples one token per row; owns the generators of seeded requests."""
 
@@ -242,6 +252,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         logits = logits.float()  # [R, V]; the caller's tensor is never written
+        if all(_plain_greedy(r) for r in requests):  # the common case: no tensors to build
+            token_ids = logits.argmax(dim=-1)  # [R]
+            return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
         t = SamplingTensors.from_requests(requests, logits.shape[1], logits.device)
         if not t.needs_processing and t.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [R]

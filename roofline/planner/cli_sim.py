@@ -188,14 +188,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     cal = load_calibration(args.calibration)
     fit: FittedStepTimer = fit_calibration(cal.points)
-    names = ["intercept", "per decode token", "per context token", "per prefill token",
-             "per 1k prefill pairs"]  # fmt: skip
-    coefs = [fit.intercept_s, *fit.coef_s[:3], fit.coef_s[3] * 1e3]
+    names = [
+        "intercept",
+        "per decode token",
+        "per context token",
+        "per prefill token",
+        "per 1k prefill pairs",
+        "per decode token in a mixed step",
+        "per prefill chunk",
+    ]
+    coefs = [fit.intercept_s, *fit.coef_s[:3], fit.coef_s[3] * 1e3, *fit.coef_s[4:]]
     rows = [[n, f"{v * 1e6:,.4f}"] for n, v in zip(names, coefs, strict=True)]
     where = f"{cal.device or 'unknown device'}, {cal.model or 'unknown model'}"
     c.print_table(["term", "us"], rows, f"fit of {len(cal.points)} steps ({where})")
     print(
         f"relative error: mean {100 * fit.mean_rel_error:.1f}%, max {100 * fit.max_rel_error:.1f}%"
+        f" ({fit.num_dropped} stalled steps left out)"
     )
     roof = None
     if args.model or args.layers:

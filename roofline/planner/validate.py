@@ -70,9 +70,9 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                 r, rid = reqs[i], f"v{i}"
                 params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
                 engine.add_request(rid, list(r.prompt_token_ids), params)
-                metrics[rid] = RequestMetrics(
-                    rid, now if realtime else 0.0, len(r.prompt_token_ids)
-                )
+                # the true arrival time, not when the loop got round to adding it
+                arrival = r.arrival_time_s if realtime else 0.0
+                metrics[rid] = RequestMetrics(rid, arrival, len(r.prompt_token_ids))
                 max_tokens[rid] = r.max_tokens
                 i += 1
             if not engine.has_unfinished_requests():
@@ -94,9 +94,11 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                     m.first_token_s = clock
                 if m.num_output_tokens == max_tokens[rid]:  # ignore_eos: length decides
                     m.finish_s = clock
-            timeline.append(TimePoint(clock, t1 - t0, shape.num_tokens, engine.scheduler.num_running,
-                                      engine.scheduler.num_waiting, engine.scheduler.kv_usage,
-                                      engine.scheduler.num_preemptions_total))  # fmt: skip
+            sch = engine.scheduler
+            timeline.append(
+                TimePoint(clock, t1 - t0, shape.num_tokens, sch.num_running, sch.num_waiting,
+                          sch.kv_usage, sch.num_preemptions_total)
+            )  # fmt: skip
     finally:
         runner.execute = original
     stats = engine.get_stats()
@@ -153,6 +155,7 @@ def validate(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     rows.append(_compare(f"serving {rate:.3g} req/s", measured_online,
                          summarize(simulate(online, sim, fit))))  # fmt: skip
     return {"device": args.device_name, "model": args.model, "fit": dataclasses.asdict(fit),
+            "serving_rate": rate, "args": {k: v for k, v in vars(args).items()},
             "num_calibration_points": len(cal_trace.points), "kv": meta, "rows": rows}  # fmt: skip
 
 

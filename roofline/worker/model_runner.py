@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,8 @@ from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.sampler import Sampler
 from roofline.models.registry import get_model_class
+from roofline.request import Request
+from roofline.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
 
     def _build_model(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int
@@ -102,21 +106,37 @@ class ModelRunner:
             raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
         return budget
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (CUDA only); decode-only steps replay them from then on."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.backend, self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_model_len, self.page_size, self.device,
+        )
+        self.graphs.capture()
+
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
         if sched_out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        input_ids, positions, meta, sample_rows = self._prepare_inputs(sched_out)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
-        if not sample_rows:
+        batch = _HostBatch.build(sched_out, self.page_size)
+        if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch.num_reqs):
+            hidden = self.graphs.run(*batch.pinned_decode_inputs())
+        else:
+            input_ids, positions, meta = batch.to_device(self.device)
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        if not batch.sample_rows:
             return ModelRunnerOutput(sampled_token_ids={})
-        rows, requests = zip(*sample_rows)
-        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[row_index])  # [num_sampled, vocab]
-        out = self.sampler.sample(logits, list(requests))
+        requests = batch.sample_requests
+        if len(batch.sample_rows) == hidden.shape[0]:
+            sampled_hidden = hidden  # every row samples (pure decode): no gather
+        else:
+            rows = _to_device(batch.sample_rows, torch.int64, self.device)
+            sampled_hidden = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] fp32
+        out = self.sampler.sample(logits, requests)
         token_ids = out.token_ids.tolist()  # the step's one host sync
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
         logprobs = {
@@ -124,50 +144,81 @@ class ModelRunner:
         }
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _prepare_inputs(self, sched_out: SchedulerOutput):
-        page = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        block_rows: list[list[int]] = []
-        sample_rows = []
+
+@dataclass
+class _HostBatch:
+    """One step's ragged batch as host lists, before it becomes device tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    block_rows: list[list[int]]
+    sample_rows: list[int]
+    """Row of each sampling request's last token in the batch."""
+    sample_requests: list[Request]
+    page_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
+
+    @classmethod
+    def build(cls, sched_out: SchedulerOutput, page: int) -> _HostBatch:
+        b = cls([], [], [], [0], [], [], [], [], page)
         for s in sched_out.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             if n == 1 and start == req.num_tokens - 1 and req.output_token_ids:
-                input_ids.append(req.output_token_ids[-1])  # decode: skip the list concat
+                b.input_ids.append(req.output_token_ids[-1])  # decode: skip the list concat
             else:
-                input_ids.extend(s.token_ids)
-            positions.extend(range(start, start + n))
+                b.input_ids.extend(s.token_ids)
+            b.positions.extend(range(start, start + n))
             bt = s.block_ids
-            slots.extend(bt[p // page] * page + p % page for p in range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            block_rows.append(bt)
+            b.slots.extend(bt[p // page] * page + p % page for p in range(start, start + n))
+            b.query_start.append(b.query_start[-1] + n)
+            b.seq_lens.append(start + n)
+            b.block_rows.append(bt)
             if s.samples:
-                sample_rows.append((query_start[-1] - 1, req))
-        width = max(len(b) for b in block_rows)
-        table = [b + [0] * (width - len(b)) for b in block_rows]
-        dev = self.device
-        query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
-        meta = AttentionMetadata(
-            num_reqs=len(seq_lens),
-            num_tokens=len(input_ids),
-            query_start_loc=_to_device(query_start, torch.int32, dev),
-            seq_lens=_to_device(seq_lens, torch.int32, dev),
-            block_table=_to_device(table, torch.int32, dev),
-            slot_mapping=_to_device(slots, torch.int64, dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            page_size=page,
-            query_start_loc_cpu=query_start,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+                b.sample_rows.append(b.query_start[-1] - 1)
+                b.sample_requests.append(req)
+        return b
+
+    def _table(self) -> list[list[int]]:
+        width = max(len(r) for r in self.block_rows)
+        return [r + [0] * (width - len(r)) for r in self.block_rows]
+
+    def pinned_decode_inputs(self) -> tuple[torch.Tensor, ...]:
+        i64, i32 = torch.int64, torch.int32
+        return tuple(
+            torch.tensor(data, dtype=dt, pin_memory=True)
+            for data, dt in ((self.input_ids, i64), (self.positions, i64), (self.slots, i64),
+                             (self.seq_lens, i32), (self._table(), i32))
         )
-        ids = _to_device(input_ids, torch.int64, dev)
-        pos = _to_device(positions, torch.int64, dev)
-        return ids, pos, meta, sample_rows
+
+    def to_device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        query_lens = [b - a for a, b in zip(self.query_start, self.query_start[1:])]
+        meta = AttentionMetadata(
+            num_reqs=self.num_reqs,
+            num_tokens=len(self.input_ids),
+            query_start_loc=_to_device(self.query_start, torch.int32, dev),
+            seq_lens=_to_device(self.seq_lens, torch.int32, dev),
+            block_table=_to_device(self._table(), torch.int32, dev),
+            slot_mapping=_to_device(self.slots, torch.int64, dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(self.seq_lens),
+            page_size=self.page_size,
+            query_start_loc_cpu=self.query_start,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=self.seq_lens,
+        )
+        ids = _to_device(self.input_ids, torch.int64, dev)
+        pos = _to_device(self.positions, torch.int64, dev)
+        return ids, pos, meta
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -45,7 +45,8 @@ def tiny_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
         cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0)
         model = transformers.Qwen2ForCausalLM(cfg)
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        common.setdefault("head_dim", 32)
+        cfg = transformers.Qwen3Config(**common, rope_theta=1000000.0)
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(arch)

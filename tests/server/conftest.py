@@ -1,13 +1,14 @@
 """Fixtures. Loading SmolLM2 dominates the cost on a 2-core CPU, so the session loads it once:
-``offline`` runs the offline ``LLM`` for the greedy reference answers, then ``server`` serves
-that very engine (same settings, as ``roofline serve`` would build it) through the real app on a
-loopback port, with an API key and a 1 MiB body limit. The ``roofline serve`` subprocess itself
-is exercised with a tiny random-weight model (``tiny_model``), which also backs the in-process
-servers that inject faults or need tiny queue limits.
+``server`` serves the engine of one offline ``LLM`` (same settings as ``roofline serve`` builds)
+through the real app on a loopback port, with an API key and a 1 MiB body limit, and
+``offline`` runs that ``LLM`` for the greedy reference answers. The ``roofline serve`` subprocess
+itself is exercised with a tiny random-weight model (``tiny_model``), which also backs the
+in-process servers that inject faults or need tiny queue limits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,18 +38,7 @@ def _llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
-def offline(_llm: LLM) -> dict[str, list[RequestOutput]]:
-    """Offline greedy answers for ``PROMPTS`` and ``CHATS`` (computed before serving starts:
-    the engine is not thread-safe)."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    return {
-        "completions": _llm.generate(PROMPTS, greedy, use_tqdm=False),
-        "chat": _llm.chat(CHATS, greedy, use_tqdm=False),
-    }
-
-
-@pytest.fixture(scope="session")
-def server(_llm: LLM, offline: dict) -> Iterator[Served]:
+def server(_llm: LLM) -> Iterator[Served]:
     engine = AsyncLLMEngine(_llm.llm_engine)
     app = build_app(engine, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
     try:
@@ -56,6 +46,21 @@ def server(_llm: LLM, offline: dict) -> Iterator[Served]:
             yield Served(base_url, engine)
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def offline(_llm: LLM, server: Served) -> dict[str, list[RequestOutput]]:
+    """Offline greedy answers for ``PROMPTS`` and ``CHATS``: ``LLM.generate`` / ``LLM.chat``
+    on the server's own engine, run on its engine thread (the engine is not thread-safe) while
+    the server is idle, only in the sessions that need them."""
+    assert server.engine.num_active_streams == 0
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+    def run(_: object) -> dict[str, list[RequestOutput]]:
+        return {"completions": _llm.generate(PROMPTS, greedy, use_tqdm=False),
+                "chat": _llm.chat(CHATS, greedy, use_tqdm=False)}
+
+    return asyncio.run(server.engine.run_in_engine(run))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,81 @@
+"""``roofline bench throughput``: an offline workload through ``LLM.generate``, against the
+workload's roofline.
+
+The roofline of a workload is the time an ideal engine would need on this machine: every prompt
+token's FLOPs at the measured matmul rate, plus every decode step with all unfinished requests
+batched together (weights once per step, each request's KV once) at the measured bandwidth,
+whichever bound each step hits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from roofline.bench.ceilings import Ceilings
+from roofline.bench.latency import precision_of
+from roofline.bench.workloads import Workload
+from roofline.entrypoints.llm import LLM
+from roofline.planner.roofline import Precision, step_cost
+from roofline.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    workload: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    total_tok_s: float
+    roofline_s: float
+    roofline_pct: float
+
+
+def workload_roofline_s(
+    model_config, ceilings: Ceilings, workload: Workload, precision: Precision, max_num_seqs: int
+) -> float:
+    spec = ceilings.as_gpu_spec()
+    total = 0.0
+    for prompt in workload.prompts:  # prefill: compute-bound, one prompt at a time
+        total += step_cost(model_config, spec, num_prefill_tokens=len(prompt),
+                           precision=precision).compute_time_s
+    # decode: requests in arrival order, at most max_num_seqs at once, all batched per step
+    pending = list(zip((len(p) for p in workload.prompts), workload.output_lens))
+    running: list[list[int]] = []  # [context_len, tokens_left]
+    while pending or running:
+        while pending and len(running) < max_num_seqs:
+            ctx, out = pending.pop(0)
+            if out > 1:
+                running.append([ctx + 1, out - 1])  # the first token comes from the prefill
+        if not running:
+            continue
+        cost = step_cost(model_config, spec, num_decode_tokens=len(running),
+                         decode_context_lens=[c for c, _ in running], precision=precision)
+        total += cost.time_s
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    return total
+
+
+def run(
+    llm: LLM, ceilings: Ceilings, workload: Workload, use_tqdm: bool = True
+) -> ThroughputResult:
+    engine = llm.llm_engine
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    prompt_tokens = sum(len(p) for p in workload.prompts)
+    ideal = workload_roofline_s(engine.model_config, ceilings, workload, precision_of(engine),
+                                engine.scheduler_config.max_num_seqs)
+    return ThroughputResult(
+        workload.name, workload.num_requests, elapsed, prompt_tokens, out_tokens,
+        out_tokens / elapsed, (out_tokens + prompt_tokens) / elapsed, ideal, 100 * ideal / elapsed,
+    )

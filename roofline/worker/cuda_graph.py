@@ -1,0 +1,95 @@
+"""CUDA graphs for decode-only steps.
+
+Decode of a small model is launch-bound: hundreds of tiny kernels per step. At start-up the
+model's forward for a decode step is captured once per batch-size bucket (1, 2, 4, 8, then
+multiples of 16 up to ``max_num_seqs``) over static input buffers, all graphs sharing one memory
+pool; a decode step then copies its inputs into the buffers (rows past the real batch are
+padding: slot -1 so nothing is stored, context length 1) and replays the smallest bucket that
+fits. Attention metadata inside a graph uses ``max_seq_len = max_model_len``, so the split-K
+decode kernel's grid is fixed at capture; the kernel bounds each split by the true context length
+read from ``seq_lens`` on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.layers.attention import AttentionBackend, ForwardContext
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend, max_batch: int, max_model_len: int, page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.max_model_len, self.page_size, self.device = max_model_len, page_size, device
+        self.buckets = batch_buckets(max_batch)
+        max_blocks = -(-max_model_len // page_size)
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(max_batch, dtype=i64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=i64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=i32, device=device)
+        self.block_table = torch.zeros(max_batch, max_blocks, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=i32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=bs, num_tokens=bs, query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs], block_table=self.block_table[:bs],
+            slot_mapping=self.slot_mapping[:bs], max_query_len=1,
+            max_seq_len=self.max_model_len, page_size=self.page_size,
+            query_start_loc_cpu=list(range(bs + 1)), query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[1] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
+            ctx = ForwardContext(self._meta(bs), self.kv_caches, self.backend)
+            ids, pos = self.input_ids[:bs], self.positions[:bs]
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                self.model(ids, pos, ctx)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self.model(ids, pos, ctx)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, num_reqs: int) -> bool:
+        return bool(self.graphs) and num_reqs <= self.buckets[-1]
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor, block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Replay for ``n = len(input_ids)`` decode rows (host tensors, pinned); returns the
+        hidden states ``[n, hidden]`` (a view into the graph's output buffer)."""
+        n = input_ids.shape[0]
+        bs = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.block_table[:n, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
