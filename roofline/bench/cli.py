@@ -53,12 +53,9 @@ def add_cli(subparsers) -> None:
     thr.add_argument("--compare", default="", help="comma list of peers: hf, hf-batch, llamacpp")
     thr.add_argument("--hf-batch-size", type=int, default=16)
     thr.set_defaults(func=cmd_throughput)
-    try:  # TODO(lead): unguard once bench/serve.py lands
-        from roofline.bench.serve import add_cli as add_serve
+    from roofline.bench.serve import add_cli as add_serve
 
-        add_serve(sub)
-    except ImportError:
-        pass
+    add_serve(sub)
     ker = sub.add_parser("kernels", help="Triton kernel micro-benchmarks (CUDA)")
     ker.add_argument("rest", nargs=argparse.REMAINDER)
     ker.set_defaults(func=lambda ns: __import__("roofline.bench.kernels").bench.kernels.main(ns.rest))

@@ -7,7 +7,8 @@ to first token (TTFT), inter-token latencies (ITL, between content chunks), time
 after the first (TPOT) and end-to-end latency. The summary reports p50/p90/p99 of each, request
 and token throughput, and goodput (requests per second that met every given SLO); the result is
 written as JSON and, with ``--plot-dir``, as PNG plots. ``--sweep-rates`` repeats the run at
-several rates and prints the throughput-latency curve.
+several rates and prints the throughput-latency curve. The load itself (datasets, arrivals,
+the streaming client) lives in :mod:`roofline.bench.serve_load`.
 """
 
 from __future__ import annotations
@@ -16,202 +17,22 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
-WORDS = ("the of and to in is that it was for on are with as be at by this have from or "
-         "one had not but what all were when we there can an your which their said if do "
-         "will each about how up out them then she many some so these would other into has "
-         "more her two like him see time could no make than first been its who now people my "
-         "made over did down only way find use may water long little very after words called "
-         "just where most know get through back much before go good new write our used me "
-         "man too any day same right look think also around another came come work three "
-         "word must because does part even place well such here take why things help put "
-         "years different away again off went old number great tell men say small every "
-         "found still between name should home big give air line set own under read last "
-         "never us left end along while might next sound below saw something thought both "
-         "few those always looked show large often together asked house world going want "
-         "school important until form food keep children feet land side without boy once "
-         "animals life enough took sometimes four head above kind began almost live page got "
-         "earth need far hand high year mother light parts country father let night").split()
+from roofline.bench.serve_load import (
+    RequestResult,
+    jsonl_requests,
+    run_requests,
+    served_model,
+    synthetic_requests,
+)
+
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class BenchRequest:
-    prompt: str | list[dict[str, str]]
-    """Text for completions, messages for chat."""
-    max_tokens: int
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    start: float
-    """Seconds since the benchmark started."""
-    end: float = 0.0
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)
-    """Arrival of each content chunk, seconds since the benchmark started."""
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def e2e(self) -> float:
-        return self.end - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-# ------------------------------------------------------------------------------ requests
-def _lengths(mean: int, dist: str, ratio: float, n: int, rng: np.random.Generator) -> list[int]:
-    if dist == "fixed":
-        values = np.full(n, mean, dtype=float)
-    elif dist == "uniform":
-        values = rng.uniform(mean * (1 - ratio), mean * (1 + ratio), n)
-    elif dist == "normal":
-        values = rng.normal(mean, mean * ratio, n)
-    elif dist == "exponential":
-        values = rng.exponential(mean, n)
-    else:
-        raise ValueError(f"unknown length distribution {dist!r}")
-    return [max(1, int(round(v))) for v in values]
-
-
-def synthetic_requests(num: int, input_len: int, output_len: int, input_dist: str = "fixed",
-                       output_dist: str = "fixed", range_ratio: float = 0.5, seed: int = 0,
-                       chat: bool = False) -> list[BenchRequest]:
-    rng = np.random.default_rng(seed)
-    ins = _lengths(input_len, input_dist, range_ratio, num, rng)
-    outs = _lengths(output_len, output_dist, range_ratio, num, rng)
-    out = []
-    for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
-        words = [f"{i}:"] + [WORDS[j] for j in rng.integers(0, len(WORDS), max(0, n_in - 1))]
-        text = " ".join(words)
-        out.append(BenchRequest([{"role": "user", "content": text}] if chat else text, n_out))
-    return out
-
-
-def jsonl_requests(path: str, num: int | None, output_len: int, chat: bool) -> list[BenchRequest]:
-    """Lines of ``{"prompt": ...}`` or ``{"messages": [...]}``, with an optional
-    ``max_tokens`` / ``output_len``; cycled when ``num`` exceeds the file."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{path} holds no requests")
-    out = []
-    for i in range(num or len(rows)):
-        row = rows[i % len(rows)]
-        max_tokens = int(row.get("max_tokens") or row.get("output_len") or output_len)
-        if "messages" in row:
-            prompt: str | list[dict[str, str]] = row["messages"]
-        else:
-            prompt = row["prompt"]
-            if chat:
-                prompt = [{"role": "user", "content": prompt}]
-        out.append(BenchRequest(prompt, max_tokens))
-    return out
-
-
-# ------------------------------------------------------------------------------ client
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-               t0: float) -> RequestResult:
-    result = RequestResult(ok=False, start=time.perf_counter() - t0)
-    last: float | None = None
-    chunks = 0
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                payload = json.loads(data)
-                if "error" in payload:
-                    result.error = str(payload["error"])
-                    return result
-                now = time.perf_counter() - t0
-                if payload.get("usage"):
-                    result.output_tokens = payload["usage"].get("completion_tokens", 0)
-                    result.prompt_tokens = payload["usage"].get("prompt_tokens", 0)
-                for choice in payload.get("choices", []):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if not text:
-                        continue
-                    chunks += 1
-                    result.chunk_times.append(now)
-                    if last is None:
-                        result.ttft = now - result.start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-        result.output_tokens = result.output_tokens or chunks
-        result.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-    finally:
-        result.end = time.perf_counter() - t0
-    return result
-
-
-async def run_requests(base_url: str, model: str, requests: list[BenchRequest], *,
-                       endpoint: str = "completions", request_rate: float = math.inf,
-                       max_concurrency: int | None = None, seed: int = 0,
-                       api_key: str | None = None, ignore_eos: bool = False,
-                       temperature: float = 0.0, timeout: float = 600.0,
-                       ) -> tuple[list[RequestResult], float]:
-    """Send every request (Poisson arrivals at ``request_rate``, at most ``max_concurrency``
-    in flight); return the results in request order and the wall time."""
-    url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat"
-                                  else "/v1/completions")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limit = max_concurrency or len(requests) or 1
-    sem = asyncio.Semaphore(limit)
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as client:
-        t0 = time.perf_counter()
-
-        async def fire(req: BenchRequest) -> RequestResult:
-            body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens,
-                                    "temperature": temperature, "stream": True,
-                                    "stream_options": {"include_usage": True}}
-            body["messages" if endpoint == "chat" else "prompt"] = req.prompt
-            if ignore_eos:
-                body["ignore_eos"] = True
-            async with sem:
-                return await _one(client, url, body, t0)
-
-        tasks = []
-        for req in requests:
-            tasks.append(asyncio.ensure_future(fire(req)))
-            if math.isfinite(request_rate) and request_rate > 0:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = list(await asyncio.gather(*tasks))
-        return results, time.perf_counter() - t0
-
-
-def served_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -219,12 +40,15 @@ def _stats_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     arr = np.asarray(values) * 1000.0
-    return {"mean": float(arr.mean()),
-            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+    return {
+        "mean": float(arr.mean()),
+        **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES},
+    }
 
 
-def summarize(results: list[RequestResult], duration: float,
-              slo_ms: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration: float, slo_ms: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Latency percentiles (ms), throughput, and goodput under ``slo_ms`` (keys ``ttft``,
     ``tpot``, ``e2e``): a request counts toward goodput when it met every given SLO."""
     ok = [r for r in results if r.ok]
@@ -262,8 +86,9 @@ def summarize(results: list[RequestResult], duration: float,
     }
 
 
-def timeline(results: list[RequestResult], duration: float,
-             bin_s: float | None = None) -> dict[str, list[float]]:
+def timeline(
+    results: list[RequestResult], duration: float, bin_s: float | None = None
+) -> dict[str, list[float]]:
     """Output tokens per second and requests in flight, per time bin (a chunk carrying several
     tokens spreads its request's token count evenly over the request's chunks)."""
     bin_s = bin_s or max(0.1, duration / 60)
@@ -273,8 +98,11 @@ def timeline(results: list[RequestResult], duration: float,
     counts, _ = np.histogram(times, bins=edges, weights=weights)
     mids = (edges[:-1] + bin_s / 2).tolist()
     running = [sum(r.start <= t < r.end for r in results) for t in mids]
-    return {"time_s": mids, "output_tokens_per_s": (counts / bin_s).tolist(),
-            "running_requests": running}
+    return {
+        "time_s": mids,
+        "output_tokens_per_s": (counts / bin_s).tolist(),
+        "running_requests": running,
+    }
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -288,17 +116,38 @@ def bench_once(args: argparse.Namespace, model: str, rate: float) -> dict[str, A
     if args.dataset:
         requests = jsonl_requests(args.dataset, args.num_prompts, args.output_len, chat)
     else:
-        requests = synthetic_requests(args.num_prompts, args.input_len, args.output_len,
-                                      args.input_dist, args.output_dist, args.range_ratio,
-                                      args.seed, chat)
-    results, duration = asyncio.run(run_requests(
-        args.base_url, model, requests, endpoint=args.endpoint, request_rate=rate,
-        max_concurrency=args.max_concurrency, seed=args.seed, api_key=args.api_key,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, timeout=args.timeout))
+        requests = synthetic_requests(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.input_dist,
+            args.output_dist,
+            args.range_ratio,
+            args.seed,
+            chat,
+        )
+    results, duration = asyncio.run(
+        run_requests(
+            args.base_url,
+            model,
+            requests,
+            endpoint=args.endpoint,
+            request_rate=rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            api_key=args.api_key,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            timeout=args.timeout,
+        )
+    )
     summary = summarize(results, duration, _slos(args))
-    out: dict[str, Any] = {"request_rate": rate if math.isfinite(rate) else "inf",
-                           "max_concurrency": args.max_concurrency, **summary,
-                           "timeline": timeline(results, duration)}
+    out: dict[str, Any] = {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        **summary,
+        "timeline": timeline(results, duration),
+    }
     if args.save_requests:
         out["requests"] = [asdict(r) for r in results]
     out["_results"] = results
@@ -310,32 +159,45 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 
 def print_summary(run: dict[str, Any]) -> None:
-    print(f"requests: {run['completed']} ok, {run['failed']} failed in "
-          f"{run['duration_s']:.2f} s (rate {run['request_rate']}, "
-          f"concurrency {run['max_concurrency'] or 'unbounded'})")
+    print(
+        f"requests: {run['completed']} ok, {run['failed']} failed in "
+        f"{run['duration_s']:.2f} s (rate {run['request_rate']}, "
+        f"concurrency {run['max_concurrency'] or 'unbounded'})"
+    )
     for e in run["errors"]:
         print(f"  error: {e}")
-    print(f"throughput: {run['request_throughput']:.2f} req/s, "
-          f"{run['output_throughput']:.1f} output tok/s, "
-          f"{run['total_token_throughput']:.1f} total tok/s"
-          + (f", goodput {run['goodput']:.2f} req/s under {run['slo_ms']}"
-             if run["goodput"] is not None else ""))
+    print(
+        f"throughput: {run['request_throughput']:.2f} req/s, "
+        f"{run['output_throughput']:.1f} output tok/s, "
+        f"{run['total_token_throughput']:.1f} total tok/s"
+        + (
+            f", goodput {run['goodput']:.2f} req/s under {run['slo_ms']}"
+            if run["goodput"] is not None
+            else ""
+        )
+    )
     print(f"{'ms':>6} {'mean':>9} " + " ".join(f"{'p' + str(p):>9}" for p in PERCENTILES))
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = run[f"{key}_ms"]
-        print(f"{key:>6} {_fmt(s['mean']):>9} "
-              + " ".join(f"{_fmt(s[f'p{p}']):>9}" for p in PERCENTILES))
+        print(
+            f"{key:>6} {_fmt(s['mean']):>9} "
+            + " ".join(f"{_fmt(s[f'p{p}']):>9}" for p in PERCENTILES)
+        )
 
 
 def print_sweep(runs: list[dict[str, Any]]) -> None:
     print("\nthroughput-latency curve")
-    print(f"{'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8}")
+    print(
+        f"{'rate':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8}"
+    )
     for r in runs:
         t, p = r["ttft_ms"], r["tpot_ms"]
-        print(f"{r['request_rate']!s:>6} {r['request_throughput']:>7.2f} "
-              f"{r['output_throughput']:>10.1f} {_fmt(t['p50']):>9} {_fmt(t['p99']):>9} "
-              f"{_fmt(p['p50']):>9} {_fmt(p['p99']):>9} {_fmt(r['goodput'], 2):>8}")
+        print(
+            f"{r['request_rate']!s:>6} {r['request_throughput']:>7.2f} "
+            f"{r['output_throughput']:>10.1f} {_fmt(t['p50']):>9} {_fmt(t['p99']):>9} "
+            f"{_fmt(p['p50']):>9} {_fmt(p['p99']):>9} {_fmt(r['goodput'], 2):>8}"
+        )
 
 
 def _rate(text: str) -> float:
@@ -343,26 +205,46 @@ def _rate(text: str) -> float:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server root, without /v1 (default %(default)s)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root, without /v1 (default %(default)s)",
+    )
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--dataset", default=None, help="JSONL of {prompt|messages[, max_tokens]}; "
-                   "default: synthetic prompts")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="JSONL of {prompt|messages[, max_tokens]}; default: synthetic prompts",
+    )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="mean synthetic prompt words")
     p.add_argument("--output-len", type=int, default=64, help="mean max_tokens")
     for which in ("input", "output"):
-        p.add_argument(f"--{which}-dist", default="fixed",
-                       choices=["fixed", "uniform", "normal", "exponential"])
-    p.add_argument("--range-ratio", type=float, default=0.5,
-                   help="uniform: +-ratio*mean; normal: stddev = ratio*mean")
-    p.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="Poisson arrivals per second (inf: all at once)")
+        p.add_argument(
+            f"--{which}-dist",
+            default="fixed",
+            choices=["fixed", "uniform", "normal", "exponential"],
+        )
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="uniform: +-ratio*mean; normal: stddev = ratio*mean",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--sweep-rates", default=None,
-                   help="comma-separated rates, e.g. 1,2,4,inf: one run per rate")
+    p.add_argument(
+        "--sweep-rates",
+        default=None,
+        help="comma-separated rates, e.g. 1,2,4,inf: one run per rate",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/roofline)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -376,8 +258,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("serve", help="benchmark an OpenAI-compatible server",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "serve", help="benchmark an OpenAI-compatible server", description=__doc__.split("\n\n")[0]
+    )
     add_args(p)
     p.set_defaults(func=run)
 
@@ -387,8 +270,9 @@ def run(args: argparse.Namespace) -> int:
         print("error: --num-prompts must be positive", file=sys.stderr)
         return 2
     model = args.model or served_model(args.base_url, args.api_key)
-    rates = ([_rate(r) for r in args.sweep_rates.split(",")] if args.sweep_rates
-             else [args.request_rate])
+    rates = (
+        [_rate(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+    )
     runs = []
     for rate in rates:
         one = bench_once(args, model, rate)
@@ -409,8 +293,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"plots: {out}")
     for one in runs:
         del one["_results"]
-    result = {"base_url": args.base_url, "model": model, "endpoint": args.endpoint,
-              "num_prompts": args.num_prompts, "runs": runs}
+    result = {
+        "base_url": args.base_url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "num_prompts": args.num_prompts,
+        "runs": runs,
+    }
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2))
         print(f"result: {args.result_json}")

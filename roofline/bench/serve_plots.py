@@ -15,7 +15,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from roofline.bench.serve import RequestResult  # noqa: E402
+from roofline.bench.serve_load import RequestResult  # noqa: E402
 
 
 def _hist(ax: Any, values_ms: list[float], title: str) -> None:
@@ -31,8 +31,9 @@ def _hist(ax: Any, values_ms: list[float], title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_run(results: list[RequestResult], run: dict[str, Any], out_dir: Path,
-             tag: str = "") -> list[Path]:
+def plot_run(
+    results: list[RequestResult], run: dict[str, Any], out_dir: Path, tag: str = ""
+) -> list[Path]:
     """Write ``latency{tag}.png`` and ``timeline{tag}.png``; return their paths."""
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))

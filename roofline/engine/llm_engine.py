@@ -83,6 +83,7 @@ class LLMEngine:
             weights=None if dummy else iter_weights(source), seed=args.seed,
             attention_backend=_make_backend(args.attention_backend, device),
         )
+        self.runner.warmup()
         if device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
@@ -214,10 +215,6 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         run_out = self.runner.execute(sched_out)
         updates = self.scheduler.update(sched_out, run_out)
-        for s in sched_out.scheduled:
-            req = s.request
-            if req.num_computed_tokens == req.num_prompt_tokens and s.samples:
-                self._prompt_tokens_total += req.num_prompt_tokens - req.num_cached_tokens
         changed: dict[str, _Group] = {}
         now = time.monotonic()
         for upd in updates:
@@ -225,6 +222,9 @@ class LLMEngine:
             if owner is None:
                 continue
             group, index = owner
+            if upd.new_token_ids and upd.request.num_output_tokens == len(upd.new_token_ids):
+                # first token: the prompt is done (counted once, cached tokens included, as vLLM)
+                self._prompt_tokens_total += upd.request.num_prompt_tokens
             self._generation_tokens_total += len(upd.new_token_ids)
             self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
             upd.request.last_token_time = now

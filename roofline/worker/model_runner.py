@@ -106,6 +106,25 @@ class ModelRunner:
             raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
         return budget
 
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int = 32) -> None:
+        """One prefill-shaped forward and LM head on dummy tokens, so that kernel selection,
+        JIT compilation and allocator growth happen at start-up rather than in the first
+        request's TTFT. It writes K/V into the first pages only, which no request holds yet."""
+        num_tokens = max(1, min(num_tokens, self.num_pages * self.page_size,
+                                self.scheduler_config.max_model_len))
+        pages = list(range(-(-num_tokens // self.page_size)))
+        batch = _HostBatch(
+            input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+            slots=list(range(num_tokens)), query_start=[0, num_tokens], seq_lens=[num_tokens],
+            block_rows=[pages], sample_rows=[num_tokens - 1], sample_requests=[],
+            page_size=self.page_size,
+        )
+        input_ids, positions, meta = batch.to_device(self.device)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(input_ids, positions, ctx)
+        self.model.compute_logits(hidden[-1:]).argmax(dim=-1).tolist()
+
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only); decode-only steps replay them from then on."""
         self.graphs = DecodeGraphs(

@@ -8,12 +8,13 @@ import torch
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
     """Greedy tokens from an HF causal LM, one prompt at a time (no padding, no EOS stop)."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
     past, tokens = out.past_key_values, []
     next_id = int(out.logits[0, -1].argmax())
     for _ in range(num_new_tokens):
         tokens.append(next_id)
-        out = model(torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[next_id]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
         next_id = int(out.logits[0, -1].argmax())
     return tokens

@@ -133,3 +133,15 @@ def test_bad_requests_refused_and_engine_survives(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_token_counters(llm):
+    before = llm.llm_engine.get_stats()
+    tok = llm.get_tokenizer()
+    prompt = "A completely fresh prompt about counting tokens in an engine"
+    n = len(tok(prompt).input_ids)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                 use_tqdm=False)
+    after = llm.llm_engine.get_stats()
+    assert after.generation_tokens_total - before.generation_tokens_total == 5
+    assert after.prompt_tokens_total - before.prompt_tokens_total == n

@@ -57,22 +57,26 @@ def offline(_llm: LLM, server: Served) -> dict[str, list[RequestOutput]]:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
     def run(_: object) -> dict[str, list[RequestOutput]]:
-        return {"completions": _llm.generate(PROMPTS, greedy, use_tqdm=False),
-                "chat": _llm.chat(CHATS, greedy, use_tqdm=False)}
+        return {
+            "completions": _llm.generate(PROMPTS, greedy, use_tqdm=False),
+            "chat": _llm.chat(CHATS, greedy, use_tqdm=False),
+        }
 
     return asyncio.run(server.engine.run_in_engine(run))
 
 
 @pytest.fixture(scope="session")
 def client(server: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
-                         timeout=300)
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300
+    )
 
 
 @pytest.fixture(scope="session")
 def http(server: Served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=300,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=server.base_url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         yield c
 
 

@@ -27,8 +27,16 @@ MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS = 16
 """Greedy length of the reference answers."""
 SUBJECTS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread"]
-STYLES = ["A fact about", "A short poem about", "Why I like", "The history of",
-          "A question about", "My memory of", "A list of things about", "The future of"]
+STYLES = [
+    "A fact about",
+    "A short poem about",
+    "Why I like",
+    "The history of",
+    "A question about",
+    "My memory of",
+    "A list of things about",
+    "The future of",
+]
 PROMPTS = [f"{style} {subject}:" for style in STYLES for subject in SUBJECTS]
 """64 distinct prompts, one per concurrent client."""
 CHATS = [[{"role": "user", "content": f"Tell me about {s}."}] for s in SUBJECTS[:4]]
@@ -56,10 +64,24 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "roofline.entrypoints.openai.cli", "serve",
-               "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "roofline.entrypoints.openai.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     def log_tail(self, n: int = 4000) -> str:
         return Path(self.log.name).read_text()[-n:]
@@ -68,8 +90,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
@@ -94,8 +115,7 @@ def metrics(base_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
@@ -105,9 +125,11 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(base_url)
-        idle = (m["roofline:num_requests_running"] == 0
-                and m["roofline:num_requests_waiting"] == 0
-                and m["roofline:kv_cache_usage_perc"] == 0)
+        idle = (
+            m["roofline:num_requests_running"] == 0
+            and m["roofline:num_requests_waiting"] == 0
+            and m["roofline:kv_cache_usage_perc"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
@@ -125,9 +147,15 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 
 
 TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": 1,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "eos_token_id": 1,
     "torch_dtype": "float32",
 }
 

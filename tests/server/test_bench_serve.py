@@ -10,22 +10,24 @@ from pathlib import Path
 import pytest
 from server_utils import API_KEY, MODEL, Served
 
-from roofline.bench.serve import (
-    RequestResult,
-    jsonl_requests,
-    main,
-    summarize,
-    synthetic_requests,
-    timeline,
-)
+from roofline.bench.serve import main, summarize, timeline
+from roofline.bench.serve_load import RequestResult, jsonl_requests, synthetic_requests
 
 
 def result(start: float, ttft: float, itls: list[float], tokens: int) -> RequestResult:
     chunks = [start + ttft]
     for x in itls:
         chunks.append(chunks[-1] + x)
-    return RequestResult(ok=True, start=start, end=chunks[-1], ttft=ttft, itls=itls,
-                         chunk_times=chunks, output_tokens=tokens, prompt_tokens=10)
+    return RequestResult(
+        ok=True,
+        start=start,
+        end=chunks[-1],
+        ttft=ttft,
+        itls=itls,
+        chunk_times=chunks,
+        output_tokens=tokens,
+        prompt_tokens=10,
+    )
 
 
 def test_summary_statistics_and_goodput() -> None:
@@ -53,7 +55,7 @@ def test_timeline_counts_tokens_and_requests_in_flight() -> None:
     tl = timeline([a, b], duration=2.0, bin_s=0.5)
     assert tl["time_s"] == [0.25, 0.75, 1.25, 1.75]
     assert tl["output_tokens_per_s"] == [0.0, 4.0, 4.0, 2.0]
-    assert tl["running_requests"] == [1, 1, 1, 1]
+    assert tl["running_requests"] == [1, 1, 1, 0]
 
 
 def test_request_generators(tmp_path: Path) -> None:
@@ -68,24 +70,51 @@ def test_request_generators(tmp_path: Path) -> None:
     chat = synthetic_requests(2, 4, 4, chat=True)
     assert chat[0].prompt[0]["role"] == "user"
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "a b c", "max_tokens": 3}\n\n'
-                    '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    path.write_text(
+        '{"prompt": "a b c", "max_tokens": 3}\n\n'
+        '{"messages": [{"role": "user", "content": "hi"}]}\n'
+    )
     rows = jsonl_requests(str(path), 5, output_len=9, chat=False)
     assert [r.max_tokens for r in rows] == [3, 9, 3, 9, 3]
     assert rows[1].prompt == [{"role": "user", "content": "hi"}]
     assert jsonl_requests(str(path), None, 9, chat=True)[0].prompt == [
-        {"role": "user", "content": "a b c"}]
+        {"role": "user", "content": "a b c"}
+    ]
 
 
-def test_bench_sweep_against_server(server: Served, tmp_path: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_sweep_against_server(
+    server: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "result.json"
     plots = tmp_path / "plots"
-    code = main(["serve", "--base-url", server.base_url, "--api-key", API_KEY,
-                 "--num-prompts", "6", "--input-len", "16", "--output-len", "4",
-                 "--input-dist", "uniform", "--ignore-eos", "--sweep-rates", "8,inf",
-                 "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
-                 "--result-json", str(out), "--plot-dir", str(plots)])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--input-dist",
+            "uniform",
+            "--ignore-eos",
+            "--sweep-rates",
+            "8,inf",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "60000",
+            "--result-json",
+            str(out),
+            "--plot-dir",
+            str(plots),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "throughput-latency curve" in printed and "TTFT p99" in printed
@@ -101,20 +130,46 @@ def test_bench_sweep_against_server(server: Served, tmp_path: Path,
         assert run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
         assert max(run["timeline"]["running_requests"]) >= 1
     names = sorted(p.name for p in plots.iterdir())
-    assert names == ["latency_rate8.0.png", "latency_rateinf.png", "sweep.png",
-                     "timeline_rate8.0.png", "timeline_rateinf.png"]
+    assert names == [
+        "latency_rate8.0.png",
+        "latency_rateinf.png",
+        "sweep.png",
+        "timeline_rate8.0.png",
+        "timeline_rateinf.png",
+    ]
     for p in plots.iterdir():
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
 
 
 def test_bench_chat_dataset_with_concurrency_cap(server: Served, tmp_path: Path) -> None:
     data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}],
-                                          "max_tokens": 3}) for q in ("Hi", "Why?", "2+2?")))
+    data.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": q}], "max_tokens": 3})
+            for q in ("Hi", "Why?", "2+2?")
+        )
+    )
     out = tmp_path / "r.json"
-    code = main(["serve", "--base-url", server.base_url, "--api-key", API_KEY,
-                 "--endpoint", "chat", "--dataset", str(data), "--num-prompts", "5",
-                 "--max-concurrency", "2", "--save-requests", "--result-json", str(out)])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            API_KEY,
+            "--endpoint",
+            "chat",
+            "--dataset",
+            str(data),
+            "--num-prompts",
+            "5",
+            "--max-concurrency",
+            "2",
+            "--save-requests",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert code == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 5
@@ -124,9 +179,23 @@ def test_bench_chat_dataset_with_concurrency_cap(server: Served, tmp_path: Path)
 
 def test_bench_reports_failures(server: Served, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    code = main(["serve", "--base-url", server.base_url, "--api-key", "wrong",
-                 "--model", MODEL, "--num-prompts", "3", "--output-len", "2",
-                 "--result-json", str(out)])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            "wrong",
+            "--model",
+            MODEL,
+            "--num-prompts",
+            "3",
+            "--output-len",
+            "2",
+            "--result-json",
+            str(out),
+        ]
+    )
     assert code == 1
     run = json.loads(out.read_text())["runs"][0]
     assert (run["completed"], run["failed"]) == (0, 3)

@@ -28,12 +28,17 @@ def tiny_engine(model: str, **kwargs: object) -> AsyncLLMEngine:
 
 
 def body(max_tokens: int, **fields: object) -> dict[str, object]:
-    return {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **fields}
+    return {
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **fields,
+    }
 
 
 def sse_payloads(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
 def test_full_waiting_queue_answers_429(tiny_model: str) -> None:
@@ -46,13 +51,16 @@ def test_full_waiting_queue_answers_429(tiny_model: str) -> None:
 
     engine.engine.step = slow_step  # type: ignore[method-assign]
     try:
-        with run_in_thread(build_app(engine)) as url, httpx.Client(base_url=url,
-                                                                   timeout=120) as http:
+        with (
+            run_in_thread(build_app(engine)) as url,
+            httpx.Client(base_url=url, timeout=120) as http,
+        ):
             with http.stream("POST", "/v1/completions", json=body(250, stream=True)) as first:
                 lines = first.iter_lines()  # (a discarded iterator would close the stream)
                 next(lines)  # running now: it streams
                 second = threading.Thread(
-                    target=lambda: http.post("/v1/completions", json=body(2)), daemon=True)
+                    target=lambda: http.post("/v1/completions", json=body(2)), daemon=True
+                )
                 second.start()
                 deadline = time.monotonic() + 30
                 while metrics(url)["roofline:num_requests_waiting"] < 1:
@@ -81,8 +89,10 @@ def test_step_failure_kills_engine_and_reports(tiny_model: str) -> None:
 
     engine.engine.step = failing_step  # type: ignore[method-assign]
     try:
-        with run_in_thread(build_app(engine)) as url, httpx.Client(base_url=url,
-                                                                   timeout=60) as http:
+        with (
+            run_in_thread(build_app(engine)) as url,
+            httpx.Client(base_url=url, timeout=60) as http,
+        ):
             assert http.get("/health").status_code == 200
             with http.stream("POST", "/v1/completions", json=body(50, stream=True)) as r:
                 assert r.status_code == 200
@@ -95,8 +105,12 @@ def test_step_failure_kills_engine_and_reports(tiny_model: str) -> None:
             err = assert_openai_error(http.get("/health"), 503)
             assert err["code"] == "engine_dead"
             assert_openai_error(http.post("/v1/completions", json=body(2)), 503)
-            assert_openai_error(http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}]}), 503)
+            assert_openai_error(
+                http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                ),
+                503,
+            )
     finally:
         engine.shutdown()
 
@@ -168,8 +182,17 @@ def test_abort_is_idempotent(tiny_model: str) -> None:
 
 
 def test_roofline_serve_command(tiny_model: str) -> None:
-    proc = ServerProcess(tiny_model, "--load-format", "dummy", "--kv-cache-memory-bytes",
-                         str(KV_BYTES), "--served-model-name", "tiny-test", "--max-num-seqs", "4")
+    proc = ServerProcess(
+        tiny_model,
+        "--load-format",
+        "dummy",
+        "--kv-cache-memory-bytes",
+        str(KV_BYTES),
+        "--served-model-name",
+        "tiny-test",
+        "--max-num-seqs",
+        "4",
+    )
     try:
         proc.wait_ready(timeout=300)
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
@@ -177,12 +200,19 @@ def test_roofline_serve_command(tiny_model: str) -> None:
             assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-test", 256)]
             r = http.post("/v1/completions", json={**body(4), "model": "tiny-test", "n": 2})
             assert r.status_code == 200, r.text
-            assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 8,
-                                         "total_tokens": 12}
+            assert r.json()["usage"] == {
+                "prompt_tokens": 4,
+                "completion_tokens": 8,
+                "total_tokens": 12,
+            }
             # no tokenizer: text prompts and chat are refused cleanly
             assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 400)
-            assert_openai_error(http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}]}), 400)
+            assert_openai_error(
+                http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                ),
+                400,
+            )
             assert "roofline:num_requests_running" in http.get("/metrics").text
     finally:
         proc.stop()

@@ -12,36 +12,55 @@ import logging
 import os
 import sys
 
-from roofline.entrypoints.openai.server import DEFAULT_MAX_BODY_BYTES
+from roofline.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from roofline.engine.args import EngineArgs
 
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, .gguf file or short name (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--model", dest="model_flag", default=None,
-                        help="same as the positional MODEL")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model folder, .gguf file or short name (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--model", dest="model_flag", default=None, help="same as the positional MODEL"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: "
-                        "$ROOFLINE_API_KEY, unset = no key)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id clients send and see (default: the model's name)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="largest request body accepted (default %(default)s)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let requests carry their own chat_template (rendered sandboxed)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("ROOFLINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: "
+        "$ROOFLINE_API_KEY, unset = no key)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send and see (default: the model's name)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry their own chat_template (rendered sandboxed)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     EngineArgs.add_cli_args(parser)
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
-                                   description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible server", description=__doc__.split("\n\n")[0]
+    )
     add_serve_args(parser)
     parser.set_defaults(func=run)
 
@@ -51,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from roofline.engine.async_engine import AsyncLLMEngine
     from roofline.entrypoints.openai.server import build_app, run_server
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         print("error: give the model once (positional or --model)", file=sys.stderr)
         return 2
@@ -61,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print("error: --max-body-bytes must be positive", file=sys.stderr)
         return 2
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(engine, args.served_model_name, args.api_key,
-                    max_body_bytes=args.max_body_bytes,
-                    allow_request_chat_template=args.trust_request_chat_template,
-                    model_root=args.model)
+    app = build_app(
+        engine,
+        args.served_model_name,
+        args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        allow_request_chat_template=args.trust_request_chat_template,
+        model_root=args.model,
+    )
     run_server(engine, app, args.host, args.port, args.log_level)
     return 0
 

@@ -39,8 +39,15 @@ _TYPE_BY_STATUS = {
 class OpenAIError(Exception):
     """A request failure with its HTTP status and OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,8 +56,14 @@ class OpenAIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
@@ -71,11 +84,13 @@ def from_exception(e: BaseException, param: str | None = None) -> OpenAIError:
     if isinstance(e, ValueError):
         message = str(e)
         if _CONTEXT_RE.search(message):
-            return OpenAIError(400, message, param=param or "max_tokens",
-                               code="context_length_exceeded")
+            return OpenAIError(
+                400, message, param=param or "max_tokens", code="context_length_exceeded"
+            )
         first = message.split(" ", 1)[0].split("[", 1)[0]
-        return OpenAIError(400, message, param=first if first in _PARAMS else param,
-                           code="invalid_value")
+        return OpenAIError(
+            400, message, param=first if first in _PARAMS else param, code="invalid_value"
+        )
     logger.exception("unexpected error", exc_info=e)
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
 
@@ -90,9 +105,11 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return OpenAIError(400, "the body is not valid JSON: "
-                           f"{first.get('ctx', {}).get('error', first.get('msg'))}",
-                           code="invalid_json")
+        return OpenAIError(
+            400,
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+            code="invalid_json",
+        )
     if first.get("type") == "missing" and not loc:
         return OpenAIError(400, "the request needs a JSON object body", code="missing_body")
     # Union errors list one entry per member type: name the field, not the member.
@@ -100,13 +117,17 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     where = ".".join(path) or "body"
     fields_hit = {tuple(str(p) for p in e.get("loc", ()))[:2] for e in errors}
     if len(fields_hit) == 1 and len(errors) > 1:
-        msg = "does not match any accepted type (" + "; ".join(
-            sorted({e.get("msg", "") for e in errors})) + ")"
+        msg = (
+            "does not match any accepted type ("
+            + "; ".join(sorted({e.get("msg", "") for e in errors}))
+            + ")"
+        )
     else:
         msg = first.get("msg", "invalid value")
     code = "invalid_type" if first.get("type", "").endswith("_type") else "invalid_value"
-    return OpenAIError(400, f"invalid value for '{where}': {msg}",
-                       param=loc[0] if loc else None, code=code)
+    return OpenAIError(
+        400, f"invalid value for '{where}': {msg}", param=loc[0] if loc else None, code=code
+    )
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}

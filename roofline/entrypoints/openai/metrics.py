@@ -20,12 +20,74 @@ from prometheus_client.registry import Collector
 
 from roofline.outputs import RequestOutput
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 # (metric name without the ``roofline:`` prefix, EngineStats field, help)
 _GAUGES = (
@@ -37,15 +99,19 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions_total", "Preemptions since start."),
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
     ("generation_tokens", "generation_tokens_total", "Tokens generated."),
-    ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the "
-     "prefix cache."),
+    (
+        "prefix_cache_queries",
+        "prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
 )
 
 
 class _StatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], Any], model_name: str,
-                 successes: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self, get_stats: Callable[[], Any], model_name: str, successes: Callable[[], dict[str, int]]
+    ) -> None:
         self._get_stats = get_stats
         self._model_name = model_name
         self._successes = successes
@@ -61,8 +127,11 @@ class _StatsCollector(Collector):
             c = CounterMetricFamily(f"roofline:{name}", doc, labels=labels)
             c.add_metric([self._model_name], float(getattr(stats, field, 0) if stats else 0))
             yield c
-        c = CounterMetricFamily("roofline:request_success", "Finished requests by reason.",
-                                labels=["model_name", "finished_reason"])
+        c = CounterMetricFamily(
+            "roofline:request_success",
+            "Finished requests by reason.",
+            labels=["model_name", "finished_reason"],
+        )
         for reason, count in sorted(self._successes().items()):
             c.add_metric([self._model_name, reason], float(count))
         yield c
@@ -89,19 +158,28 @@ class ServerMetrics:
         self._labels = {"model_name": model_name}
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"roofline:{name}", doc, labels, buckets=buckets,
-                             registry=self.registry)
+            return Histogram(
+                f"roofline:{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive "
-                        "engine steps that produced tokens.", _ITL_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after "
-                         "the first, per request.", _ITL_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between a request's consecutive engine steps that produced tokens.",
+            _ITL_BUCKETS,
+        )
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _ITL_BUCKETS,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
-                          _REQUEST_BUCKETS)
-        self.registry.register(_StatsCollector(lambda: self._stats, model_name,
-                                               self._success_counts))
+        self.queue = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+        )
+        self.registry.register(
+            _StatsCollector(lambda: self._stats, model_name, self._success_counts)
+        )
 
     def _success_counts(self) -> dict[str, int]:
         with self._lock:
@@ -122,7 +200,8 @@ class ServerMetrics:
                     first = out.metrics.first_token_time if out.metrics is not None else None
                     tracked.first_token_time = first if first is not None else now
                     self.ttft.labels(**self._labels).observe(
-                        max(0.0, tracked.first_token_time - tracked.arrival_time))
+                        max(0.0, tracked.first_token_time - tracked.arrival_time)
+                    )
                 elif tracked.last_token_time is not None:
                     self.itl.labels(**self._labels).observe(max(0.0, now - tracked.last_token_time))
                 tracked.num_tokens = num_tokens
@@ -137,11 +216,13 @@ class ServerMetrics:
         self.e2e.labels(**self._labels).observe(max(0.0, finished - tracked.arrival_time))
         if m is not None and m.first_scheduled_time is not None:
             self.queue.labels(**self._labels).observe(
-                max(0.0, m.first_scheduled_time - tracked.arrival_time))
+                max(0.0, m.first_scheduled_time - tracked.arrival_time)
+            )
         per_seq = max((len(c.token_ids) for c in out.outputs), default=0)
         if tracked.first_token_time is not None and per_seq > 1:
             self.tpot.labels(**self._labels).observe(
-                max(0.0, finished - tracked.first_token_time) / (per_seq - 1))
+                max(0.0, finished - tracked.first_token_time) / (per_seq - 1)
+            )
         reason = out.outputs[0].finish_reason if out.outputs else None
         if out.error is not None:
             reason = "error"

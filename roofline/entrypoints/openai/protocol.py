@@ -65,11 +65,13 @@ class _SamplingRequest(_Strict):
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise OpenAIError(400, "stream_options is only allowed with stream=true",
-                              param="stream_options")
+            raise OpenAIError(
+                400, "stream_options is only allowed with stream=true", param="stream_options"
+            )
         if self.stop_token_ids is not None and len(self.stop_token_ids) > 1024:
-            raise OpenAIError(400, "stop_token_ids may hold at most 1024 ids",
-                              param="stop_token_ids")
+            raise OpenAIError(
+                400, "stop_token_ids may hold at most 1024 ids", param="stop_token_ids"
+            )
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build validated ``SamplingParams`` (raises ``ValueError`` naming the field)."""
@@ -126,19 +128,20 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             out: list[str | list[int]] = [p]
         elif not p:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt",
-                              code="invalid_value")
+            raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
         elif isinstance(p[0], int):
             out = [p]  # type: ignore[list-item]
         else:
             out = list(p)  # type: ignore[arg-type]
         if len(out) > MAX_PROMPTS:
-            raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(out)}",
-                              param="prompt")
+            raise OpenAIError(
+                400, f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt"
+            )
         for one in out:
             if len(one) == 0:
-                raise OpenAIError(400, "prompt must not be empty", param="prompt",
-                              code="invalid_value")
+                raise OpenAIError(
+                    400, "prompt must not be empty", param="prompt", code="invalid_value"
+                )
         return out
 
 
@@ -179,15 +182,16 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tools:
             raise OpenAIError(400, "tools are not supported", param="tools")
         if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError(400, "only response_format type 'text' is supported",
-                              param="response_format")
+            raise OpenAIError(
+                400, "only response_format type 'text' is supported", param="response_format"
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise OpenAIError(400, "top_logprobs requires logprobs=true",
-                                  param="top_logprobs")
+                raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
-                                  param="top_logprobs")
+                raise OpenAIError(
+                    400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+                )
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens

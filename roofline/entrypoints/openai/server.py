@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from roofline.engine.async_engine import AsyncLLMEngine
+from roofline.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
 from roofline.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from roofline.entrypoints.openai.metrics import ServerMetrics
 from roofline.entrypoints.openai.protocol import (
@@ -38,13 +39,10 @@ from roofline.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
 
 async def _send_error(send: Send, error: OpenAIError) -> None:
     body = json.dumps(error.to_dict()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -62,9 +60,14 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                await _send_error(send, OpenAIError(
-                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                    code="invalid_api_key"))
+                await _send_error(
+                    send,
+                    OpenAIError(
+                        401,
+                        "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                        code="invalid_api_key",
+                    ),
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -80,8 +83,11 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        too_large = OpenAIError(413, f"the request body is over the limit of {self.max_bytes} "
-                                "bytes", code="request_too_large")
+        too_large = OpenAIError(
+            413,
+            f"the request body is over the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -146,8 +152,9 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if engine.is_dead:
-            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
-                               code="engine_dead").response()
+            return OpenAIError(
+                503, f"the engine loop is dead: {engine.dead_error!r}", code="engine_dead"
+            ).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -166,13 +173,19 @@ def build_app(
         state.check_model(model_id)
         return card()
 
-    @app.post("/v1/completions", response_model=None,
-              responses={200: {"model": CompletionResponse}, **_ERRORS})
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: {"model": CompletionResponse}, **_ERRORS},
+    )
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await create_completion(state, body, raw)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+    )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(state, body, raw)
 
@@ -182,11 +195,11 @@ def build_app(
     return app
 
 
-def run_server(engine: AsyncLLMEngine, app: FastAPI, host: str, port: int,
-               log_level: str = "info") -> None:
+def run_server(
+    engine: AsyncLLMEngine, app: FastAPI, host: str, port: int, log_level: str = "info"
+) -> None:
     """Serve until interrupted, then stop the engine thread."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = uvicorn.Server(config)
     try:
         server.run()

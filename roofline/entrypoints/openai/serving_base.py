@@ -32,9 +32,13 @@ class ServingState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise OpenAIError(404, f"the model '{model}' does not exist; this server serves "
-                              f"'{self.served_model_name}'", param="model",
-                              code="model_not_found")
+            raise OpenAIError(
+                404,
+                f"the model '{model}' does not exist; this server serves "
+                f"'{self.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
 
 async def add_requests(
@@ -52,12 +56,20 @@ async def add_requests(
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise OpenAIError(400, f"token id {bad[0]} is out of the vocabulary "
-                                  f"[0, {vocab})", param=param, code="invalid_token_id")
+                raise OpenAIError(
+                    400,
+                    f"token id {bad[0]} is out of the vocabulary [0, {vocab})",
+                    param=param,
+                    code="invalid_token_id",
+                )
     bad_stop = [t for t in params.stop_token_ids if t >= vocab]
     if bad_stop:
-        raise OpenAIError(400, f"stop token id {bad_stop[0]} is out of the vocabulary "
-                          f"[0, {vocab})", param="stop_token_ids", code="invalid_token_id")
+        raise OpenAIError(
+            400,
+            f"stop token id {bad_stop[0]} is out of the vocabulary [0, {vocab})",
+            param="stop_token_ids",
+            code="invalid_token_id",
+        )
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -117,8 +129,9 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
-async def collect(state: ServingState, raw: Request,
-                  streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect(
+    state: ServingState, raw: Request, streams: list[RequestStream]
+) -> list[RequestOutput]:
     """Wait for every request's final output; abort them all if the client disconnects."""
 
     async def run() -> list[RequestOutput]:
@@ -151,8 +164,9 @@ async def collect(state: ServingState, raw: Request,
 def usage_of(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 @dataclass
@@ -196,8 +210,18 @@ class DeltaTracker:
             self.sent[index] = (len(c.text), len(c.token_ids))
             if c.finish_reason:
                 self.finished.add(index)
-            out.append(Delta(index, text, token_ids, logprobs, c.finish_reason, c.stop_reason,
-                             first, num_chars))
+            out.append(
+                Delta(
+                    index,
+                    text,
+                    token_ids,
+                    logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                    first,
+                    num_chars,
+                )
+            )
         return out
 
 
@@ -206,8 +230,11 @@ async def token_strings(state: ServingState, deltas: list[Delta]) -> dict[int, s
     (decoded on the engine thread, where the tokenizer lives)."""
     missing = {
         tid
-        for d in deltas if d.logprobs
-        for step in d.logprobs for tid, lp in step.items() if lp.decoded_token is None
+        for d in deltas
+        if d.logprobs
+        for step in d.logprobs
+        for tid, lp in step.items()
+        if lp.decoded_token is None
     }
     if not missing:
         return {}
@@ -220,8 +247,9 @@ async def token_strings(state: ServingState, deltas: list[Delta]) -> dict[int, s
     return dict(zip(ids, await state.engine.run_in_engine(decode), strict=True))
 
 
-def ranked(step: dict[int, Logprob], sampled: int, k: int,
-           names: dict[int, str]) -> tuple[tuple[str, float | None], list[tuple[str, float]]]:
+def ranked(
+    step: dict[int, Logprob], sampled: int, k: int, names: dict[int, str]
+) -> tuple[tuple[str, float | None], list[tuple[str, float]]]:
     """(sampled token's (text, logprob), the k most likely as (text, logprob)); the logprob is
     None if the engine did not report the sampled token."""
 

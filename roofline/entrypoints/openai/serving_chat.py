@@ -45,12 +45,17 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
-                    special: dict[str, str | None]) -> str:
+def render_template(
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    special: dict[str, str | None],
+) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        messages=messages, add_generation_prompt=add_generation_prompt, **special
+    )
 
 
 def _encode(engine: Any, text: str) -> list[int]:
@@ -67,24 +72,32 @@ async def render_prompt(state: ServingState, body: ChatCompletionRequest) -> lis
     try:
         if body.chat_template is None:
             return await state.engine.run_in_engine(
-                lambda e: _encode(e, e.apply_chat_template(messages, add_gen)))
+                lambda e: _encode(e, e.apply_chat_template(messages, add_gen))
+            )
         else:
             if not state.allow_request_chat_template:
-                raise OpenAIError(400, "request-supplied chat templates are not allowed on "
-                                  "this server", param="chat_template")
+                raise OpenAIError(
+                    400,
+                    "request-supplied chat templates are not allowed on this server",
+                    param="chat_template",
+                )
 
             def special(e: Any) -> dict[str, str | None]:
                 tok = e.tokenizer
-                return {"bos_token": getattr(tok, "bos_token", None),
-                        "eos_token": getattr(tok, "eos_token", None)}
+                return {
+                    "bos_token": getattr(tok, "bos_token", None),
+                    "eos_token": getattr(tok, "eos_token", None),
+                }
 
             tokens = await state.engine.run_in_engine(special)
-            text = await asyncio.to_thread(render_template, body.chat_template, messages,
-                                           add_gen, tokens)
+            text = await asyncio.to_thread(
+                render_template, body.chat_template, messages, add_gen, tokens
+            )
             return await state.engine.run_in_engine(lambda e: _encode(e, text))
     except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages",
-                          code="invalid_messages") from e
+        raise OpenAIError(
+            400, f"cannot apply the chat template: {e}", param="messages", code="invalid_messages"
+        ) from e
 
 
 def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> ChatLogprobs | None:
@@ -93,16 +106,22 @@ def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> ChatLogprobs | Non
     content = []
     for tid, step in zip(delta.token_ids, delta.logprobs, strict=False):
         (text, logprob), top = ranked(step, tid, k, names)
-        content.append(TokenLogprob(
-            token=text, logprob=-9999.0 if logprob is None else logprob,
-            bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                          for t, lp in top]))
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=-9999.0 if logprob is None else logprob,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(state: ServingState, body: ChatCompletionRequest,
-                                 raw: Request) -> Any:
+async def create_chat_completion(
+    state: ServingState, body: ChatCompletionRequest, raw: Request
+) -> Any:
     state.check_model(body.model)
     try:
         params = body.to_sampling_params()
@@ -118,21 +137,35 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         finals = await collect(state, raw, streams)
         deltas = DeltaTracker(params.n).deltas(0, finals[0])
         names = await token_strings(state, deltas)
-        choices = [ChatChoice(index=d.index, message=AssistantMessage(content=d.text),
-                              logprobs=_logprobs(d, k, names), finish_reason=d.finish_reason,
-                              stop_reason=d.stop_reason)
-                   for d in sorted(deltas, key=lambda d: d.index)]
-        return ChatCompletionResponse(id=request_id, created=created,
-                                      model=state.served_model_name, choices=choices,
-                                      usage=usage_of(finals))
+        choices = [
+            ChatChoice(
+                index=d.index,
+                message=AssistantMessage(content=d.text),
+                logprobs=_logprobs(d, k, names),
+                finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+            )
+            for d in sorted(deltas, key=lambda d: d.index)
+        ]
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=state.served_model_name,
+            choices=choices,
+            usage=usage_of(finals),
+        )
 
     tracker = DeltaTracker(params.n)
     include_usage = body.include_usage
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
-                             "created": created, "model": state.served_model_name,
-                             "choices": choices}
+        c: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+        }
         if include_usage:
             c["usage"] = None
         return c
@@ -146,11 +179,19 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
             if d.first:
                 message["role"] = "assistant"
             lp = _logprobs(d, k, names)
-            chunks.append(chunk([{
-                "index": d.index, "delta": message,
-                "logprobs": None if lp is None else lp.model_dump(),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-            }]))
+            chunks.append(
+                chunk(
+                    [
+                        {
+                            "index": d.index,
+                            "delta": message,
+                            "logprobs": None if lp is None else lp.model_dump(),
+                            "finish_reason": d.finish_reason,
+                            "stop_reason": d.stop_reason,
+                        }
+                    ]
+                )
+            )
         return chunks
 
     def final(finals: list[RequestOutput]) -> list[dict[str, Any]]:
@@ -160,6 +201,8 @@ async def create_chat_completion(state: ServingState, body: ChatCompletionReques
         c["usage"] = usage_of(finals).model_dump()
         return [c]
 
-    return StreamingResponse(sse_stream(state, streams, render, final),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        sse_stream(state, streams, render, final),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )

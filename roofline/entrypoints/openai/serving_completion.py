@@ -49,8 +49,7 @@ def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> CompletionLogprobs
     return out
 
 
-async def create_completion(state: ServingState, body: CompletionRequest,
-                            raw: Request) -> Any:
+async def create_completion(state: ServingState, body: CompletionRequest, raw: Request) -> Any:
     state.check_model(body.model)
     try:
         params = body.to_sampling_params()
@@ -70,20 +69,35 @@ async def create_completion(state: ServingState, body: CompletionRequest,
             deltas = tracker.deltas(i, out)
             names = await token_strings(state, deltas)
             for d in deltas:
-                choices.append(CompletionChoice(index=d.index, text=d.text,
-                                                logprobs=_logprobs(d, k, names),
-                                                finish_reason=d.finish_reason,
-                                                stop_reason=d.stop_reason))
+                choices.append(
+                    CompletionChoice(
+                        index=d.index,
+                        text=d.text,
+                        logprobs=_logprobs(d, k, names),
+                        finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason,
+                    )
+                )
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=request_id, created=created, model=state.served_model_name,
-                                  choices=choices, usage=usage_of(finals))
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=state.served_model_name,
+            choices=choices,
+            usage=usage_of(finals),
+        )
 
     tracker = DeltaTracker(params.n)
     include_usage = body.include_usage
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                             "model": state.served_model_name, "choices": choices}
+        c: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices,
+        }
         if include_usage:
             c["usage"] = None
         return c
@@ -94,11 +108,19 @@ async def create_completion(state: ServingState, body: CompletionRequest,
         chunks = []
         for d in deltas:
             lp = _logprobs(d, k, names)
-            chunks.append(chunk([{
-                "index": d.index, "text": d.text,
-                "logprobs": None if lp is None else lp.model_dump(),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-            }]))
+            chunks.append(
+                chunk(
+                    [
+                        {
+                            "index": d.index,
+                            "text": d.text,
+                            "logprobs": None if lp is None else lp.model_dump(),
+                            "finish_reason": d.finish_reason,
+                            "stop_reason": d.stop_reason,
+                        }
+                    ]
+                )
+            )
         return chunks
 
     def final(finals: list[RequestOutput]) -> list[dict[str, Any]]:
@@ -108,6 +130,8 @@ async def create_completion(state: ServingState, body: CompletionRequest,
         c["usage"] = usage_of(finals).model_dump()
         return [c]
 
-    return StreamingResponse(sse_stream(state, streams, render, final),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        sse_stream(state, streams, render, final),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
