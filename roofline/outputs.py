@@ -23,7 +23,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     """One dict per generated token: the top-``logprobs`` tokens plus the sampled one."""
     finish_reason: str | None = None
-    """``stop`` (EOS, stop token or stop string), ``length``, ``abort`` or ``error``; None while running."""
+    """``stop`` (EOS, stop token or stop string), ``length``, ``abort`` or ``error``;
+    None while running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended it, if any."""
 

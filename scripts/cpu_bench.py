@@ -37,16 +37,22 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM("smollm2", dtype="float32", device="cpu")
     ceil = measure(torch.device("cpu"), torch.float32)
-    print(f"CPU: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, fp32 matmul "
-          f"{ceil.matmul_flops_per_s / 1e9:.0f} GFLOP/s", flush=True)
+    print(
+        f"CPU: copy {ceil.bandwidth_bytes_per_s / 1e9:.1f} GB/s, fp32 matmul "
+        f"{ceil.matmul_flops_per_s / 1e9:.0f} GFLOP/s",
+        flush=True,
+    )
     wl = workloads.chat(llm.get_tokenizer(), args.num_prompts, args.output_len)
     rows: dict[str, float] = {}
     rows["roofline bs1 decode"] = decode_tok_s(llm, wl.prompts[0], args.output_len)
     print(f"roofline batch-1 decode: {rows['roofline bs1 decode']:.1f} tok/s", flush=True)
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
     rows["roofline throughput"] = res.output_tok_s
-    print(f"roofline throughput: {res.output_tok_s:.1f} out tok/s ({res.elapsed_s:.1f} s, "
-          f"{res.roofline_pct:.1f}% of the workload roofline)", flush=True)
+    print(
+        f"roofline throughput: {res.output_tok_s:.1f} out tok/s ({res.elapsed_s:.1f} s, "
+        f"{res.roofline_pct:.1f}% of the workload roofline)",
+        flush=True,
+    )
     hf = peers.hf_model_from_engine(llm.llm_engine)
     del llm
     rows["hf bs1 decode"] = peers.hf_decode_tok_s(hf, wl.prompts[0], args.output_len)
@@ -66,14 +72,21 @@ def main() -> None:
     print("\n| figure | tok/s |\n|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v:.1f} |")
-    print(f"\nthroughput vs HF best batched: {rows['roofline throughput'] / hf_best:.2f}x; "
-          f"vs llama.cpp: {rows['roofline throughput'] / rows['llama.cpp sequential']:.2f}x")
-    print(f"batch-1 vs HF: {rows['roofline bs1 decode'] / rows['hf bs1 decode']:.2f}x; "
-          f"vs llama.cpp: {rows['roofline bs1 decode'] / rows['llama.cpp bs1 decode']:.2f}x")
+    print(
+        f"\nthroughput vs HF best batched: {rows['roofline throughput'] / hf_best:.2f}x; "
+        f"vs llama.cpp: {rows['roofline throughput'] / rows['llama.cpp sequential']:.2f}x"
+    )
+    print(
+        f"batch-1 vs HF: {rows['roofline bs1 decode'] / rows['hf bs1 decode']:.2f}x; "
+        f"vs llama.cpp: {rows['roofline bs1 decode'] / rows['llama.cpp bs1 decode']:.2f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ceilings": vars(ceil), "rows": rows, "roofline_pct": res.roofline_pct}, f,
-                      indent=1)
+            json.dump(
+                {"ceilings": vars(ceil), "rows": rows, "roofline_pct": res.roofline_pct},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -58,41 +58,59 @@ def main() -> None:
     summary: dict[str, object] = {}
     dev = torch.device("cuda")
     ceil = measure(dev, torch.bfloat16)
-    print(f"ceilings: copy {ceil.bandwidth_bytes_per_s/1e12:.2f} TB/s, bf16 matmul "
-          f"{ceil.matmul_flops_per_s/1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"ceilings: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     summary["ceilings"] = vars(ceil)
 
     # --- Qwen3-0.6B batch 1
-    llm, t_load = load("qwen3-0.6b", max_model_len=4096, max_num_seqs=64,
-                       kv_cache_memory_bytes=4 << 30)
+    llm, t_load = load(
+        "qwen3-0.6b", max_model_len=4096, max_num_seqs=64, kv_cache_memory_bytes=4 << 30
+    )
     rows = latency.run(llm.llm_engine, ceil, [1], 128, 256)
-    print("qwen3-0.6b start-up %.1fs\n" % t_load + latency.format_rows(rows), flush=True)
+    print(f"qwen3-0.6b start-up {t_load:.1f}s\n" + latency.format_rows(rows), flush=True)
     summary["qwen3_0.6b_bs1"] = latency.as_dicts(rows)
     del llm
     free()
 
     # --- Llama-3.1-8B: start-up, latency, prefill, throughput
-    llm, t_load = load("llama-3.1-8b", max_model_len=8448, max_num_seqs=256,
-                       max_num_batched_tokens=8192, gpu_memory_utilization=0.55)
+    llm, t_load = load(
+        "llama-3.1-8b",
+        max_model_len=8448,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.55,
+    )
     print(f"llama-3.1-8b start-up (dummy weights, graphs captured): {t_load:.1f} s", flush=True)
     summary["llama8b_startup_s"] = t_load
     rows = latency.run(llm.llm_engine, ceil, [1, 8, 32, 128], 512, 128)
     print(latency.format_rows(rows), flush=True)
     summary["llama8b_latency"] = latency.as_dicts(rows)
     tf, t = prefill_tflops(llm, ceil, 8192)
-    print(f"prefill 8192 tokens: {t*1e3:.0f} ms, {tf:.0f} TFLOP/s = "
-          f"{100*tf*1e12/ceil.matmul_flops_per_s:.0f}% of matmul", flush=True)
+    print(
+        f"prefill 8192 tokens: {t * 1e3:.0f} ms, {tf:.0f} TFLOP/s = "
+        f"{100 * tf * 1e12 / ceil.matmul_flops_per_s:.0f}% of matmul",
+        flush=True,
+    )
     summary["llama8b_prefill"] = {"s": t, "tflops": tf}
     wl = workloads.synthetic(256, (100, 1024), (512, 512), llm.llm_engine.model_config.vocab_size)
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
-    print(f"throughput: {res.output_tok_s:.0f} out tok/s, {res.elapsed_s:.1f} s, "
-          f"{res.roofline_pct:.1f}% of workload roofline", flush=True)
+    print(
+        f"throughput: {res.output_tok_s:.0f} out tok/s, {res.elapsed_s:.1f} s, "
+        f"{res.roofline_pct:.1f}% of workload roofline",
+        flush=True,
+    )
     summary["llama8b_throughput"] = vars(res)
     hf = peers.hf_model_from_engine(llm.llm_engine)
     del llm
     free()
-    sub = workloads.Workload(wl.prompts[: args.hf_requests], wl.output_lens[: args.hf_requests],
-                             f"first {args.hf_requests} requests")
+    sub = workloads.Workload(
+        wl.prompts[: args.hf_requests],
+        wl.output_lens[: args.hf_requests],
+        f"first {args.hf_requests} requests",
+    )
     try:
         pr = peers.hf_generate_batch(hf, sub)
         print(f"HF generate_batch on {sub.name}: {pr.output_tok_s:.0f} out tok/s", flush=True)
@@ -108,7 +126,7 @@ def main() -> None:
             hf(ids)
             torch.cuda.synchronize()
         t_hf = time.perf_counter() - t0
-        print(f"HF prefill 8192 tokens (sdpa): {t_hf*1e3:.0f} ms", flush=True)
+        print(f"HF prefill 8192 tokens (sdpa): {t_hf * 1e3:.0f} ms", flush=True)
         summary["hf_prefill_s"] = t_hf
         r = hf_decode = peers.hf_decode_tok_s(hf, list(range(100, 612)), 64)
         print(f"HF generate batch-1 decode: {r:.1f} tok/s", flush=True)

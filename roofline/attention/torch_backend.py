@@ -15,10 +15,14 @@ from roofline.attention.metadata import AttentionMetadata
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_pages, page_size, num_kv_heads, head_dim]
+    # k, v: [num_tokens, num_kv_heads, head_dim]
+    # caches: [num_pages, page_size, num_kv_heads, head_dim]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -37,8 +41,14 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -54,8 +64,12 @@ class TorchAttentionBackend:
         return out
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         page_size = k_cache.shape[1]
         num_blocks = (meta.max_seq_len + page_size - 1) // page_size
@@ -68,7 +82,11 @@ class TorchAttentionBackend:
         mask = positions[None, :] < meta.seq_lens[:, None]  # [num_reqs, max_len]
         qh = q.unsqueeze(2)  # [num_reqs, num_heads, 1, head_dim]
         out = F.scaled_dot_product_attention(
-            qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale,
+            qh,
+            ks,
+            vs,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
             enable_gqa=q.shape[1] != ks.shape[1],
         )
         return out.squeeze(2)
@@ -82,9 +100,13 @@ def _attend(
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
     gqa = qh.shape[0] != kh.shape[0]
     if context_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:
         rows = torch.arange(q_len, device=q.device)[:, None] + context_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows  # [q_len, seq_len]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(0, 1)

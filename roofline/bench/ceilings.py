@@ -31,7 +31,9 @@ class Ceilings:
         return custom_gpu(self.device_name, 1.0, self.bandwidth_bytes_per_s / 1e9, flops / 1e12)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, iters: int = 10, warmup: int = 3) -> float:
+def time_fn(
+    fn: Callable[[], object], device: torch.device, iters: int = 10, warmup: int = 3
+) -> float:
     """Median seconds of ``fn`` (CUDA events on the GPU, perf_counter on the CPU)."""
     for _ in range(warmup):
         fn()

@@ -45,8 +45,11 @@ def add_cli(subparsers) -> None:
     lat.set_defaults(func=cmd_latency)
     thr = sub.add_parser("throughput", help="offline throughput of a workload")
     _common(thr)
-    thr.add_argument("--dataset", default="synthetic",
-                     help="synthetic, chat (built-in questions, chat template) or a .jsonl path")
+    thr.add_argument(
+        "--dataset",
+        default="synthetic",
+        help="synthetic, chat (built-in questions, chat template) or a .jsonl path",
+    )
     thr.add_argument("--num-prompts", type=int, default=256)
     thr.add_argument("--input-len", type=_range, default=(100, 1024), help="N or LO:HI")
     thr.add_argument("--output-len", type=_range, default=(512, 512), help="N or LO:HI")
@@ -58,7 +61,9 @@ def add_cli(subparsers) -> None:
     add_serve(sub)
     ker = sub.add_parser("kernels", help="Triton kernel micro-benchmarks (CUDA)")
     ker.add_argument("rest", nargs=argparse.REMAINDER)
-    ker.set_defaults(func=lambda ns: __import__("roofline.bench.kernels").bench.kernels.main(ns.rest))
+    ker.set_defaults(
+        func=lambda ns: __import__("roofline.bench.kernels").bench.kernels.main(ns.rest)
+    )
 
 
 def _engine_llm(ns: argparse.Namespace):
@@ -74,8 +79,10 @@ def _ceilings(llm):
 
     runner = llm.llm_engine.runner
     c = measure(runner.device, runner.dtype)
-    print(f"[{c.device_name}: copy {c.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-          f"{c.matmul_dtype} matmul {c.matmul_flops_per_s / 1e12:.2f} TFLOP/s]")
+    print(
+        f"[{c.device_name}: copy {c.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"{c.matmul_dtype} matmul {c.matmul_flops_per_s / 1e12:.2f} TFLOP/s]"
+    )
     return c
 
 
@@ -104,13 +111,18 @@ def cmd_latency(ns: argparse.Namespace) -> int:
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:
-    from roofline.bench import peers, throughput, workloads
+    from roofline.bench import throughput, workloads
 
     llm = _engine_llm(ns)
     engine = llm.llm_engine
     if ns.dataset == "synthetic":
-        wl = workloads.synthetic(ns.num_prompts, ns.input_len, ns.output_len,
-                                 engine.model_config.vocab_size, seed=ns.seed)
+        wl = workloads.synthetic(
+            ns.num_prompts,
+            ns.input_len,
+            ns.output_len,
+            engine.model_config.vocab_size,
+            seed=ns.seed,
+        )
     elif ns.dataset == "chat":
         wl = workloads.chat(engine.tokenizer, ns.num_prompts, ns.output_len[1])
     else:
@@ -118,7 +130,8 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     ceilings = _ceilings(llm)
     res = throughput.run(llm, ceilings, wl)
     lines = [
-        f"workload: {res.workload} ({res.prompt_tokens} prompt / {res.output_tokens} output tokens)",
+        f"workload: {res.workload} ({res.prompt_tokens} prompt / "
+        f"{res.output_tokens} output tokens)",
         f"roofline: {res.elapsed_s:.2f} s, {res.output_tok_s:.1f} output tok/s, "
         f"{res.total_tok_s:.1f} total tok/s, {res.roofline_pct:.1f}% of the workload roofline "
         f"({res.roofline_s:.2f} s)",
@@ -127,8 +140,10 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     for peer in [p for p in ns.compare.split(",") if p]:
         pr = _run_peer(peer, llm, wl, ns)
         results[peer] = {"output_tok_s": pr.output_tok_s, "elapsed_s": pr.elapsed_s}
-        lines.append(f"{pr.name}: {pr.elapsed_s:.2f} s, {pr.output_tok_s:.1f} output tok/s; "
-                     f"roofline is {res.output_tok_s / pr.output_tok_s:.2f}x")
+        lines.append(
+            f"{pr.name}: {pr.elapsed_s:.2f} s, {pr.output_tok_s:.1f} output tok/s; "
+            f"roofline is {res.output_tok_s / pr.output_tok_s:.2f}x"
+        )
     text = "\n".join(lines)
     print(text)
     if ns.json:
@@ -144,8 +159,11 @@ def _run_peer(peer: str, llm, wl, ns: argparse.Namespace):
     engine = llm.llm_engine
     if peer in ("hf", "hf-batch"):
         model = peers.hf_model_from_engine(engine)
-        result = (peers.hf_generate(model, wl, ns.hf_batch_size) if peer == "hf"
-                  else peers.hf_generate_batch(model, wl))
+        result = (
+            peers.hf_generate(model, wl, ns.hf_batch_size)
+            if peer == "hf"
+            else peers.hf_generate_batch(model, wl)
+        )
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

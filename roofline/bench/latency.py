@@ -41,7 +41,11 @@ def precision_of(engine: LLMEngine) -> Precision:
 
 
 def run_batch(
-    engine: LLMEngine, ceilings: Ceilings, batch_size: int, input_len: int, output_len: int,
+    engine: LLMEngine,
+    ceilings: Ceilings,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
     seed: int = 0,
 ) -> LatencyRow:
     rng = random.Random(seed)
@@ -65,17 +69,31 @@ def run_batch(
     p90 = sorted(step_times)[int(0.9 * (len(step_times) - 1))]
     mid_context = input_len + output_len // 2
     cost = step_cost(
-        engine.model_config, ceilings.as_gpu_spec(), num_decode_tokens=batch_size,
-        decode_context_lens=batch_size * mid_context, precision=precision_of(engine),
+        engine.model_config,
+        ceilings.as_gpu_spec(),
+        num_decode_tokens=batch_size,
+        decode_context_lens=batch_size * mid_context,
+        precision=precision_of(engine),
     )
     return LatencyRow(
-        batch_size, input_len, output_len, prefill_s, 1e3 * p50, 1e3 * p90,
-        batch_size / p50, 1e3 * cost.time_s, 100 * cost.time_s / p50, cost.bound,
+        batch_size,
+        input_len,
+        output_len,
+        prefill_s,
+        1e3 * p50,
+        1e3 * p90,
+        batch_size / p50,
+        1e3 * cost.time_s,
+        100 * cost.time_s / p50,
+        cost.bound,
     )
 
 
 def run(
-    engine: LLMEngine, ceilings: Ceilings, batch_sizes: list[int], input_len: int,
+    engine: LLMEngine,
+    ceilings: Ceilings,
+    batch_sizes: list[int],
+    input_len: int,
     output_len: int,
 ) -> list[LatencyRow]:
     run_batch(engine, ceilings, 1, min(input_len, 16), 4)  # warm-up
@@ -83,8 +101,10 @@ def run(
 
 
 def format_rows(rows: list[LatencyRow]) -> str:
-    head = (f"{'batch':>5} {'in':>5} {'out':>5} {'prefill s':>9} {'step ms p50':>11} "
-            f"{'p90':>7} {'out tok/s':>10} {'roofline ms':>11} {'% roofline':>10} bound")
+    head = (
+        f"{'batch':>5} {'in':>5} {'out':>5} {'prefill s':>9} {'step ms p50':>11} "
+        f"{'p90':>7} {'out tok/s':>10} {'roofline ms':>11} {'% roofline':>10} bound"
+    )
     lines = [head]
     for r in rows:
         lines.append(

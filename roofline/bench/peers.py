@@ -34,14 +34,18 @@ def hf_model_from_engine(engine):
     )
     missing = [k for k in missing if "rotary" not in k]
     if missing or unexpected:
-        raise RuntimeError(f"weights do not map onto HF: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise RuntimeError(
+            f"weights do not map onto HF: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     return model.eval()
 
 
 def _hf_config_dict(model_config) -> dict:
     d = dict(model_config.hf_config)
     arch = model_config.architecture
-    d.setdefault("model_type", {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama"))
+    d.setdefault(
+        "model_type", {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama")
+    )
     d.pop("torch_dtype", None)
     d.pop("dtype", None)
     return d
@@ -72,7 +76,7 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def hf_generate(model, workload: Workload, batch_size: int) -> PeerResult:
-    """HF ``generate``, static batches of ``batch_size`` left-padded prompts, greedy, no EOS stop."""
+    """HF ``generate``: static batches of ``batch_size`` left-padded prompts, greedy, no EOS."""
     device = next(model.parameters()).device
     out_tokens, start = 0, time.perf_counter()
     for i in range(0, workload.num_requests, batch_size):
@@ -82,11 +86,15 @@ def hf_generate(model, workload: Workload, batch_size: int) -> PeerResult:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         gen = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-            min_new_tokens=new, do_sample=False, pad_token_id=0,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
         )
         out_tokens += (gen.shape[1] - width) * len(prompts)
     return PeerResult(f"hf generate (batch {batch_size})", out_tokens, time.perf_counter() - start)
@@ -97,8 +105,11 @@ def hf_generate_batch(model, workload: Workload, max_batch_tokens: int = 8192) -
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(
-        max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1,
-        pad_token_id=0, max_batch_tokens=max_batch_tokens,
+        max_new_tokens=max(workload.output_lens),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+        max_batch_tokens=max_batch_tokens,
     )
     start = time.perf_counter()
     # no inference_mode here: HF's batching thread updates its own buffers in place
@@ -121,19 +132,23 @@ def llamacpp(gguf_path: str, workload: Workload, threads: int = 2) -> PeerResult
     for prompt, n in zip(workload.prompts, workload.output_lens):
         res = llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias={eos: -1e9})
         out_tokens += res["usage"]["completion_tokens"]
-    return PeerResult(f"llama.cpp ({threads} threads, sequential)", out_tokens,
-                      time.perf_counter() - start)
+    return PeerResult(
+        f"llama.cpp ({threads} threads, sequential)", out_tokens, time.perf_counter() - start
+    )
 
 
-def llamacpp_decode_tok_s(gguf_path: str, prompt: list[int], num_tokens: int, threads: int = 2) -> float:
+def llamacpp_decode_tok_s(
+    gguf_path: str, prompt: list[int], num_tokens: int, threads: int = 2
+) -> float:
     """Batch-1 decode rate of llama.cpp: tokens after the first over the time after the first."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf_path, n_threads=threads, n_ctx=4096, verbose=False)
     eos = llm.token_eos()
     stamps = []
-    for _ in llm.create_completion(prompt, max_tokens=num_tokens, temperature=0.0,
-                                   logit_bias={eos: -1e9}, stream=True):
+    for _ in llm.create_completion(
+        prompt, max_tokens=num_tokens, temperature=0.0, logit_bias={eos: -1e9}, stream=True
+    ):
         stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
@@ -144,9 +159,16 @@ def hf_decode_tok_s(model, prompt: list[int], num_tokens: int) -> float:
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+    model.generate(
+        input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0
+    )
     t1 = time.perf_counter()
-    model.generate(input_ids=ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                   do_sample=False, pad_token_id=0)
+    model.generate(
+        input_ids=ids,
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     t2 = time.perf_counter()
     return (num_tokens - 1) / ((t2 - t1) - (t1 - t0))

@@ -39,8 +39,9 @@ def workload_roofline_s(
     spec = ceilings.as_gpu_spec()
     total = 0.0
     for prompt in workload.prompts:  # prefill: compute-bound, one prompt at a time
-        total += step_cost(model_config, spec, num_prefill_tokens=len(prompt),
-                           precision=precision).compute_time_s
+        total += step_cost(
+            model_config, spec, num_prefill_tokens=len(prompt), precision=precision
+        ).compute_time_s
     # decode: requests in arrival order, at most max_num_seqs at once, all batched per step
     pending = list(zip((len(p) for p in workload.prompts), workload.output_lens))
     running: list[list[int]] = []  # [context_len, tokens_left]
@@ -51,8 +52,13 @@ def workload_roofline_s(
                 running.append([ctx + 1, out - 1])  # the first token comes from the prefill
         if not running:
             continue
-        cost = step_cost(model_config, spec, num_decode_tokens=len(running),
-                         decode_context_lens=[c for c, _ in running], precision=precision)
+        cost = step_cost(
+            model_config,
+            spec,
+            num_decode_tokens=len(running),
+            decode_context_lens=[c for c, _ in running],
+            precision=precision,
+        )
         total += cost.time_s
         for r in running:
             r[0] += 1
@@ -65,17 +71,30 @@ def run(
     llm: LLM, ceilings: Ceilings, workload: Workload, use_tqdm: bool = True
 ) -> ThroughputResult:
     engine = llm.llm_engine
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_tokens = sum(len(p) for p in workload.prompts)
-    ideal = workload_roofline_s(engine.model_config, ceilings, workload, precision_of(engine),
-                                engine.scheduler_config.max_num_seqs)
+    ideal = workload_roofline_s(
+        engine.model_config,
+        ceilings,
+        workload,
+        precision_of(engine),
+        engine.scheduler_config.max_num_seqs,
+    )
     return ThroughputResult(
-        workload.name, workload.num_requests, elapsed, prompt_tokens, out_tokens,
-        out_tokens / elapsed, (out_tokens + prompt_tokens) / elapsed, ideal, 100 * ideal / elapsed,
+        workload.name,
+        workload.num_requests,
+        elapsed,
+        prompt_tokens,
+        out_tokens,
+        out_tokens / elapsed,
+        (out_tokens + prompt_tokens) / elapsed,
+        ideal,
+        100 * ideal / elapsed,
     )

@@ -8,22 +8,38 @@ import random
 from dataclasses import dataclass
 
 CHAT_QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in simple terms.",
-    "Write a haiku about autumn.", "How do vaccines work?",
-    "Give me three tips for learning a new language.", "What causes the seasons on Earth?",
-    "Summarize the plot of Romeo and Juliet.", "How does a bicycle stay upright?",
-    "What is the difference between weather and climate?", "Write a short story about a robot.",
-    "Why is the sky blue?", "How do I make a cup of tea?",
-    "What are prime numbers?", "Describe the water cycle.",
-    "What is machine learning?", "Name three famous painters and one work by each.",
-    "How does the internet work?", "What should I pack for a beach holiday?",
-    "Explain gravity to a child.", "What is the tallest mountain in the world?",
-    "Write a limerick about a cat.", "How do airplanes fly?",
-    "What is a black hole?", "Give me a recipe for pancakes.",
-    "Why do we dream?", "What is the Pythagorean theorem?",
-    "How can I sleep better?", "What are the planets of the solar system?",
-    "Explain what a computer virus is.", "What is democracy?",
-    "Describe a sunset over the ocean.", "How do bees make honey?",
+    "What is the capital of France?",
+    "Explain photosynthesis in simple terms.",
+    "Write a haiku about autumn.",
+    "How do vaccines work?",
+    "Give me three tips for learning a new language.",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?",
+    "What is the difference between weather and climate?",
+    "Write a short story about a robot.",
+    "Why is the sky blue?",
+    "How do I make a cup of tea?",
+    "What are prime numbers?",
+    "Describe the water cycle.",
+    "What is machine learning?",
+    "Name three famous painters and one work by each.",
+    "How does the internet work?",
+    "What should I pack for a beach holiday?",
+    "Explain gravity to a child.",
+    "What is the tallest mountain in the world?",
+    "Write a limerick about a cat.",
+    "How do airplanes fly?",
+    "What is a black hole?",
+    "Give me a recipe for pancakes.",
+    "Why do we dream?",
+    "What is the Pythagorean theorem?",
+    "How can I sleep better?",
+    "What are the planets of the solar system?",
+    "Explain what a computer virus is.",
+    "What is democracy?",
+    "Describe a sunset over the ocean.",
+    "How do bees make honey?",
 ]
 
 
@@ -39,7 +55,10 @@ class Workload:
 
 
 def synthetic(
-    num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
     seed: int = 0,
 ) -> Workload:
     """Random token prompts; lengths uniform in the inclusive ranges."""
@@ -49,7 +68,9 @@ def synthetic(
         n = rng.randint(*input_len)
         prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(n)])
         outs.append(rng.randint(*output_len))
-    name = f"synthetic n={num_requests} in={input_len[0]}-{input_len[1]} out={output_len[0]}-{output_len[1]}"
+    lo_in, hi_in = input_len
+    lo_out, hi_out = output_len
+    name = f"synthetic n={num_requests} in={lo_in}-{hi_in} out={lo_out}-{hi_out}"
     return Workload(prompts, outs, name)
 
 

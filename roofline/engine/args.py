@@ -14,9 +14,14 @@ import torch
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 _HELP = {
@@ -24,7 +29,8 @@ _HELP = {
     "float32, bfloat16, float16",
     "device": "auto (cuda when available), cpu or cuda",
     "load_format": "auto (read the weights) or dummy (random weights from the config)",
-    "max_model_len": "longest context (prompt + output); default: the model's, capped at 8192 on CPU",
+    "max_model_len": "longest context (prompt + output); default: the model's "
+    "(capped at 8192 on CPU)",
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": "token budget per step (default 8192 on GPU, 2048 on CPU)",
     "enable_prefix_caching": "reuse KV pages of shared prompt prefixes",
@@ -78,7 +84,9 @@ class EngineArgs:
         try:
             return _DTYPES[self.dtype]
         except KeyError:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}") from None
+            raise ValueError(
+                f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            ) from None
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -122,13 +130,13 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool" or isinstance(f.default, bool):
                 parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default,
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=f.default,
                     help=_HELP.get(f.name),
                 )
                 continue
-            kind = {"int": int, "float": float, "str": str}.get(
-                str(f.type).split(" |")[0], str
-            )
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
             parser.add_argument(flag, type=kind, default=f.default, help=_HELP.get(f.name))
 
     @classmethod

@@ -22,7 +22,10 @@ from roofline.core.scheduler import Scheduler
 from roofline.engine.args import EngineArgs
 from roofline.engine.detokenizer import IncrementalDetokenizer
 from roofline.models.weights import (
-    iter_weights, load_model_config, load_tokenizer, resolve_model,
+    iter_weights,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
 )
 from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from roofline.request import Request, RequestStatus
@@ -79,8 +82,13 @@ class LLMEngine:
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
         self.runner = ModelRunner(
-            self.model_config, args.cache_config(), self.scheduler_config, device, dtype,
-            weights=None if dummy else iter_weights(source), seed=args.seed,
+            self.model_config,
+            args.cache_config(),
+            self.scheduler_config,
+            device,
+            dtype,
+            weights=None if dummy else iter_weights(source),
+            seed=args.seed,
             attention_backend=_make_backend(args.attention_backend, device),
         )
         self.runner.warmup()
@@ -109,8 +117,13 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests in
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        priority: int = 0, arrival_time: float | None = None, prompt_text: str | None = None,
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
         stream: bool = True,
     ) -> None:
         """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs; with
@@ -128,20 +141,27 @@ class LLMEngine:
             seq_params = dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i
             )
-            seqs.append(Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=list(token_ids),
-                sampling_params=seq_params,
-                eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-                max_tokens=max_tokens,
-                arrival_time=arrival,
-                priority=priority,
-                parent=seqs[0] if i > 0 else None,
-            ))
+            seqs.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_token_ids=list(token_ids),
+                    sampling_params=seq_params,
+                    eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+                    max_tokens=max_tokens,
+                    arrival_time=arrival,
+                    priority=priority,
+                    parent=seqs[0] if i > 0 else None,
+                )
+            )
         group = _Group(
-            request_id, text, list(token_ids), seqs,
-            [self._detokenizer(token_ids, params) for _ in seqs], arrival,
-            [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
+            request_id,
+            text,
+            list(token_ids),
+            seqs,
+            [self._detokenizer(token_ids, params) for _ in seqs],
+            arrival,
+            [[] if params.logprobs is not None else None for _ in seqs],
+            [0.0] * len(seqs),
             stream,
         )
         added: list[str] = []
@@ -239,8 +259,12 @@ class LLMEngine:
         return outputs
 
     def _apply_update(
-        self, group: _Group, index: int, new_ids: list[int],
-        new_logprobs: list[TokenLogprobs], finished: bool,
+        self,
+        group: _Group,
+        index: int,
+        new_ids: list[int],
+        new_logprobs: list[TokenLogprobs],
+        finished: bool,
     ) -> None:
         seq = group.seqs[index]
         detok = group.detoks[index]
@@ -257,7 +281,10 @@ class LLMEngine:
                 group.cumulative_logprob[index] += lp.logprob
 
     def _convert_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        out = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
+        out = {
+            tid: Logprob(val, rank + 1, self._decode_one(tid))
+            for rank, (tid, val) in enumerate(lp.top)
+        }
         if lp.token_id not in out:
             out[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
         return out
@@ -269,15 +296,19 @@ class LLMEngine:
         completions = []
         for i, seq in enumerate(group.seqs):
             detok = group.detoks[i]
-            completions.append(CompletionOutput(
-                index=i,
-                text=detok.output_text if detok is not None else "",
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=group.cumulative_logprob[i] if group.logprobs[i] is not None else None,
-                logprobs=list(group.logprobs[i]) if group.logprobs[i] is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.output_text if detok is not None else "",
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=group.cumulative_logprob[i]
+                    if group.logprobs[i] is not None
+                    else None,
+                    logprobs=list(group.logprobs[i]) if group.logprobs[i] is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         first = group.seqs[0]
         finished = group.finished
         metrics = RequestMetrics(
@@ -290,9 +321,13 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in group.seqs),
         )
         return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids, outputs=completions, finished=finished,
-            metrics=metrics, num_cached_tokens=first.num_cached_tokens,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def _drop(self, group: _Group) -> None:
@@ -314,9 +349,7 @@ class LLMEngine:
             prefix_cache_hits_total=kv.prefix_hits,
         )
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         return self.tokenizer.apply_chat_template(

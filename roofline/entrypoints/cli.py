@@ -23,18 +23,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None,
-                   help="per-request sampling seed")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
 def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
-        presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
-        seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
     )
 
 
@@ -61,8 +67,11 @@ def _stream(engine, request_id: str, prompt, params: SamplingParams, out=sys.std
     out.write("\n")
     if first is not None and num_tokens > 1:
         elapsed = time.perf_counter() - first
-        print(f"[{num_tokens} tokens, TTFT {1000 * (first - start):.0f} ms, "
-              f"{(num_tokens - 1) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+        print(
+            f"[{num_tokens} tokens, TTFT {1000 * (first - start):.0f} ms, "
+            f"{(num_tokens - 1) / max(elapsed, 1e-9):.1f} tok/s]",
+            file=sys.stderr,
+        )
     return text
 
 
@@ -89,8 +98,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     engine = _engine(ns)
     params = _sampling_params(ns)
     history: list[dict] = []
-    print("roofline chat: empty line or Ctrl-D to quit, /reset to clear the history",
-          file=sys.stderr)
+    print(
+        "roofline chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr
+    )
     turn = 0
     while True:
         try:
@@ -107,8 +117,11 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
         turn += 1
     stats = engine.get_stats()
-    print(f"[prefix cache: {stats.prefix_cache_hits_total}/{stats.prefix_cache_queries_total} "
-          "prompt tokens reused]", file=sys.stderr)
+    print(
+        f"[prefix cache: {stats.prefix_cache_hits_total}/{stats.prefix_cache_queries_total} "
+        "prompt tokens reused]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -122,11 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         if name == "generate":
             p.add_argument("prompt", nargs="*", help="prompt text (default: a sample question)")
-        p.add_argument("--model", default=None,
-                       help="HF folder, .gguf file or short name (default: smollm2, embedded)")
+        p.add_argument(
+            "--model",
+            default=None,
+            help="HF folder, .gguf file or short name (default: smollm2, embedded)",
+        )
         p.add_argument("--system", default=None, help="system message for the chat template")
-        p.add_argument("--no-chat-template", action="store_true",
-                       help="send the prompt as raw text")
+        p.add_argument(
+            "--no-chat-template", action="store_true", help="send the prompt as raw text"
+        )
         _add_sampling_args(p)
         EngineArgs.add_cli_args(p)
         p.set_defaults(func=fn)

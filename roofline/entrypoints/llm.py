@@ -35,9 +35,12 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(
-        self, prompts: PromptType | Sequence[PromptType],
+        self,
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast_params(sampling_params, len(prompt_list))
@@ -47,9 +50,12 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(
-        self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
@@ -61,7 +67,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(
-        self, prompts: list[PromptType], params: list[SamplingParams],
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
         priority: Sequence[int] | None,
     ) -> list[str]:
         ids: list[str] = []
@@ -70,8 +78,11 @@ class LLM:
                 rid = str(next(self._counter))
                 text, token_ids = _unpack(prompt)
                 self.llm_engine.add_request(
-                    rid, token_ids if token_ids is not None else text, p,
-                    priority=priority[i] if priority is not None else 0, prompt_text=text,
+                    rid,
+                    token_ids if token_ids is not None else text,
+                    p,
+                    priority=priority[i] if priority is not None else 0,
+                    prompt_text=text,
                     stream=False,
                 )
                 ids.append(rid)
@@ -85,8 +96,12 @@ class LLM:
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(
-            total=len(ids), desc="Processed prompts", unit="req", file=sys.stderr,
-            disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True,
+            total=len(ids),
+            desc="Processed prompts",
+            unit="req",
+            file=sys.stderr,
+            disable=not use_tqdm or len(ids) < 2,
+            dynamic_ncols=True,
         )
         start, out_tokens = time.perf_counter(), 0
         try:

@@ -59,7 +59,9 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_positions, head_dim), persistent=False
+        )
         if not self.cos_sin_cache.is_meta:
             self.reset_cache()
 
@@ -72,7 +74,8 @@ class RotaryEmbedding(nn.Module):
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim];
+        # k: [num_tokens, num_kv_heads, head_dim]
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [num_tokens, head_dim]
         half = self.head_dim // 2
         cos = cos_sin[:, None, :half].to(q.dtype)  # [num_tokens, 1, half]

@@ -225,8 +225,10 @@ def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the logits' argmax (penalties, min_tokens masking)."""
     p = r.sampling_params
     return (
-        p.temperature < SAMPLING_EPS and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        p.temperature < SAMPLING_EPS
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
         and r.num_output_tokens >= p.min_tokens
     )
 

@@ -15,7 +15,7 @@ from torch import nn
 from roofline.config import ModelConfig
 from roofline.layers.activation import SiluAndMul
 from roofline.layers.attention import Attention, ForwardContext
-from roofline.layers.linear import MergedLinear
+from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
 from roofline.layers.norm import RMSNorm
 from roofline.layers.rotary import RotaryEmbedding
 
@@ -40,13 +40,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # shared by all layers, not owned
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -64,7 +66,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i])
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(i, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -105,9 +110,8 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self._tied_head_packed: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -122,8 +126,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+
+    def prepack_for_cpu(self) -> None:
+        """MKL-packed weights for batch-1 decode on the CPU (fp32 only; a no-op elsewhere)."""
+        for module in self.modules():
+            if isinstance(module, MergedLinear):
+                module.prepack_for_cpu()
+        if self.lm_head is None:
+            self._tied_head_packed = mkl_prepack(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises if any parameter stays unloaded."""
@@ -145,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(f"{module_name}.{parts[-1]}#{packed[1]}")
                 continue
             if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                raise KeyError(
+                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                )
             param = params[name]
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
@@ -161,11 +176,15 @@ class LlamaForCausalLM(nn.Module):
     def _check_loaded(self, loaded: set[str]) -> None:
         missing = []
         for name, module in self.named_modules():
-            if isinstance(module, MergedLinear):
-                for kind in ("weight", "bias") if module.bias is not None else ("weight",):
-                    for shard in range(len(module.output_sizes)):
-                        if f"{name}.{kind}#{shard}" not in loaded:
-                            missing.append(f"{name}.{kind}[{shard}]")
+            if not isinstance(module, MergedLinear):
+                continue
+            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
+                full = f"{name}.{kind}"
+                if full in loaded:  # loaded whole (a one-shard Linear)
+                    continue
+                for shard in range(len(module.output_sizes)):
+                    if f"{full}#{shard}" not in loaded:
+                        missing.append(f"{full}[{shard}]")
         for name, _ in self.named_parameters():
             owner = name.rsplit(".", 1)[0]
             if not isinstance(self.get_submodule(owner), MergedLinear) and name not in loaded:

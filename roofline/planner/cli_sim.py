@@ -24,6 +24,7 @@ from roofline.planner.metrics import (
     SLO,
     SimSummary,
     SweepRow,
+    reaches_steady_state,
     replicas_needed,
     summarize,
     sweep_rates,
@@ -93,6 +94,14 @@ def _summary_rows(s: SimSummary) -> list[list[str]]:
     ]  # fmt: skip
 
 
+def _warn_short(args: argparse.Namespace, points: list[tuple[float | None, SimSummary]]) -> None:
+    short = [r for r, s in points if not reaches_steady_state(s, args.num_requests, r)]
+    if short:
+        rates = ", ".join(f"{r:g}" for r in short if r is not None)
+        print(f"warning: at {rates} req/s arrivals end within 5 request lifetimes; the run "
+              "mostly measures filling and draining: raise --num-requests")  # fmt: skip
+
+
 def _sweep_rows(rows: list[SweepRow]) -> list[list[str]]:
     out = []
     for r in rows:
@@ -147,6 +156,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.rates:
         rows = sweep_rates(workload, c.parse_float_list(args.rates), sim, timer, slo)
         c.print_table(["rate", *_SWEEP_HEADERS], _sweep_rows(rows), "\nrate sweep (ms)")
+        _warn_short(args, [(r.x, r.summary) for r in rows])
         if args.plot_dir:
             from roofline.planner.plots import plot_sweep
 
@@ -162,6 +172,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             _sweep_rows(plan.rows),
             f"\nreplicas for {args.replicas_for_rate:g} req/s (per-replica metrics, ms)",
         )
+        _warn_short(args, [(args.replicas_for_rate / r.x, r.summary) for r in plan.rows])
         gpus = "" if plan.num_replicas is None else f" = {plan.num_replicas * args.tp} GPU(s)"
         print(f"\nreplicas needed for {100 * args.target_attainment:g}% within the SLO: "
               f"{plan.num_replicas or f'more than {args.max_replicas}'}{gpus}")  # fmt: skip
@@ -173,6 +184,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(workload, sim, timer)
     summary = summarize(result, slo)
     c.print_table(["", "value"], _summary_rows(summary), f"\n{args.num_requests} requests, {rate}")
+    _warn_short(args, [(args.rate, summary)])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dataclasses.asdict(summary), f, indent=1)

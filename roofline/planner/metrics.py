@@ -101,6 +101,14 @@ def summarize(result: SimResult, slo: SLO | None = None) -> SimSummary:
     )
 
 
+def reaches_steady_state(summary: SimSummary, num_requests: int, rate: float | None) -> bool:
+    """False when arrivals stop before five median request lifetimes have passed: the run
+    then mostly measures filling and draining, not the load (raise the request count)."""
+    if rate is None or summary.num_requests == 0:
+        return True
+    return num_requests / rate >= 5.0 * summary.e2e_s[50]
+
+
 @dataclass(frozen=True)
 class SweepRow:
     x: float

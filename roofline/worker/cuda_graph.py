@@ -28,8 +28,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        backend: AttentionBackend, max_batch: int, max_model_len: int, page_size: int,
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        max_batch: int,
+        max_model_len: int,
+        page_size: int,
         device: torch.device,
     ) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
@@ -48,11 +53,17 @@ class DecodeGraphs:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_reqs=bs, num_tokens=bs, query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs], block_table=self.block_table[:bs],
-            slot_mapping=self.slot_mapping[:bs], max_query_len=1,
-            max_seq_len=self.max_model_len, page_size=self.page_size,
-            query_start_loc_cpu=list(range(bs + 1)), query_lens_cpu=[1] * bs,
+            num_reqs=bs,
+            num_tokens=bs,
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_table=self.block_table[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            page_size=self.page_size,
+            query_start_loc_cpu=list(range(bs + 1)),
+            query_lens_cpu=[1] * bs,
             seq_lens_cpu=[1] * bs,
         )
 
@@ -76,8 +87,12 @@ class DecodeGraphs:
         return bool(self.graphs) and num_reqs <= self.buckets[-1]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor, block_table: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
     ) -> torch.Tensor:
         """Replay for ``n = len(input_ids)`` decode rows (host tensors, pinned); returns the
         hidden states ``[n, hidden]`` (a view into the graph's output buffer)."""

@@ -31,9 +31,14 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig, device: torch.device, dtype: torch.dtype,
-        weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int = 0,
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        weights: Iterable[tuple[str, torch.Tensor]] | None,
+        seed: int = 0,
         attention_backend: AttentionBackend | None = None,
     ) -> None:
         self.model_config = model_config
@@ -48,8 +53,14 @@ class ModelRunner:
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, self.num_pages, self.page_size,
-            cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device,
+            cfg.num_hidden_layers,
+            2,
+            self.num_pages,
+            self.page_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.backend = attention_backend or TorchAttentionBackend()
@@ -69,6 +80,8 @@ class ModelRunner:
             init_dummy_weights(model, seed)
         else:
             model.load_weights(weights)
+        if self.device.type == "cpu":
+            model.prepack_for_cpu()
         return model.eval()
 
     def _num_pages(self) -> int:
@@ -111,13 +124,19 @@ class ModelRunner:
         """One prefill-shaped forward and LM head on dummy tokens, so that kernel selection,
         JIT compilation and allocator growth happen at start-up rather than in the first
         request's TTFT. It writes K/V into the first pages only, which no request holds yet."""
-        num_tokens = max(1, min(num_tokens, self.num_pages * self.page_size,
-                                self.scheduler_config.max_model_len))
+        num_tokens = max(
+            1, min(num_tokens, self.num_pages * self.page_size, self.scheduler_config.max_model_len)
+        )
         pages = list(range(-(-num_tokens // self.page_size)))
         batch = _HostBatch(
-            input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
-            slots=list(range(num_tokens)), query_start=[0, num_tokens], seq_lens=[num_tokens],
-            block_rows=[pages], sample_rows=[num_tokens - 1], sample_requests=[],
+            input_ids=[0] * num_tokens,
+            positions=list(range(num_tokens)),
+            slots=list(range(num_tokens)),
+            query_start=[0, num_tokens],
+            seq_lens=[num_tokens],
+            block_rows=[pages],
+            sample_rows=[num_tokens - 1],
+            sample_requests=[],
             page_size=self.page_size,
         )
         input_ids, positions, meta = batch.to_device(self.device)
@@ -128,8 +147,13 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only); decode-only steps replay them from then on."""
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.backend, self.scheduler_config.max_num_seqs,
-            self.scheduler_config.max_model_len, self.page_size, self.device,
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_model_len,
+            self.page_size,
+            self.device,
         )
         self.graphs.capture()
 
@@ -140,7 +164,11 @@ class ModelRunner:
         if sched_out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = _HostBatch.build(sched_out, self.page_size)
-        if self.graphs is not None and batch.max_query_len == 1 and self.graphs.fits(batch.num_reqs):
+        if (
+            self.graphs is not None
+            and batch.max_query_len == 1
+            and self.graphs.fits(batch.num_reqs)
+        ):
             hidden = self.graphs.run(*batch.pinned_decode_inputs())
         else:
             input_ids, positions, meta = batch.to_device(self.device)
@@ -158,9 +186,7 @@ class ModelRunner:
         out = self.sampler.sample(logits, requests)
         token_ids = out.token_ids.tolist()  # the step's one host sync
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
-        logprobs = {
-            r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None
-        }
+        logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -215,8 +241,13 @@ class _HostBatch:
         i64, i32 = torch.int64, torch.int32
         return tuple(
             torch.tensor(data, dtype=dt, pin_memory=True)
-            for data, dt in ((self.input_ids, i64), (self.positions, i64), (self.slots, i64),
-                             (self.seq_lens, i32), (self._table(), i32))
+            for data, dt in (
+                (self.input_ids, i64),
+                (self.positions, i64),
+                (self.slots, i64),
+                (self.seq_lens, i32),
+                (self._table(), i32),
+            )
         )
 
     def to_device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

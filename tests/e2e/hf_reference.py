@@ -29,16 +29,30 @@ def tiny_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     common.update(overrides)
     if arch == "llama":
         cfg = transformers.LlamaConfig(
-            **common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
             rope_theta=500000.0,
         )
         model = transformers.LlamaForCausalLM(cfg)

@@ -19,8 +19,13 @@ def test_gpu_fp32_greedy_matches_hf(arch, tmp_path):
     hf = tiny_hf_model(arch, tmp_path, head_dim=32, hidden_size=128, num_attention_heads=4)
     prompts = _prompts(len(arch) * 7)
     expected = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_model_len=256,
-              kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+    )
     assert llm.llm_engine.runner.graphs is not None  # decode steps replay CUDA graphs
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -17,10 +17,15 @@ from tests.e2e.hf_reference import hf_greedy
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPTS = [
-    "The capital of France is", "Once upon a time, in a small village,",
-    "The three primary colors are", "def quicksort(arr):", "Water boils at",
-    "The largest planet in the solar system is", "To make a cup of tea, first",
-    "The theory of relativity was developed by", "My favourite book is",
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "def quicksort(arr):",
+    "Water boils at",
+    "The largest planet in the solar system is",
+    "To make a cup of tea, first",
+    "The theory of relativity was developed by",
+    "My favourite book is",
     "In machine learning, overfitting means",
 ]
 
@@ -38,16 +43,25 @@ def test_bf16_smollm2_matches_hf_bf16():
     from transformers import AutoModelForCausalLM
 
     path = _gguf()
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_model_len=512,
-              kv_cache_memory_bytes=256 << 20)
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=512,
+        kv_cache_memory_bytes=256 << 20,
+    )
     assert llm.llm_engine.runner.backend.name == "triton"
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.bfloat16
-    ).to("cuda").eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, torch_dtype=torch.bfloat16
+        )
+        .to("cuda")
+        .eval()
+    )
     expected = [hf_greedy(hf, p, 32) for p in ids]
     matches = sum(g == e for g, e in zip(got, expected))
     print(f"bf16 SmolLM2: {matches}/10 prompts identical over 32 greedy tokens")

@@ -14,7 +14,7 @@ from tests.e2e.hf_reference import hf_greedy
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea. The waves",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "In 1969, astronauts landed on the Moon for the first time. The mission was called Apollo "
     "11, and the crew consisted of Neil Armstrong, Buzz Aldrin and Michael Collins. After the",
 ]
@@ -55,12 +55,15 @@ def test_chat_answers_sensibly(llm):
 def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
     alone = llm.generate([PROMPTS[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=10),
-              SamplingParams(temperature=0.7, max_tokens=16, seed=7, ignore_eos=True)]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10),
+        SamplingParams(temperature=0.7, max_tokens=16, seed=7, ignore_eos=True),
+    ]
     batch = llm.generate(
         [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]],
-        [others[0], others[1], seeded, others[2]], use_tqdm=False,
+        [others[0], others[1], seeded, others[2]],
+        use_tqdm=False,
     )
     assert batch[2].outputs[0].token_ids == alone
     different = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99, ignore_eos=True)
@@ -68,24 +71,28 @@ def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
 
 
 def test_stop_string_not_emitted(llm):
-    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )[0].outputs[0]
     words = greedy.text.split()
     assert len(words) >= 3
     stop = words[2]
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert stop not in out.text
     assert greedy.text.startswith(out.text)
 
 
 def test_stop_token_ids(llm):
-    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )[0].outputs[0]
     stop_id = greedy.token_ids[3]
     out = llm.generate(
-        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
+        [PROMPTS[0]],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
         use_tqdm=False,
     )[0].outputs[0]
     first = greedy.token_ids.index(stop_id)
@@ -104,8 +111,9 @@ def test_n_completions_share_prompt_pages(llm):
 
 
 def test_logprobs(llm):
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for tid, entry in zip(out.token_ids, out.logprobs):
         assert tid in entry and entry[tid].rank == 1  # greedy picks the top token
@@ -114,10 +122,19 @@ def test_logprobs(llm):
         assert values == sorted(values, reverse=True) and values[0] <= 0.0
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=2.0),
-    dict(max_tokens=0), dict(n=0), dict(logprobs=100), dict(stop=[""]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=float("nan")),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=2.0),
+        dict(max_tokens=0),
+        dict(n=0),
+        dict(logprobs=100),
+        dict(stop=[""]),
+    ],
+)
 def test_bad_parameters_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -140,8 +157,9 @@ def test_token_counters(llm):
     tok = llm.get_tokenizer()
     prompt = "A completely fresh prompt about counting tokens in an engine"
     n = len(tok(prompt).input_ids)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     after = llm.llm_engine.get_stats()
     assert after.generation_tokens_total - before.generation_tokens_total == 5
     assert after.prompt_tokens_total - before.prompt_tokens_total == n

@@ -1,0 +1,172 @@
+"""Server vs offline on the same workload and engine settings (issue 4's targets):
+
+1. offline: ``LLM.generate`` throughput on a synthetic token-id workload, and the decode step
+   time at ``--concurrency`` requests (``bench latency``'s measurement);
+2. ``roofline serve`` in a subprocess with the same engine flags, then the serving benchmark's
+   client: all requests at once (saturation) -> output tok/s vs offline; and Poisson arrivals at
+   the rate that keeps about ``--concurrency`` requests running (Little's law) -> TPOT p50 vs
+   the offline step time at that batch size.
+
+    python scripts/serve_compare.py --model smollm2 --num-prompts 64 --input-len 32:256 \
+        --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from roofline import LLM
+from roofline.bench import latency, serve, throughput, workloads
+from roofline.bench.ceilings import measure
+from roofline.bench.serve_load import BenchRequest, run_requests, served_model
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("server did not become healthy")
+
+
+def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> dict:
+    llm = LLM(model, **kwargs)
+    engine = llm.llm_engine
+    ceil = measure(engine.runner.device, engine.runner.dtype)
+    wl = workloads.synthetic(
+        num_prompts, input_len, (output_len,) * 2, engine.model_config.vocab_size, seed=1
+    )
+    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    row = latency.run_batch(engine, ceil, concurrency, sum(input_len) // 2, output_len)
+    return {
+        "out_tok_s": res.output_tok_s,
+        "step_ms": row.step_ms_p50,
+        "prompts": wl.prompts,
+        "output_lens": wl.output_lens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=_range, default=(32, 256))
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--port", type=int, default=18123)
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="extra flags for LLM and serve, e.g. '--load-format dummy --max-model-len 2048'",
+    )
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from roofline.engine.args import EngineArgs
+
+    eparser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(eparser)
+    eargs = EngineArgs.from_cli_args(eparser.parse_args(args.engine_args.split()))
+    kwargs = {k: v for k, v in vars(eargs).items() if k != "model"}
+
+    # the offline half runs in a child process, so its GPU memory is gone before the server starts
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        off = pool.apply(
+            _offline,
+            (
+                args.model,
+                kwargs,
+                args.num_prompts,
+                args.input_len,
+                args.output_len,
+                args.concurrency,
+            ),
+        )
+    print(
+        f"offline: {off['out_tok_s']:.1f} out tok/s; decode step at batch "
+        f"{args.concurrency}: {off['step_ms']:.2f} ms",
+        flush=True,
+    )
+    prompts, output_lens = off["prompts"], off["output_lens"]
+
+    base = f"http://127.0.0.1:{args.port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "roofline.entrypoints.cli",
+        "serve",
+        args.model,
+        "--port",
+        str(args.port),
+        *args.engine_args.split(),
+    ]
+    log = open(os.path.join(os.environ.get("OUT", "/tmp"), "serve_compare_server.log"), "w")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ROOFLINE_NO_PROGRESS": "1"}
+    )
+    try:
+        wait_healthy(base, proc)
+        model = served_model(base, None)
+        reqs = [BenchRequest(p, n) for p, n in zip(prompts, output_lens)]
+        asyncio.run(run_requests(base, model, reqs[:4], ignore_eos=True))  # warm-up
+        results, dur = asyncio.run(run_requests(base, model, reqs, ignore_eos=True))
+        sat = serve.summarize(results, dur)
+        # Little's law: concurrency = rate x E2E, E2E ~ output_len x step time at that batch
+        rate = args.concurrency / (args.output_len * off["step_ms"] / 1000.0)
+        reqs_rate = reqs * max(1, (3 * args.concurrency) // len(reqs))
+        results, dur = asyncio.run(
+            run_requests(base, model, reqs_rate, request_rate=rate, ignore_eos=True, seed=3)
+        )
+        at_rate = serve.summarize(results, dur)
+    except Exception:
+        log.flush()
+        with open(log.name) as f:
+            print("server log tail:\n" + f.read()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    tpot = at_rate["tpot_ms"]["p50"]
+    summary = {
+        "offline_out_tok_s": off["out_tok_s"],
+        "server_saturation_out_tok_s": sat["output_throughput"],
+        "server_vs_offline": sat["output_throughput"] / off["out_tok_s"],
+        "rate_req_s": rate,
+        "server_tpot_p50_ms": tpot,
+        "offline_step_ms_at_concurrency": off["step_ms"],
+        "tpot_vs_step": (tpot / off["step_ms"]) if tpot else None,
+        "failed": sat["failed"] + at_rate["failed"],
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"summary": summary, "saturation": sat, "at_rate": at_rate},
+                f,
+                indent=1,
+                default=str,
+            )
+
+
+if __name__ == "__main__":
+    main()
