@@ -42,6 +42,11 @@ def add_cli(subparsers) -> None:
     lat.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32, 128])
     lat.add_argument("--input-len", type=int, default=512)
     lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument(
+        "--calibration-out",
+        default=None,
+        help="write every step's shape and time here for `roofline plan simulate`",
+    )
     lat.set_defaults(func=cmd_latency)
     thr = sub.add_parser("throughput", help="offline throughput of a workload")
     _common(thr)
@@ -100,7 +105,23 @@ def cmd_latency(ns: argparse.Namespace) -> int:
 
     llm = _engine_llm(ns)
     ceilings = _ceilings(llm)
-    rows = latency.run(llm.llm_engine, ceilings, ns.batch_sizes, ns.input_len, ns.output_len)
+    points: list = []
+    rows = latency.run(
+        llm.llm_engine, ceilings, ns.batch_sizes, ns.input_len, ns.output_len, points=points
+    )
+    if ns.calibration_out:
+        from roofline.planner.calibration import Calibration, save_calibration
+
+        save_calibration(
+            ns.calibration_out,
+            Calibration(
+                points,
+                device=ceilings.device_name,
+                model=llm.llm_engine.model_name,
+                meta={"source": "roofline bench latency", "batch_sizes": ns.batch_sizes},
+            ),
+        )
+        print(f"[{len(points)} calibration points written to {ns.calibration_out}]")
     table = latency.format_rows(rows)
     print(table)
     if ns.json:

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 
 from roofline.bench.ceilings import Ceilings
 from roofline.engine.llm_engine import LLMEngine
+from roofline.planner.calibration import CalibrationPoint, StepShape
 from roofline.planner.roofline import Precision, step_cost
+from roofline.planner.simulator import step_shape
 from roofline.sampling_params import SamplingParams
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -47,23 +49,34 @@ def run_batch(
     input_len: int,
     output_len: int,
     seed: int = 0,
+    points: list[CalibrationPoint] | None = None,
 ) -> LatencyRow:
+    """Time every step of ``batch_size`` requests; each step's shape and time is appended to
+    ``points`` when given (the planner's calibration format)."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ids = [f"lat-{batch_size}-{i}" for i in range(batch_size)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(10, vocab - 10) for _ in range(input_len)], params)
-    start = time.perf_counter()
+    shapes: list[StepShape] = []
+    engine.on_schedule = lambda sched_out: shapes.append(step_shape(sched_out))
     started: set[str] = set()
-    while len(started) < batch_size:
-        started.update(o.request_id for o in engine.step())
-    prefill_s = time.perf_counter() - start
-    step_times = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - t0)
+    prefill_s, step_times = 0.0, []
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            if points is not None and shapes:
+                points.append(CalibrationPoint.from_shape(shapes[-1], dt))
+            if len(started) < batch_size:
+                prefill_s += dt
+                started.update(o.request_id for o in outs)
+            else:
+                step_times.append(dt)
+    finally:
+        engine.on_schedule = None
     step_times = step_times[1:-1] or step_times  # the edges may hold ragged work
     p50 = statistics.median(step_times)
     p90 = sorted(step_times)[int(0.9 * (len(step_times) - 1))]
@@ -95,9 +108,12 @@ def run(
     batch_sizes: list[int],
     input_len: int,
     output_len: int,
+    points: list[CalibrationPoint] | None = None,
 ) -> list[LatencyRow]:
     run_batch(engine, ceilings, 1, min(input_len, 16), 4)  # warm-up
-    return [run_batch(engine, ceilings, b, input_len, output_len) for b in batch_sizes]
+    return [
+        run_batch(engine, ceilings, b, input_len, output_len, points=points) for b in batch_sizes
+    ]
 
 
 def format_rows(rows: list[LatencyRow]) -> str:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from roofline.config import ModelConfig
 from roofline.core.kv_cache_manager import KVCacheManager
-from roofline.core.outputs import TokenLogprobs
+from roofline.core.outputs import SchedulerOutput, TokenLogprobs
 from roofline.core.scheduler import Scheduler
 from roofline.engine.args import EngineArgs
 from roofline.engine.detokenizer import IncrementalDetokenizer
@@ -103,6 +104,8 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Group, int]] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
+        """Called with each step's SchedulerOutput before it runs (tracing, calibration)."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -233,6 +236,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(sched_out)
         run_out = self.runner.execute(sched_out)
         updates = self.scheduler.update(sched_out, run_out)
         changed: dict[str, _Group] = {}

@@ -1,0 +1,87 @@
+"""`roofline bench latency` and `bench throughput` on a tiny random model on the CPU: their
+tables, the roofline percentages, and the calibration file that `roofline plan fit` reads."""
+
+from __future__ import annotations
+
+import json
+
+from roofline.entrypoints.cli import main
+from roofline.planner.calibration import fit_calibration, load_calibration
+
+
+def _tiny_config(tmp_path) -> str:
+    cfg = json.load(open("roofline/model_configs/qwen3-0.6b/config.json"))
+    cfg.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_bench_latency_writes_calibration(tmp_path, capsys):
+    model = _tiny_config(tmp_path)
+    cal_path, json_path = tmp_path / "cal.json", tmp_path / "lat.json"
+    rc = main(
+        [
+            "bench",
+            "latency",
+            "--model",
+            model,
+            "--batch-sizes",
+            "1,4",
+            "--input-len",
+            "24",
+            "--output-len",
+            "12",
+            "--max-model-len",
+            "256",
+            "--json",
+            str(json_path),
+            "--calibration-out",
+            str(cal_path),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "% roofline" in out and "calibration points written" in out
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    assert all(r["step_ms_p50"] > 0 and 0 < r["roofline_pct"] for r in rows)
+    cal = load_calibration(cal_path)
+    # every step of both batches (prefill and decode) was recorded with its shape
+    assert len(cal.points) >= 2 * 12 - 2
+    assert {p.num_decode_tokens for p in cal.points} >= {1, 4}
+    assert any(p.num_prefill_chunks == 4 for p in cal.points)  # the batch-4 prefill step
+    fit_calibration(cal.points)  # the planner can fit a step-time model from it
+    rc = main(["plan", "fit", "--calibration", str(cal_path)])
+    assert rc == 0
+
+
+def test_bench_throughput_reports_roofline(tmp_path, capsys):
+    model = _tiny_config(tmp_path)
+    rc = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            model,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8:32",
+            "--output-len",
+            "4:8",
+            "--max-model-len",
+            "256",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "of the workload roofline" in out and "output tok/s" in out
