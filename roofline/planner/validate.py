@@ -46,16 +46,13 @@ class Trace:
 
 def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool = True) -> Trace:
     """Run ``requests`` through ``engine`` and time every step (see the module docstring)."""
-    runner = engine.runner
-    original = runner.execute
     seen: list[Any] = []
 
-    def execute(sched_out):  # record the shape before the scheduler's update advances it
+    def record(sched_out):  # the shape before the scheduler's update advances it
         seen.append((step_shape(sched_out), [s.request.request_id for s in sched_out.scheduled
                                              if s.samples]))  # fmt: skip
-        return original(sched_out)
 
-    runner.execute = execute
+    engine.on_schedule = record
     reqs = sorted(requests, key=lambda r: r.arrival_time_s)
     metrics: dict[str, RequestMetrics] = {}
     max_tokens: dict[str, int] = {}
@@ -100,7 +97,7 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                           sch.kv_usage, sch.num_preemptions_total)
             )  # fmt: skip
     finally:
-        runner.execute = original
+        engine.on_schedule = None
     stats = engine.get_stats()
     result = SimResult(
         list(metrics.values()),
