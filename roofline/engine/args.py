@@ -47,6 +47,15 @@ _HELP = {
 }
 
 
+def _sliding_window(model_config: ModelConfig) -> int | None:
+    """The attention window of a checkpoint that uses one (Mistral v0.1), else None."""
+    cfg = model_config.hf_config
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -99,14 +108,22 @@ class EngineArgs:
 
     def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:
         max_len = self.max_model_len
+        window = _sliding_window(model_config)
         if max_len is None:
             max_len = model_config.max_position_embeddings
             if device.type == "cpu":
                 max_len = min(max_len, 8192)
+            if window is not None:
+                max_len = min(max_len, window)
         elif max_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_len} exceeds the model's "
                 f"max_position_embeddings={model_config.max_position_embeddings}"
+            )
+        elif window is not None and max_len > window:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's sliding window ({window}); "
+                "sliding-window attention is not implemented, so contexts stay within it"
             )
         budget = self.max_num_batched_tokens
         if budget is None:
