@@ -141,9 +141,10 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs: list[Request] = []
         for i in range(params.n):
-            seq_params = dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
+            seed = params.seed
+            if seed is not None and i > 0:  # each completion its own stream, within uint64
+                seed = (seed + i) % 2**64
+            seq_params = dataclasses.replace(params, n=1, seed=seed)
             seqs.append(
                 Request(
                     request_id=request_id if params.n == 1 else f"{request_id}#{i}",

@@ -163,3 +163,11 @@ def test_token_counters(llm):
     after = llm.llm_engine.get_stats()
     assert after.generation_tokens_total - before.generation_tokens_total == 5
     assert after.prompt_tokens_total - before.prompt_tokens_total == n
+
+
+def test_extreme_seeds_with_n(llm):
+    # seed + completion index must stay a valid generator seed at both ends of the range
+    for seed in (2**64 - 1, -(2**63)):
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=seed, ignore_eos=True)
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [3, 3]
