@@ -27,12 +27,8 @@ import httpx
 from roofline import LLM
 from roofline.bench import latency, serve, throughput, workloads
 from roofline.bench.ceilings import measure
+from roofline.bench.cli import parse_range
 from roofline.bench.serve_load import BenchRequest, run_requests, served_model
-
-
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -70,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=_range, default=(32, 256))
+    ap.add_argument("--input-len", type=parse_range, default=(32, 256))
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--port", type=int, default=18123)

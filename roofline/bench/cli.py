@@ -22,7 +22,8 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _range(text: str) -> tuple[int, int]:
+def parse_range(text: str) -> tuple[int, int]:
+    """``N`` or ``LO:HI`` -> (lo, hi)."""
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
 
@@ -56,8 +57,8 @@ def add_cli(subparsers) -> None:
         help="synthetic, chat (built-in questions, chat template) or a .jsonl path",
     )
     thr.add_argument("--num-prompts", type=int, default=256)
-    thr.add_argument("--input-len", type=_range, default=(100, 1024), help="N or LO:HI")
-    thr.add_argument("--output-len", type=_range, default=(512, 512), help="N or LO:HI")
+    thr.add_argument("--input-len", type=parse_range, default=(100, 1024), help="N or LO:HI")
+    thr.add_argument("--output-len", type=parse_range, default=(512, 512), help="N or LO:HI")
     thr.add_argument("--compare", default="", help="comma list of peers: hf, hf-batch, llamacpp")
     thr.add_argument("--hf-batch-size", type=int, default=16)
     thr.set_defaults(func=cmd_throughput)
