@@ -62,6 +62,11 @@ class _Group:
     cumulative_logprob: list[float] = field(default_factory=list)
     stream: bool = True
     """Emit an output every step the request changes (False: only once it has finished)."""
+    delta: bool = False
+    """Outputs carry only what is new since the previous output of this request (text, token
+    ids, logprobs); ``cumulative_logprob`` stays cumulative."""
+    sent: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per completion, (chars of text, token ids, logprob entries) already reported."""
 
     @property
     def finished(self) -> bool:
@@ -128,9 +133,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         stream: bool = True,
+        delta: bool = False,
     ) -> None:
         """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs; with
-        ``stream=False`` step() reports the request only once, when it has finished."""
+        ``stream=False`` step() reports the request only once, when it has finished; with
+        ``delta=True`` each output holds only what is new since the request's previous one
+        (what a streaming server sends), instead of everything so far."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -167,6 +175,8 @@ class LLMEngine:
             [[] if params.logprobs is not None else None for _ in seqs],
             [0.0] * len(seqs),
             stream,
+            delta,
+            [(0, 0, 0)] * len(seqs),
         )
         added: list[str] = []
         try:
@@ -302,15 +312,23 @@ class LLMEngine:
         completions = []
         for i, seq in enumerate(group.seqs):
             detok = group.detoks[i]
+            text = detok.output_text if detok is not None else ""
+            lps = group.logprobs[i]
+            if group.delta:
+                n_text, n_tok, n_lp = group.sent[i]
+                group.sent[i] = (len(text), seq.num_output_tokens, len(lps or ()))
+                text, token_ids = text[n_text:], seq.output_token_ids[n_tok:]
+                lps = None if lps is None else lps[n_lp:]
+            else:
+                token_ids = list(seq.output_token_ids)
+                lps = None if lps is None else list(lps)
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.output_text if detok is not None else "",
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=group.cumulative_logprob[i]
-                    if group.logprobs[i] is not None
-                    else None,
-                    logprobs=list(group.logprobs[i]) if group.logprobs[i] is not None else None,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=group.cumulative_logprob[i] if lps is not None else None,
+                    logprobs=lps,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

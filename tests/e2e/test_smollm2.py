@@ -171,3 +171,33 @@ def test_extreme_seeds_with_n(llm):
         params = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=seed, ignore_eos=True)
         out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
         assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
+    """delta=True outputs (what a streaming server sends) concatenate to the final cumulative
+    output: text, token ids and logprobs, for every one of n completions."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, n=2, logprobs=2, stop=["."])
+    engine.add_request("cum", "The capital of France is", params)
+    engine.add_request("delta", "The capital of France is", params, delta=True)
+    final: dict[str, object] = {}
+    pieces: dict[int, list] = {0: [], 1: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "delta":
+                for c in out.outputs:
+                    pieces[c.index].append(c)
+            if out.finished:
+                final[out.request_id] = out
+    for c in final["cum"].outputs:
+        parts = pieces[c.index]
+        assert "".join(p.text for p in parts) == c.text
+        assert [t for p in parts for t in p.token_ids] == c.token_ids
+        got = [lp for p in parts for lp in p.logprobs]
+        assert [sorted(d) for d in got] == [sorted(d) for d in c.logprobs]
+        for d_got, d_ref in zip(got, c.logprobs):  # same tokens; batch rows may round apart
+            for tid, lp in d_ref.items():
+                assert d_got[tid].logprob == pytest.approx(lp.logprob, abs=1e-4)
+        assert parts[-1].finish_reason == c.finish_reason
+        assert parts[-1].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-3)
+        assert len(parts) > 1
