@@ -46,7 +46,12 @@ class Request:
     shares once they are computed."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    """Tokens whose K/V are in the cache (prompt and output)."""
+    """Tokens whose K/V are in the cache or being written by a launched step (prompt and
+    output). The scheduler advances it when it schedules a step."""
+    num_pending_tokens: int = 0
+    """Output tokens a launched step is sampling whose values the host has not received yet
+    (at most 2 with async scheduling: one per step in flight). They count in ``num_tokens`` but
+    not in ``output_token_ids``; ``Scheduler.update`` turns them into real tokens in order."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was (last) admitted."""
     num_preemptions: int = 0
@@ -71,10 +76,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, pending ones included: the length the next step extends."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens whose ids the host knows (``len(all_token_ids)``)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt + output token ids the host knows (pending tokens excluded)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

@@ -222,8 +222,8 @@ class KVCacheManager:
             blocks.append(page)
         if hit_pages:
             self._num_checked[rid] = len(hit_pages)
-        if self.enable_prefix_caching:
-            self._register_full_pages(request, num_known)
+        if self.enable_prefix_caching:  # pending tokens (async scheduling) have no ids yet
+            self._register_full_pages(request, min(num_known, request.num_known_tokens))
         return list(blocks)
 
     def share_prefix(

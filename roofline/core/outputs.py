@@ -17,25 +17,23 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     """Tokens computed for this request in this step: positions
-    ``[request.num_computed_tokens, request.num_computed_tokens + num_new_tokens)``."""
+    ``[start_position, start_position + num_new_tokens)``."""
     block_ids: list[int]
     """The request's whole block table after this step's allocation (page ids, in order)."""
-
-    @property
-    def start_position(self) -> int:
-        return self.request.num_computed_tokens
+    start_position: int
+    """The request's ``num_computed_tokens`` when it was scheduled (the scheduler advances the
+    request by ``num_new_tokens`` once the step is decided)."""
+    samples: bool
+    """True when this step reaches the end of the request's tokens, so the last position's
+    logits produce its next token (False for a partial prefill chunk)."""
 
     @property
     def token_ids(self) -> list[int]:
-        """The token ids fed to the model this step."""
-        start = self.request.num_computed_tokens
+        """The token ids fed to the model this step that the host knows. With async
+        scheduling the last one may be pending (sampled by the step still in flight): then
+        this list is one shorter and the runner takes that id from the device."""
+        start = self.start_position
         return self.request.all_token_ids[start : start + self.num_new_tokens]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's known tokens, so the last
-        position's logits produce its next token (False for a partial prefill chunk)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

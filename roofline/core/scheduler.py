@@ -5,8 +5,11 @@ There are no prefill or decode phases. Every step spends a budget of
 ``min(num_tokens - num_computed_tokens, remaining budget)`` new tokens, so a long prompt is
 chunked over steps and decodes run beside prefill chunks), then on admitting waiting requests.
 When pages run out a running request is preempted (its pages freed, recomputed from scratch
-later). ``update()`` folds the runner's sampled tokens back in and applies the stop rules. Pure
-Python: requests, token ids and page ids only.
+later). Once a step is decided its requests are advanced at once (``num_computed_tokens``,
+plus one *pending* token for each that samples), so the next step can be scheduled while this
+one still runs on the GPU (async scheduling); ``update()`` later turns the pending tokens into
+the runner's sampled ids and applies the stop rules. Pure Python: requests, token ids and page
+ids only.
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ class _Step:
     preempted_ids: list[str] = field(default_factory=list)
 
     def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
-        self.scheduled[request.request_id] = ScheduledRequest(request, num_new_tokens, block_ids)
+        start = request.num_computed_tokens
+        samples = start + num_new_tokens == request.num_tokens
+        self.scheduled[request.request_id] = ScheduledRequest(
+            request, num_new_tokens, block_ids, start, samples
+        )
         self.budget -= num_new_tokens
 
     def unschedule(self, request: Request) -> None:
@@ -131,6 +138,10 @@ class Scheduler:
         if not step.preempted_ids:
             self._schedule_waiting(step)
         scheduled = list(step.scheduled.values())
+        for entry in scheduled:  # decided: the step's tokens count as computed from now on
+            entry.request.num_computed_tokens += entry.num_new_tokens
+            if entry.samples:
+                entry.request.num_pending_tokens += 1
         out = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
@@ -146,6 +157,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._finishes_on_pending(request):
+                continue  # its pending token ends it (length): nothing more to compute
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             while True:
                 block_ids = self.kv.allocate(request, num_new)
@@ -156,6 +169,16 @@ class Scheduler:
                 self._preempt(victim, step)
                 if victim is request:
                     break
+
+    def _finishes_on_pending(self, request: Request) -> bool:
+        """Whether the request's pending tokens (async scheduling) will take it to
+        ``max_tokens`` or ``max_model_len``, so that it finishes when they land."""
+        if not request.num_pending_tokens:
+            return False
+        return (
+            request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
 
     def _running_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -182,8 +205,10 @@ class Scheduler:
         for request in order:
             if len(self.running) >= self.config.max_num_seqs or step.budget == 0:
                 break
-            if self._waits_for_parent(request):
-                continue  # do not block unrelated requests behind a fork
+            if self._waits_for_parent(request) or request.num_pending_tokens:
+                # do not block unrelated requests behind a fork; a request preempted while a
+                # step was sampling for it comes back once that token has landed
+                continue
             if not self._admit(request, step):
                 break
 
@@ -279,18 +304,18 @@ class Scheduler:
     def update(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Fold a step's results in: advance ``num_computed_tokens``, append sampled tokens,
-        apply stop rules and free finished requests. Returns one update per request that got a
-        token; requests finished or aborted since ``schedule()`` are skipped."""
+        """Fold a step's results in: each sampling request's oldest pending token becomes the
+        sampled id, then the stop rules apply (a finished request's pages are freed). Returns
+        one update per request that got a token; requests finished or aborted since
+        ``schedule()`` are skipped. A request preempted since (async scheduling) still gets its
+        token: it was computed from the right prefix."""
         updates: list[RequestUpdate] = []
         for entry in sched_out.scheduled:
             request = entry.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted mid-step: never resurrect it
-            request.num_computed_tokens += entry.num_new_tokens
-            token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None:
-                continue  # a prefill chunk that does not reach the end yet
+            if not entry.samples or request.is_finished:
+                continue  # a partial prefill chunk; or finished/aborted mid-step: stay so
+            token = runner_out.sampled_token_ids[request.request_id]
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             now = time.monotonic()
             if request.first_token_time is None:
@@ -318,7 +343,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if (
             request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
+            or request.num_known_tokens >= self.config.max_model_len
         ):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -44,6 +44,7 @@ _HELP = {
     "attention_backend": "auto, torch or triton",
     "num_pages": "exact number of KV pages (testing)",
     "enforce_eager": "never capture CUDA graphs for decode steps",
+    "async_scheduling": "schedule step N+1 while the GPU runs step N (default: on with CUDA)",
 }
 
 
@@ -76,6 +77,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     num_pages: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -145,7 +147,7 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool" or isinstance(f.default, bool):
+            if str(f.type).startswith("bool") or isinstance(f.default, bool):
                 parser.add_argument(
                     flag,
                     action=argparse.BooleanOptionalAction,

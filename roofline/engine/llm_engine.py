@@ -1,8 +1,17 @@
 """LLMEngine: the step loop that ties scheduler, model runner and detokenizers together.
 
-``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()`` ->
-detokenize, check stop strings, and build one cumulative :class:`RequestOutput` per user
-request that changed. A user request with ``n > 1`` is ``n`` scheduler requests (a *group*);
+``step()`` = ``scheduler.schedule()`` -> ``runner.launch()`` -> ``scheduler.update()`` ->
+detokenize, check stop strings, and build one :class:`RequestOutput` per user request that
+changed (cumulative, or only what is new with ``delta=True``).
+
+With async scheduling (default on CUDA) one step stays in flight: ``step()`` schedules and
+launches step N+1 *before* it waits for step N's sampled ids and does N's host work (update,
+detokenize, outputs), so that host work runs while the GPU computes N+1 and the GPU never waits
+for Python. The scheduler counts N's sampled tokens as pending; N+1's decode rows read them on
+the device. A request that finishes at N (EOS, stop string) has one wasted token computed at
+N+1, which is dropped. Requests whose sampling needs their previous token on the host
+(repetition/presence/frequency penalties, ``min_tokens``) switch the engine to synchronous
+steps while they run. A user request with ``n > 1`` is ``n`` scheduler requests (a *group*);
 the 2nd..nth fork from the first so they share its prompt pages. Input is validated here, before
 it reaches the scheduler, so a bad request is refused with a ``ValueError`` and never enters the
 loop.
@@ -31,7 +40,7 @@ from roofline.models.weights import (
 from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from roofline.request import Request, RequestStatus
 from roofline.sampling_params import SamplingParams
-from roofline.worker.model_runner import ModelRunner
+from roofline.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +120,13 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         """Called with each step's SchedulerOutput before it runs (tracing, calibration)."""
+        async_scheduling = args.async_scheduling
+        self.async_scheduling = (
+            device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
+        )
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._num_sync_groups = 0
+        """Unfinished user requests whose sampling needs host-side history (no overlap)."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -187,6 +203,8 @@ class LLMEngine:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
         self._groups[request_id] = group
+        if _needs_sync(params):
+            self._num_sync_groups += 1
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (group, i)
 
@@ -233,23 +251,43 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (all their completions); unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
-            ids = [s.request_id for s in group.seqs]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            for sid in ids:
-                self._seq_owner.pop(sid, None)
+            self.scheduler.finish_requests(
+                [s.request_id for s in group.seqs], RequestStatus.FINISHED_ABORTED
+            )
+            self._drop(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        """Requests are unfinished, or a launched step still has to be folded in."""
+        return bool(self._groups) or self._in_flight is not None
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """Launch the next step and return the outputs of the one that completed: this one
+        (synchronous), or the previous one (async scheduling, which keeps one in flight)."""
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        overlap = self.async_scheduling and self._num_sync_groups == 0
+        if prev is not None and not overlap:
+            outputs += self._finish_step(*prev)  # drain: this step needs the host up to date
+            prev = None
         sched_out = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule(sched_out)
-        run_out = self.runner.execute(sched_out)
+        handle = self.runner.launch(sched_out)
+        if prev is not None:
+            outputs += self._finish_step(*prev)  # runs while the device computes sched_out
+        if overlap and not sched_out.is_empty:
+            self._in_flight = (sched_out, handle)
+        else:
+            outputs += self._finish_step(sched_out, handle)
+        return outputs
+
+    def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and fold them in; the step's outputs."""
+        run_out = handle.result()
         updates = self.scheduler.update(sched_out, run_out)
         changed: dict[str, _Group] = {}
         now = time.monotonic()
@@ -355,7 +393,9 @@ class LLMEngine:
         )
 
     def _drop(self, group: _Group) -> None:
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            if _needs_sync(group.seqs[0].sampling_params):
+                self._num_sync_groups -= 1
         for seq in group.seqs:
             self._seq_owner.pop(seq.request_id, None)
 
@@ -383,6 +423,17 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _needs_sync(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's previous token on the host (penalties over the
+    output so far, min_tokens masking), which async scheduling has not received yet."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.min_tokens > 0
+    )
 
 
 def _make_backend(name: str, device):

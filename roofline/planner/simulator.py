@@ -99,13 +99,13 @@ class SimResult:
 
 
 def step_shape(sched_out: SchedulerOutput) -> StepShape:
-    """The step's shape, read before ``update()`` advances ``num_computed_tokens``. A one-token
-    step is a decode whose context includes the new token; anything longer is a prefill chunk
-    (a fresh prompt, the rest of a chunked one, or a preempted request recomputing)."""
+    """The step's shape. A one-token step is a decode whose context includes the new token;
+    anything longer is a prefill chunk (a fresh prompt, the rest of a chunked one, or a
+    preempted request recomputing)."""
     num_decode = ctx_sum = 0
     chunks: list[tuple[int, int]] = []
     for s in sched_out.scheduled:
-        start = s.request.num_computed_tokens
+        start = s.start_position
         if s.num_new_tokens == 1:
             num_decode += 1
             ctx_sum += start + 1

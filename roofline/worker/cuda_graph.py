@@ -16,6 +16,7 @@ import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.layers.attention import AttentionBackend, ForwardContext
+from roofline.worker.pending import PendingInputs, fill_pending
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -93,12 +94,16 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
+        pending: PendingInputs | None = None,
     ) -> torch.Tensor:
-        """Replay for ``n = len(input_ids)`` decode rows (host tensors, pinned); returns the
-        hidden states ``[n, hidden]`` (a view into the graph's output buffer)."""
+        """Replay for ``n = len(input_ids)`` decode rows (host tensors, pinned); ``pending``
+        fills the input ids still on the device. Returns the hidden states ``[n, hidden]``
+        (a view into the graph's output buffer)."""
         n = input_ids.shape[0]
         bs = next(b for b in self.buckets if b >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if pending is not None:
+            fill_pending(self.input_ids, pending)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)

@@ -4,25 +4,32 @@
 ``input_ids[num_tokens]``, ``positions[num_tokens]`` and an :class:`AttentionMetadata`, runs the
 model, computes logits only for the rows that sample (the last row of each request whose chunk
 reaches its end) and samples them. The only host synchronisation is reading the sampled ids.
+
+``launch(SchedulerOutput)`` does the same without waiting: it returns a :class:`StepHandle`
+whose ``result()`` waits for the sampled ids, which travel to pinned host memory behind the
+step. With async scheduling the next step is launched before that: a decode row whose input
+token is still pending (sampled by the previous launch) takes it from that launch's sampled ids
+on the device, so the host never needs the value to feed the GPU.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
-from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput
+from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.sampler import Sampler
 from roofline.models.registry import get_model_class
 from roofline.request import Request
 from roofline.worker.cuda_graph import DecodeGraphs
+from roofline.worker.pending import PendingInputs, fill_pending
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,10 @@ class ModelRunner:
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self._prev_sampled: torch.Tensor | None = None
+        """The previous launch's sampled ids on the device ([num_sampled] int64)."""
+        self._prev_rows: dict[str, int] = {}
+        """request id -> its row in ``_prev_sampled``."""
 
     def _build_model(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int
@@ -157,25 +168,34 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.launch(sched_out).result()
+
+    @torch.inference_mode()
+    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
+        """Queue one step on the device; the sampled ids arrive through the handle."""
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
         if sched_out.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return StepHandle([], None, [])
         batch = _HostBatch.build(sched_out, self.page_size)
+        pending = self._pending_sources(batch) if batch.pending_rows else None
         if (
             self.graphs is not None
             and batch.max_query_len == 1
             and self.graphs.fits(batch.num_reqs)
         ):
-            hidden = self.graphs.run(*batch.pinned_decode_inputs())
+            hidden = self.graphs.run(*batch.pinned_decode_inputs(), pending=pending)
         else:
             input_ids, positions, meta = batch.to_device(self.device)
+            if pending is not None:
+                fill_pending(input_ids, pending)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         if not batch.sample_rows:
-            return ModelRunnerOutput(sampled_token_ids={})
+            self._prev_sampled, self._prev_rows = None, {}
+            return StepHandle([], None, [])
         requests = batch.sample_requests
         if len(batch.sample_rows) == hidden.shape[0]:
             sampled_hidden = hidden  # every row samples (pure decode): no gather
@@ -184,9 +204,57 @@ class ModelRunner:
             sampled_hidden = hidden.index_select(0, rows)
         logits = self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] fp32
         out = self.sampler.sample(logits, requests)
-        token_ids = out.token_ids.tolist()  # the step's one host sync
+        self._prev_sampled = out.token_ids
+        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
+        return StepHandle(requests, out.token_ids, out.logprobs)
+
+    def _pending_sources(self, batch: _HostBatch) -> PendingInputs:
+        """Where each pending input token of ``batch`` lies in the previous launch's ids."""
+        prev = self._prev_sampled
+        try:
+            src = [self._prev_rows[rid] for rid in batch.pending_requests]
+        except KeyError as e:
+            raise RuntimeError(f"request {e} has a pending token no launch sampled") from e
+        assert prev is not None
+        dst = batch.pending_rows
+        if src == dst and dst[-1] == len(dst) - 1:  # rows 0..k-1 on both sides (steady decode)
+            return PendingInputs(prev[: len(dst)], None, None)
+        src_t = _to_device(src, torch.int64, self.device)
+        dst_t = _to_device(dst, torch.int64, self.device)
+        return PendingInputs(prev, src_t, dst_t)
+
+
+class StepHandle:
+    """A launched step's sampled ids on their way to the host.
+
+    The ids are copied into pinned memory behind the step and an event marks their arrival, so
+    the host can schedule and launch the next step meanwhile; ``result()`` waits for them."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        token_ids: torch.Tensor | None,
+        logprobs: list[TokenLogprobs | None],
+    ) -> None:
+        self._requests = requests
+        self._logprobs = logprobs
+        self._event: torch.cuda.Event | None = None
+        self._host = token_ids
+        if token_ids is not None and token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._host is None:
+            return ModelRunnerOutput(sampled_token_ids={})
+        if self._event is not None:
+            self._event.synchronize()  # the step's one host sync
+        token_ids = self._host.tolist()
+        requests = self._requests
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
+        logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -204,6 +272,10 @@ class _HostBatch:
     """Row of each sampling request's last token in the batch."""
     sample_requests: list[Request]
     page_size: int
+    pending_rows: list[int] = field(default_factory=list)
+    """Rows whose input token is pending (async scheduling): a 0 here, the device fills it."""
+    pending_requests: list[str] = field(default_factory=list)
+    """The request id of each pending row."""
 
     @property
     def num_reqs(self) -> int:
@@ -217,8 +289,16 @@ class _HostBatch:
     def build(cls, sched_out: SchedulerOutput, page: int) -> _HostBatch:
         b = cls([], [], [], [0], [], [], [], [], page)
         for s in sched_out.scheduled:
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            if n == 1 and start == req.num_tokens - 1 and req.output_token_ids:
+            req, start, n = s.request, s.start_position, s.num_new_tokens
+            known = req.num_known_tokens
+            if start + n > known:  # the last input token is pending (sampled by the last launch)
+                if start + n != known + 1:
+                    raise RuntimeError(f"request {req.request_id}: more than one pending input")
+                b.input_ids.extend(s.token_ids)
+                b.pending_rows.append(len(b.input_ids))
+                b.pending_requests.append(req.request_id)
+                b.input_ids.append(0)
+            elif n == 1 and start == known - 1 and req.output_token_ids:
                 b.input_ids.append(req.output_token_ids[-1])  # decode: skip the list concat
             else:
                 b.input_ids.extend(s.token_ids)

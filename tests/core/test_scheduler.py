@@ -240,7 +240,7 @@ def test_abort_mid_step_is_not_resurrected(make_request) -> None:
     out = sched.schedule()
     sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     assert sched.update(out, ModelRunnerOutput({"r": 5})) == []
-    assert req.output_token_ids == [] and req.num_computed_tokens == 0
+    assert req.output_token_ids == [] and sched.kv.num_free_pages == 64
     assert req.status is RequestStatus.FINISHED_ABORTED and sched.running == []
 
 
@@ -352,3 +352,86 @@ def test_update_passes_logprobs_and_timestamps(make_request) -> None:
     assert req.first_token_time == req.last_token_time is not None
     assert sched.get_request("r") is req and sched.kv_usage == pytest.approx(1 / 64)
     assert (sched.num_running, sched.num_waiting) == (1, 0)
+
+
+# ----------------------------------------------------------------- async scheduling
+
+
+def _sampled(out: SchedulerOutput, tokens: dict[str, int]) -> ModelRunnerOutput:
+    return ModelRunnerOutput({e.request.request_id: tokens[e.request.request_id]
+                              for e in out.scheduled if e.samples})  # fmt: skip
+
+
+def test_next_step_is_scheduled_before_the_previous_one_lands(make_request) -> None:
+    """Step N+1 is decided while step N runs: it decodes N's pending token; the updates then
+    land in order, each filling the oldest pending token."""
+    sched = make_scheduler()
+    req = make_request("a", range(6), max_tokens=8)
+    sched.add_request(req)
+    first = sched.schedule()
+    assert plan(first) == [("a", 6)] and req.num_pending_tokens == 1 and req.num_tokens == 7
+    second = sched.schedule()  # before first's update
+    entry = second.scheduled[0]
+    assert plan(second) == [("a", 1)] and entry.start_position == 6 and entry.samples
+    assert entry.token_ids == []  # position 6 is first's pending token: the runner's business
+    assert req.num_pending_tokens == 2 and req.num_computed_tokens == 7
+    assert [u.new_token_ids for u in sched.update(first, _sampled(first, {"a": 40}))] == [[40]]
+    assert req.output_token_ids == [40] and req.num_pending_tokens == 1
+    third = sched.schedule()
+    assert third.scheduled[0].token_ids == [] and third.scheduled[0].start_position == 7
+    sched.update(second, _sampled(second, {"a": 41}))
+    assert third.scheduled[0].token_ids == [41]
+    sched.update(third, _sampled(third, {"a": 42}))
+    assert req.output_token_ids == [40, 41, 42] and req.num_pending_tokens == 0
+
+
+def test_pending_tokens_that_reach_max_tokens_are_not_extended(make_request) -> None:
+    sched = make_scheduler()
+    req = make_request("a", range(3), max_tokens=2)
+    sched.add_request(req)
+    first, second = sched.schedule(), sched.schedule()
+    assert plan(second) == [("a", 1)]
+    assert sched.schedule().is_empty  # two pending tokens = max_tokens: nothing to compute
+    sched.update(first, _sampled(first, {"a": 5}))
+    updates = sched.update(second, _sampled(second, {"a": 6}))
+    assert updates[0].finished and req.status is RequestStatus.FINISHED_LENGTH
+    assert req.output_token_ids == [5, 6] and sched.kv.num_free_pages == 64
+
+
+def test_eos_while_the_next_step_is_in_flight(make_request) -> None:
+    """EOS lands after step N+1 was launched: the request finishes, its pages are freed, and
+    N+1's token for it is dropped."""
+    sched = make_scheduler()
+    req = make_request("a", range(3), max_tokens=8, eos_token_ids=frozenset({2}))
+    sched.add_request(req)
+    first, second = sched.schedule(), sched.schedule()
+    assert sched.update(first, _sampled(first, {"a": 2}))[0].finished
+    assert sched.kv.num_free_pages == 64 and not sched.has_unfinished_requests()
+    assert sched.update(second, _sampled(second, {"a": 9})) == []
+    assert req.output_token_ids == [2] and req.status is RequestStatus.FINISHED_STOPPED
+    assert sched.schedule().finished_request_ids == ["a"]
+
+
+def test_preempted_while_sampling_keeps_its_token(make_request) -> None:
+    """A request preempted while a launched step samples for it gets that token when it lands,
+    waits for it, and then recomputes prompt + outputs."""
+    sched = make_scheduler(num_pages=3, max_model_len=12)
+    a = make_request("a", range(4), max_tokens=8)
+    b = make_request("b", range(4), max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()  # 2 prompt pages of 3
+    assert plan(first) == [("a", 4), ("b", 4)]
+    second = sched.schedule()  # both need a 3rd page: the latest admitted (b) is preempted
+    assert plan(second) == [("a", 1)] and second.preempted_request_ids == ["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    sched.update(first, _sampled(first, {"a": 7, "b": 8}))
+    assert b.output_token_ids == [8] and b.num_pending_tokens == 0 and b.num_tokens == 5
+    sched.update(second, _sampled(second, {"a": 9}))
+    a.max_tokens = 2  # a finishes at its next token, freeing the pages b needs
+    third = sched.schedule()
+    assert plan(third) == [("a", 1)]
+    sched.update(third, _sampled(third, {"a": 3}))
+    assert a.is_finished
+    fourth = sched.schedule()
+    assert plan(fourth) == [("b", 5)] and fourth.scheduled[0].token_ids == [0, 1, 2, 3, 8]

@@ -71,3 +71,48 @@ def test_preemption(tiny):
     got, llm = _run(path, prompts, num_pages=12, max_model_len=192)
     assert got == expected
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, dict(max_num_batched_tokens=8, page_size=4), dict(num_pages=12, max_model_len=192)],
+    ids=["default", "small-chunks", "preemption"],
+)
+def test_async_scheduling_gives_the_same_tokens(tiny, kwargs):
+    """Step N+1 launched before step N's tokens reach the host (its decode rows read them on
+    the device): the same greedy tokens, with chunking, prefix hits and preemption."""
+    path, prompts, expected = tiny
+    got, llm = _run(path, prompts, async_scheduling=True, **kwargs)
+    assert got == expected
+    engine = llm.llm_engine
+    assert engine.async_scheduling and not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+    if "num_pages" in kwargs:
+        assert stats.num_preemptions_total > 0
+
+
+def test_async_scheduling_stops_where_sync_does(tiny):
+    """Stop tokens and max_tokens under async scheduling: each request ends exactly where the
+    synchronous engine ends it, although one extra step was already launched for it."""
+    path, prompts, expected = tiny
+    llm = LLM(str(path), dtype="float32", device="cpu", async_scheduling=True)
+    params = []
+    for i, exp in enumerate(expected):
+        if i % 2:
+            params.append(SamplingParams(temperature=0.0, max_tokens=1 + i, ignore_eos=True))
+        else:
+            params.append(
+                SamplingParams(temperature=0.0, max_tokens=NUM_NEW, stop_token_ids=[exp[9]])
+            )
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        if i % 2:
+            assert out.outputs[0].token_ids == exp[: 1 + i]
+            assert out.outputs[0].finish_reason == "length"
+        else:
+            cut = min(exp.index(t) for t in (exp[9], 2) if t in exp) + 1  # stop id or EOS (2)
+            assert out.outputs[0].token_ids == exp[:cut]
+            assert out.outputs[0].finish_reason == "stop"
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
