@@ -52,7 +52,8 @@ def prefill_tflops(llm: LLM, ceilings, num_tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hf-requests", type=int, default=48)
+    ap.add_argument("--hf-requests", type=int, default=32)
+    ap.add_argument("--throughput-mem", type=float, default=0.9)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     summary: dict[str, object] = {}
@@ -72,6 +73,10 @@ def main() -> None:
     rows = latency.run(llm.llm_engine, ceil, [1], 128, 256)
     print(f"qwen3-0.6b start-up {t_load:.1f}s\n" + latency.format_rows(rows), flush=True)
     summary["qwen3_0.6b_bs1"] = latency.as_dicts(rows)
+    llm.llm_engine.async_scheduling = False
+    rows = latency.run(llm.llm_engine, ceil, [1], 128, 256)
+    print("qwen3-0.6b, async scheduling off:\n" + latency.format_rows(rows), flush=True)
+    summary["qwen3_0.6b_bs1_sync"] = latency.as_dicts(rows)
     del llm
     free()
 
@@ -81,13 +86,18 @@ def main() -> None:
         max_model_len=8448,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.55,
+        gpu_memory_utilization=0.55,  # room for the HF peer on the same weights
     )
     print(f"llama-3.1-8b start-up (dummy weights, graphs captured): {t_load:.1f} s", flush=True)
     summary["llama8b_startup_s"] = t_load
     rows = latency.run(llm.llm_engine, ceil, [1, 8, 32, 128], 512, 128)
     print(latency.format_rows(rows), flush=True)
     summary["llama8b_latency"] = latency.as_dicts(rows)
+    llm.llm_engine.async_scheduling = False
+    rows = latency.run(llm.llm_engine, ceil, [1, 128], 512, 128)
+    print("async scheduling off:\n" + latency.format_rows(rows), flush=True)
+    summary["llama8b_latency_sync"] = latency.as_dicts(rows)
+    llm.llm_engine.async_scheduling = True
     tf, t = prefill_tflops(llm, ceil, 8192)
     print(
         f"prefill 8192 tokens: {t * 1e3:.0f} ms, {tf:.0f} TFLOP/s = "
@@ -96,13 +106,6 @@ def main() -> None:
     )
     summary["llama8b_prefill"] = {"s": t, "tflops": tf}
     wl = workloads.synthetic(256, (100, 1024), (512, 512), llm.llm_engine.model_config.vocab_size)
-    res = throughput.run(llm, ceil, wl, use_tqdm=False)
-    print(
-        f"throughput: {res.output_tok_s:.0f} out tok/s, {res.elapsed_s:.1f} s, "
-        f"{res.roofline_pct:.1f}% of workload roofline",
-        flush=True,
-    )
-    summary["llama8b_throughput"] = vars(res)
     hf = peers.hf_model_from_engine(llm.llm_engine)
     del llm
     free()
@@ -133,6 +136,24 @@ def main() -> None:
         summary["hf_decode_bs1"] = hf_decode
     except Exception as e:  # noqa: BLE001
         print(f"HF prefill/decode failed: {type(e).__name__}: {e}", flush=True)
+    del hf
+    free()
+
+    # --- offline throughput with the memory the engine would normally get
+    llm, _ = load(
+        "llama-3.1-8b",
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=args.throughput_mem,
+    )
+    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    print(
+        f"throughput (gpu_memory_utilization {args.throughput_mem}): {res.output_tok_s:.0f} "
+        f"out tok/s, {res.elapsed_s:.1f} s, {res.roofline_pct:.1f}% of workload roofline",
+        flush=True,
+    )
+    summary["llama8b_throughput"] = vars(res)
     with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
 

@@ -249,8 +249,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``."""
+    """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
+    The tile/launch overrides exist for tuning sweeps."""
     check_device(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -262,9 +265,11 @@ def prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    cfg_m, cfg_n, num_warps, num_stages = _pick_config(q.dtype, head_dim, max_query_len)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _pick_config(q.dtype, head_dim, max_query_len)
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)
     _prefill_kernel[(num_tiles, num_heads)](
