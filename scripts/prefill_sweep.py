@@ -48,9 +48,9 @@ def main() -> None:
     flops = causal_attention_flops([n], [n], h, d)
     scale = d**-0.5
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(h // hk, 1).transpose(0, 1),
-        v.repeat_interleave(h // hk, 1).transpose(0, 1), is_causal=True,
-    ).transpose(0, 1)  # fmt: skip
+        q.transpose(0, 1)[None], k.repeat_interleave(h // hk, 1).transpose(0, 1)[None],
+        v.repeat_interleave(h // hk, 1).transpose(0, 1)[None], is_causal=True,
+    )[0].transpose(0, 1)  # fmt: skip
     rows = []
     for bm, bn, w, st in CONFIGS:
         cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -62,10 +62,10 @@ def main() -> None:
             )
             rows.append((flops / t / 1e12, f"{bm}x{bn} w{w} s{st}", err))
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-            rows.append((0.0, f"{bm}x{bn} w{w} s{st}", f"{type(e).__name__}"))
-    qh = q.transpose(0, 1)
-    kh = k.repeat_interleave(h // hk, 1).transpose(0, 1).contiguous()
-    vh = v.repeat_interleave(h // hk, 1).transpose(0, 1).contiguous()
+            rows.append((0.0, f"{bm}x{bn} w{w} s{st}", f"{type(e).__name__}: {e}"[:300]))
+    qh = q.transpose(0, 1).contiguous()[None]  # [1, H, N, D]: SDPA's flash path wants 4-D
+    kh = k.repeat_interleave(h // hk, 1).transpose(0, 1).contiguous()[None]
+    vh = v.repeat_interleave(h // hk, 1).transpose(0, 1).contiguous()[None]
     t_sdpa = timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True))
     print(f"SDPA (contiguous K/V): {flops / t_sdpa / 1e12:.0f} TFLOP/s")
     for tf, name, err in sorted(rows, key=lambda r: -r[0]):
