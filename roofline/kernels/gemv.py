@@ -1,0 +1,291 @@
+"""Skinny GEMM for decode: ``out[M, N] = x[M, K] @ weight[N, K]^T (+ bias)`` for M <= 16.
+
+At decode batch sizes a linear layer is a pure weight read (M * K activations against N * K
+weights), so the figure of merit is HBM bandwidth. One launch, no split-K and no reduction
+kernel: program ``p`` owns the output columns ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` for BLOCK_M
+rows of x (a second grid axis takes further row blocks when M > 16) and walks the whole of K in
+``[BLOCK_N, BLOCK_K]`` weight tiles, each tile row a contiguous run of BLOCK_K elements (16-byte
+vectors, whole 128-byte lines per warp). The loop is a ``tl.range(num_stages=...)``, so Triton
+copies the next ``num_stages - 1`` tiles to shared memory (``cp.async``) while it reduces the
+current one: a program keeps several tiles in flight without holding them in registers. The
+weight loads are hinted ``evict_first`` (read once; the hint only reaches plain loads, not
+``cp.async``); x, re-read by every program, stays in L2.
+
+Two ways to reduce a tile (``use_dot``):
+
+* tensor cores (default for bf16/fp16): ``tl.dot(x_tile, w_tile^T)``, fp32 accumulation. Triton
+  (3.6) pads M or N below 16 itself, so any power-of-two BLOCK_M / BLOCK_N works and small N
+  can still spread over every SM.
+* CUDA cores (always for fp32, which must not round through TF32): with one row of x the
+  products are accumulated elementwise in a ``[BLOCK_N, BLOCK_K]`` fp32 tile and reduced over K
+  once after the loop; with more rows, a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` product is summed over
+  K at every step.
+
+Each output is reduced by one program in a fixed order: deterministic, independent of the grid,
+and capturable in a CUDA graph (no host sync; nothing is allocated but ``out``). Weight rows past
+N and x rows past M are clamped to the last valid row rather than masked (their results are
+never stored), so the main loop carries no masks; a K that is not a multiple of BLOCK_K gets one
+peeled, masked step. Accumulation is fp32; the bias is added in fp32; the result is rounded once
+to x's dtype.
+
+Configs: ``TUNED_CONFIGS[(N, K, m_bucket(M))]``, measured on an H100 by ``scripts/gemv_bench.py``,
+else ``heuristic_config``: at least 1.5 programs per SM, 4 to 32 KiB weight tiles.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, num_sms
+
+MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
+MIN_PROGRAMS_PER_SM = 1.5  # the heuristic's BLOCK_N keeps at least this many programs per SM
+
+# (N, K, m_bucket) -> (block_n, block_k, num_warps, num_stages, use_dot), measured on an H100
+# (bf16, CUDA graph of back-to-back calls, weights not in L2) by scripts/gemv_bench.py.
+# Llama-3.1-8B (qkv, o, gate_up, down, lm_head) and Qwen3-0.6B (qkv, o, gate_up, down), 2026-11-22.
+TUNED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {
+    (6144, 4096, 1): (8, 256, 4, 3, False),
+    (6144, 4096, 2): (32, 256, 4, 3, True),
+    (6144, 4096, 4): (16, 256, 4, 4, True),
+    (6144, 4096, 8): (16, 256, 4, 3, True),
+    (4096, 4096, 1): (8, 512, 4, 3, False),
+    (4096, 4096, 2): (32, 256, 4, 5, True),
+    (4096, 4096, 4): (32, 256, 4, 5, True),
+    (4096, 4096, 8): (32, 256, 4, 5, True),
+    (28672, 4096, 1): (32, 512, 4, 5, False),
+    (28672, 4096, 2): (128, 256, 4, 3, True),
+    (28672, 4096, 4): (128, 256, 4, 3, True),
+    (28672, 4096, 8): (32, 256, 4, 3, True),
+    (4096, 14336, 1): (8, 512, 4, 3, False),
+    (4096, 14336, 2): (32, 256, 4, 5, True),
+    (4096, 14336, 4): (32, 256, 4, 5, True),
+    (4096, 14336, 8): (16, 256, 4, 5, True),
+    (128256, 4096, 1): (32, 512, 4, 5, False),
+    (128256, 4096, 2): (32, 512, 4, 5, True),
+    (128256, 4096, 4): (32, 512, 4, 5, True),
+    (128256, 4096, 8): (32, 512, 8, 5, True),
+    (4096, 1024, 1): (8, 512, 4, 3, False),
+    (4096, 1024, 2): (32, 256, 4, 5, True),
+    (4096, 1024, 4): (32, 256, 4, 5, True),
+    (4096, 1024, 8): (32, 256, 4, 5, True),
+    (1024, 2048, 1): (4, 512, 4, 5, False),
+    (1024, 2048, 2): (8, 512, 4, 3, True),
+    (1024, 2048, 4): (8, 256, 4, 5, True),
+    (1024, 2048, 8): (8, 512, 4, 3, True),
+    (6144, 1024, 1): (8, 512, 4, 3, False),
+    (6144, 1024, 2): (32, 256, 4, 3, True),
+    (6144, 1024, 4): (16, 256, 4, 3, True),
+    (6144, 1024, 8): (16, 256, 4, 3, True),
+    (1024, 3072, 1): (4, 512, 4, 5, False),
+    (1024, 3072, 2): (8, 512, 4, 3, True),
+    (1024, 3072, 4): (8, 256, 4, 5, True),
+    (1024, 3072, 8): (8, 512, 4, 3, True),
+}
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int  # output columns (weight rows) per program, a power of two
+    block_k: int  # reduction elements per step, a power of two; >= 64 for 16-byte vectors
+    num_warps: int
+    num_stages: int  # K-loop software pipelining: num_stages - 1 weight tiles in flight
+    use_dot: bool  # tensor cores (tl.dot) vs CUDA-core FMAs; ignored (False) for fp32
+
+
+def skinny_gemm_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """fp32 matmul of the (exactly widened) inputs, bias added in fp32, rounded once."""
+    out = x.float() @ weight.float().T  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _accumulate(acc, x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc += x @ w^T for one K step; x: [BLOCK_M, BLOCK_K], w: [BLOCK_N, BLOCK_K].
+
+    acc is [BLOCK_M, BLOCK_N] fp32, except on CUDA cores with BLOCK_M == 1, where it is the
+    unreduced [BLOCK_N, BLOCK_K] fp32 tile of products (summed over K after the loop)."""
+    if USE_DOT:
+        acc = tl.dot(x, tl.trans(w), acc)
+    elif BLOCK_M == 1:
+        acc += w.to(tl.float32) * x.to(tl.float32)  # [BN, BK] * [1, BK]
+    else:
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        acc += tl.sum(prod, axis=2)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K], rows stride_xm apart, contiguous
+    w_ptr,  # [N, K], rows stride_wn apart, contiguous
+    bias_ptr,  # [N] (read only if HAS_BIAS)
+    out_ptr,  # [M, N], rows stride_om apart, contiguous
+    M,  # not specialized: M = 1 and M = 3 share a compiled kernel of the same BLOCK_M
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no tail step (and fewer registers)
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: padding re-reads row N - 1
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+
+    if USE_DOT or BLOCK_M > 1:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_main = K - K % BLOCK_K
+    for _ in tl.range(0, k_main, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BK]
+        x = tl.load(x_ptrs)  # [BM, BK]
+        acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not EVEN_K:
+        mask_k = offs_k[None, :] < K - k_main  # [1, BK]
+        w = tl.load(w_ptrs, mask=mask_k, other=0.0)
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
+
+    if USE_DOT or BLOCK_M > 1:
+        result = acc  # [BM, BN]
+    else:
+        result = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def m_bucket(m: int) -> int:
+    """The TUNED_CONFIGS key (and BLOCK_M) for M rows: the next power of two, at most 16."""
+    return min(MAX_BLOCK_M, triton.next_power_of_2(max(m, 1)))
+
+
+def heuristic_config(n: int, k: int, sms: int) -> SkinnyConfig:
+    """A config for shapes the bench has not measured.
+
+    BLOCK_N: the largest power of two up to 64 that leaves at least MIN_PROGRAMS_PER_SM
+    programs per SM (N = 4096 on 132 SMs: 16, 256 programs; N = 1024: 4). BLOCK_K: 256, or 512
+    when BLOCK_N <= 8, so a step reads 4 to 32 KiB of weights; never far beyond K, and halved
+    (down to 64) until it divides K where that is possible: the masked tail step holds its tile
+    in registers and roughly triples the kernel's register count. Four stages: three tiles in
+    flight per program."""
+    block_n = 64
+    while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS_PER_SM * sms:
+        block_n //= 2
+    block_k = min(512 if block_n <= 8 else 256, max(64, triton.next_power_of_2(k)))
+    divisor = block_k
+    while divisor > 64 and k % divisor:
+        divisor //= 2
+    if k % divisor == 0:
+        block_k = divisor
+    return SkinnyConfig(block_n, block_k, num_warps=4, num_stages=4, use_dot=True)
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig:
+    """The tuned config of M's bucket, else of the largest smaller bucket measured for this
+    (N, K) (M = 16 runs M = 8's), else the heuristic's."""
+    bucket = m_bucket(m)
+    while bucket >= 1:
+        tuned = TUNED_CONFIGS.get((n, k, bucket))
+        if tuned is not None:
+            return SkinnyConfig(*tuned)
+        bucket //= 2
+    return heuristic_config(n, k, num_sms(device))
+
+
+class _Launch(NamedTuple):
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+
+
+def _prepare(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    overrides: dict[str, int | bool | None],
+) -> _Launch:
+    """Config (picked, then any non-None override applied), grid and kernel arguments."""
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = pick_config(m, n, k, x.device)
+    cfg = cfg._replace(**{name: v for name, v in overrides.items() if v is not None})
+    use_dot = cfg.use_dot and x.dtype != torch.float32  # fp32 must not round through TF32
+    block_m = m_bucket(m)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
+    args = (x, weight, bias if bias is not None else weight, out, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+    meta = dict(
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, USE_DOT=use_dot, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return _Launch(grid, args, meta)
+
+
+def skinny_gemm(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K], rows contiguous (the nn.Linear layout)
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, rows contiguous
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:  # [M, N]
+    """``x @ weight.T (+ bias)`` in one launch, fp32 accumulation, rounded once to x's dtype.
+
+    Meant for M <= 16 (larger M works, re-reading the weight once per 16 rows). The keyword
+    arguments override single fields of the picked config (sweeps); block sizes must be powers
+    of two, block_k >= 16."""
+    check_device(x, weight)
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
+        x.shape,
+        weight.shape,
+    )
+    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    overrides = dict(
+        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+        use_dot=use_dot,
+    )  # fmt: skip
+    launch = _prepare(x, weight, bias, out, overrides)
+    _skinny_gemm_kernel[launch.grid](*launch.args, **launch.meta)
+    return out
