@@ -1,7 +1,8 @@
 """Triton attention backend: paged KV store, then flash-decoding or varlen causal flash attention.
 
 Same contract as ``torch_backend.TorchAttentionBackend``: ``forward`` first writes the step's new
-K/V rows into the layer's cache at ``meta.slot_mapping``, then attends every query row over its
+K/V rows into the layer's cache at ``meta.slot_mapping`` (given ``rope``, one fused kernel rotates
+q and k and stores: ``kernels.kv_store.rotary_kv_store``), then attends every query row over its
 request's cached sequence. A decode-only step (every request brings exactly one query token) goes
 to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
 (prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
@@ -15,12 +16,13 @@ import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels.decode_attention import decode_attention
-from roofline.kernels.kv_store import store_kv
+from roofline.kernels.kv_store import rotary_kv_store, store_kv
 from roofline.kernels.prefill_attention import prefill_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
+    fuses_rope = True
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
@@ -35,8 +37,12 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (positions, cos_sin_cache)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:  # q and k rotated in place, k and v stored: one kernel
+            rotary_kv_store(q, k, v, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return decode_attention(
                 q,

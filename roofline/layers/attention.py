@@ -1,7 +1,9 @@
 """The attention layer: hands q/k/v for one layer to the step's backend with that layer's cache.
 
 Everything the step shares (metadata, the per-layer KV tensors, the backend) travels in a
-:class:`ForwardContext` passed explicitly down the model; there is no global state.
+:class:`ForwardContext` passed explicitly down the model; there is no global state. RoPE is
+applied here too: by the rotary module, or, when the backend ``fuses_rope`` (the Triton one on
+CUDA), by the backend inside its KV-cache store (one kernel instead of two per layer).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``rope = (positions, cos_sin_cache)`` asks the backend to rotate q and k first (only
+        passed to backends whose ``fuses_rope`` is True)."""
+        ...
 
 
 @dataclass
@@ -48,9 +54,26 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        positions: torch.Tensor | None = None,
+        rotary: nn.Module | None = None,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        # positions: [num_tokens]; rotary: a RotaryEmbedding (None: q and k come rotated)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        rope = None
+        if rotary is not None:
+            assert positions is not None
+            if q.is_cuda and getattr(ctx.backend, "fuses_rope", False):
+                rope = (positions, rotary.cos_sin_cache)
+            else:
+                q, k = rotary(positions, q, k)
+        if rope is None:
+            out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        else:
+            out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, rope=rope)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -57,8 +57,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))  # [num_tokens, hidden]
+        out = self.attn(q, k, v, ctx, positions, self.rotary)  # RoPE, KV store, attention
+        return self.o_proj(out)  # [num_tokens, hidden]
 
 
 class LlamaMLP(nn.Module):

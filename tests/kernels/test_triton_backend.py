@@ -68,3 +68,30 @@ def test_backend(query_lens: list[int], context_lens: list[int], dtype: torch.dt
     )
     assert_close(out, expected, dtype)
     torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_with_fused_rope(dtype: torch.dtype) -> None:
+    """Given ``rope``, the backend rotates q/k inside its KV store: the same output and cache as
+    rotating with the RotaryEmbedding module first and handing the torch backend the result."""
+    from roofline.attention.torch_backend import TorchAttentionBackend
+    from roofline.layers.rotary import RotaryEmbedding
+
+    page_size = 16
+    batch = make_paged([9, 1, 23, 1], [0, 35, 10, 3], 8, 2, HEAD_DIM, page_size, dtype, seed=5)
+    meta = _metadata(batch, page_size)
+    k, v = _new_kv(batch)
+    lens = zip(batch.seq_lens_list, batch.query_lens, strict=True)
+    positions = torch.cat([torch.arange(s - q, s) for s, q in lens]).to(batch.q.device)
+    rotary = RotaryEmbedding(HEAD_DIM, 128, 10000.0, None).to(batch.q.device)
+    rotary.reset_cache()
+    scale = HEAD_DIM**-0.5
+    q_ref, k_ref = rotary.forward_native(positions, batch.q.clone(), k.clone())
+    k_cache2, v_cache2 = batch.k_cache.clone(), batch.v_cache.clone()
+    expected = TorchAttentionBackend().forward(q_ref, k_ref, v, k_cache2, v_cache2, meta, scale)
+    out = TritonAttentionBackend().forward(
+        batch.q, k, v, batch.k_cache, batch.v_cache, meta, scale,
+        rope=(positions, rotary.cos_sin_cache),
+    )  # fmt: skip
+    assert_close(out, expected, dtype)
+    torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
