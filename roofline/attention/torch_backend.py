@@ -75,9 +75,11 @@ class TorchAttentionBackend:
         num_blocks = (meta.max_seq_len + page_size - 1) // page_size
         ids = meta.block_table[:, :num_blocks].reshape(-1)
         shape = (meta.num_reqs, num_blocks * page_size, *k_cache.shape[2:])
-        # [num_reqs, num_blocks * page_size, num_kv_heads, head_dim] -> heads first
-        ks = k_cache.index_select(0, ids).view(shape).transpose(1, 2)
-        vs = v_cache.index_select(0, ids).view(shape).transpose(1, 2)
+        # [num_reqs, num_blocks * page_size, num_kv_heads, head_dim] -> heads first, then only the
+        # first max_seq_len keys: a lone request then attends over exactly its own keys, as HF's
+        # SDPA call does (padding keys, even masked, change how SDPA blocks the sum).
+        ks = k_cache.index_select(0, ids).view(shape).transpose(1, 2)[:, :, : meta.max_seq_len]
+        vs = v_cache.index_select(0, ids).view(shape).transpose(1, 2)[:, :, : meta.max_seq_len]
         positions = torch.arange(ks.shape[2], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:, None]  # [num_reqs, max_len]
         qh = q.unsqueeze(2)  # [num_reqs, num_heads, 1, head_dim]
@@ -95,10 +97,14 @@ class TorchAttentionBackend:
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
 ) -> torch.Tensor:
-    """Causal attention of ``q`` (the last q_len positions) over all ``k``/``v`` positions."""
+    """Causal attention of ``q`` (the last q_len positions) over all ``k``/``v`` positions.
+
+    SDPA gets 4-D ``[1, heads, len, head_dim]`` tensors, as from HF: with 3-D ones torch picks
+    another kernel on the CPU, whose half-precision results differ in the last bit."""
     q_len, seq_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    gqa = qh.shape[0] != kh.shape[0]
+    # heads first: [1, heads, len, head_dim]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    gqa = qh.shape[1] != kh.shape[1]
     if context_len == 0:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
@@ -109,4 +115,4 @@ def _attend(
         out = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -8,7 +8,7 @@ cast to the cache dtype on store. One program per token copies all its KV heads.
 
 ``rotary_kv_store`` fuses the rotary embedding (see ``rotary.py``) with the store: it rotates q
 and k in place and writes the rotated k and the untouched v to the cache in the same pass, so k
-is read once instead of three times.
+is read once instead of three times. Its numerics are ``rotary.py``'s (HF's rounding points).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device
-from roofline.kernels.rotary import _rotate_heads, rotary_ref
+from roofline.kernels.rotary import _rotate_heads, _round, rotary_ref
 
 
 def store_kv_ref(
@@ -186,8 +186,9 @@ def _rotary_kv_store_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
     cs_row = cos_sin_ptr + pos * stride_cos_sin
-    cos = tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
-    sin = tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    dtype = k_ptr.dtype.element_ty
+    cos = _round(tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
+    sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
     _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_r, r_mask,
                   NUM_Q_HEADS, BLOCK_HQ, HALF)  # fmt: skip
 
@@ -208,11 +209,14 @@ def _rotary_kv_store_kernel(
     ).to(tl.float32)
     d_half = tl.where(first, offs_d, offs_d - HALF)
     d_half = tl.where(rotated, d_half, 0)
-    cos_d = tl.load(cs_row + d_half, mask=rotated, other=1.0).to(tl.float32)  # [BLOCK_D]
-    sin_d = tl.load(cs_row + HALF + d_half, mask=rotated, other=0.0).to(tl.float32)
+    cos_d = _round(tl.load(cs_row + d_half, mask=rotated, other=1.0).to(tl.float32), dtype)
+    sin_d = _round(tl.load(cs_row + HALF + d_half, mask=rotated, other=0.0).to(tl.float32), dtype)
     sign = tl.where(first, -1.0, 1.0)
-    k_rot = k * cos_d[None, :] + sign[None, :] * k_partner * sin_d[None, :]
-    k_rot = k_rot.to(k_ptr.dtype.element_ty)
+    # HF: k * cos + rotate_half(k) * sin, each product and the sum rounded to k's dtype.
+    k_rot = _round(k * cos_d[None, :], dtype) + _round(
+        sign[None, :] * k_partner * sin_d[None, :], dtype
+    )
+    k_rot = k_rot.to(dtype)  # [BLOCK_H, BLOCK_D]
     tl.debug_barrier()  # every partner load above happens before k is overwritten
     tl.store(k_src, k_rot, mask=mask)
 
@@ -242,6 +246,7 @@ def rotary_kv_store(
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim and positions.shape == (num_tokens,)
+    assert q.dtype == k.dtype
     assert q.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens == 0:
         return q, k
@@ -275,5 +280,6 @@ def rotary_kv_store(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_R=triton.next_power_of_2(half),
         num_warps=4,
+        enable_fp_fusion=False,  # keep each rounded product and sum (no fma), as HF
     )
     return q, k

@@ -1,9 +1,12 @@
 """RMSNorm and fused residual-add + RMSNorm, one program per row, fp32 statistics.
 
-Numerics follow HF Llama/Qwen exactly: the row is widened to fp32, scaled by
+Numerics follow HF Llama/Qwen's ``LlamaRMSNorm`` op by op: the row is widened to fp32, scaled by
 ``rsqrt(mean(x^2) + eps)``, rounded back to the input dtype, and only then multiplied by the
-weight (a product rounded once more to the input dtype). The fused variant first forms the new
-residual ``x + residual`` rounded to the input dtype (what a separate ``torch`` add would store),
+weight (a product rounded once more to the input dtype). ``mean`` is taken as torch's CUDA
+reduction does, ``sum(x^2) * fp32(1 / hidden)`` (not a division), and mul-add fusion is off so each
+square is rounded before it is summed; only the summation order differs from torch's, which can
+move the fp32 statistic by an ulp. The fused variant first forms the new residual
+``x + residual`` rounded to the input dtype (what a separate ``torch`` add would store),
 normalises that, and returns both, so a decoder layer reads ``x`` and ``residual`` once and
 writes two rows instead of three passes over memory.
 """
@@ -49,6 +52,7 @@ def _rms_norm_kernel(
     stride_o,
     stride_ro,
     hidden,
+    inv_hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -63,7 +67,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) * inv_hidden + eps)  # torch's mean: sum * (1/n)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -107,10 +111,12 @@ def _launch(
         out2.stride(0),
         ro2.stride(0),
         hidden,
+        1.0 / hidden,  # rounded to fp32 at launch: exactly fp32(1 / hidden), torch's mean factor
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
+        enable_fp_fusion=False,  # square, then sum (no fma), as pow(2).mean() does
     )
     return out, res_out
 

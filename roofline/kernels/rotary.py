@@ -5,9 +5,17 @@ halves ``x1 = x[:r/2]`` and ``x2 = x[r/2:r]`` which become ``x1 * cos - x2 * sin
 ``x2 * cos + x1 * sin``; features past ``rotary_dim`` (partial rotary) are left alone. ``cos``
 and ``sin`` come from ``cos_sin_cache[p] = [cos(p * f_0 .. f_{r/2-1}), sin(...)]`` built by
 ``roofline/layers/rotary.py`` (any frequency scaling, e.g. llama3, lives in that cache only). One
-program per token rotates all of its q and k heads, reading cos/sin once; maths is in fp32 with a
-single rounding to the tensor's dtype. q and k may be strided views (e.g. slices of a fused QKV
-projection); only the feature dim must be contiguous.
+program per token rotates all of its q and k heads, reading cos/sin once. q and k may be strided
+views (e.g. slices of a fused QKV projection); only the feature dim must be contiguous.
+
+Numerics follow HF's ``apply_rotary_pos_emb`` op by op, so half-precision results are bit-exact
+with it: ``cos`` and ``sin`` (fp32 in the cache) are first rounded to q's dtype, as HF casts them;
+then each product (``x1 * cos``, ``x2 * sin``, ...) is rounded to that dtype, and so is their sum,
+as separate eager ops would store them. The roundings are in-register casts (products of two half
+values are exact in fp32, so each cast is the eager op's one rounding; the compiler emits them as
+``mul.rn.bf16``-style half ops), and a no-op for fp32. The launch disables mul-add fusion: with it
+the compiler would merge a rounded product and the sum into one ``fma`` (a single rounding), in
+half precision and in fp32 alike.
 """
 
 from __future__ import annotations
@@ -26,19 +34,24 @@ def rotary_ref(
     cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim]: cos half, then sin half
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated copies of q, k
     half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, rotary_dim]
+    cs = cos_sin_cache[positions.long()].to(q.dtype)  # [T, rotary_dim], rounded as HF does
     cos = cs[:, None, :half]  # [T, 1, half]
     sin = cs[:, None, half:]  # [T, 1, half]
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half : 2 * half]  # [T, H, half] each
-        out = xf.clone()
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # eager ops in x's dtype, as HF computes
+        x1, x2 = x[..., :half], x[..., half : 2 * half]  # [T, H, half] each
+        out = x.clone()
         out[..., :half] = x1 * cos - x2 * sin
         out[..., half : 2 * half] = x2 * cos + x1 * sin
-        return out.to(x.dtype)
+        return out
 
     return rotate(q), rotate(k)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` and widen it back (what storing an eager op's result does)."""
+    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -53,16 +66,18 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """Rotate the first 2 * HALF features of NUM_HEADS heads starting at ``base_ptr``."""
+    """Rotate the first 2 * HALF features of NUM_HEADS heads starting at ``base_ptr``; ``cos``
+    and ``sin`` must already be rounded to the heads' dtype."""
+    dtype = base_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None] & r_mask[None, :]
     ptr1 = base_ptr + offs_h[:, None] * stride_h + offs_r[None, :]  # [BLOCK_H, BLOCK_R]
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(ptr1, o1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr1 + HALF, o2.to(base_ptr.dtype.element_ty), mask=mask)
+    o1 = _round(x1 * cos[None, :], dtype) - _round(x2 * sin[None, :], dtype)
+    o2 = _round(x2 * cos[None, :], dtype) + _round(x1 * sin[None, :], dtype)
+    tl.store(ptr1, o1.to(dtype), mask=mask)
+    tl.store(ptr1 + HALF, o2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -87,9 +102,11 @@ def _rotary_kernel(
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=r_mask, other=0.0)
-    sin = sin.to(tl.float32)
+    cos = _round(cos.to(tl.float32), dtype)  # [BLOCK_R], HF's cos.to(q.dtype)
+    sin = _round(sin.to(tl.float32), dtype)
     _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_r, r_mask,
                   NUM_Q_HEADS, BLOCK_HQ, HALF)  # fmt: skip
     _rotate_heads(k_ptr + tok * stride_kt, stride_kh, cos, sin, offs_r, r_mask,
@@ -107,7 +124,7 @@ def apply_rotary(
     num_k_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[1]
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim and positions.shape == (num_tokens,)
-    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim and q.dtype == k.dtype
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens == 0:
         return q, k
@@ -130,5 +147,6 @@ def apply_rotary(
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
         BLOCK_R=triton.next_power_of_2(half),
         num_warps=4 if block_hq * half <= 2048 else 8,
+        enable_fp_fusion=False,  # fp32: no fma, a rounded product then a rounded add, as HF
     )
     return q, k

@@ -3,6 +3,12 @@
 The cos/sin table is built once: ``cos_sin_cache[pos] = [cos(pos * inv_freq), sin(pos * inv_freq)]``
 with shape ``[max_positions, head_dim]`` (cos in the first half, sin in the second), in fp32.
 ``llama3`` and ``linear`` scaling only change ``inv_freq``.
+
+Every value matches HF's ``LlamaRotaryEmbedding`` bit for bit: ``inv_freq`` is computed on the CPU
+in fp32 by the same expressions as HF's rope init functions, and the fp32 products and cos/sin are
+taken on the model's device, where HF takes them (CUDA's and the CPU's cos/sin can differ by an
+ulp). Both rotation paths then round cos/sin to q's dtype and every product and sum after it, as
+HF's ``apply_rotary_pos_emb`` does in half precision (``roofline/kernels/rotary.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-    positions = torch.arange(max_positions, dtype=torch.float32)
+    """fp32 ``[max_positions, head_dim]`` table on ``inv_freq``'s device."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_positions, head_dim]
 
@@ -67,9 +74,9 @@ class RotaryEmbedding(nn.Module):
 
     def reset_cache(self) -> None:
         """(Re)compute the table on the module's device (after ``to_empty``)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        cache = build_cos_sin_cache(inv_freq, self.max_positions)  # fp32 on the CPU
-        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)  # fp32, on the CPU
+        device = self.cos_sin_cache.device
+        self.cos_sin_cache = build_cos_sin_cache(inv_freq.to(device), self.max_positions)
 
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -78,7 +85,7 @@ class RotaryEmbedding(nn.Module):
         # k: [num_tokens, num_kv_heads, head_dim]
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [num_tokens, head_dim]
         half = self.head_dim // 2
-        cos = cos_sin[:, None, :half].to(q.dtype)  # [num_tokens, 1, half]
+        cos = cos_sin[:, None, :half].to(q.dtype)  # [num_tokens, 1, half], as HF casts cos/sin
         sin = cos_sin[:, None, half:].to(q.dtype)
         return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
 
@@ -98,5 +105,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    # HF's x * cos + rotate_half(x) * sin, with the same eager ops (and roundings) in x's dtype.
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

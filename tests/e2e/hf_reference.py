@@ -20,6 +20,26 @@ def hf_greedy(model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
     return tokens
 
 
+@torch.inference_mode()
+def hf_greedy_with_margins(
+    model, prompt_ids: list[int], num_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """``hf_greedy``'s tokens and, per token, HF's gap between its top two logits (as float32):
+    a near-zero gap is a near-tie that a last-bit rounding difference can flip."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
+    tokens, margins = [], []
+    for step in range(num_new_tokens):
+        top2 = out.logits[0, -1].float().topk(2)
+        next_id = int(out.logits[0, -1].argmax())  # the argmax hf_greedy takes (first on ties)
+        tokens.append(next_id)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        if step + 1 < num_new_tokens:
+            nxt = torch.tensor([[next_id]], device=device)
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    return tokens, margins
+
+
 def tiny_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
     """A small random HF model of ``arch`` saved as safetensors in ``tmp_path``; returns it.
 

@@ -44,6 +44,47 @@ def test_fused_add_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     assert_close(out, ref_out, dtype)
 
 
+def _exact_sum_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int):
+    """x = k / 16 for small integers k, so every square and every partial sum of squares is exact
+    in fp32: the statistic cannot depend on the summation order, and a bit-exact comparison tests
+    exactly the rounding points. The weight is arbitrary (its product rounds)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-48, 49, shape, generator=gen) / 16).to(dtype).to(DEVICE)
+    residual = (torch.randint(-48, 49, shape, generator=gen) / 16).to(dtype).to(DEVICE)
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(dtype).to(DEVICE)
+    return x, residual, weight
+
+
+def _cuda_mean(t: torch.Tensor) -> torch.Tensor:
+    """``t.mean(-1, keepdim=True)`` as torch computes it on CUDA, where HF runs next to the kernel:
+    ``sum * fp32(1 / n)``. (On the CPU torch divides the sum by n, which can differ by an ulp.)"""
+    factor = torch.tensor(1.0, dtype=torch.float32) / t.shape[-1]
+    cuda_mean = t.sum(-1, keepdim=True) * factor.to(t.device)
+    if t.is_cuda:
+        assert torch.equal(cuda_mean, t.mean(-1, keepdim=True))
+    return cuda_mean
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [256, 576])
+def test_bit_exact_with_hf_rounding(dtype: torch.dtype, hidden: int) -> None:
+    """HF's LlamaRMSNorm op sequence (x.float(), x * rsqrt(mean(x^2) + eps), .to(dtype), then
+    weight * that in dtype) and its bf16/fp16 residual add, bit for bit (torch.equal)."""
+    x, residual, weight = _exact_sum_inputs((9, hidden), dtype, seed=5)
+    eps = 1e-5
+
+    def hf_norm(h: torch.Tensor) -> torch.Tensor:
+        hf32 = h.to(torch.float32)
+        variance = _cuda_mean(hf32.pow(2))
+        return weight * (hf32 * torch.rsqrt(variance + eps)).to(dtype)
+
+    assert torch.equal(rms_norm(x, weight, eps), hf_norm(x))
+    out, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    hf_residual = residual + x  # HF: hidden_states = residual + hidden_states, in dtype
+    assert torch.equal(new_residual, hf_residual)
+    assert torch.equal(out, hf_norm(hf_residual))
+
+
 def test_reference_matches_hf_formula() -> None:
     x, _, weight = _inputs((4, 64), torch.bfloat16, seed=2)
     xf = x.float()

@@ -1,10 +1,11 @@
-"""RoPE (rotate-half layout) in place against the torch reference and the HF formulation."""
+"""RoPE (rotate-half layout) in place against the torch reference and the HF formulation, bit for
+bit: HF rounds cos/sin to q's dtype and each product and sum after it, and so must we."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import DEVICE, ON_GPU, assert_close
+from kernel_utils import DEVICE, ON_GPU
 
 from roofline.kernels.rotary import apply_rotary, rotary_ref
 
@@ -34,8 +35,7 @@ def test_rotary_matches_reference(dtype: torch.dtype, heads: tuple[int, int]) ->
     q_ref, k_ref = rotary_ref(q, k, positions, cache)
     q_out, k_out = apply_rotary(q, k, positions, cache)
     assert q_out is q and k_out is k
-    assert_close(q, q_ref, dtype)
-    assert_close(k, k_ref, dtype)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
 
 
 def test_partial_rotary_and_strided_views() -> None:
@@ -50,21 +50,45 @@ def test_partial_rotary_and_strided_views() -> None:
     cache = make_cos_sin_cache(rotary_dim)
     q_ref, k_ref = rotary_ref(q, k, positions, cache)
     apply_rotary(q, k, positions, cache)
-    assert_close(q, q_ref, torch.float16)
-    assert_close(k, k_ref, torch.float16)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     torch.testing.assert_close(qkv[:, num_heads + num_kv_heads :], v_before, atol=0, rtol=0)
 
 
-def test_reference_matches_hf_rotate_half() -> None:
-    head_dim = 16
-    q, k, positions = _qk(5, 2, 1, head_dim, torch.float32, seed=2)
-    cache = make_cos_sin_cache(head_dim)
-    cos = cache[positions, : head_dim // 2].repeat(1, 2)[:, None, :]  # [T, 1, D] HF layout
-    sin = cache[positions, head_dim // 2 :].repeat(1, 2)[:, None, :]
+def _hf_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor):
+    """HF's apply_rotary_pos_emb with LlamaRotaryEmbedding's cos/sin (fp32, then cast to q's
+    dtype): ``q * cos + rotate_half(q) * sin`` as eager ops in q's dtype."""
+    half = cache.shape[1] // 2
+    cos = cache[positions.long(), :half].repeat(1, 2)[:, None, :].to(q.dtype)  # [T, 1, D]
+    sin = cache[positions.long(), half:].repeat(1, 2)[:, None, :].to(q.dtype)
 
     def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([-x[..., head_dim // 2 :], x[..., : head_dim // 2]], dim=-1)
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bit_exact_with_hf_apply_rotary_pos_emb(dtype: torch.dtype) -> None:
+    head_dim = 64
+    q, k, positions = _qk(7, 9, 3, head_dim, dtype, seed=2)
+    q = q * 20  # larger values: more products land near a rounding boundary
+    cache = make_cos_sin_cache(head_dim)
+    q_hf, k_hf = _hf_rotary(q, k, positions, cache)
     q_ref, k_ref = rotary_ref(q, k, positions, cache)
-    torch.testing.assert_close(q_ref, q * cos + rotate_half(q) * sin)
-    torch.testing.assert_close(k_ref, k * cos + rotate_half(k) * sin)
+    assert torch.equal(q_ref, q_hf) and torch.equal(k_ref, k_hf)
+    apply_rotary(q, k, positions, cache)
+    assert torch.equal(q, q_hf) and torch.equal(k, k_hf)
+
+
+def test_single_rounding_would_differ_from_hf() -> None:
+    """The reason for the per-op roundings: fp32 maths rounded once to bf16 is not HF's result."""
+    head_dim = 64
+    q, k, positions = _qk(7, 9, 3, head_dim, torch.bfloat16, seed=2)
+    cache = make_cos_sin_cache(head_dim)
+    q_hf, _ = _hf_rotary(q, k, positions, cache)
+    half = head_dim // 2
+    cs = cache[positions.long()][:, None, :]  # [T, 1, D] fp32
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = q.float()[..., :half], q.float()[..., half:]
+    once = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(torch.bfloat16)
+    assert not torch.equal(once, q_hf)
