@@ -5,11 +5,8 @@ kernel runs one program per (request, kv_head, split); it loads the query rows o
 heads that share that KV head (GQA group, padded to 16 rows so ``tl.dot`` can use tensor cores),
 walks its slice of the context through the block table, and keeps an online softmax. With one
 split it writes the final output directly; otherwise it writes a partial output normalised by
-its own softmax sum plus the split's log-sum-exp (base 2) and bumps an atomic counter of its
-(request, kv_head); the program that finishes last merges the splits' partials (read through L2)
-and resets the counter, so the whole step is one launch (a separate merge kernel cost ~2 us per
-layer at batch 1: its own run time plus the gap before it). The number of splits grows until the
-grid covers the GPU (``choose_num_splits``).
+its own softmax sum plus the split's log-sum-exp (base 2), and a second small kernel merges the
+splits. The number of splits grows until the grid covers the GPU (``choose_num_splits``).
 
 KV layout (see ``roofline/attention/metadata.py``): ``k_cache, v_cache: [num_pages, page_size,
 num_kv_heads, head_dim]``; token ``t`` of request ``r`` lives in page ``block_table[r, t //
@@ -93,7 +90,6 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     scale_log2e,
     stride_qt,
     stride_qh,
@@ -108,7 +104,6 @@ def _decode_split_kernel(
     stride_oh,
     split_len,
     num_splits,
-    num_kv_heads,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -162,55 +157,49 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
     o_mask = h_mask[:, None] & d_mask[None, :]
-    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if SINGLE_SPLIT:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # part_out: [num_reqs, num_heads, num_splits, HEAD_DIM]; part_lse: [num_reqs, num_heads,
         # num_splits]. An empty split leaves lse = -inf so the merge gives it weight 0.
-        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
-        row = row0 + split
+        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
-        # Every split of this (request, kv_head) bumps the counter once; the last one merges.
-        # The barrier orders the CTA's stores before the (release) atomic; the partials are then
-        # read with .cg (L2) so no stale L1 line from an earlier launch can be seen.
-        tl.debug_barrier()
-        counter = counter_ptr + req * num_kv_heads + kv_head
-        done = tl.atomic_add(counter, 1, sem="acq_rel")
-        if done == num_splits - 1:
-            tl.store(counter, 0)  # ready for the next launch (CUDA-graph replays reuse it)
-            m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            w = tl.zeros([BLOCK_H], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for s in range(0, num_splits):
-                lse_s = tl.load(part_lse_ptr + row0 + s, mask=h_mask, other=float("-inf"),
-                                cache_modifier=".cg")  # fmt: skip
-                o_s = tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                              mask=o_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-                m_new = tl.maximum(m, lse_s)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                scale_old = tl.exp2(m - m_safe)
-                scale_s = tl.exp2(lse_s - m_safe)
-                merged = merged * scale_old[:, None] + o_s * scale_s[:, None]
-                w = w * scale_old + scale_s
-                m = m_new
-            w = tl.where(w > 0.0, w, 1.0)
-            tl.store(o_ptrs, (merged / w[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` counters, kept per device (the kernel leaves
-    it zeroed). It grows only outside CUDA-graph capture: the largest batch is warmed up first."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row0 = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    o_ptrs = part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    merged = tl.sum(o * w[:, None], axis=0) / denom  # [BLOCK_D]
+    dst = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def decode_attention(
@@ -254,9 +243,8 @@ def decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     single = num_splits == 1
     if single:
-        part_out = part_lse = counters = out  # unused by the kernel
+        part_out = part_lse = out  # unused by the kernel
     else:
-        counters = _split_counters(q.device, num_reqs * num_kv_heads)
         part_out = torch.empty(
             num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
         )
@@ -272,7 +260,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -287,7 +274,6 @@ def decode_attention(
         out.stride(1),
         split_len,
         num_splits,
-        num_kv_heads,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -300,6 +286,20 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if not single:
+        _decode_merge_kernel[(num_reqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out
 
 
