@@ -37,12 +37,15 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (positions, cos_sin_cache)
+        rope: tuple | None = None,  # (positions, cos_sin_cache, qk_norm or None)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if rope is None:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:  # q and k rotated in place, k and v stored: one kernel
-            rotary_kv_store(q, k, v, rope[0], rope[1], k_cache, v_cache, meta.slot_mapping)
+            positions, cos_sin, qk_norm = rope
+            rotary_kv_store(
+                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm
+            )
         if meta.is_decode_only:
             return decode_attention(
                 q,

@@ -9,6 +9,8 @@ cast to the cache dtype on store. One program per token copies all its KV heads.
 ``rotary_kv_store`` fuses the rotary embedding (see ``rotary.py``) with the store: it rotates q
 and k in place and writes the rotated k and the untouched v to the cache in the same pass, so k
 is read once instead of three times. Its numerics are ``rotary.py``'s (HF's rounding points).
+With ``qk_norm`` it also applies Qwen3's per-head q/k RMSNorm before rotating (two launches of
+the norm kernel per layer saved), rounding where HF's ``Qwen3RMSNorm`` does.
 """
 
 from __future__ import annotations
@@ -161,6 +163,10 @@ def _rotary_kv_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
+    inv_head_dim,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -180,6 +186,7 @@ def _rotary_kv_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -189,8 +196,26 @@ def _rotary_kv_store_kernel(
     dtype = k_ptr.dtype.element_ty
     cos = _round(tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
     sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_r, r_mask,
-                  NUM_Q_HEADS, BLOCK_HQ, HALF)  # fmt: skip
+    if QK_NORM:  # Qwen3: RMSNorm of each q head (over HEAD_DIM == 2 * HALF), then RoPE
+        offs_hq = tl.arange(0, BLOCK_HQ)
+        q_mask = (offs_hq < NUM_Q_HEADS)[:, None] & r_mask[None, :]
+        q1_ptr = q_ptr + tok * stride_qt + offs_hq[:, None] * stride_qh + offs_r[None, :]
+        q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_HQ, BLOCK_R]
+        q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        ss = tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)
+        rstd = tl.rsqrt(ss * inv_head_dim + norm_eps)[:, None]  # [BLOCK_HQ, 1]
+        w1 = tl.load(q_norm_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(q_norm_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        # HF: weight * (x * rstd).to(dtype), both rounded to dtype
+        q1 = _round(_round(q1 * rstd, dtype) * w1, dtype)
+        q2 = _round(_round(q2 * rstd, dtype) * w2, dtype)
+        o1 = _round(q1 * cos[None, :], dtype) - _round(q2 * sin[None, :], dtype)
+        o2 = _round(q2 * cos[None, :], dtype) + _round(q1 * sin[None, :], dtype)
+        tl.store(q1_ptr, o1.to(dtype), mask=q_mask)
+        tl.store(q1_ptr + HALF, o2.to(dtype), mask=q_mask)
+    else:
+        _rotate_heads(q_ptr + tok * stride_qt, stride_qh, cos, sin, offs_r, r_mask,
+                      NUM_Q_HEADS, BLOCK_HQ, HALF)  # fmt: skip
 
     # k: rotate the first 2 * HALF features, keep the rest; write to k (in place) and the cache.
     offs_h = tl.arange(0, BLOCK_H)
@@ -207,6 +232,13 @@ def _rotary_kv_store_kernel(
         mask=mask & rotated[None, :],
         other=0.0,
     ).to(tl.float32)
+    if QK_NORM:  # RMSNorm of each k head first (the partner shares its head's statistic)
+        rstd = tl.rsqrt(tl.sum(k * k, axis=1) * inv_head_dim + norm_eps)[:, None]
+        d_ok = offs_d < HEAD_DIM
+        w = tl.load(k_norm_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w_p = tl.load(k_norm_ptr + partner, mask=d_ok & rotated, other=0.0).to(tl.float32)[None, :]
+        k = _round(_round(k * rstd, dtype) * w, dtype)
+        k_partner = _round(_round(k_partner * rstd, dtype) * w_p, dtype)
     d_half = tl.where(first, offs_d, offs_d - HALF)
     d_half = tl.where(rotated, d_half, 0)
     cos_d = _round(tl.load(cs_row + d_half, mask=rotated, other=1.0).to(tl.float32), dtype)
@@ -239,7 +271,10 @@ def rotary_kv_store(
     k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip the store
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w, k_w [head_dim], eps)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k), the same tensors, rotated
+    """RoPE on q and k (in place) and the K/V store, in one kernel. With ``qk_norm`` each q and k
+    head is RMS-normalised first (Qwen3's q_norm / k_norm, HF's rounding points)."""
     check_device(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     _check_cache(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -251,6 +286,13 @@ def rotary_kv_store(
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
+    if qk_norm is not None:
+        assert rotary_dim == head_dim, "q/k norm fused with RoPE needs full-width rotary"
+        q_norm_w, k_norm_w, eps = qk_norm
+        assert q_norm_w.shape == (head_dim,) and k_norm_w.shape == (head_dim,)
+    else:
+        q_norm_w = k_norm_w = cos_sin_cache  # unused
+        eps = 0.0
     _rotary_kv_store_kernel[(num_tokens,)](
         q,
         k,
@@ -260,6 +302,10 @@ def rotary_kv_store(
         k_cache,
         v_cache,
         slot_mapping,
+        q_norm_w,
+        k_norm_w,
+        eps,
+        1.0 / head_dim,  # fp32(1 / n): torch's mean factor, as in kernels/rmsnorm.py
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -279,6 +325,7 @@ def rotary_kv_store(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_R=triton.next_power_of_2(half),
+        QK_NORM=qk_norm is not None,
         num_warps=4,
         enable_fp_fusion=False,  # keep each rounded product and sum (no fma), as HF
     )

@@ -29,10 +29,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: tuple | None = None,
     ) -> torch.Tensor:
-        """``rope = (positions, cos_sin_cache)`` asks the backend to rotate q and k first (only
-        passed to backends whose ``fuses_rope`` is True)."""
+        """``rope = (positions, cos_sin_cache, qk_norm)`` asks the backend to rotate q and k
+        first, after RMS-normalising each head when ``qk_norm = (q_w, k_w, eps)`` is not None
+        (only passed to backends whose ``fuses_rope`` is True)."""
         ...
 
 
@@ -61,19 +62,27 @@ class Attention(nn.Module):
         ctx: ForwardContext,
         positions: torch.Tensor | None = None,
         rotary: nn.Module | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        # positions: [num_tokens]; rotary: a RotaryEmbedding (None: q and k come rotated)
+        # positions: [num_tokens]; rotary: a RotaryEmbedding (None: q and k come rotated);
+        # qk_norm: (q_norm weight, k_norm weight, eps), only with a backend that fuses RoPE
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         rope = None
         if rotary is not None:
             assert positions is not None
-            if q.is_cuda and getattr(ctx.backend, "fuses_rope", False):
-                rope = (positions, rotary.cos_sin_cache)
+            if self.fuses_rope(q, ctx):
+                rope = (positions, rotary.cos_sin_cache, qk_norm)
             else:
+                assert qk_norm is None, "q/k norm is fused only with a backend that fuses RoPE"
                 q, k = rotary(positions, q, k)
         if rope is None:
             out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         else:
             out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, rope=rope)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    @staticmethod
+    def fuses_rope(q: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether RoPE (and Qwen3's q/k norm) will run inside the backend's KV store."""
+        return q.is_cuda and getattr(ctx.backend, "fuses_rope", False)

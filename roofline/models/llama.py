@@ -55,9 +55,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, ctx, positions, self.rotary)  # RoPE, KV store, attention
+            if self.attn.fuses_rope(q, ctx):  # normalised inside the backend's RoPE + store
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        out = self.attn(q, k, v, ctx, positions, self.rotary, qk_norm)  # RoPE, store, attention
         return self.o_proj(out)  # [num_tokens, hidden]
 
 

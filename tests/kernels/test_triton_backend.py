@@ -70,11 +70,14 @@ def test_backend(query_lens: list[int], context_lens: list[int], dtype: torch.dt
     torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_with_fused_rope(dtype: torch.dtype) -> None:
-    """Given ``rope``, the backend rotates q/k inside its KV store: the same output and cache as
-    rotating with the RotaryEmbedding module first and handing the torch backend the result."""
+def test_backend_with_fused_rope(dtype: torch.dtype, qk_norm: bool) -> None:
+    """Given ``rope``, the backend rotates q/k inside its KV store (after Qwen3's per-head q/k
+    RMSNorm when asked): the same output and cache as the RMSNorm and RotaryEmbedding modules
+    applied first and the torch backend given the result."""
     from roofline.attention.torch_backend import TorchAttentionBackend
+    from roofline.layers.norm import RMSNorm
     from roofline.layers.rotary import RotaryEmbedding
 
     page_size = 16
@@ -86,12 +89,25 @@ def test_backend_with_fused_rope(dtype: torch.dtype) -> None:
     rotary = RotaryEmbedding(HEAD_DIM, 128, 10000.0, None).to(batch.q.device)
     rotary.reset_cache()
     scale = HEAD_DIM**-0.5
-    q_ref, k_ref = rotary.forward_native(positions, batch.q.clone(), k.clone())
+    q_ref, k_ref = batch.q.clone(), k.clone()
+    norms = None
+    if qk_norm:
+        gen = torch.Generator().manual_seed(3)
+        q_norm, k_norm = RMSNorm(HEAD_DIM, 1e-6), RMSNorm(HEAD_DIM, 1e-6)
+        for m in (q_norm, k_norm):
+            m.weight.data = (1 + 0.5 * torch.randn(HEAD_DIM, generator=gen)).to(dtype)
+            m.to(batch.q.device)
+        q_ref, k_ref = q_norm.forward_native(q_ref), k_norm.forward_native(k_ref)
+        norms = (q_norm.weight, k_norm.weight, 1e-6)
+    q_ref, k_ref = rotary.forward_native(positions, q_ref, k_ref)
     k_cache2, v_cache2 = batch.k_cache.clone(), batch.v_cache.clone()
     expected = TorchAttentionBackend().forward(q_ref, k_ref, v, k_cache2, v_cache2, meta, scale)
     out = TritonAttentionBackend().forward(
         batch.q, k, v, batch.k_cache, batch.v_cache, meta, scale,
-        rope=(positions, rotary.cos_sin_cache),
+        rope=(positions, rotary.cos_sin_cache, norms),
     )  # fmt: skip
     assert_close(out, expected, dtype)
-    torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
+    if qk_norm:  # the sum of squares is ordered differently: the norm may move by one ulp
+        assert_close(batch.k_cache, k_cache2, dtype)
+    else:
+        torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
