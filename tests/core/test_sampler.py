@@ -320,3 +320,22 @@ def test_output_on_logits_device(device: torch.device) -> None:
     assert out.token_ids.device == logits.device and out.token_ids.dtype == torch.int64
     assert out.token_ids[1] == logits[1].argmax() and out.token_ids[4] == logits[4].argmax()
     assert out.logprobs[3] is not None and len(out.logprobs[3].top) == 4
+
+
+def test_chunked_greedy_argmax_matches_argmax_with_ties() -> None:
+    """The chunked argmax (CUDA fast path for large vocabularies) picks torch's token, the
+    lowest index among tied maxima, including ties across and inside chunks."""
+    from roofline.layers.sampler import _vocab_chunks, greedy_argmax
+
+    vocab = 128256
+    assert _vocab_chunks(vocab) == 501 or vocab % _vocab_chunks(vocab) == 0
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen).to(torch.bfloat16).float()  # many ties
+    logits[1, 70000] = logits[1, 90000] = logits[1, 5] = 50.0  # ties across chunks
+    logits[2, 300] = logits[2, 301] = 60.0  # tie inside one chunk
+    logits[3] = 0.0  # everything tied
+    want = logits.argmax(dim=-1)
+    assert torch.equal(greedy_argmax(logits, chunked=True), want)
+    assert want[1] == 5 and want[2] == 300 and want[3] == 0
+    odd = torch.randn(2, 9973, generator=gen)  # prime vocabulary: the plain path
+    assert torch.equal(greedy_argmax(odd, chunked=True), odd.argmax(dim=-1))
