@@ -150,7 +150,8 @@ def main() -> None:
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
     print(
         f"throughput (gpu_memory_utilization {args.throughput_mem}): {res.output_tok_s:.0f} "
-        f"out tok/s, {res.elapsed_s:.1f} s, {res.roofline_pct:.1f}% of workload roofline",
+        f"out tok/s, {res.elapsed_s:.1f} s, {res.roofline_pct:.1f}% of workload roofline, "
+        f"at most {res.max_running} running, {res.num_preemptions} preemptions",
         flush=True,
     )
     summary["llama8b_throughput"] = vars(res)

@@ -156,7 +156,8 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         f"{res.output_tokens} output tokens)",
         f"roofline: {res.elapsed_s:.2f} s, {res.output_tok_s:.1f} output tok/s, "
         f"{res.total_tok_s:.1f} total tok/s, {res.roofline_pct:.1f}% of the workload roofline "
-        f"({res.roofline_s:.2f} s)",
+        f"({res.roofline_s:.2f} s); at most {res.max_running} running, "
+        f"{res.num_preemptions} preemptions",
     ]
     results = {"roofline": vars(res), "ceilings": vars(ceilings)}
     for peer in [p for p in ns.compare.split(",") if p]:

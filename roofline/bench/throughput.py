@@ -31,6 +31,10 @@ class ThroughputResult:
     total_tok_s: float
     roofline_s: float
     roofline_pct: float
+    num_preemptions: int = 0
+    """Preemptions (recompute) during the run: KV pressure the roofline does not count."""
+    max_running: int = 0
+    """The most requests running in one step."""
 
 
 def workload_roofline_s(
@@ -75,8 +79,19 @@ def run(
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
     ]
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    preempted = engine.scheduler.num_preemptions_total
+    max_running = 0
+
+    def watch(_sched_out) -> None:
+        nonlocal max_running
+        max_running = max(max_running, engine.scheduler.num_running)
+
+    engine.on_schedule = watch
     start = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
+    try:
+        outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
+    finally:
+        engine.on_schedule = None
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_tokens = sum(len(p) for p in workload.prompts)
@@ -97,4 +112,6 @@ def run(
         (out_tokens + prompt_tokens) / elapsed,
         ideal,
         100 * ideal / elapsed,
+        engine.scheduler.num_preemptions_total - preempted,
+        max_running,
     )
