@@ -5,7 +5,8 @@
 2. ``roofline serve`` in a subprocess with the same engine flags, then the serving benchmark's
    client: all requests at once (saturation) -> output tok/s vs offline; and Poisson arrivals at
    the rate that keeps about ``--concurrency`` requests running (Little's law) -> TPOT p50 vs
-   the offline step time at that batch size.
+   the offline step time at that batch size. The server's own step time (its engine core's
+   inter-token latency) is reported beside them.
 
     python scripts/serve_compare.py --model smollm2 --num-prompts 64 --input-len 32:256 \
         --output-len 64
@@ -45,6 +46,22 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> N
     raise TimeoutError("server did not become healthy")
 
 
+def engine_itl(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's inter-token-latency histogram: the core's own time between
+    steps that gave a request tokens, i.e. the server's step time as the engine saw it."""
+    values = {"sum": 0.0, "count": 0.0}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        for key in values:
+            if line.startswith(f"roofline:inter_token_latency_seconds_{key}{{"):
+                values[key] = float(line.rsplit(" ", 1)[1])
+    return values["sum"], values["count"]
+
+
+def _step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    count = after[1] - before[1]
+    return 1000.0 * (after[0] - before[0]) / count if count else None
+
+
 def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> dict:
     llm = LLM(model, **kwargs)
     engine = llm.llm_engine
@@ -56,6 +73,8 @@ def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> 
     row = latency.run_batch(engine, ceil, concurrency, sum(input_len) // 2, output_len)
     return {
         "out_tok_s": res.output_tok_s,
+        "preemptions": res.num_preemptions,
+        "max_running": res.max_running,
         "step_ms": row.step_ms_p50,
         "prompts": wl.prompts,
         "output_lens": wl.output_lens,
@@ -99,7 +118,8 @@ def main() -> None:
         )
     print(
         f"offline: {off['out_tok_s']:.1f} out tok/s; decode step at batch "
-        f"{args.concurrency}: {off['step_ms']:.2f} ms",
+        f"{args.concurrency}: {off['step_ms']:.2f} ms ({off['preemptions']} preemptions, "
+        f"at most {off['max_running']} running)",
         flush=True,
     )
     prompts, output_lens = off["prompts"], off["output_lens"]
@@ -124,8 +144,10 @@ def main() -> None:
         model = served_model(base, None)
         reqs = [BenchRequest(p, n) for p, n in zip(prompts, output_lens)]
         asyncio.run(run_requests(base, model, reqs[:4], ignore_eos=True))  # warm-up
+        itl0 = engine_itl(base)
         results, dur = asyncio.run(run_requests(base, model, reqs, ignore_eos=True))
         sat = serve.summarize(results, dur)
+        itl1 = engine_itl(base)
         # Little's law: concurrency = rate x E2E, E2E ~ output_len x step time at that batch
         rate = args.concurrency / (args.output_len * off["step_ms"] / 1000.0)
         reqs_rate = reqs * max(1, (3 * args.concurrency) // len(reqs))
@@ -133,6 +155,7 @@ def main() -> None:
             run_requests(base, model, reqs_rate, request_rate=rate, ignore_eos=True, seed=3)
         )
         at_rate = serve.summarize(results, dur)
+        itl2 = engine_itl(base)
     except Exception:
         log.flush()
         with open(log.name) as f:
@@ -145,12 +168,20 @@ def main() -> None:
     tpot = at_rate["tpot_ms"]["p50"]
     summary = {
         "offline_out_tok_s": off["out_tok_s"],
+        "offline_preemptions": off["preemptions"],
         "server_saturation_out_tok_s": sat["output_throughput"],
         "server_vs_offline": sat["output_throughput"] / off["out_tok_s"],
         "rate_req_s": rate,
         "server_tpot_p50_ms": tpot,
         "offline_step_ms_at_concurrency": off["step_ms"],
         "tpot_vs_step": (tpot / off["step_ms"]) if tpot else None,
+        "server_ttft_p50_ms": at_rate["ttft_ms"]["p50"],
+        "server_itl_p50_ms": at_rate["itl_ms"]["p50"],
+        # the server's step time as its engine core measured it (mean time between steps that
+        # gave a request tokens): on a shared CPU it shows what the client and the API process
+        # cost the engine, apart from what the API adds on top of the step
+        "server_engine_step_ms_saturation": _step_ms(itl0, itl1),
+        "server_engine_step_ms_at_rate": _step_ms(itl1, itl2),
         "failed": sat["failed"] + at_rate["failed"],
     }
     print(json.dumps(summary, indent=1))

@@ -3,12 +3,14 @@
 Requests come from synthetic prompts (lengths drawn from a distribution, text of random common
 words, about one token each) or a JSONL file; they arrive as a Poisson process at
 ``--request-rate`` and/or under a ``--max-concurrency`` cap. Each streamed answer gives its time
-to first token (TTFT), inter-token latencies (ITL, between content chunks), time per output token
-after the first (TPOT) and end-to-end latency. The summary reports p50/p90/p99 of each, request
-and token throughput, and goodput (requests per second that met every given SLO); the result is
-written as JSON and, with ``--plot-dir``, as PNG plots. ``--sweep-rates`` repeats the run at
-several rates and prints the throughput-latency curve. The load itself (datasets, arrivals,
-the streaming client) lives in :mod:`roofline.bench.serve_load`.
+to first token (TTFT), inter-token latencies (ITL, between chunks that brought tokens), time per
+output token after the first (TPOT) and end-to-end latency. Tokens are counted, not text chunks:
+requests ask for vLLM's ``continuous_usage_stats`` (usage in every chunk), so models that stream
+no text (random weights, no tokenizer) are timed too. The summary reports p50/p90/p99 of each,
+request and token throughput, and goodput (requests per second that met every given SLO); the
+result is written as JSON and, with ``--plot-dir``, as PNG plots. ``--sweep-rates`` repeats the
+run at several rates and prints the throughput-latency curve. The load itself (datasets,
+arrivals, the streaming client) lives in :mod:`roofline.bench.serve_load`.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class RequestResult:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
-    """Arrival of each content chunk, seconds since the benchmark started."""
+    """Arrival of each chunk that brought tokens, seconds since the benchmark started."""
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
@@ -131,9 +131,14 @@ def jsonl_requests(path: str, num: int | None, output_len: int, chat: bool) -> l
 async def _one(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], t0: float
 ) -> RequestResult:
+    """Stream one request. Token arrivals are read from the usage every chunk carries
+    (``continuous_usage_stats``: a chunk that raised ``completion_tokens`` brought tokens, text
+    or not: random-weight models stream empty text); from a server that sends usage only at the
+    end, every chunk with text counts as one arrival."""
     result = RequestResult(ok=False, start=time.perf_counter() - t0)
     last: float | None = None
-    chunks = 0
+    text_chunks = 0
+    tokens_seen = 0
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -150,21 +155,30 @@ async def _one(
                     result.error = str(payload["error"])
                     return result
                 now = time.perf_counter() - t0
-                if payload.get("usage"):
-                    result.output_tokens = payload["usage"].get("completion_tokens", 0)
-                    result.prompt_tokens = payload["usage"].get("prompt_tokens", 0)
-                for choice in payload.get("choices", []):
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if not text:
-                        continue
-                    chunks += 1
-                    result.chunk_times.append(now)
-                    if last is None:
-                        result.ttft = now - result.start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-        result.output_tokens = result.output_tokens or chunks
+                usage = payload.get("usage")
+                if usage:
+                    result.output_tokens = usage.get("completion_tokens", 0)
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                choices = payload.get("choices")
+                if not choices:
+                    continue
+                if usage:
+                    arrived = result.output_tokens > tokens_seen
+                    tokens_seen = result.output_tokens
+                else:
+                    arrived = any(
+                        c.get("text") or (c.get("delta") or {}).get("content") for c in choices
+                    )
+                    text_chunks += arrived
+                if not arrived:
+                    continue
+                result.chunk_times.append(now)
+                if last is None:
+                    result.ttft = now - result.start
+                else:
+                    result.itls.append(now - last)
+                last = now
+        result.output_tokens = result.output_tokens or text_chunks
         result.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
@@ -206,7 +220,7 @@ async def run_requests(
                 "max_tokens": req.max_tokens,
                 "temperature": temperature,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             }
             body["messages" if endpoint == "chat" else "prompt"] = req.prompt
             if ignore_eos:

@@ -1,27 +1,40 @@
-"""The asyncio face of the synchronous ``LLMEngine``, used by the OpenAI server.
+"""The asyncio face of the engine core, used by the OpenAI server.
 
-One background thread owns the engine: it alone calls into it (the engine is not thread-safe),
-running ``step()`` while requests are unfinished and sleeping on a condition otherwise. The
-event loop talks to it through a command queue: ``add_request``, ``abort`` and
-``run_in_engine`` (tokenizer and chat-template work) are executed by the thread between steps
-and their results come back through asyncio futures. Each request's outputs flow through its
-own :class:`RequestStream`; outputs are cumulative, so a slow consumer simply sees the latest
-one. Invalid requests fail in ``add_request`` and never touch the loop; if ``step()`` itself
-raises, the engine is marked dead: every pending request gets :class:`EngineDeadError`, health
-checks fail and new requests are refused.
+:class:`AsyncLLMEngine` lives in the API process. It starts an engine core
+(:mod:`roofline.engine.core`: by default in its own process, optionally on a thread), keeps the
+tokenizer for prompts and chat templates, and gives every request a :class:`RequestStream`.
+Commands go to the core as messages; one reader thread takes the core's messages (one per
+step, holding every changed request's delta output) and hands each to the event loop with a
+single ``call_soon_threadsafe``. Streams merge deltas a slow consumer has not read yet, so no
+text is ever lost and a consumer that falls behind gets one bigger delta.
+
+Invalid requests fail in ``add_request`` (``ValueError``, ``QueueFullError``, ... raised by the
+core's ``LLMEngine.add_request`` come back as themselves) and never touch the loop. If the core
+dies (a step raised, or its process exited), every pending request gets
+:class:`EngineDeadError`, health checks fail and new requests are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
-from collections import deque
+import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
+from roofline.engine.core import CoreHandle, ProcessCore, ThreadCore
+from roofline.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutputs,
+    unpack_outputs,
+)
+from roofline.engine.prompt import tokenize_prompt
+from roofline.engine.request_stream import RequestStream
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 
@@ -30,17 +43,17 @@ if TYPE_CHECKING:
     from roofline.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop stopped after an error; nothing more can be served."""
+    """The engine core stopped after an error (or was shut down); nothing more can be served."""
 
 
 class EngineObserver(Protocol):
-    """Receives what the step loop sees (the server's Prometheus metrics implement it).
+    """Receives what the core reports (the server's Prometheus metrics implement it).
 
-    All methods are called on the engine thread and must be quick and never raise."""
+    Called on the reader thread (``on_aborted`` on the aborting thread); must be quick and
+    never raise. Outputs are deltas."""
 
     def on_added(self, request_id: str, arrival_time: float) -> None: ...
 
@@ -51,139 +64,139 @@ class EngineObserver(Protocol):
     def on_stats(self, stats: Any) -> None: ...
 
 
-@dataclass
-class _Command:
-    fn: Callable[[], Any]
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future[Any] | None = None
+def _deliver(
+    acks: list[tuple[RequestStream, BaseException | None]],
+    outputs: list[tuple[RequestStream, RequestOutput]],
+) -> None:
+    """On the event loop: settle adds, then hand out outputs (in the core's order)."""
+    for stream, error in acks:
+        if stream.added.done():
+            continue
+        if error is None:
+            stream.added.set_result(None)
+        else:
+            stream.added.set_exception(error)
+    for stream, output in outputs:
+        stream.put(output)
 
 
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy whose lists the engine can no longer mutate (it runs on another thread)."""
-    outs = [
-        replace(
-            c,
-            token_ids=list(c.token_ids),
-            logprobs=None if c.logprobs is None else list(c.logprobs),
-        )
-        for c in output.outputs
-    ]
-    metrics = None if output.metrics is None else replace(output.metrics)
-    return replace(output, outputs=outs, metrics=metrics)
+def _shutdown_at_exit(ref: weakref.ref[AsyncLLMEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown(5.0)
 
 
-class RequestStream:
-    """The outputs of one request, consumed on the event loop with ``async for``.
-
-    Only the latest output is kept (they are cumulative). Iteration ends after the finished
-    output, or raises the error the engine reported for this request."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-        self.finished = False
-        """True once the final output (or an error) was handed to the consumer."""
-
-    def put(self, output: RequestOutput) -> None:  # event-loop thread only
-        self._latest = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:  # event-loop thread only
-        self._error = error
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while self._latest is None and self._error is None:
-            await self._event.wait()
-            self._event.clear()
-        if self._latest is not None:
-            output, self._latest = self._latest, None
-            if output.finished:
-                self.finished = True
-            return output
-        self.finished = True
-        assert self._error is not None
-        raise self._error
+def _fail_all(streams: list[RequestStream], error: BaseException) -> None:
+    for stream in streams:
+        stream.fail(error)
 
 
 class AsyncLLMEngine:
-    """Runs an ``LLMEngine`` on a background thread and serves it to asyncio code."""
+    """Serves an engine core to asyncio code. Build it with :meth:`from_engine_args` (a core
+    process, or a thread with ``in_process=True``) or :meth:`from_engine` (a thread around an
+    engine built here)."""
 
-    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, core: CoreHandle, tokenizer: Any, observer: EngineObserver | None = None
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
         self.observer = observer
-        self._cond = threading.Condition()
-        self._commands: deque[_Command] = deque()
+        ready = core.ready
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._stopping = False
         self._dead_error: BaseException | None = None
+        self._closed = False
         self._stats: Any = None
-        self._thread = threading.Thread(target=self._run, name="roofline-engine", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read, name="roofline-core-reader", daemon=True)
+        self._reader.start()
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, observer: EngineObserver | None = None
+        cls,
+        args: EngineArgs,
+        observer: EngineObserver | None = None,
+        *,
+        in_process: bool = False,
+        core_setup: Callable[[LLMEngine], None] | None = None,
     ) -> AsyncLLMEngine:
-        from roofline.engine.llm_engine import LLMEngine
+        """Start a core for ``args``: a child process (default), or a thread of this process
+        with ``in_process``. ``core_setup(engine)`` runs in the core once the engine is built
+        (a module-level function for a process)."""
+        if in_process:
+            from roofline.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(args), observer)
+            engine = LLMEngine.from_engine_args(args)
+            if core_setup is not None:
+                core_setup(engine)
+            return cls.from_engine(engine, observer)
+        from roofline.models.weights import load_tokenizer, resolve_model
+
+        core = ProcessCore(args, core_setup)
+        try:  # after the core is up: a GGUF tokenizer is then read from its cache
+            tokenizer = load_tokenizer(resolve_model(args.model))
+        except BaseException:
+            core.stop(5.0)
+            core.close()
+            raise
+        return cls(core, tokenizer, observer)
+
+    @classmethod
+    def from_engine(
+        cls, engine: LLMEngine, observer: EngineObserver | None = None
+    ) -> AsyncLLMEngine:
+        """Serve an engine built in this process from a thread (the engine is the thread's
+        alone from now on)."""
+        return cls(ThreadCore(engine), engine.tokenizer, observer)
 
     # ----------------------------------------------------------------- read-only facts
     @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+    def core_pid(self) -> int | None:
+        """The core's process id (this process's own for a thread core)."""
+        return getattr(self.core, "pid", None)
 
     @property
     def is_dead(self) -> bool:
-        return self._dead_error is not None or not self._thread.is_alive()
+        return self._dead_error is not None or not self.core.is_alive()
 
     @property
     def dead_error(self) -> BaseException | None:
+        if self._dead_error is None and not self.core.is_alive():
+            return EngineDeadError(f"the engine core is gone ({self.core.exit_info})")
         return self._dead_error
 
     def get_stats(self) -> Any:
-        """The engine's ``EngineStats`` as of the end of the last loop iteration."""
+        """The engine's ``EngineStats`` as of the core's latest message."""
         return self._stats
 
     @property
     def num_active_streams(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._streams)
+
+    # ----------------------------------------------------------------- tokenizer
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def decode_token(self, token_id: int) -> str:
+        return f"<{token_id}>" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     # ----------------------------------------------------------------- event-loop API
     def _check_alive(self) -> None:
         if self.is_dead:
-            raise EngineDeadError(f"the engine loop is dead: {self._dead_error!r}")
-
-    def _submit(self, command: _Command) -> None:
-        with self._cond:
-            self._check_alive()
-            self._commands.append(command)
-            self._cond.notify()
-
-    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._submit(_Command(lambda: fn(self.engine), loop, future))
-        return await future
+            raise EngineDeadError(f"the engine loop is dead: {self.dead_error!r}")
 
     async def add_request(
         self,
@@ -191,31 +204,34 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        stream: bool = True,
     ) -> RequestStream:
         """Queue a request; raises what ``LLMEngine.add_request`` raises (``ValueError`` for
-        bad input, ``QueueFullError``) or :class:`EngineDeadError`."""
+        bad input, ``QueueFullError``) or :class:`EngineDeadError`. With ``stream=False`` the
+        stream yields one output, the final one, with everything."""
+        text, token_ids = self._tokenize(prompt)
+        arrival = time.monotonic()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop)
-        with self._cond:
+        out = RequestStream(request_id, loop, text, token_ids, arrival, final_only=not stream)
+        with self._lock:
+            self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        arrival = time.monotonic()
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority, arrival)
-            if self.observer is not None:
-                self.observer.on_added(request_id, arrival)
-
-        future: asyncio.Future[None] = loop.create_future()
+            self._streams[request_id] = out
+        command = AddRequest(request_id, token_ids, params, priority, arrival, text)
         try:
-            self._submit(_Command(add, loop, future))
-            await future
-        except BaseException:
-            # Failed or cancelled: drop the stream; an add that did run is undone by an abort.
-            self.abort(request_id)
+            self.core.send(command)
+            await out.added
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the core may have taken it: undo
             raise
-        return stream
+        except BaseException as e:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if isinstance(e, OSError):  # the pipe broke: the core is gone
+                raise EngineDeadError(f"the engine core is gone: {e!r}") from e
+            raise
+        return out
 
     async def generate(
         self,
@@ -224,8 +240,8 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's (cumulative) outputs until it finishes; aborts it if the
-        consumer stops early."""
+        """Yield the request's delta outputs until it finishes; aborts it if the consumer stops
+        early."""
         stream = await self.add_request(request_id, prompt, params, priority)
         try:
             async for output in stream:
@@ -236,123 +252,104 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; callable from any thread, never blocks on a step)."""
-        with self._cond:
+        with self._lock:
             stream = self._streams.pop(request_id, None)
-            if self.is_dead:
-                return
-            self._commands.append(_Command(lambda: self._abort_on_thread(request_id, stream)))
-            self._cond.notify()
-
-    def _abort_on_thread(self, request_id: str, stream: RequestStream | None) -> None:
-        self.engine.abort_request(request_id)
-        if stream is not None and self.observer is not None:
-            self.observer.on_aborted(request_id, time.monotonic())
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
-
-    # ----------------------------------------------------------------- engine thread
-    def _run(self) -> None:
-        has_work = False
-        try:
-            while True:
-                with self._cond:
-                    while not (self._commands or has_work or self._stopping):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    commands = list(self._commands)
-                    self._commands.clear()
-                for command in commands:
-                    self._execute(command)
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._dispatch(outputs, time.monotonic())
-                has_work = self.engine.has_unfinished_requests()
-                self._publish_stats()
-        except BaseException as e:  # noqa: BLE001 - any failure of the loop kills the engine
-            logger.exception("engine loop died")
-            self._die(e)
-
-    def _execute(self, command: _Command) -> None:
-        """Run one command; its exception goes to its caller, never into the loop."""
-        try:
-            result = command.fn()
-        except Exception as e:  # noqa: BLE001
-            if command.future is None:
-                logger.exception("engine command failed")
-            else:
-                self._resolve(command, None, e)
+        if stream is None or self.is_dead:
             return
-        if command.future is not None:
-            self._resolve(command, result, None)
-
-    @staticmethod
-    def _resolve(command: _Command, result: Any, error: BaseException | None) -> None:
-        future = command.future
-        assert future is not None and command.loop is not None
-
-        def settle() -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
+        if stream.accepted and self.observer is not None:
+            self.observer.on_aborted(request_id, time.monotonic())
         try:
-            command.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the caller's loop is closed
+            self.core.send(AbortRequests([request_id]))
+        except OSError:  # the core is gone; the reader reports it
             pass
 
-    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
-        if self.observer is not None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (its process is terminated if it does not stop in ``timeout``) and
+        fail whatever is still pending."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.core.stop(timeout)
+        self._reader.join(timeout)
+        self.core.close()
+        self._die(EngineDeadError("the engine was shut down"))
+
+    # ----------------------------------------------------------------- reader thread
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.core.recv()
+                if isinstance(message, CoreOutputs):
+                    self._dispatch(message)
+                elif isinstance(message, CoreFailed):
+                    self._die(message.error)
+                    return
+        except (EOFError, OSError):
+            if self._closed:
+                self._die(EngineDeadError("the engine was shut down"))
+                return
+            self.core.join(2.0)  # reap it, for its exit code
+            logger.error("the engine core is gone (%s)", self.core.exit_info)
+            self._die(EngineDeadError(f"the engine core is gone ({self.core.exit_info})"))
+        except BaseException as e:  # noqa: BLE001 - a bug here must not hang every request
+            logger.exception("the core reader failed")
+            self._die(e)
+
+    def _dispatch(self, message: CoreOutputs) -> None:
+        observer = self.observer
+        outputs = unpack_outputs(message.outputs)
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+        with self._lock:
+            self._stats = message.stats
+            for request_id, error in message.added:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                if error is None:
+                    stream.accepted = True
+                    if observer is not None:
+                        observer.on_added(request_id, stream.arrival_time)
+                else:
+                    del self._streams[request_id]
+                by_loop.setdefault(stream.loop, ([], []))[0].append((stream, error))
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.request_id]
+                by_loop.setdefault(stream.loop, ([], []))[1].append((stream, output))
+        if observer is not None:
             try:
-                self.observer.on_outputs(outputs, now)
+                observer.on_stats(message.stats)
+                if outputs:
+                    observer.on_outputs(outputs, message.now)
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 logger.exception("observer failed")
-        orphans: list[str] = []
-        for output in outputs:
-            with self._cond:
-                stream = self._streams.get(output.request_id)
-                if stream is not None and output.finished:
-                    del self._streams[output.request_id]
-            if stream is None:
-                continue
+        for loop, (acks, outputs) in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.put, _snapshot(output))
-            except RuntimeError:  # the consumer's loop is gone: nobody will read this request
-                orphans.append(output.request_id)
-        for request_id in orphans:
-            with self._cond:
-                self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-
-    def _publish_stats(self) -> None:
-        self._stats = self.engine.get_stats()
-        if self.observer is not None:
-            try:
-                self.observer.on_stats(self._stats)
-            except Exception:  # noqa: BLE001
-                logger.exception("observer failed")
+                loop.call_soon_threadsafe(_deliver, acks, outputs)
+            except RuntimeError:  # the consumer's loop is closed: nobody reads these
+                for stream, _ in outputs:
+                    self.abort(stream.request_id)
 
     def _die(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"the engine loop died: {error!r}")
-        dead.__cause__ = error
-        with self._cond:
-            self._dead_error = error
+        if isinstance(error, EngineDeadError):
+            dead: BaseException = error
+        else:
+            dead = EngineDeadError(f"the engine loop died: {error!r}")
+            dead.__cause__ = error
+        with self._lock:
+            if self._dead_error is None:
+                self._dead_error = error
             streams = list(self._streams.values())
             self._streams.clear()
-            commands = list(self._commands)
-            self._commands.clear()
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
         for stream in streams:
+            by_loop.setdefault(stream.loop, []).append(stream)
+        for loop, group in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.fail, dead)
+                loop.call_soon_threadsafe(_fail_all, group, dead)
             except RuntimeError:
                 pass
-        for command in commands:
-            if command.future is not None:
-                self._resolve(command, None, dead)

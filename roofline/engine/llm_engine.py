@@ -31,6 +31,7 @@ from roofline.core.outputs import SchedulerOutput, TokenLogprobs
 from roofline.core.scheduler import Scheduler
 from roofline.engine.args import EngineArgs
 from roofline.engine.detokenizer import IncrementalDetokenizer
+from roofline.engine.prompt import tokenize_prompt
 from roofline.models.weights import (
     iter_weights,
     load_model_config,
@@ -209,17 +210,7 @@ class LLMEngine:
             self._seq_owner[seq.request_id] = (group, i)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise ValueError("a prompt must be a string or a list of token ids (ints)")
-        return None, list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

@@ -1,17 +1,16 @@
-"""Fixtures. Loading SmolLM2 dominates the cost on a 2-core CPU, so the session loads it once:
-``server`` serves the engine of one offline ``LLM`` (same settings as ``roofline serve`` builds)
-through the real app on a loopback port, with an API key and a 1 MiB body limit, and
-``offline`` runs that ``LLM`` for the greedy reference answers. The ``roofline serve`` subprocess
-itself is exercised with a tiny random-weight model (``tiny_model``), which also backs the
-in-process servers that inject faults or need tiny queue limits.
+"""Fixtures. Loading SmolLM2 dominates the cost on a 2-core CPU, so the session starts one
+server: ``server`` runs the real app on a loopback port (an API key, a 1 MiB body limit) in this
+process, with its engine core in a child process, as ``roofline serve`` does (same default
+settings). ``offline`` runs an offline ``LLM`` with the same settings in this process for the
+greedy reference answers. The ``roofline serve`` subprocess itself is exercised with a tiny
+random-weight model (``tiny_model``), which also backs the servers that inject faults into
+their core or need tiny queue limits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,25 +22,23 @@ from server_utils import (
     MAX_TOKENS,
     PROMPTS,
     TINY_CONFIG,
+    TINY_KV_BYTES,
     Served,
+    crash_add_of_crash,
     run_in_thread,
 )
 
 from roofline import LLM, RequestOutput, SamplingParams
+from roofline.engine.args import EngineArgs
 from roofline.engine.async_engine import AsyncLLMEngine
 from roofline.entrypoints.openai.server import build_app
 
 
 @pytest.fixture(scope="session")
-def _llm() -> LLM:
-    return LLM()
-
-
-@pytest.fixture(scope="session")
-def server(_llm: LLM) -> Iterator[Served]:
-    engine = AsyncLLMEngine(_llm.llm_engine)
-    app = build_app(engine, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
+def server() -> Iterator[Served]:
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs())
     try:
+        app = build_app(engine, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
         with run_in_thread(app) as base_url:
             yield Served(base_url, engine)
     finally:
@@ -49,20 +46,15 @@ def server(_llm: LLM) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="session")
-def offline(_llm: LLM, server: Served) -> dict[str, list[RequestOutput]]:
-    """Offline greedy answers for ``PROMPTS`` and ``CHATS``: ``LLM.generate`` / ``LLM.chat``
-    on the server's own engine, run on its engine thread (the engine is not thread-safe) while
-    the server is idle, only in the sessions that need them."""
-    assert server.engine.num_active_streams == 0
+def offline() -> dict[str, list[RequestOutput]]:
+    """Offline greedy answers for ``PROMPTS`` and ``CHATS`` (``LLM.generate`` / ``LLM.chat``),
+    only in the sessions that need them."""
+    llm = LLM()
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-    def run(_: object) -> dict[str, list[RequestOutput]]:
-        return {
-            "completions": _llm.generate(PROMPTS, greedy, use_tqdm=False),
-            "chat": _llm.chat(CHATS, greedy, use_tqdm=False),
-        }
-
-    return asyncio.run(server.engine.run_in_engine(run))
+    return {
+        "completions": llm.generate(PROMPTS, greedy, use_tqdm=False),
+        "chat": llm.chat(CHATS, greedy, use_tqdm=False),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +72,23 @@ def http(server: Served) -> Iterator[httpx.Client]:
         yield c
 
 
-@pytest.fixture
-def tiny_model(tmp_path: Path) -> str:
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A config.json of a tiny Llama (random weights, no tokenizer: token-id prompts)."""
-    path = tmp_path / "tiny" / "config.json"
-    path.parent.mkdir()
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
     path.write_text(json.dumps(TINY_CONFIG))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_core(tiny_model: str) -> Iterator[AsyncLLMEngine]:
+    """A tiny engine core process shared by the tests that do not break it (its adds of id
+    ``crash`` fail, see ``crash_add_of_crash``)."""
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model, kv_cache_memory_bytes=TINY_KV_BYTES),
+        core_setup=crash_add_of_crash,
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()

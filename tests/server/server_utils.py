@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -146,6 +147,7 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
     return err
 
 
+TINY_KV_BYTES = 4 << 20
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "vocab_size": 256,
@@ -177,3 +179,60 @@ def run_in_thread(app: object) -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+# Fault injection: ``core_setup`` hooks, run in the engine core (a child process) on its engine.
+def slow_steps(engine: Any) -> None:
+    """Every step takes at least 50 ms more (keeps requests running while a test acts)."""
+    real_step = engine.step
+
+    def step() -> Any:
+        time.sleep(0.05)
+        return real_step()
+
+    engine.step = step
+
+
+def fail_fifth_step(engine: Any) -> None:
+    """The 5th step raises."""
+    real_step = engine.step
+    calls = [0]
+
+    def step() -> Any:
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = step
+
+
+def crash_add_of_crash(engine: Any) -> None:
+    """Adding a request whose id is ``crash`` raises a TypeError (an engine bug, not bad input)."""
+    real_add = engine.add_request
+
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:
+        if request_id == "crash":
+            raise TypeError("injected add failure")
+        real_add(request_id, *args, **kwargs)
+
+    engine.add_request = add_request
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process ``pid`` (Linux)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

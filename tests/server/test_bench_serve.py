@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from server_utils import API_KEY, MODEL, Served
+from server_utils import API_KEY, MODEL, Served, run_in_thread
 
 from roofline.bench.serve import main, summarize, timeline
 from roofline.bench.serve_load import RequestResult, jsonl_requests, synthetic_requests
+from roofline.engine.async_engine import AsyncLLMEngine
+from roofline.entrypoints.openai.server import build_app
 
 
 def result(start: float, ttft: float, itls: list[float], tokens: int) -> RequestResult:
@@ -200,3 +202,38 @@ def test_bench_reports_failures(server: Served, tmp_path: Path) -> None:
     run = json.loads(out.read_text())["runs"][0]
     assert (run["completed"], run["failed"]) == (0, 3)
     assert run["errors"] and "401" in run["errors"][0]
+
+
+def test_bench_times_tokens_of_a_model_without_text(
+    tiny_core: AsyncLLMEngine, tmp_path: Path
+) -> None:
+    """Random weights, no tokenizer: the stream carries no text, the chunks still carry tokens
+    (one per step, counted from the usage in every chunk)."""
+    data = tmp_path / "ids.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"prompt": [5 + i, 6, 7], "max_tokens": 6}) for i in range(3))
+    )
+    out = tmp_path / "r.json"
+    with run_in_thread(build_app(tiny_core)) as url:
+        code = main(
+            [
+                "serve",
+                "--base-url",
+                url,
+                "--dataset",
+                str(data),
+                "--num-prompts",
+                "3",
+                "--ignore-eos",
+                "--save-requests",
+                "--result-json",
+                str(out),
+            ]
+        )
+    assert code == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["completed"], run["total_output_tokens"]) == (3, 18)
+    for r in run["requests"]:
+        assert r["output_tokens"] == 6 and r["ttft"] is not None
+        assert 1 <= len(r["chunk_times"]) <= 6 and len(r["itls"]) == len(r["chunk_times"]) - 1
+    assert run["tpot_ms"]["p50"] is not None and run["itl_ms"]["p50"] is not None

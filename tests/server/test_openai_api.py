@@ -6,7 +6,15 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import API_KEY, MODEL, Served, assert_openai_error, metrics, run_in_thread
+from server_utils import (
+    API_KEY,
+    MODEL,
+    Served,
+    assert_openai_error,
+    metrics,
+    run_in_thread,
+    wait_idle,
+)
 
 from roofline.entrypoints.openai.server import build_app
 
@@ -294,3 +302,32 @@ def test_metrics_names_mirror_vllm(server: Served, client: openai.OpenAI) -> Non
     ):
         assert m[f"roofline:{name}_count"] >= 1, name
         assert m[f"roofline:{name}_sum"] >= 0, name
+
+
+def test_metrics_count_every_request_and_step(server: Served, client: openai.OpenAI) -> None:
+    """The histograms are fed from the core's per-step messages, for streamed and whole answers
+    alike: one TTFT / TPOT / E2E / queue sample per request, one ITL sample per later step."""
+    before = metrics(server.base_url)
+    for stream in (False, True):
+        for i in range(3):
+            r = client.completions.create(
+                model=MODEL,
+                prompt=f"{PROMPT} {i}",
+                max_tokens=5,
+                temperature=0,
+                stream=stream,
+                extra_body={"ignore_eos": True},
+            )
+            if stream:
+                list(r)
+    after = wait_idle(server.base_url)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert grew(f"roofline:{name}_seconds_count") == 6, name
+    assert grew("roofline:request_queue_time_seconds_count") == 6
+    assert grew("roofline:inter_token_latency_seconds_count") == 6 * 4
+    assert grew("roofline:generation_tokens_total") == 6 * 5
+    assert grew("roofline:request_success_total{finished_reason=length}") == 6

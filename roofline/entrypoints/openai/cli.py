@@ -1,7 +1,8 @@
 """``roofline serve [MODEL]``: the OpenAI-compatible server from the command line.
 
 Engine flags are ``EngineArgs``'s (the same as ``LLM(...)``'s keyword arguments); server flags
-are added here. ``add_cli`` registers the subcommand on the main CLI; ``python -m
+are added here. The engine core runs in its own process unless ``--engine-in-process``.
+``add_cli`` registers the subcommand on the main CLI; ``python -m
 roofline.entrypoints.openai.cli serve ...`` runs it on its own (the tests do that).
 """
 
@@ -54,6 +55,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine's step loop on a thread of the server process instead of in its "
+        "own process (slower under load: the loop and the HTTP server share one GIL; for "
+        "debugging and profiling)",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -80,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes <= 0:
         print("error: --max-body-bytes must be positive", file=sys.stderr)
         return 2
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs.from_cli_args(args), in_process=args.engine_in_process
+    )
     app = build_app(
         engine,
         args.served_model_name,

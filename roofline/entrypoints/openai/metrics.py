@@ -3,12 +3,14 @@
 Gauges and counters are read from the engine's latest ``EngineStats`` at scrape time (a custom
 collector, so cumulative engine counters are exported exactly as the engine counts them).
 Latency histograms are fed by :class:`ServerMetrics`, the async engine's observer: it sees every
-step's outputs on the engine thread and tracks, per request, when tokens arrived. Each app gets
+step's delta outputs as the engine core reports them (on the API process's reader thread, with
+the core's clock) and tracks, per request, when tokens arrived. Each app gets
 its own ``CollectorRegistry`` so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -141,6 +143,9 @@ class _StatsCollector(Collector):
 class _Tracked:
     arrival_time: float
     num_tokens: int = 0
+    """Tokens so far, all completions together."""
+    max_seq_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Tokens so far per completion index."""
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -190,24 +195,33 @@ class ServerMetrics:
         self._stats = stats
 
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        for out in outputs:
-            tracked = self._requests.get(out.request_id)
-            if tracked is None:  # not added through the server, or already aborted
-                continue
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if num_tokens > tracked.num_tokens:
-                if tracked.first_token_time is None:
-                    first = out.metrics.first_token_time if out.metrics is not None else None
-                    tracked.first_token_time = first if first is not None else now
-                    self.ttft.labels(**self._labels).observe(
-                        max(0.0, tracked.first_token_time - tracked.arrival_time)
-                    )
-                elif tracked.last_token_time is not None:
-                    self.itl.labels(**self._labels).observe(max(0.0, now - tracked.last_token_time))
-                tracked.num_tokens = num_tokens
-                tracked.last_token_time = now
-            if out.finished:
-                self._finish(out, tracked, now)
+        """Delta outputs of one step, made at ``now``."""
+        with self._lock:
+            for out in outputs:
+                tracked = self._requests.get(out.request_id)
+                if tracked is None:  # not added through the server, or already aborted
+                    continue
+                num_new = 0
+                for c in out.outputs:
+                    if c.token_ids:
+                        num_new += len(c.token_ids)
+                        seq = tracked.max_seq_tokens
+                        seq[c.index] = seq.get(c.index, 0) + len(c.token_ids)
+                if num_new:
+                    if tracked.first_token_time is None:
+                        first = out.metrics.first_token_time if out.metrics is not None else None
+                        tracked.first_token_time = first if first is not None else now
+                        self.ttft.labels(**self._labels).observe(
+                            max(0.0, tracked.first_token_time - tracked.arrival_time)
+                        )
+                    elif tracked.last_token_time is not None:
+                        self.itl.labels(**self._labels).observe(
+                            max(0.0, now - tracked.last_token_time)
+                        )
+                    tracked.num_tokens += num_new
+                    tracked.last_token_time = now
+                if out.finished:
+                    self._finish(out, tracked, now)
 
     def _finish(self, out: RequestOutput, tracked: _Tracked, now: float) -> None:
         del self._requests[out.request_id]
@@ -218,7 +232,7 @@ class ServerMetrics:
             self.queue.labels(**self._labels).observe(
                 max(0.0, m.first_scheduled_time - tracked.arrival_time)
             )
-        per_seq = max((len(c.token_ids) for c in out.outputs), default=0)
+        per_seq = max(tracked.max_seq_tokens.values(), default=0)
         if tracked.first_token_time is not None and per_seq > 1:
             self.tpot.labels(**self._labels).observe(
                 max(0.0, finished - tracked.first_token_time) / (per_seq - 1)
@@ -226,14 +240,14 @@ class ServerMetrics:
         reason = out.outputs[0].finish_reason if out.outputs else None
         if out.error is not None:
             reason = "error"
-        with self._lock:
-            key = reason or "abort"
-            self._successes[key] = self._successes.get(key, 0) + 1
+        key = reason or "abort"
+        self._successes[key] = self._successes.get(key, 0) + 1
 
     def on_added(self, request_id: str, arrival_time: float) -> None:
-        self._requests[request_id] = _Tracked(arrival_time)
+        with self._lock:
+            self._requests[request_id] = _Tracked(arrival_time)
 
     def on_aborted(self, request_id: str, now: float) -> None:
-        if self._requests.pop(request_id, None) is not None:
-            with self._lock:
+        with self._lock:
+            if self._requests.pop(request_id, None) is not None:
                 self._successes["abort"] += 1

@@ -33,6 +33,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: every chunk carries the usage so far (benchmarks count tokens with it,
+    also where the text is empty, e.g. models without a tokenizer)."""
 
 
 class _SamplingRequest(_Strict):
@@ -103,6 +106,10 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
 
 class CompletionRequest(_SamplingRequest):

@@ -1,14 +1,19 @@
 """What completions and chat completions share: starting engine requests, following them until
-they finish (aborting them when the client goes away), turning cumulative outputs into deltas,
+they finish (aborting them when the client goes away), numbering the choices of delta outputs,
 and the SSE framing of a stream (``data: {...}`` lines closed by ``data: [DONE]``; a failure in
 the middle of a stream is sent as one error event before ``[DONE]``).
+
+The streaming path is the per-token hot path of the server: each engine step gives each request
+one (merged) delta output, which becomes at most one event per choice, built as plain dicts and
+``json.dumps`` (no pydantic model per chunk). Non-streaming requests are added with
+``stream=False``: the engine sends them once, finished.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +35,15 @@ class ServingState:
     model_root: str | None = None
     allow_request_chat_template: bool = False
 
+    def check_request(self, model: str | None) -> None:
+        """Refuse a generation request once the engine is dead (503, before any other work), or
+        one for another model (404)."""
+        if self.engine.is_dead:
+            raise OpenAIError(
+                503, f"the engine loop is dead: {self.engine.dead_error!r}", code="engine_dead"
+            )
+        self.check_model(model)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(
@@ -48,9 +62,11 @@ async def add_requests(
     base_id: str,
     priority: int,
     param: str,
+    stream: bool,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt; on any failure abort those already added and raise
-    the matching :class:`OpenAIError`."""
+    """Add one engine request per prompt (``stream=False``: the engine reports each once, when
+    it has finished); on any failure abort those already added and raise the matching
+    :class:`OpenAIError`."""
     vocab = state.engine.vocab_size
     for prompt in prompts:
         if isinstance(prompt, list):
@@ -74,7 +90,9 @@ async def add_requests(
     try:
         for i, prompt in enumerate(prompts):
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await state.engine.add_request(request_id, prompt, params, priority))
+            streams.append(
+                await state.engine.add_request(request_id, prompt, params, priority, stream)
+            )
     except BaseException as e:
         for s in streams:
             state.engine.abort(s.request_id)
@@ -162,6 +180,7 @@ async def collect(
 
 
 def usage_of(outputs: list[RequestOutput]) -> Usage:
+    """Usage of complete (not delta) outputs."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return Usage(
@@ -187,11 +206,14 @@ class Delta:
 
 @dataclass
 class DeltaTracker:
-    """Turns cumulative outputs into per-choice deltas (choice index = prompt * n + index)."""
+    """Numbers the choices of delta outputs (choice index = prompt index * n + completion
+    index) and counts, per choice, what was already sent."""
 
     n: int
-    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """choice index -> (characters sent, tokens sent)."""
+    chars: dict[int, int] = field(default_factory=dict)
+    """choice index -> characters sent."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    """choice index -> tokens sent."""
     finished: set[int] = field(default_factory=set)
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
@@ -200,22 +222,20 @@ class DeltaTracker:
             index = prompt_index * self.n + c.index
             if index in self.finished:
                 continue
-            first = index not in self.sent
-            num_chars, num_tokens = self.sent.get(index, (0, 0))
-            text = c.text[num_chars:]
-            token_ids = c.token_ids[num_tokens:]
-            if not text and not token_ids and not c.finish_reason and not first:
+            first = index not in self.chars
+            if not c.text and not c.token_ids and not c.finish_reason and not first:
                 continue
-            logprobs = None if c.logprobs is None else c.logprobs[num_tokens:]
-            self.sent[index] = (len(c.text), len(c.token_ids))
+            num_chars = self.chars.get(index, 0)
+            self.chars[index] = num_chars + len(c.text)
+            self.tokens[index] = self.tokens.get(index, 0) + len(c.token_ids)
             if c.finish_reason:
                 self.finished.add(index)
             out.append(
                 Delta(
                     index,
-                    text,
-                    token_ids,
-                    logprobs,
+                    c.text,
+                    c.token_ids,
+                    c.logprobs,
                     c.finish_reason,
                     c.stop_reason,
                     first,
@@ -224,10 +244,19 @@ class DeltaTracker:
             )
         return out
 
+    def usage(self, prompt_tokens: int) -> dict[str, int]:
+        """Usage so far, as a plain dict."""
+        completion = sum(self.tokens.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
 
-async def token_strings(state: ServingState, deltas: list[Delta]) -> dict[int, str]:
+
+def token_strings(state: ServingState, deltas: list[Delta]) -> dict[int, str]:
     """Text of every token mentioned in the deltas' logprobs that has no ``decoded_token``
-    (decoded on the engine thread, where the tokenizer lives)."""
+    (only a model without a tokenizer leaves it out: those read ``<id>``)."""
     missing = {
         tid
         for d in deltas
@@ -236,15 +265,7 @@ async def token_strings(state: ServingState, deltas: list[Delta]) -> dict[int, s
         for tid, lp in step.items()
         if lp.decoded_token is None
     }
-    if not missing:
-        return {}
-    ids = sorted(missing)
-
-    def decode(engine: Any) -> list[str]:
-        tok = engine.tokenizer
-        return [f"<{i}>" if tok is None else tok.decode([i]) for i in ids]
-
-    return dict(zip(ids, await state.engine.run_in_engine(decode), strict=True))
+    return {tid: state.engine.decode_token(tid) for tid in missing}
 
 
 def ranked(
@@ -263,29 +284,70 @@ def ranked(
 
 
 def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_dumps(payload)}\n\n"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+class ChunkFormat:
+    """The envelope of one streamed answer's chunks, serialized once: an event is the envelope's
+    text around the ``json.dumps`` of its choices. With ``include_usage`` every chunk has a
+    ``usage`` field, null (OpenAI) or, with ``continuous_usage`` (vLLM's
+    ``continuous_usage_stats``), the usage so far; the last chunk holds the total."""
+
+    def __init__(
+        self,
+        request_id: str,
+        object: str,
+        created: int,
+        model: str,
+        tracker: DeltaTracker,
+        prompt_tokens: int,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> None:
+        envelope = {"id": request_id, "object": object, "created": created, "model": model}
+        self._head = f'data: {_dumps(envelope)[:-1]}, "choices": '
+        self.tracker = tracker
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+
+    def event(self, choices: list[dict[str, Any]]) -> str:
+        if not self.include_usage:
+            return f"{self._head}{_dumps(choices)}}}\n\n"
+        usage = _dumps(self.tracker.usage(self.prompt_tokens)) if self.continuous_usage else "null"
+        return f'{self._head}{_dumps(choices)}, "usage": {usage}}}\n\n'
+
+    def usage_event(self) -> str:
+        """The closing usage chunk (empty when usage was not asked for)."""
+        if not self.include_usage:
+            return ""
+        usage = _dumps(self.tracker.usage(self.prompt_tokens))
+        return f'{self._head}[], "usage": {usage}}}\n\n'
 
 
 async def sse_stream(
     state: ServingState,
     streams: list[RequestStream],
-    render: Callable[[int, RequestOutput], Awaitable[list[dict[str, Any]]]],
-    final: Callable[[list[RequestOutput]], list[dict[str, Any]]],
+    render: Callable[[int, RequestOutput], str],
+    final: Callable[[], str],
 ) -> AsyncIterator[str]:
-    """The SSE body: ``render`` turns each output into chunks, ``final`` adds closing ones
-    (the usage chunk) once every request finished. Aborts unfinished requests if the client
-    goes away (Starlette cancels this generator then)."""
-    finals: dict[int, RequestOutput] = {}
+    """The SSE body: ``render`` turns each (merged) delta output into its events, at most one
+    per choice; ``final`` adds closing ones (the usage chunk) once every request finished.
+    Aborts unfinished requests if the client goes away (Starlette cancels this generator)."""
     try:
         async for i, output in iterate(streams):
             if output.error is not None or any(c.finish_reason == "error" for c in output.outputs):
                 raise OpenAIError(500, f"the request failed in the engine: {output.error}")
-            for chunk in await render(i, output):
-                yield sse_event(chunk)
-            if output.finished:
-                finals[i] = output
-        for chunk in final([finals[i] for i in sorted(finals)]):
-            yield sse_event(chunk)
+            events = render(i, output)
+            if events:
+                yield events
+        events = final()
+        if events:
+            yield events
     except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
         err = from_exception(e)
         yield sse_event(err.to_dict())

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: messages rendered by the model's chat template, then served
-like a completion. The tokenizer's own template is rendered by the engine (sandboxed jinja);
-a template sent with the request is refused unless the operator allowed it
+like a completion. The tokenizer's own template is rendered in the API process (sandboxed jinja,
+by the tokenizer); a template sent with the request is refused unless the operator allowed it
 (``--trust-request-chat-template``), and is then rendered here in an immutable jinja sandbox
 off the event loop.
 """
@@ -22,12 +22,10 @@ from roofline.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    TokenLogprob,
-    TopLogprob,
     random_id,
 )
 from roofline.entrypoints.openai.serving_base import (
+    ChunkFormat,
     Delta,
     DeltaTracker,
     ServingState,
@@ -58,85 +56,85 @@ def render_template(
     )
 
 
-def _encode(engine: Any, text: str) -> list[int]:
+def _encode(tokenizer: Any, text: str) -> list[int]:
     """The rendered conversation's token ids (it already holds its special tokens)."""
     if not isinstance(text, str) or not text:
         raise ValueError("the chat template rendered an empty prompt")
-    return list(engine.tokenizer(text, add_special_tokens=False).input_ids)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer")
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 async def render_prompt(state: ServingState, body: ChatCompletionRequest) -> list[int]:
-    """The conversation as prompt token ids, exactly as ``LLM.chat`` builds them."""
+    """The conversation as prompt token ids, exactly as ``LLM.chat`` builds them (with the
+    API process's copy of the tokenizer)."""
     messages = body.message_dicts()
     add_gen = body.add_generation_prompt
+    engine = state.engine
     try:
         if body.chat_template is None:
-            return await state.engine.run_in_engine(
-                lambda e: _encode(e, e.apply_chat_template(messages, add_gen))
+            return _encode(engine.tokenizer, engine.apply_chat_template(messages, add_gen))
+        if not state.allow_request_chat_template:
+            raise OpenAIError(
+                400,
+                "request-supplied chat templates are not allowed on this server",
+                param="chat_template",
             )
-        else:
-            if not state.allow_request_chat_template:
-                raise OpenAIError(
-                    400,
-                    "request-supplied chat templates are not allowed on this server",
-                    param="chat_template",
-                )
-
-            def special(e: Any) -> dict[str, str | None]:
-                tok = e.tokenizer
-                return {
-                    "bos_token": getattr(tok, "bos_token", None),
-                    "eos_token": getattr(tok, "eos_token", None),
-                }
-
-            tokens = await state.engine.run_in_engine(special)
-            text = await asyncio.to_thread(
-                render_template, body.chat_template, messages, add_gen, tokens
-            )
-            return await state.engine.run_in_engine(lambda e: _encode(e, text))
+        tok = engine.tokenizer
+        special = {
+            "bos_token": getattr(tok, "bos_token", None),
+            "eos_token": getattr(tok, "eos_token", None),
+        }
+        text = await asyncio.to_thread(
+            render_template, body.chat_template, messages, add_gen, special
+        )
+        return _encode(tok, text)
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise OpenAIError(
             400, f"cannot apply the chat template: {e}", param="messages", code="invalid_messages"
         ) from e
 
 
-def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> ChatLogprobs | None:
+def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> dict[str, list] | None:
     if delta.logprobs is None:
         return None
     content = []
     for tid, step in zip(delta.token_ids, delta.logprobs, strict=False):
         (text, logprob), top = ranked(step, tid, k, names)
         content.append(
-            TokenLogprob(
-                token=text,
-                logprob=-9999.0 if logprob is None else logprob,
-                bytes=list(text.encode()),
-                top_logprobs=[
-                    TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top
+            {
+                "token": text,
+                "logprob": -9999.0 if logprob is None else logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top
                 ],
-            )
+            }
         )
-    return ChatLogprobs(content=content)
+    return {"content": content}
 
 
 async def create_chat_completion(
     state: ServingState, body: ChatCompletionRequest, raw: Request
 ) -> Any:
-    state.check_model(body.model)
+    state.check_request(body.model)
     try:
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
     prompt = await render_prompt(state, body)
     request_id = random_id("chatcmpl")
-    streams = await add_requests(state, [prompt], params, request_id, body.priority, "messages")
+    streams = await add_requests(
+        state, [prompt], params, request_id, body.priority, "messages", body.stream
+    )
     created = int(time.time())
     k = params.logprobs or 0
+    tracker = DeltaTracker(params.n)
 
     if not body.stream:
         finals = await collect(state, raw, streams)
-        deltas = DeltaTracker(params.n).deltas(0, finals[0])
-        names = await token_strings(state, deltas)
+        deltas = tracker.deltas(0, finals[0])
+        names = token_strings(state, deltas)
         choices = [
             ChatChoice(
                 index=d.index,
@@ -155,54 +153,37 @@ async def create_chat_completion(
             usage=usage_of(finals),
         )
 
-    tracker = DeltaTracker(params.n)
-    include_usage = body.include_usage
+    fmt = ChunkFormat(
+        request_id,
+        "chat.completion.chunk",
+        created,
+        state.served_model_name,
+        tracker,
+        len(prompt),
+        body.include_usage,
+        body.continuous_usage,
+    )
 
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.served_model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
-
-    async def render(i: int, output: RequestOutput) -> list[dict[str, Any]]:
+    def render(i: int, output: RequestOutput) -> str:
         deltas = tracker.deltas(i, output)
-        names = await token_strings(state, deltas)
-        chunks = []
+        names = token_strings(state, deltas)
+        events = []
         for d in deltas:
             message: dict[str, Any] = {"content": d.text}
             if d.first:
                 message["role"] = "assistant"
-            lp = _logprobs(d, k, names)
-            chunks.append(
-                chunk(
-                    [
-                        {
-                            "index": d.index,
-                            "delta": message,
-                            "logprobs": None if lp is None else lp.model_dump(),
-                            "finish_reason": d.finish_reason,
-                            "stop_reason": d.stop_reason,
-                        }
-                    ]
-                )
-            )
-        return chunks
-
-    def final(finals: list[RequestOutput]) -> list[dict[str, Any]]:
-        if not include_usage:
-            return []
-        c = chunk([])
-        c["usage"] = usage_of(finals).model_dump()
-        return [c]
+            choice = {
+                "index": d.index,
+                "delta": message,
+                "logprobs": _logprobs(d, k, names),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            events.append(fmt.event([choice]))
+        return "".join(events)
 
     return StreamingResponse(
-        sse_stream(state, streams, render, final),
+        sse_stream(state, streams, render, fmt.usage_event),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )

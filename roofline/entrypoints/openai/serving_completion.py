@@ -15,12 +15,12 @@ from fastapi.responses import StreamingResponse
 from roofline.entrypoints.openai.errors import from_exception
 from roofline.entrypoints.openai.protocol import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     random_id,
 )
 from roofline.entrypoints.openai.serving_base import (
+    ChunkFormat,
     Delta,
     DeltaTracker,
     ServingState,
@@ -34,40 +34,50 @@ from roofline.entrypoints.openai.serving_base import (
 from roofline.outputs import RequestOutput
 
 
-def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> CompletionLogprobs | None:
+def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> dict[str, list] | None:
     if delta.logprobs is None:
         return None
-    out = CompletionLogprobs()
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     offset = delta.text_offset
     for tid, step in zip(delta.token_ids, delta.logprobs, strict=False):
         (text, logprob), top = ranked(step, tid, k, names)
-        out.tokens.append(text)
-        out.token_logprobs.append(logprob)
-        out.top_logprobs.append(dict(top) if k > 0 else None)
-        out.text_offset.append(offset)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(dict(top) if k > 0 else None)
+        text_offset.append(offset)
         offset += len(text)
-    return out
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 async def create_completion(state: ServingState, body: CompletionRequest, raw: Request) -> Any:
-    state.check_model(body.model)
+    state.check_request(body.model)
     try:
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
     prompts = body.prompts()
     request_id = random_id("cmpl")
-    streams = await add_requests(state, prompts, params, request_id, body.priority, "prompt")
+    streams = await add_requests(
+        state, prompts, params, request_id, body.priority, "prompt", body.stream
+    )
     created = int(time.time())
     k = params.logprobs or 0
+    tracker = DeltaTracker(params.n)
 
     if not body.stream:
         finals = await collect(state, raw, streams)
-        tracker = DeltaTracker(params.n)
         choices = []
         for i, out in enumerate(finals):
             deltas = tracker.deltas(i, out)
-            names = await token_strings(state, deltas)
+            names = token_strings(state, deltas)
             for d in deltas:
                 choices.append(
                     CompletionChoice(
@@ -87,51 +97,37 @@ async def create_completion(state: ServingState, body: CompletionRequest, raw: R
             usage=usage_of(finals),
         )
 
-    tracker = DeltaTracker(params.n)
-    include_usage = body.include_usage
+    fmt = ChunkFormat(
+        request_id,
+        "text_completion",
+        created,
+        state.served_model_name,
+        tracker,
+        sum(len(s.prompt_token_ids) for s in streams),
+        body.include_usage,
+        body.continuous_usage,
+    )
 
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": state.served_model_name,
-            "choices": choices,
-        }
-        if include_usage:
-            c["usage"] = None
-        return c
-
-    async def render(i: int, output: RequestOutput) -> list[dict[str, Any]]:
+    def render(i: int, output: RequestOutput) -> str:
         deltas = tracker.deltas(i, output)
-        names = await token_strings(state, deltas)
-        chunks = []
-        for d in deltas:
-            lp = _logprobs(d, k, names)
-            chunks.append(
-                chunk(
-                    [
-                        {
-                            "index": d.index,
-                            "text": d.text,
-                            "logprobs": None if lp is None else lp.model_dump(),
-                            "finish_reason": d.finish_reason,
-                            "stop_reason": d.stop_reason,
-                        }
-                    ]
-                )
+        names = token_strings(state, deltas)
+        return "".join(
+            fmt.event(
+                [
+                    {
+                        "index": d.index,
+                        "text": d.text,
+                        "logprobs": _logprobs(d, k, names),
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                ]
             )
-        return chunks
-
-    def final(finals: list[RequestOutput]) -> list[dict[str, Any]]:
-        if not include_usage:
-            return []
-        c = chunk([])
-        c["usage"] = usage_of(finals).model_dump()
-        return [c]
+            for d in deltas
+        )
 
     return StreamingResponse(
-        sse_stream(state, streams, render, final),
+        sse_stream(state, streams, render, fmt.usage_event),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )
