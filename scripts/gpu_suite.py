@@ -151,7 +151,9 @@ def main() -> None:
     print(
         f"throughput (gpu_memory_utilization {args.throughput_mem}): {res.output_tok_s:.0f} "
         f"out tok/s, {res.elapsed_s:.1f} s, {res.roofline_pct:.1f}% of workload roofline, "
-        f"at most {res.max_running} running, {res.num_preemptions} preemptions",
+        f"at most {res.max_running} running, {res.num_preemptions} preemptions, host work "
+        f"{100 * res.host_fraction:.0f}% of step time, {len(res.jit_compiles)} JIT compiles "
+        f"{sorted(set(res.jit_compiles))}",
         flush=True,
     )
     summary["llama8b_throughput"] = vars(res)

@@ -57,6 +57,33 @@ def engine_itl(base: str) -> tuple[float, float]:
     return values["sum"], values["count"]
 
 
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by ``pid`` and each of its child processes
+    (Linux /proc; empty elsewhere): shows whether the API process or the engine core ran out
+    of its one core."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        for p in pids:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[p] = (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        pass
+    return out
+
+
+def cpu_share(before: dict[int, float], after: dict[int, float], wall_s: float, pid: int):
+    """(API process, busiest child) CPU use over the window, in cores."""
+    used = {p: (after[p] - before.get(p, 0.0)) / wall_s for p in after}
+    api = used.pop(pid, None)
+    return api, (max(used.values()) if used else None)
+
+
 def _step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
     count = after[1] - before[1]
     return 1000.0 * (after[0] - before[0]) / count if count else None
@@ -75,6 +102,8 @@ def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> 
         "out_tok_s": res.output_tok_s,
         "preemptions": res.num_preemptions,
         "max_running": res.max_running,
+        "host_fraction": res.host_fraction,
+        "jit_compiles": sorted(set(res.jit_compiles)),
         "step_ms": row.step_ms_p50,
         "prompts": wl.prompts,
         "output_lens": wl.output_lens,
@@ -119,7 +148,8 @@ def main() -> None:
     print(
         f"offline: {off['out_tok_s']:.1f} out tok/s; decode step at batch "
         f"{args.concurrency}: {off['step_ms']:.2f} ms ({off['preemptions']} preemptions, "
-        f"at most {off['max_running']} running)",
+        f"at most {off['max_running']} running; host work {100 * off['host_fraction']:.0f}% "
+        f"of step time; JIT compiles during the run: {off['jit_compiles']})",
         flush=True,
     )
     prompts, output_lens = off["prompts"], off["output_lens"]
@@ -144,10 +174,12 @@ def main() -> None:
         model = served_model(base, None)
         reqs = [BenchRequest(p, n) for p, n in zip(prompts, output_lens)]
         asyncio.run(run_requests(base, model, reqs[:4], ignore_eos=True))  # warm-up
-        itl0 = engine_itl(base)
+        itl0, cpu0 = engine_itl(base), cpu_seconds(proc.pid)
+        client0 = time.process_time()
         results, dur = asyncio.run(run_requests(base, model, reqs, ignore_eos=True))
+        client_sat = (time.process_time() - client0) / dur
         sat = serve.summarize(results, dur)
-        itl1 = engine_itl(base)
+        itl1, cpu1 = engine_itl(base), cpu_seconds(proc.pid)
         # Little's law: concurrency = rate x E2E, E2E ~ output_len x step time at that batch
         rate = args.concurrency / (args.output_len * off["step_ms"] / 1000.0)
         reqs_rate = reqs * max(1, (3 * args.concurrency) // len(reqs))
@@ -155,7 +187,7 @@ def main() -> None:
             run_requests(base, model, reqs_rate, request_rate=rate, ignore_eos=True, seed=3)
         )
         at_rate = serve.summarize(results, dur)
-        itl2 = engine_itl(base)
+        itl2, cpu2 = engine_itl(base), cpu_seconds(proc.pid)
     except Exception:
         log.flush()
         with open(log.name) as f:
@@ -182,6 +214,10 @@ def main() -> None:
         # cost the engine, apart from what the API adds on top of the step
         "server_engine_step_ms_saturation": _step_ms(itl0, itl1),
         "server_engine_step_ms_at_rate": _step_ms(itl1, itl2),
+        # cores busy in the API process and in the engine core during each phase
+        "cpu_cores_api_core_saturation": cpu_share(cpu0, cpu1, sat["duration_s"], proc.pid),
+        "cpu_cores_api_core_at_rate": cpu_share(cpu1, cpu2, at_rate["duration_s"], proc.pid),
+        "cpu_cores_client_saturation": client_sat,
         "failed": sat["failed"] + at_rate["failed"],
     }
     print(json.dumps(summary, indent=1))

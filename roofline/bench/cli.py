@@ -157,8 +157,15 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         f"roofline: {res.elapsed_s:.2f} s, {res.output_tok_s:.1f} output tok/s, "
         f"{res.total_tok_s:.1f} total tok/s, {res.roofline_pct:.1f}% of the workload roofline "
         f"({res.roofline_s:.2f} s); at most {res.max_running} running, "
-        f"{res.num_preemptions} preemptions",
+        f"{res.num_preemptions} preemptions; host work {100 * res.host_fraction:.0f}% of "
+        "step time",
     ]
+    if res.jit_compiles:
+        lines.append(
+            f"warning: {len(res.jit_compiles)} Triton kernel specializations compiled during "
+            f"the run ({', '.join(sorted(set(res.jit_compiles)))}): the start-up warm-up "
+            "missed them"
+        )
     results = {"roofline": vars(res), "ceilings": vars(ceilings)}
     for peer in [p for p in ns.compare.split(",") if p]:
         pr = _run_peer(peer, llm, wl, ns)

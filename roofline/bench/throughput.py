@@ -9,13 +9,15 @@ whichever bound each step hits.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from roofline.bench.ceilings import Ceilings
 from roofline.bench.latency import precision_of
 from roofline.bench.workloads import Workload
 from roofline.entrypoints.llm import LLM
+from roofline.kernels import count_jit_compiles
 from roofline.planner.roofline import Precision, step_cost
 from roofline.sampling_params import SamplingParams
 
@@ -35,6 +37,11 @@ class ThroughputResult:
     """Preemptions (recompute) during the run: KV pressure the roofline does not count."""
     max_running: int = 0
     """The most requests running in one step."""
+    host_fraction: float = 0.0
+    """Share of the engine's step time not spent waiting for the device: near 1, the device
+    waited for the host (scheduling, inputs, outputs) instead."""
+    jit_compiles: list[str] = field(default_factory=list)
+    """Triton kernels specialized during the run (each should have been warmed up at start)."""
 
 
 def workload_roofline_s(
@@ -87,12 +94,15 @@ def run(
         max_running = max(max_running, engine.scheduler.num_running)
 
     engine.on_schedule = watch
+    timing0 = dataclasses.replace(engine.step_timing)
     start = time.perf_counter()
     try:
-        outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
+        with count_jit_compiles() as compiled:
+            outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
     finally:
         engine.on_schedule = None
     elapsed = time.perf_counter() - start
+    timing = engine.step_timing.since(timing0)
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_tokens = sum(len(p) for p in workload.prompts)
     ideal = workload_roofline_s(
@@ -114,4 +124,6 @@ def run(
         100 * ideal / elapsed,
         engine.scheduler.num_preemptions_total - preempted,
         max_running,
+        timing.host_fraction,
+        compiled,
     )

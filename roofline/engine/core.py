@@ -66,12 +66,17 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, channel: _Channel) -> None:
         self.engine = engine
         self.channel = channel
+        self.pack_s = 0.0
+        """Seconds spent turning step outputs into messages."""
+        self.send_s = 0.0
+        """Seconds spent handing messages to the channel (a pipe blocks while it is full)."""
 
     def run(self) -> None:
         """Serve until told to stop or the client goes away; a failing step is reported as
         :class:`CoreFailed` and re-raised."""
         try:
             self._loop()
+            self._log_timing()
         except BaseException as e:
             logger.exception("engine core died")
             try:
@@ -97,12 +102,31 @@ class EngineCore:
             if added:
                 self.channel.send(CoreOutputs(engine.get_stats(), time.monotonic(), added))
             if engine.has_unfinished_requests():
-                outputs = pack_outputs(engine.step())
-                self.channel.send(
-                    CoreOutputs(engine.get_stats(), time.monotonic(), outputs=outputs)
+                step_out = engine.step()
+                t0 = time.perf_counter()
+                message = CoreOutputs(
+                    engine.get_stats(), time.monotonic(), outputs=pack_outputs(step_out)
                 )
+                t1 = time.perf_counter()
+                self.channel.send(message)
+                self.pack_s += t1 - t0
+                self.send_s += time.perf_counter() - t1
             elif commands and not added:  # aborts only: publish the freed state
                 self.channel.send(CoreOutputs(engine.get_stats(), time.monotonic()))
+
+    def _log_timing(self) -> None:
+        t = self.engine.step_timing
+        if t.steps:
+            ms = 1000.0 / t.steps
+            logger.info(
+                "engine core: %d steps, per step %.2f ms in step() (%.2f ms of it waiting for "
+                "the device), %.2f ms packing outputs, %.2f ms sending them",
+                t.steps,
+                t.total_s * ms,
+                t.wait_s * ms,
+                self.pack_s * ms,
+                self.send_s * ms,
+            )
 
     def _add(self, command: AddRequest) -> BaseException | None:
         try:

@@ -59,6 +59,28 @@ class EngineStats:
 
 
 @dataclass
+class StepTiming:
+    """Where ``step()``'s time went: the steps taken, their seconds in all, and the part spent
+    waiting for the device's sampled ids. The rest is host work (scheduling, inputs, updates,
+    outputs); when it nears the total, the device waits for the host, not the other way."""
+
+    steps: int = 0
+    total_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def host_fraction(self) -> float:
+        return 1.0 - self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+    def since(self, earlier: StepTiming) -> StepTiming:
+        return StepTiming(
+            self.steps - earlier.steps,
+            self.total_s - earlier.total_s,
+            self.wait_s - earlier.wait_s,
+        )
+
+
+@dataclass
 class _Group:
     """One user request: its prompt and the ``n`` sequences generated from it."""
 
@@ -115,6 +137,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, args.page_size)
         self.eos_token_ids = self._eos_ids()
+        self.step_timing = StepTiming()
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, int]] = {}
         self._prompt_tokens_total = 0
@@ -258,6 +281,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step and return the outputs of the one that completed: this one
         (synchronous), or the previous one (async scheduling, which keeps one in flight)."""
+        t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
         overlap = self.async_scheduling and self._num_sync_groups == 0
@@ -274,11 +298,16 @@ class LLMEngine:
             self._in_flight = (sched_out, handle)
         else:
             outputs += self._finish_step(sched_out, handle)
+        timing = self.step_timing
+        timing.steps += 1
+        timing.total_s += time.perf_counter() - t0
         return outputs
 
     def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and fold them in; the step's outputs."""
+        t0 = time.perf_counter()
         run_out = handle.result()
+        self.step_timing.wait_s += time.perf_counter() - t0
         updates = self.scheduler.update(sched_out, run_out)
         changed: dict[str, _Group] = {}
         now = time.monotonic()

@@ -9,8 +9,10 @@ run on CPU tensors, slowly; the tests use this on machines without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -44,6 +46,32 @@ def num_sms(device: torch.device) -> int:
         return DEFAULT_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _num_sms_of(index)
+
+
+@contextlib.contextmanager
+def count_jit_compiles() -> Iterator[list[str]]:
+    """Collect the names of Triton kernels specialized (compiled, or loaded from Triton's disk
+    cache) in this process while the block runs. A serving run should find none: every
+    specialization it needs belongs in the engine's start-up warm-up, not in a request's
+    latency."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton: nothing can compile
+        yield names
+        return
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        names.append(getattr(fn, "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def _fix_interpreter() -> None:

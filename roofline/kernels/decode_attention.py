@@ -80,7 +80,9 @@ def choose_num_splits(
     return max(1, min(wanted, useful, MAX_NUM_SPLITS))
 
 
-@triton.jit
+# Eager decode steps (batches beyond the captured graphs) change these every step: not
+# specialized, so they never compile the kernel again in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -169,7 +171,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -120,7 +120,9 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The batch's shape changes every step: left specialized, each new combination of "== 1" or
+# "% 16 == 0" among these would compile the kernel again in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs", "num_tiles", "search_steps", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -132,28 +132,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 32) -> None:
-        """One prefill-shaped forward and LM head on dummy tokens, so that kernel selection,
-        JIT compilation and allocator growth happen at start-up rather than in the first
-        request's TTFT. It writes K/V into the first pages only, which no request holds yet."""
-        num_tokens = max(
-            1, min(num_tokens, self.num_pages * self.page_size, self.scheduler_config.max_model_len)
-        )
-        pages = list(range(-(-num_tokens // self.page_size)))
-        batch = _HostBatch(
-            input_ids=[0] * num_tokens,
-            positions=list(range(num_tokens)),
-            slots=list(range(num_tokens)),
-            query_start=[0, num_tokens],
-            seq_lens=[num_tokens],
-            block_rows=[pages],
-            sample_rows=[num_tokens - 1],
-            sample_requests=[],
-            page_size=self.page_size,
-        )
+        """Prefill-shaped forwards and LM heads on dummy tokens, so that kernel selection, JIT
+        compilation and allocator growth happen at start-up rather than in a request's latency.
+
+        On CUDA it runs one forward per prefill tile size the attention kernel picks (query
+        lengths up to 16, 32, 64 and 128), each mixed with decode rows and a cached prefix, as
+        serving steps are; the shape-dependent launch arguments are left unspecialized in the
+        kernels, so these compile everything a step can need. Elsewhere one small prefill.
+        K/V go to the first pages only, which no request holds yet."""
+        limit = min(self.num_pages * self.page_size, self.scheduler_config.max_model_len)
+        shapes = [[(0, max(1, min(num_tokens, limit)))]]
+        if self.device.type == "cuda":
+            # (start, num_new) per request: 16 cached tokens before most chunks
+            mixed = [[(16, q), (40, 1), (0, 3), (20, 1)] for q in (16, 32, 64, 128)]
+            pages = sum(-(-(a + n) // self.page_size) for a, n in mixed[-1])
+            if pages <= self.num_pages and 16 + 128 <= limit:
+                shapes = [[(0, max(1, min(num_tokens, limit)))], *mixed]
+        for shape in shapes:
+            self._warmup_forward(shape)
+
+    @torch.inference_mode()
+    def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:
+        page = self.page_size
+        batch = _HostBatch([], [], [], [0], [], [], [], [], page)
+        next_page = 0
+        for start, n in shape:
+            num_pages = -(-(start + n) // page)
+            row = list(range(next_page, next_page + num_pages))
+            next_page += num_pages
+            batch.input_ids.extend([0] * n)
+            batch.positions.extend(range(start, start + n))
+            batch.slots.extend(row[p // page] * page + p % page for p in range(start, start + n))
+            batch.query_start.append(batch.query_start[-1] + n)
+            batch.seq_lens.append(start + n)
+            batch.block_rows.append(row)
+            batch.sample_rows.append(batch.query_start[-1] - 1)
         input_ids, positions, meta = batch.to_device(self.device)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(input_ids, positions, ctx)
-        self.model.compute_logits(hidden[-1:]).argmax(dim=-1).tolist()
+        rows = _to_device(batch.sample_rows, torch.int64, self.device)
+        self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only); decode-only steps replay them from then on."""
