@@ -24,9 +24,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+    def __init__(self, value: str) -> None:
+        self.finished = value in ("stop", "length", "abort", "error")
+        """Whether this status ends the request (a plain attribute: read every step for
+        every request)."""
 
 
 @dataclass(eq=False)

@@ -200,6 +200,12 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self._blocks.get(rid, [])
+        if prefix_hit is None and blocks:  # a running request: most steps need no new page
+            num_known = request.num_computed_tokens + num_new_tokens
+            if len(blocks) * self.page_size >= num_known:
+                if self.enable_prefix_caching:
+                    self._register_full_pages(request, min(num_known, request.num_known_tokens))
+                return list(blocks)
         hit_pages = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_pages and blocks:
             raise ValueError(f"request {rid} already holds pages; a prefix hit cannot be added")

@@ -32,8 +32,14 @@ class ScheduledRequest:
         """The token ids fed to the model this step that the host knows. With async
         scheduling the last one may be pending (sampled by the step still in flight): then
         this list is one shorter and the runner takes that id from the device."""
-        start = self.start_position
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
+        start, end = self.start_position, self.start_position + self.num_new_tokens
+        prompt, output = self.request.prompt_token_ids, self.request.output_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:  # decode rows: never copy the whole sequence
+            return output[start - num_prompt : end - num_prompt]
+        return prompt[start:] + output[: end - num_prompt]
 
 
 @dataclass

@@ -310,20 +310,21 @@ class Scheduler:
         ``schedule()`` are skipped. A request preempted since (async scheduling) still gets its
         token: it was computed from the right prefix."""
         updates: list[RequestUpdate] = []
+        now = time.monotonic()
+        sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         for entry in sched_out.scheduled:
             request = entry.request
             if not entry.samples or request.is_finished:
                 continue  # a partial prefill chunk; or finished/aborted mid-step: stay so
-            token = runner_out.sampled_token_ids[request.request_id]
+            token = sampled[request.request_id]
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
-            now = time.monotonic()
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
             logprobs: list[TokenLogprobs] = []
-            if request.request_id in runner_out.logprobs:
-                logprobs.append(runner_out.logprobs[request.request_id])
+            if all_logprobs and request.request_id in all_logprobs:
+                logprobs.append(all_logprobs[request.request_id])
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
@@ -334,16 +335,17 @@ class Scheduler:
         """Stop rules, in order: EOS, stop token ids (both only after ``min_tokens`` outputs),
         then length (``max_tokens`` outputs or ``max_model_len`` tokens)."""
         params = request.sampling_params
-        past_min = request.num_output_tokens >= params.min_tokens
+        num_output = len(request.output_token_ids)
+        past_min = num_output >= params.min_tokens
         if token in request.eos_token_ids and past_min:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids and past_min:
+        if params.stop_token_ids and token in params.stop_token_ids and past_min:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_known_tokens >= self.config.max_model_len
+            num_output >= request.max_tokens
+            or len(request.prompt_token_ids) + num_output >= self.config.max_model_len
         ):
             return RequestStatus.FINISHED_LENGTH
         return None

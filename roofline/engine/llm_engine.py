@@ -102,7 +102,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status.finished
+        return all(s.status.finished for s in seqs)
 
 
 class LLMEngine:
@@ -391,16 +394,17 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                 )
             )
-        first = group.seqs[0]
+        seqs = group.seqs
+        first = seqs[0]
         finished = group.finished
         metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            last_token_time=first.last_token_time,
-            finished_time=time.monotonic() if finished else None,
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in group.seqs),
+            group.arrival_time,
+            first.first_scheduled_time,
+            first.first_token_time,
+            first.last_token_time,
+            time.monotonic() if finished else None,
+            first.num_cached_tokens,
+            first.num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs),
         )
         return RequestOutput(
             request_id=group.request_id,

@@ -306,28 +306,42 @@ class _HostBatch:
     @classmethod
     def build(cls, sched_out: SchedulerOutput, page: int) -> _HostBatch:
         b = cls([], [], [], [0], [], [], [], [], page)
+        input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
+        num_rows = 0
         for s in sched_out.scheduled:
             req, start, n = s.request, s.start_position, s.num_new_tokens
-            known = req.num_known_tokens
-            if start + n > known:  # the last input token is pending (sampled by the last launch)
-                if start + n != known + 1:
-                    raise RuntimeError(f"request {req.request_id}: more than one pending input")
-                b.input_ids.extend(s.token_ids)
-                b.pending_rows.append(len(b.input_ids))
-                b.pending_requests.append(req.request_id)
-                b.input_ids.append(0)
-            elif n == 1 and start == known - 1 and req.output_token_ids:
-                b.input_ids.append(req.output_token_ids[-1])  # decode: skip the list concat
-            else:
-                b.input_ids.extend(s.token_ids)
-            b.positions.extend(range(start, start + n))
+            end = start + n
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
             bt = s.block_ids
-            b.slots.extend(bt[p // page] * page + p % page for p in range(start, start + n))
-            b.query_start.append(b.query_start[-1] + n)
-            b.seq_lens.append(start + n)
+            if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
+                if end > known:  # its input token is pending (sampled by the last launch)
+                    if end != known + 1:
+                        raise RuntimeError(f"request {req.request_id}: more than one pending input")
+                    b.pending_rows.append(num_rows)
+                    b.pending_requests.append(req.request_id)
+                    input_ids.append(0)
+                else:
+                    input_ids.extend(s.token_ids)
+                positions.append(start)
+                slots.append(bt[start // page] * page + start % page)
+            else:
+                if end > known:
+                    if end != known + 1:
+                        raise RuntimeError(f"request {req.request_id}: more than one pending input")
+                    input_ids.extend(s.token_ids)
+                    b.pending_rows.append(num_rows + n - 1)
+                    b.pending_requests.append(req.request_id)
+                    input_ids.append(0)
+                else:
+                    input_ids.extend(s.token_ids)
+                positions.extend(range(start, end))
+                slots.extend(bt[p // page] * page + p % page for p in range(start, end))
+            num_rows += n
+            query_start.append(num_rows)
+            b.seq_lens.append(end)
             b.block_rows.append(bt)
             if s.samples:
-                b.sample_rows.append(b.query_start[-1] - 1)
+                b.sample_rows.append(num_rows - 1)
                 b.sample_requests.append(req)
         return b
 

@@ -77,7 +77,7 @@ def test_no_kernel_compiles_after_startup(tiny_path, dtype):
         str(tiny_path),
         dtype=dtype,
         device="cuda",
-        max_model_len=1024,
+        max_model_len=512,
         kv_cache_memory_bytes=256 << 20,
         max_num_batched_tokens=512,
         max_num_seqs=64,
