@@ -28,6 +28,16 @@ never stored), so the main loop carries no masks; a K that is not a multiple of 
 peeled, masked step. Accumulation is fp32; the bias is added in fp32; the result is rounded once
 to x's dtype.
 
+With ``silu_mul=True`` (``SILU_MUL``), x is an MLP's gate/up GEMM output ``[M, 2K]`` and the
+kernel multiplies the weight by ``silu(x[:, :K]) * x[:, K:]``, computed for each K tile as it is
+loaded (a prologue: decode runs no separate ``silu_and_mul`` launch). It rounds exactly as
+``kernels.activation.silu_and_mul`` does (SiLU in fp32 with libdevice's ``expf``, an IEEE add and
+division, rounded to x's dtype; the product rounded again), so the result has the bits of
+``silu_and_mul`` followed by ``skinny_gemm`` with the same config. ``silu_and_mul`` is compiled
+without FP fusion and this kernel with it (its FMAs), so the one add a fusion could touch (``1 +
+expf``, whose ``expf`` ends with a multiply) is written as PTX ``add.rn.f32``, never contracted.
+The SiLU runs once per loaded element, in the load layout (see ``_silu_mul``).
+
 Configs: ``TUNED_CONFIGS[(N, K, m_bucket(M))]``, measured on an H100 by ``scripts/gemv_bench.py``,
 else ``heuristic_config``: at least 1.5 programs per SM, 4 to 32 KiB weight tiles.
 """
@@ -40,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, num_sms
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.activation import _expf, silu_and_mul_ref
 
 MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
 MIN_PROGRAMS_PER_SM = 1.5  # the heuristic's BLOCK_N keeps at least this many programs per SM
@@ -108,6 +119,56 @@ def skinny_gemm_ref(
     return out.to(x.dtype)
 
 
+def silu_mul_skinny_gemm_ref(
+    gate_up: torch.Tensor,  # [M, 2K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in gate_up's dtype
+    """``F.silu(gate) * up`` in the input dtype (eager rounding), then ``skinny_gemm_ref``."""
+    return skinny_gemm_ref(silu_and_mul_ref(gate_up), weight, bias)
+
+
+@triton.jit
+def _one_plus(e, LIBDEVICE: tl.constexpr):
+    """fp32 ``1 + e`` as ``silu_and_mul`` (compiled without FP fusion) computes it: PTX
+    ``add.rn.f32``, which is never contracted with the multiply ending ``expf`` into an FMA (this
+    kernel keeps FP fusion on for its own FMAs). A plain add in the interpreter."""
+    if LIBDEVICE:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, 0f3F800000;", "=r,r", [e], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 + e
+
+
+@triton.jit
+def _first(a, b):
+    return a
+
+
+@triton.jit
+def _silu_mul(gate, up, LIBDEVICE: tl.constexpr, USE_DOT: tl.constexpr):
+    """``silu(gate) * up`` in gate's dtype, op for op as ``_silu_and_mul_kernel`` rounds it: the
+    SiLU ``g / (1 + expf(-g))`` in fp32 rounded to the dtype, then the product in fp32, rounded.
+
+    gate, up: [BM, BK]. For tl.dot, the reduction over an axis of one element at the end (the
+    identity: it never calls its combine function) is there for the compiler: Triton would
+    otherwise compute the whole prologue in the dot's operand layout, where every value is
+    replicated over warps and lanes (16 times the exp and division work at BLOCK_M = 2). Layout
+    propagation does not cross a reduction, so the SiLU runs once per element, in the load
+    layout, and only its result is converted. The CUDA-core paths compute it once per element
+    without it, and must go without: on the H100 their M > 1 path's bits changed with it (the
+    same [BM, BN, BK] layout, so most likely FMAs contracted from other products); the
+    interpreter has no layouts."""
+    g = gate.to(tl.float32)
+    act = tl.math.div_rn(g, _one_plus(_expf(-g, LIBDEVICE), LIBDEVICE))
+    act = act.to(gate.dtype).to(tl.float32)
+    x = (act * up.to(tl.float32)).to(gate.dtype)
+    if LIBDEVICE and USE_DOT:
+        x = tl.reduce(tl.reshape(x, (x.shape[0], 1, x.shape[1])), 1, _first)
+    return x
+
+
 @triton.jit
 def _accumulate(acc, x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += x @ w^T for one K step; x: [BLOCK_M, BLOCK_K], w: [BLOCK_N, BLOCK_K].
@@ -126,7 +187,7 @@ def _accumulate(acc, x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr,  # [M, K], rows stride_xm apart, contiguous
+    x_ptr,  # [M, K] ([M, 2K] gate | up if SILU_MUL), rows stride_xm apart, contiguous
     w_ptr,  # [N, K], rows stride_wn apart, contiguous
     bias_ptr,  # [N] (read only if HAS_BIAS)
     out_ptr,  # [M, N], rows stride_om apart, contiguous
@@ -143,6 +204,8 @@ def _skinny_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no tail step (and fewer registers)
+    SILU_MUL: tl.constexpr,  # x holds [gate | up]; the GEMM's x is silu(gate) * up
+    LIBDEVICE: tl.constexpr,  # compiled SILU_MUL: libdevice expf, PTX add (not interpreted)
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -159,14 +222,22 @@ def _skinny_gemm_kernel(
     k_main = K - K % BLOCK_K
     for _ in tl.range(0, k_main, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BK]
-        x = tl.load(x_ptrs)  # [BM, BK]
+        if SILU_MUL:
+            x = _silu_mul(tl.load(x_ptrs), tl.load(x_ptrs + K), LIBDEVICE, USE_DOT)  # [BM, BK]
+        else:
+            x = tl.load(x_ptrs)  # [BM, BK]
         acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if not EVEN_K:
         mask_k = offs_k[None, :] < K - k_main  # [1, BK]
         w = tl.load(w_ptrs, mask=mask_k, other=0.0)
-        x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        if SILU_MUL:  # silu(0) * 0 = 0 past K, as a zero-padded x
+            gate = tl.load(x_ptrs, mask=mask_k, other=0.0)
+            up = tl.load(x_ptrs + K, mask=mask_k, other=0.0)
+            x = _silu_mul(gate, up, LIBDEVICE, USE_DOT)
+        else:
+            x = tl.load(x_ptrs, mask=mask_k, other=0.0)
         acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
 
     if USE_DOT or BLOCK_M > 1:
@@ -230,10 +301,11 @@ def _prepare(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     overrides: dict[str, int | bool | None],
+    silu_mul: bool = False,
 ) -> _Launch:
     """Config (picked, then any non-None override applied), grid and kernel arguments."""
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     cfg = pick_config(m, n, k, x.device)
     cfg = cfg._replace(**{name: v for name, v in overrides.items() if v is not None})
     use_dot = cfg.use_dot and x.dtype != torch.float32  # fp32 must not round through TF32
@@ -244,17 +316,53 @@ def _prepare(
     meta = dict(
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_DOT=use_dot, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps,
+        SILU_MUL=silu_mul, LIBDEVICE=silu_mul and not is_interpret(), num_warps=cfg.num_warps,
     )  # fmt: skip
     return _Launch(grid, args, meta)
 
 
+def _check_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    silu_mul: bool,
+) -> None:
+    """Refuse shapes, dtypes and layouts the kernel cannot take, saying which and why."""
+    check_device(x, weight)
+    name = "gate_up" if silu_mul else "x"
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"skinny_gemm: {name} and weight must be 2-D, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    if x.shape[1] != (2 * k if silu_mul else k):
+        want = f"[M, 2 * {k}] (gate | up)" if silu_mul else f"[M, {k}]"
+        raise ValueError(
+            f"skinny_gemm: weight {tuple(weight.shape)} needs {name} {want}, got {tuple(x.shape)}"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"skinny_gemm: {name} is {x.dtype} but weight is {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_gemm: the rows of {name} and weight must be contiguous")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"skinny_gemm: bias must be contiguous [{n}], got {tuple(bias.shape)}")
+    m = x.shape[0]
+    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(
+            f"skinny_gemm: out must be [{m}, {n}] {x.dtype} with contiguous rows, got "
+            f"{tuple(out.shape)} {out.dtype}"
+        )
+
+
 def skinny_gemm(
-    x: torch.Tensor,  # [M, K], rows contiguous
+    x: torch.Tensor,  # [M, K] ([M, 2K] with silu_mul), rows contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous (the nn.Linear layout)
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, rows contiguous
     *,
+    silu_mul: bool = False,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -263,21 +371,19 @@ def skinny_gemm(
 ) -> torch.Tensor:  # [M, N]
     """``x @ weight.T (+ bias)`` in one launch, fp32 accumulation, rounded once to x's dtype.
 
+    With ``silu_mul``, x is a gate/up GEMM's output ``[M, 2K]`` and the product is
+    ``silu_and_mul(x) @ weight.T (+ bias)``, with the bits of ``kernels.activation.silu_and_mul``
+    followed by ``skinny_gemm`` (same config) but without the intermediate ``[M, K]`` tensor or
+    its launch.
+
     Meant for M <= 16 (larger M works, re-reading the weight once per 16 rows). The keyword
     arguments override single fields of the picked config (sweeps); block sizes must be powers
-    of two, block_k >= 16."""
-    check_device(x, weight)
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
-        x.shape,
-        weight.shape,
-    )
-    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
-    m, k = x.shape
-    n = weight.shape[0]
+    of two, block_k >= 16. Bad shapes, dtypes or layouts raise ValueError."""
+    _check_args(x, weight, bias, out, silu_mul)
+    m = x.shape[0]
+    n, k = weight.shape
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
-    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -286,6 +392,18 @@ def skinny_gemm(
         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
         use_dot=use_dot,
     )  # fmt: skip
-    launch = _prepare(x, weight, bias, out, overrides)
+    launch = _prepare(x, weight, bias, out, overrides, silu_mul)
     _skinny_gemm_kernel[launch.grid](*launch.args, **launch.meta)
     return out
+
+
+def silu_mul_skinny_gemm(
+    gate_up: torch.Tensor,  # [M, 2K]: gate columns [0, K), up columns [K, 2K); rows contiguous
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N]
+    **overrides: int | bool | None,
+) -> torch.Tensor:  # [M, N]
+    """``silu_and_mul(gate_up) @ weight.T (+ bias)`` in one launch: an MLP's down projection
+    with its activation fused (``skinny_gemm(gate_up, weight, bias, out, silu_mul=True)``)."""
+    return skinny_gemm(gate_up, weight, bias, out, silu_mul=True, **overrides)

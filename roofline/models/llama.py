@@ -74,7 +74,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
