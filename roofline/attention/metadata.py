@@ -32,7 +32,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """[num_reqs] int32 on device: context length of each request after this step."""
     block_table: torch.Tensor
-    """[num_reqs, max_num_blocks] int32 on device: page ids per request (unused tail = 0)."""
+    """[num_reqs, max_num_blocks] int32 on device: page ids per request; the columns past a
+    request's own pages hold stale but valid page ids, which no kernel reads."""
     slot_mapping: torch.Tensor
     """[num_tokens] int64 on device: flat cache slot where each new token's K/V is stored."""
     max_query_len: int

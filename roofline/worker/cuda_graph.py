@@ -16,6 +16,7 @@ import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.layers.attention import AttentionBackend, ForwardContext
+from roofline.worker.block_table import BlockTables
 from roofline.worker.pending import PendingInputs, fill_pending
 
 
@@ -87,29 +88,37 @@ class DecodeGraphs:
     def fits(self, num_reqs: int) -> bool:
         return bool(self.graphs) and num_reqs <= self.buckets[-1]
 
-    def run(
+    def stage_inputs(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
-        block_table: torch.Tensor,
+        block_tables: BlockTables,
+        table_rows: torch.Tensor,
         pending: PendingInputs | None = None,
-    ) -> torch.Tensor:
-        """Replay for ``n = len(input_ids)`` decode rows (host tensors, pinned); ``pending``
-        fills the input ids still on the device. Returns the hidden states ``[n, hidden]``
-        (a view into the graph's output buffer)."""
+    ) -> int:
+        """Fill the static buffers for ``n = len(input_ids)`` decode rows and return the bucket
+        to replay. The inputs are int64 tensors on the device (``seq_lens`` is narrowed to
+        int32 by the copy); the block table is gathered from ``block_tables`` rows
+        ``table_rows``; ``pending`` fills the input ids sampled by the previous launch. Rows
+        ``n..bucket`` are padding: slot -1 (nothing stored), context length 1."""
         n = input_ids.shape[0]
         bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
         if pending is not None:
             fill_pending(self.input_ids, pending)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_table[:n, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)
+        block_tables.gather(table_rows, self.block_table.shape[1], out=self.block_table[:n])
         if bs > n:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return bs
+
+    def replay(self, bucket: int, n: int) -> torch.Tensor:
+        """Replay the graph of ``bucket`` (from ``stage_inputs``); the hidden states of the
+        ``n`` real rows, ``[n, hidden]`` (a view into the graph's output buffer)."""
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]

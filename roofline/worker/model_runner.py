@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +28,10 @@ from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.sampler import Sampler
 from roofline.models.registry import get_model_class
 from roofline.request import Request
+from roofline.sampling_params import SamplingParams
+from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
+from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,8 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.backend = attention_backend or TorchAttentionBackend()
+        max_blocks = -(-scheduler_config.max_model_len // self.page_size)
+        self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         self._prev_sampled: torch.Tensor | None = None
@@ -154,9 +159,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:
         page = self.page_size
-        batch = _HostBatch([], [], [], [0], [], [], [], [], page)
+        batch = HostBatch(page)
         next_page = 0
-        for start, n in shape:
+        ids = [f"warmup-{i}" for i in range(len(shape))]
+        for rid, (start, n) in zip(ids, shape):
             num_pages = -(-(start + n) // page)
             row = list(range(next_page, next_page + num_pages))
             next_page += num_pages
@@ -165,13 +171,19 @@ class ModelRunner:
             batch.slots.extend(row[p // page] * page + p % page for p in range(start, start + n))
             batch.query_start.append(batch.query_start[-1] + n)
             batch.seq_lens.append(start + n)
-            batch.block_rows.append(row)
+            request = Request(rid, [0], SamplingParams())
+            batch.table_rows.append(self.block_tables.row_of(request, row, batch.table_updates))
+            batch.num_pages = max(batch.num_pages, num_pages)
             batch.sample_rows.append(batch.query_start[-1] - 1)
-        input_ids, positions, meta = batch.to_device(self.device)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(input_ids, positions, ctx)
-        rows = _to_device(batch.sample_rows, torch.int64, self.device)
-        self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
+        try:
+            dev = self._upload(batch, batch.sample_rows)
+            meta = self._metadata(batch, dev)
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(dev.input_ids, dev.positions, ctx)
+            rows = dev.extra[0]
+            self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
+        finally:
+            self.block_tables.drop(ids)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (CUDA only); decode-only steps replay them from then on."""
@@ -195,51 +207,126 @@ class ModelRunner:
         """Queue one step on the device; the sampled ids arrive through the handle."""
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
+            self.block_tables.drop(sched_out.finished_request_ids)
+        if sched_out.preempted_request_ids:  # recomputed later under new pages
+            self.block_tables.drop(sched_out.preempted_request_ids)
         if sched_out.is_empty:
             return StepHandle([], None, [])
-        batch = _HostBatch.build(sched_out, self.page_size)
-        pending = self._pending_sources(batch) if batch.pending_rows else None
-        if (
-            self.graphs is not None
-            and batch.max_query_len == 1
-            and self.graphs.fits(batch.num_reqs)
-        ):
-            hidden = self.graphs.run(*batch.pinned_decode_inputs(), pending=pending)
+        batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        src, dst = self._pending_sources(batch)
+        # rows to sample from, unless every row samples (pure decode: no gather)
+        gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
+        dev = self._upload(batch, gather, src, dst)
+        sample_rows, src_t, dst_t = dev.extra
+        pending = self._pending_inputs(batch, src_t, dst_t)
+        graphs = self.graphs
+        if graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
+            bucket = graphs.stage_inputs(
+                dev.input_ids,
+                dev.positions,
+                dev.slots,
+                dev.seq_lens,
+                self.block_tables,
+                dev.table_rows,
+                pending,
+            )
+            hidden = graphs.replay(bucket, batch.num_reqs)
         else:
-            input_ids, positions, meta = batch.to_device(self.device)
             if pending is not None:
-                fill_pending(input_ids, pending)
+                fill_pending(dev.input_ids, pending)
+            meta = self._metadata(batch, dev)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+            hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
+        if gather:
+            hidden = hidden.index_select(0, sample_rows)  # [num_sampled, hidden]
         if not batch.sample_rows:
             self._prev_sampled, self._prev_rows = None, {}
             return StepHandle([], None, [])
         requests = batch.sample_requests
-        if len(batch.sample_rows) == hidden.shape[0]:
-            sampled_hidden = hidden  # every row samples (pure decode): no gather
-        else:
-            rows = _to_device(batch.sample_rows, torch.int64, self.device)
-            sampled_hidden = hidden.index_select(0, rows)
-        logits = self.model.compute_logits(sampled_hidden)  # [num_sampled, vocab] fp32
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         out = self.sampler.sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         return StepHandle(requests, out.token_ids, out.logprobs)
 
-    def _pending_sources(self, batch: _HostBatch) -> PendingInputs:
-        """Where each pending input token of ``batch`` lies in the previous launch's ids."""
-        prev = self._prev_sampled
+    def _upload(self, batch: HostBatch, *extra: list[int]) -> _DeviceInputs:
+        """A step's inputs on the device in one copy (and the block-table updates applied);
+        one int64 tensor per ``extra`` list besides."""
+        ids, pos, slots, seq_lens, query_start, table_rows, flat, pages, *rest = upload(
+            [
+                batch.input_ids,
+                batch.positions,
+                batch.slots,
+                batch.seq_lens,
+                batch.query_start,
+                batch.table_rows,
+                batch.table_updates.flat_index,
+                batch.table_updates.page_ids,
+                *extra,
+            ],
+            self.device,
+        )
+        self.block_tables.apply(flat, pages)
+        return _DeviceInputs(ids, pos, slots, seq_lens, query_start, table_rows, rest)
+
+    def _metadata(self, batch: HostBatch, dev: _DeviceInputs) -> AttentionMetadata:
+        """An eager step's attention metadata (its block table gathered on the device)."""
+        query_lens = [b - a for a, b in zip(batch.query_start, batch.query_start[1:])]
+        return AttentionMetadata(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            query_start_loc=dev.query_start.to(torch.int32),
+            seq_lens=dev.seq_lens.to(torch.int32),
+            block_table=self.block_tables.gather(dev.table_rows, max(batch.num_pages, 1)),
+            slot_mapping=dev.slots,
+            max_query_len=max(query_lens),
+            max_seq_len=max(batch.seq_lens),
+            page_size=self.page_size,
+            query_start_loc_cpu=batch.query_start,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=batch.seq_lens,
+        )
+
+    def _pending_sources(self, batch: HostBatch) -> tuple[list[int], list[int]]:
+        """Where each pending input token of ``batch`` lies in the previous launch's ids:
+        (rows there, rows here); both empty when nothing is pending or when both are rows
+        0..k-1 (steady decode: no index tensors needed)."""
+        dst = batch.pending_rows
+        if not dst:
+            return [], []
         try:
             src = [self._prev_rows[rid] for rid in batch.pending_requests]
         except KeyError as e:
             raise RuntimeError(f"request {e} has a pending token no launch sampled") from e
+        if src == dst and dst[-1] == len(dst) - 1:
+            return [], []
+        return src, dst
+
+    def _pending_inputs(
+        self, batch: HostBatch, src: torch.Tensor, dst: torch.Tensor
+    ) -> PendingInputs | None:
+        """The pending input ids as the device finds them (``src``/``dst`` uploaded from
+        ``_pending_sources``: empty for steady decode)."""
+        if not batch.pending_rows:
+            return None
+        prev = self._prev_sampled
         assert prev is not None
-        dst = batch.pending_rows
-        if src == dst and dst[-1] == len(dst) - 1:  # rows 0..k-1 on both sides (steady decode)
-            return PendingInputs(prev[: len(dst)], None, None)
-        src_t = _to_device(src, torch.int64, self.device)
-        dst_t = _to_device(dst, torch.int64, self.device)
-        return PendingInputs(prev, src_t, dst_t)
+        if not dst.numel():  # rows 0..k-1 on both sides
+            return PendingInputs(prev[: len(batch.pending_rows)], None, None)
+        return PendingInputs(prev, src, dst)
+
+
+class _DeviceInputs(NamedTuple):
+    """A step's host lists on the device (int64 views of one uploaded tensor)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slots: torch.Tensor  # [num_tokens]
+    seq_lens: torch.Tensor  # [num_reqs]
+    query_start: torch.Tensor  # [num_reqs + 1]
+    table_rows: torch.Tensor  # [num_reqs]
+    extra: list[torch.Tensor]
+    """One tensor per extra list given to ``ModelRunner._upload``."""
 
 
 class StepHandle:
@@ -274,119 +361,6 @@ class StepHandle:
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
-
-
-@dataclass
-class _HostBatch:
-    """One step's ragged batch as host lists, before it becomes device tensors."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_start: list[int]
-    seq_lens: list[int]
-    block_rows: list[list[int]]
-    sample_rows: list[int]
-    """Row of each sampling request's last token in the batch."""
-    sample_requests: list[Request]
-    page_size: int
-    pending_rows: list[int] = field(default_factory=list)
-    """Rows whose input token is pending (async scheduling): a 0 here, the device fills it."""
-    pending_requests: list[str] = field(default_factory=list)
-    """The request id of each pending row."""
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
-
-    @classmethod
-    def build(cls, sched_out: SchedulerOutput, page: int) -> _HostBatch:
-        b = cls([], [], [], [0], [], [], [], [], page)
-        input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
-        num_rows = 0
-        for s in sched_out.scheduled:
-            req, start, n = s.request, s.start_position, s.num_new_tokens
-            end = start + n
-            known = len(req.prompt_token_ids) + len(req.output_token_ids)
-            bt = s.block_ids
-            if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
-                if end > known:  # its input token is pending (sampled by the last launch)
-                    if end != known + 1:
-                        raise RuntimeError(f"request {req.request_id}: more than one pending input")
-                    b.pending_rows.append(num_rows)
-                    b.pending_requests.append(req.request_id)
-                    input_ids.append(0)
-                else:
-                    input_ids.extend(s.token_ids)
-                positions.append(start)
-                slots.append(bt[start // page] * page + start % page)
-            else:
-                if end > known:
-                    if end != known + 1:
-                        raise RuntimeError(f"request {req.request_id}: more than one pending input")
-                    input_ids.extend(s.token_ids)
-                    b.pending_rows.append(num_rows + n - 1)
-                    b.pending_requests.append(req.request_id)
-                    input_ids.append(0)
-                else:
-                    input_ids.extend(s.token_ids)
-                positions.extend(range(start, end))
-                slots.extend(bt[p // page] * page + p % page for p in range(start, end))
-            num_rows += n
-            query_start.append(num_rows)
-            b.seq_lens.append(end)
-            b.block_rows.append(bt)
-            if s.samples:
-                b.sample_rows.append(num_rows - 1)
-                b.sample_requests.append(req)
-        return b
-
-    def _table(self) -> list[list[int]]:
-        width = max(len(r) for r in self.block_rows)
-        return [r + [0] * (width - len(r)) for r in self.block_rows]
-
-    def pinned_decode_inputs(self) -> tuple[torch.Tensor, ...]:
-        i64, i32 = torch.int64, torch.int32
-        return tuple(
-            torch.tensor(data, dtype=dt, pin_memory=True)
-            for data, dt in (
-                (self.input_ids, i64),
-                (self.positions, i64),
-                (self.slots, i64),
-                (self.seq_lens, i32),
-                (self._table(), i32),
-            )
-        )
-
-    def to_device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        query_lens = [b - a for a, b in zip(self.query_start, self.query_start[1:])]
-        meta = AttentionMetadata(
-            num_reqs=self.num_reqs,
-            num_tokens=len(self.input_ids),
-            query_start_loc=_to_device(self.query_start, torch.int32, dev),
-            seq_lens=_to_device(self.seq_lens, torch.int32, dev),
-            block_table=_to_device(self._table(), torch.int32, dev),
-            slot_mapping=_to_device(self.slots, torch.int64, dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(self.seq_lens),
-            page_size=self.page_size,
-            query_start_loc_cpu=self.query_start,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=self.seq_lens,
-        )
-        ids = _to_device(self.input_ids, torch.int64, dev)
-        pos = _to_device(self.positions, torch.int64, dev)
-        return ids, pos, meta
-
-
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @torch.no_grad()

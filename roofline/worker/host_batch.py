@@ -1,0 +1,108 @@
+"""One step's ragged batch as host lists, and their trip to the device in one copy.
+
+``HostBatch.build`` walks the scheduled requests once and lays out the flat per-token lists
+(``input_ids``, ``positions``, ``slots``), the per-request ones (``query_start``, ``seq_lens``,
+the request's row in the device block tables) and the page ids the block tables lack. A decode
+row costs a few appends; no request's token list or block table is copied. ``upload`` then sends
+every list the step needs as one int64 tensor (pinned on CUDA) in one host-to-device copy, and
+hands back device views of its parts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from roofline.core.outputs import SchedulerOutput
+from roofline.request import Request
+from roofline.worker.block_table import BlockTables, TableUpdates
+
+
+@dataclass
+class HostBatch:
+    page_size: int
+    input_ids: list[int] = field(default_factory=list)
+    """[num_tokens]; 0 where the token is pending (the device fills it)."""
+    positions: list[int] = field(default_factory=list)
+    """[num_tokens]"""
+    slots: list[int] = field(default_factory=list)
+    """[num_tokens] flat KV-cache slot of each token."""
+    query_start: list[int] = field(default_factory=lambda: [0])
+    """[num_reqs + 1] cumulative query lengths."""
+    seq_lens: list[int] = field(default_factory=list)
+    """[num_reqs] context length of each request after this step."""
+    table_rows: list[int] = field(default_factory=list)
+    """[num_reqs] each request's row in the device block tables."""
+    table_updates: TableUpdates = field(default_factory=TableUpdates)
+    """Page ids the device block tables lack (written before the step's gather)."""
+    num_pages: int = 0
+    """Most pages of one request in this step (the block table's width)."""
+    sample_rows: list[int] = field(default_factory=list)
+    """Row of each sampling request's last token in the batch."""
+    sample_requests: list[Request] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
+    """Rows whose input token is pending (async scheduling): a 0 here, the device fills it."""
+    pending_requests: list[str] = field(default_factory=list)
+    """The request id of each pending row."""
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
+
+    @classmethod
+    def build(cls, sched_out: SchedulerOutput, page: int, tables: BlockTables) -> HostBatch:
+        b = cls(page)
+        input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
+        num_rows = num_pages = 0
+        for s in sched_out.scheduled:
+            req, start, n = s.request, s.start_position, s.num_new_tokens
+            end = start + n
+            known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            bt = s.block_ids
+            if end > known:  # the last input token is pending (sampled by the last launch)
+                if end != known + 1:
+                    raise RuntimeError(f"request {req.request_id}: more than one pending input")
+                b.pending_rows.append(num_rows + n - 1)
+                b.pending_requests.append(req.request_id)
+            if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
+                input_ids.append(0 if end > known else s.token_ids[0])
+                positions.append(start)
+                slots.append(bt[start // page] * page + start % page)
+            else:
+                input_ids.extend(s.token_ids)
+                if end > known:
+                    input_ids.append(0)
+                positions.extend(range(start, end))
+                slots.extend(bt[p // page] * page + p % page for p in range(start, end))
+            num_rows += n
+            query_start.append(num_rows)
+            b.seq_lens.append(end)
+            b.table_rows.append(tables.row_of(req, bt, b.table_updates))
+            num_pages = max(num_pages, len(bt))
+            if s.samples:
+                b.sample_rows.append(num_rows - 1)
+                b.sample_requests.append(req)
+        b.num_pages = num_pages
+        return b
+
+
+def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Int lists -> int64 tensors on ``device`` (views of one tensor), through one host tensor
+    (pinned on CUDA) and one asynchronous copy."""
+    flat = list(itertools.chain.from_iterable(lists))
+    if device.type == "cpu":
+        packed = torch.tensor(flat, dtype=torch.int64)
+    else:
+        host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+        packed = host.to(device, non_blocking=True)
+    return list(packed.split([len(x) for x in lists]))
