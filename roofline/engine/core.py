@@ -44,6 +44,7 @@ from roofline.engine.core_messages import (
     pack_outputs,
     portable,
 )
+from roofline.engine.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from roofline.engine.args import EngineArgs
@@ -193,6 +194,7 @@ def run_core_process(
         logger.exception("the engine could not be built")
         conn.send(CoreFailed(portable(e)))
         raise SystemExit(1) from e
+    freeze_startup_heap()  # the model and imports: out of the GC's full collections
     conn.send(ready_message(engine))
     try:
         EngineCore(engine, _PipeChannel(conn)).run()

@@ -16,6 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from roofline.engine.args import EngineArgs
+from roofline.engine.heap import frozen_heap
 from roofline.engine.llm_engine import LLMEngine
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -105,16 +106,17 @@ class LLM:
         )
         start, out_tokens = time.perf_counter(), 0
         try:
-            while pending:
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        finished[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        bar.set_postfix_str(
-                            f"out {out_tokens / (time.perf_counter() - start):.1f} tok/s"
-                        )
+            with frozen_heap():  # no full-heap GC pauses between steps
+                while pending:
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            pending.discard(out.request_id)
+                            finished[out.request_id] = out
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            bar.update(1)
+                            bar.set_postfix_str(
+                                f"out {out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                            )
         except BaseException:
             engine.abort_request(list(pending))
             raise

@@ -4,6 +4,7 @@ device; the engine's step timing and the JIT-compile counter the benchmarks repo
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -46,6 +47,25 @@ def test_step_timing_counts_steps(tiny_path):
     assert 0.0 <= t.wait_s <= t.total_s and 0.0 <= t.host_fraction <= 1.0
     later = llm.llm_engine.step_timing
     assert later.since(t).steps == 0
+
+
+def test_generate_runs_its_steps_on_a_frozen_heap(tiny_path):
+    """LLM.generate keeps the objects that existed before it out of the GC's full collections
+    while it steps, then hands them back; a heap someone else froze is left frozen."""
+    llm = LLM(str(tiny_path), dtype="float32", device="cpu", max_model_len=256)
+    frozen: list[int] = []
+    llm.llm_engine.on_schedule = lambda _: frozen.append(gc.get_freeze_count())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert gc.get_freeze_count() == 0
+    llm.generate(_varied_prompts(2, 3), params, use_tqdm=False)
+    assert len(frozen) >= 4 and min(frozen) > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        llm.generate(_varied_prompts(2, 4), params, use_tqdm=False)
+        assert gc.get_freeze_count() > 0  # still frozen (unfreeze() would make it 0)
+    finally:
+        gc.unfreeze()
 
 
 def test_count_jit_compiles_chains_and_restores():
