@@ -1,12 +1,15 @@
 """Server vs offline on the same workload and engine settings (issue 4's targets):
 
 1. offline: ``LLM.generate`` throughput on a synthetic token-id workload, and the decode step
-   time at ``--concurrency`` requests (``bench latency``'s measurement);
+   time at a few batch sizes up to ``--concurrency`` (``bench latency``'s measurement);
 2. ``roofline serve`` in a subprocess with the same engine flags, then the serving benchmark's
-   client: all requests at once (saturation) -> output tok/s vs offline; and Poisson arrivals at
-   the rate that keeps about ``--concurrency`` requests running (Little's law) -> TPOT p50 vs
-   the offline step time at that batch size. The server's own step time (its engine core's
-   inter-token latency) is reported beside them.
+   client: all requests at once (saturation) -> output tok/s vs offline; then Poisson arrivals
+   at the rate that keeps about ``--concurrency`` requests running (Little's law, with the
+   offline step time), capped at 80% of the request rate the server sustained at saturation
+   (where prefill makes that many running requests unsustainable, as on a small CPU) -> TPOT
+   p50 vs the offline decode step at the batch size the server actually held (requests in
+   flight, time-averaged; interpolated between the measured sizes). The server's own step time
+   (its engine core's inter-token latency) is reported beside them.
 
     python scripts/serve_compare.py --model smollm2 --num-prompts 64 --input-len 32:256 \
         --output-len 64
@@ -29,7 +32,7 @@ from roofline import LLM
 from roofline.bench import latency, serve, throughput, workloads
 from roofline.bench.ceilings import measure
 from roofline.bench.cli import parse_range
-from roofline.bench.serve_load import BenchRequest, run_requests, served_model
+from roofline.bench.serve_load import BenchRequest, RequestResult, run_requests, served_model
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -84,6 +87,29 @@ def cpu_share(before: dict[int, float], after: dict[int, float], wall_s: float, 
     return api, (max(used.values()) if used else None)
 
 
+def mean_in_flight(results: list[RequestResult]) -> float | None:
+    """Time-averaged number of requests between their start and end, over the middle half of
+    the run (the ramp-up and the drain left out)."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return None
+    t0, t1 = min(r.start for r in ok), max(r.end for r in ok)
+    lo, hi = t0 + (t1 - t0) / 4, t1 - (t1 - t0) / 4
+    busy = sum(max(0.0, min(r.end, hi) - max(r.start, lo)) for r in ok)
+    return busy / (hi - lo) if hi > lo else None
+
+
+def interpolate(step_ms: dict[int, float], batch: float) -> float:
+    """Step time at a (fractional) batch size, linear between the measured sizes (and beyond
+    them along the nearest segment)."""
+    sizes = sorted(step_ms)
+    if len(sizes) == 1:
+        return step_ms[sizes[0]]
+    i = next((k for k in range(1, len(sizes) - 1) if batch <= sizes[k]), len(sizes) - 1)
+    lo, hi = sizes[i - 1], sizes[i]
+    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (batch - lo) / (hi - lo)
+
+
 def _step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
     count = after[1] - before[1]
     return 1000.0 * (after[0] - before[0]) / count if count else None
@@ -97,14 +123,18 @@ def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> 
         num_prompts, input_len, (output_len,) * 2, engine.model_config.vocab_size, seed=1
     )
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
-    row = latency.run_batch(engine, ceil, concurrency, sum(input_len) // 2, output_len)
+    sizes = sorted({max(1, concurrency // 4), max(1, concurrency // 2), concurrency})
+    step_ms = {
+        b: latency.run_batch(engine, ceil, b, sum(input_len) // 2, output_len).step_ms_p50
+        for b in sizes
+    }
     return {
         "out_tok_s": res.output_tok_s,
         "preemptions": res.num_preemptions,
         "max_running": res.max_running,
         "host_fraction": res.host_fraction,
         "jit_compiles": sorted(set(res.jit_compiles)),
-        "step_ms": row.step_ms_p50,
+        "step_ms": step_ms,
         "prompts": wl.prompts,
         "output_lens": wl.output_lens,
     }
@@ -145,9 +175,10 @@ def main() -> None:
                 args.concurrency,
             ),
         )
+    steps = ", ".join(f"{ms:.2f} ms at {b}" for b, ms in off["step_ms"].items())
     print(
-        f"offline: {off['out_tok_s']:.1f} out tok/s; decode step at batch "
-        f"{args.concurrency}: {off['step_ms']:.2f} ms ({off['preemptions']} preemptions, "
+        f"offline: {off['out_tok_s']:.1f} out tok/s; decode step {steps} "
+        f"({off['preemptions']} preemptions, "
         f"at most {off['max_running']} running; host work {100 * off['host_fraction']:.0f}% "
         f"of step time; JIT compiles during the run: {off['jit_compiles']})",
         flush=True,
@@ -180,13 +211,19 @@ def main() -> None:
         client_sat = (time.process_time() - client0) / dur
         sat = serve.summarize(results, dur)
         itl1, cpu1 = engine_itl(base), cpu_seconds(proc.pid)
-        # Little's law: concurrency = rate x E2E, E2E ~ output_len x step time at that batch
-        rate = args.concurrency / (args.output_len * off["step_ms"] / 1000.0)
-        reqs_rate = reqs * max(1, (3 * args.concurrency) // len(reqs))
+        # Little's law: concurrency = rate x E2E, E2E ~ output_len x step time at that batch;
+        # at most 80% of the request rate sustained at saturation
+        step_n = off["step_ms"][args.concurrency]
+        little = args.concurrency / (args.output_len * step_n / 1000.0)
+        rate = min(little, 0.8 * sat["request_throughput"])
+        # 4 x concurrency arrivals span ~4 E2E times: most requests run in the steady state
+        num_rate = 4 * args.concurrency
+        reqs_rate = [reqs[i % len(reqs)] for i in range(num_rate)]
         results, dur = asyncio.run(
             run_requests(base, model, reqs_rate, request_rate=rate, ignore_eos=True, seed=3)
         )
         at_rate = serve.summarize(results, dur)
+        in_flight = mean_in_flight(results)
         itl2, cpu2 = engine_itl(base), cpu_seconds(proc.pid)
     except Exception:
         log.flush()
@@ -198,22 +235,31 @@ def main() -> None:
         proc.wait(timeout=60)
         log.close()
     tpot = at_rate["tpot_ms"]["p50"]
+    step_at = None if in_flight is None else interpolate(off["step_ms"], in_flight)
+    engine_step_at_rate = _step_ms(itl1, itl2)
     summary = {
         "offline_out_tok_s": off["out_tok_s"],
         "offline_preemptions": off["preemptions"],
         "server_saturation_out_tok_s": sat["output_throughput"],
         "server_vs_offline": sat["output_throughput"] / off["out_tok_s"],
         "rate_req_s": rate,
+        "rate_littles_law_req_s": little,
         "server_tpot_p50_ms": tpot,
-        "offline_step_ms_at_concurrency": off["step_ms"],
-        "tpot_vs_step": (tpot / off["step_ms"]) if tpot else None,
+        # requests in flight at the client (running + queued), time-averaged over the
+        # middle half of the rate phase: the batch size the TPOT above was measured at
+        "server_mean_in_flight_at_rate": in_flight,
+        "offline_step_ms": off["step_ms"],
+        "offline_step_ms_at_in_flight": step_at,
+        "tpot_vs_step": (tpot / step_at) if tpot and step_at else None,
         "server_ttft_p50_ms": at_rate["ttft_ms"]["p50"],
         "server_itl_p50_ms": at_rate["itl_ms"]["p50"],
         # the server's step time as its engine core measured it (mean time between steps that
         # gave a request tokens): on a shared CPU it shows what the client and the API process
         # cost the engine, apart from what the API adds on top of the step
         "server_engine_step_ms_saturation": _step_ms(itl0, itl1),
-        "server_engine_step_ms_at_rate": _step_ms(itl1, itl2),
+        "server_engine_step_ms_at_rate": engine_step_at_rate,
+        # what the API process adds on top of its engine's own steps at that load
+        "tpot_vs_engine_step": tpot / engine_step_at_rate if tpot and engine_step_at_rate else None,
         # cores busy in the API process and in the engine core during each phase
         "cpu_cores_api_core_saturation": cpu_share(cpu0, cpu1, sat["duration_s"], proc.pid),
         "cpu_cores_api_core_at_rate": cpu_share(cpu1, cpu2, at_rate["duration_s"], proc.pid),
