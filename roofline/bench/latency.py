@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from roofline.bench.ceilings import Ceilings
+from roofline.engine.heap import frozen_heap
 from roofline.engine.llm_engine import LLMEngine
 from roofline.planner.calibration import CalibrationPoint, StepShape
 from roofline.planner.roofline import Precision, step_cost
@@ -110,10 +111,12 @@ def run(
     output_len: int,
     points: list[CalibrationPoint] | None = None,
 ) -> list[LatencyRow]:
-    run_batch(engine, ceilings, 1, min(input_len, 16), 4)  # warm-up
-    return [
-        run_batch(engine, ceilings, b, input_len, output_len, points=points) for b in batch_sizes
-    ]
+    with frozen_heap():  # as LLM.generate and the server's engine core step
+        run_batch(engine, ceilings, 1, min(input_len, 16), 4)  # warm-up
+        return [
+            run_batch(engine, ceilings, b, input_len, output_len, points=points)
+            for b in batch_sizes
+        ]
 
 
 def format_rows(rows: list[LatencyRow]) -> str:
