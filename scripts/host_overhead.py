@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import gc
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from roofline.bench import workloads
 from roofline.bench.cli import parse_range
 from roofline.config import SchedulerConfig
 from roofline.core.kv_cache_manager import KVCacheManager
@@ -58,8 +58,7 @@ TINY = {
 
 
 def _prompts(n: int, lens: tuple[int, int], vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lens))] for _ in range(n)]
+    return workloads.synthetic(n, lens, (1, 1), vocab).prompts
 
 
 def host_pieces(num_reqs: int, lens: tuple[int, int], steps: int) -> dict[str, float]:

@@ -59,7 +59,6 @@ class BlockTables:
         if num_rows <= 0 or max_blocks <= 0:
             raise ValueError(f"num_rows ({num_rows}) and max_blocks ({max_blocks}) must be > 0")
         self.max_blocks = max_blocks
-        self.device = device
         self.table = torch.zeros(num_rows, max_blocks, dtype=torch.int32, device=device)
         self._rows: dict[str, _Row] = {}
         self._free = list(range(num_rows - 1, -1, -1))  # pop() hands out row 0 first
