@@ -3,7 +3,8 @@
 A process that has imported torch and built a model holds some 300k GC-tracked objects, and
 CPython's oldest-generation collection walks all of them: ~150 ms on the 2-core dev machine,
 about one such pause per 60 decode steps at 256 running requests, during which the host
-launches nothing (the mean host time per step doubled: 2.6 -> 5.3 ms). ``gc.freeze()`` moves
+launches nothing (mean host time per step 4.1-4.3 ms, against 3.0-3.3 ms with the heap frozen;
+``scripts/host_overhead.py``). ``gc.freeze()`` moves
 every object that exists at that moment into a permanent generation that collections skip;
 objects made later are collected as before, and reference counting frees frozen objects as
 usual (only a frozen *cycle* would wait until ``gc.unfreeze()``).
