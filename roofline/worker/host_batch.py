@@ -37,8 +37,6 @@ class HostBatch:
     """[num_reqs] each request's row in the device block tables."""
     table_updates: TableUpdates = field(default_factory=TableUpdates)
     """Page ids the device block tables lack (written before the step's gather)."""
-    num_pages: int = 0
-    """Most pages of one request in this step (the block table's width)."""
     sample_rows: list[int] = field(default_factory=list)
     """Row of each sampling request's last token in the batch."""
     sample_requests: list[Request] = field(default_factory=list)
@@ -56,6 +54,11 @@ class HostBatch:
         return len(self.input_ids)
 
     @property
+    def num_pages(self) -> int:
+        """Pages that cover the longest context of the step (the block table's width)."""
+        return -(-max(self.seq_lens) // self.page_size)
+
+    @property
     def max_query_len(self) -> int:
         return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
 
@@ -63,7 +66,7 @@ class HostBatch:
     def build(cls, sched_out: SchedulerOutput, page: int, tables: BlockTables) -> HostBatch:
         b = cls(page)
         input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
-        num_rows = num_pages = 0
+        num_rows = 0
         for s in sched_out.scheduled:
             req, start, n = s.request, s.start_position, s.num_new_tokens
             end = start + n
@@ -88,11 +91,9 @@ class HostBatch:
             query_start.append(num_rows)
             b.seq_lens.append(end)
             b.table_rows.append(tables.row_of(req, bt, b.table_updates))
-            num_pages = max(num_pages, len(bt))
             if s.samples:
                 b.sample_rows.append(num_rows - 1)
                 b.sample_requests.append(req)
-        b.num_pages = num_pages
         return b
 
 

@@ -173,7 +173,6 @@ class ModelRunner:
             batch.seq_lens.append(start + n)
             request = Request(rid, [0], SamplingParams())
             batch.table_rows.append(self.block_tables.row_of(request, row, batch.table_updates))
-            batch.num_pages = max(batch.num_pages, num_pages)
             batch.sample_rows.append(batch.query_start[-1] - 1)
         try:
             dev = self._upload(batch, batch.sample_rows)
@@ -277,7 +276,7 @@ class ModelRunner:
             num_tokens=batch.num_tokens,
             query_start_loc=dev.query_start.to(torch.int32),
             seq_lens=dev.seq_lens.to(torch.int32),
-            block_table=self.block_tables.gather(dev.table_rows, max(batch.num_pages, 1)),
+            block_table=self.block_tables.gather(dev.table_rows, batch.num_pages),
             slot_mapping=dev.slots,
             max_query_len=max(query_lens),
             max_seq_len=max(batch.seq_lens),
