@@ -49,6 +49,15 @@ def add_cli(subparsers) -> None:
         help="write every step's shape and time here for `roofline plan simulate`",
     )
     lat.set_defaults(func=cmd_latency)
+    cal = sub.add_parser(
+        "calibrate", help="measure a designed set of step shapes for `roofline plan simulate`"
+    )
+    _common(cal)
+    cal.add_argument("--calibration-out", required=True, help="the calibration file to write")
+    cal.add_argument("--time-budget", type=float, default=170.0, help="seconds for the sweep")
+    cal.add_argument("--max-batch", type=int, default=None, help="cap the decode batch sizes")
+    cal.add_argument("--max-context", type=int, default=None, help="cap contexts and prompts")
+    cal.set_defaults(func=cmd_calibrate)
     thr = sub.add_parser("throughput", help="offline throughput of a workload")
     _common(thr)
     thr.add_argument(
@@ -111,17 +120,13 @@ def cmd_latency(ns: argparse.Namespace) -> int:
         llm.llm_engine, ceilings, ns.batch_sizes, ns.input_len, ns.output_len, points=points
     )
     if ns.calibration_out:
-        from roofline.planner.calibration import Calibration, save_calibration
+        from roofline.bench.calibrate import calibration_of
+        from roofline.planner.calibration import save_calibration
 
-        save_calibration(
-            ns.calibration_out,
-            Calibration(
-                points,
-                device=ceilings.device_name,
-                model=llm.llm_engine.model_name,
-                meta={"source": "roofline bench latency", "batch_sizes": ns.batch_sizes},
-            ),
+        cal = calibration_of(
+            llm.llm_engine, ceilings, points, "roofline bench latency", batch_sizes=ns.batch_sizes
         )
+        save_calibration(ns.calibration_out, cal)
         print(f"[{len(points)} calibration points written to {ns.calibration_out}]")
     table = latency.format_rows(rows)
     print(table)
@@ -180,6 +185,37 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump(results, f, indent=1)
     _record(ns, f"throughput, {engine.model_name}", text, ceilings.device_name)
+    return 0
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    import time
+
+    from roofline.bench.calibrate import calibration_of, default_plan, run_sweep
+    from roofline.planner.calibration import save_calibration
+    from roofline.planner.step_model import timer_from_calibration
+
+    llm = _engine_llm(ns)
+    engine = llm.llm_engine
+    ceilings = _ceilings(llm)
+    plan = default_plan(engine, ns.max_batch, ns.max_context)
+    print(
+        f"[sweep: batches {list(plan.batch_sizes)} x contexts {list(plan.context_lens)}, "
+        f"prompts {list(plan.prefill_lens)}, mixed {list(plan.mixed)}; "
+        f"budget {ns.time_budget:.0f} s]"
+    )
+    t0 = time.perf_counter()
+    points, skipped = run_sweep(engine, plan, ns.time_budget)
+    cal = calibration_of(engine, ceilings, points, "roofline bench calibrate", skipped=skipped)
+    save_calibration(ns.calibration_out, cal)
+    timer, _ = timer_from_calibration(cal)
+    print(
+        f"[{len(points)} steps in {time.perf_counter() - t0:.0f} s written to "
+        f"{ns.calibration_out}; fit above the roofline floor: mean error "
+        f"{100 * timer.mean_rel_error:.1f}%, max {100 * timer.max_rel_error:.1f}%]"
+    )
+    if skipped:
+        print(f"[over the time budget, not measured: {', '.join(skipped)}]")
     return 0
 
 

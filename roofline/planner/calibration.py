@@ -1,12 +1,19 @@
 """Step-time models for the simulator: the roofline, or a fit to measured steps.
 
-A calibration file (JSON, written by ``roofline bench latency`` through :func:`save_calibration`)
-holds measured step times with the shape of each step:
+A calibration file (JSON, written by ``roofline bench calibrate`` or ``roofline bench latency
+--calibration-out`` through :func:`save_calibration`) holds measured step times with the shape
+of each step, and (version 2) the ceilings, model config, precision and build it measured:
 
-    {"version": 1, "device": "...", "model": "...", "meta": {...},
+    {"version": 2, "device": "...", "model": "...", "meta": {...},
+     "ceilings": {"bandwidth_bytes_per_s": ..., "matmul_flops_per_s": ..., ...},
+     "model_config": {...HF config...}, "precision": {"weight_dtype": "bf16", ...},
+     "build": {"roofline": "0.1.0", "git": "...", ...},
      "points": [{"num_decode_tokens": 64, "decode_context_len_sum": 65600,
                  "num_prefill_tokens": 0, "prefill_attention_pairs": 0,
-                 "step_time_s": 0.0071}, ...]}
+                 "prefill_chunks": [], "step_time_s": 0.0071}, ...]}
+
+Version 2 files feed ``planner.step_model`` (roofline floor + fitted overhead, the default);
+:func:`fit_calibration` below is the older whole-time fit, kept for version 1 files.
 
 :func:`fit_calibration` fits ``t = c0 + c_decode * num_decode_tokens + c_context *
 decode_context_len_sum + c_prefill * num_prefill_tokens + c_pairs * prefill_attention_pairs +
@@ -120,6 +127,8 @@ class CalibrationPoint:
     """None: the prefill tokens were one fresh prompt, ``q (q + 1) / 2`` pairs."""
     num_prefill_chunks: int | None = None
     """Prefilling requests in the step; None: one if there are prefill tokens."""
+    prefill_chunks: list[list[int]] | None = None
+    """``[num_new_tokens, num_cached_tokens]`` per chunk (version 2 files); None: unknown."""
 
     @classmethod
     def from_shape(cls, shape: StepShape, step_time_s: float) -> CalibrationPoint:
@@ -130,7 +139,20 @@ class CalibrationPoint:
             step_time_s,
             shape.prefill_attention_pairs,
             len(shape.prefill_chunks),
+            [[q, p] for q, p in shape.prefill_chunks],
         )
+
+    def shape(self) -> StepShape:
+        """The step's shape; a point without chunk detail is split into equal fresh chunks."""
+        if self.prefill_chunks is not None:
+            chunks = tuple((int(q), int(p)) for q, p in self.prefill_chunks)
+        elif self.num_prefill_tokens:
+            n = self.num_prefill_chunks or 1
+            q, r = divmod(self.num_prefill_tokens, n)
+            chunks = tuple((q + (i < r), 0) for i in range(n))
+        else:
+            chunks = ()
+        return StepShape(self.num_decode_tokens, self.decode_context_len_sum, chunks)
 
     def features(self) -> list[float]:
         pairs = self.prefill_attention_pairs
@@ -154,14 +176,27 @@ class Calibration:
     device: str = ""
     model: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    ceilings: dict[str, Any] | None = None
+    """The ceilings measured with the steps (``bench.ceilings.Ceilings`` as a dict): the floor
+    the step model holds predictions to. None in version 1 files."""
+    model_config: dict[str, Any] | None = None
+    """The model's HF config dict, so the floor's bytes and FLOPs need no ``--model``."""
+    precision: dict[str, Any] | None = None
+    """``planner.roofline.Precision`` fields of the measured engine."""
+    build: dict[str, Any] | None = None
+    """What was measured: roofline version and git commit, torch, device, engine settings."""
 
 
 def save_calibration(path: str | os.PathLike[str], calibration: Calibration) -> None:
     doc = {
-        "version": 1,
+        "version": 2,
         "device": calibration.device,
         "model": calibration.model,
         "meta": calibration.meta,
+        "ceilings": calibration.ceilings,
+        "model_config": calibration.model_config,
+        "precision": calibration.precision,
+        "build": calibration.build,
         "points": [asdict(p) for p in calibration.points],
     }
     with open(path, "w") as f:
@@ -184,12 +219,20 @@ def load_calibration(path: str | os.PathLike[str]) -> Calibration:
                     step_time_s=float(p["step_time_s"]),
                     prefill_attention_pairs=p.get("prefill_attention_pairs"),
                     num_prefill_chunks=p.get("num_prefill_chunks"),
+                    prefill_chunks=p.get("prefill_chunks"),
                 )
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: point {i} is malformed: {p!r}") from e
     return Calibration(
-        points, str(doc.get("device", "")), str(doc.get("model", "")), doc.get("meta") or {}
+        points,
+        str(doc.get("device", "")),
+        str(doc.get("model", "")),
+        doc.get("meta") or {},
+        doc.get("ceilings"),
+        doc.get("model_config"),
+        doc.get("precision"),
+        doc.get("build"),
     )
 
 

@@ -31,6 +31,11 @@ from roofline.planner.metrics import (
 )
 from roofline.planner.roofline import step_cost
 from roofline.planner.simulator import SimConfig, simulate
+from roofline.planner.step_model import (
+    FlooredStepTimer,
+    RegionCheckingTimer,
+    timer_from_calibration,
+)
 from roofline.planner.workload import LengthDist, Workload
 
 
@@ -38,8 +43,14 @@ def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
     """The step-time model, the calibration's meta (empty for the roofline) and a label."""
     if args.calibration:
         cal = load_calibration(args.calibration)
-        fit = fit_calibration(cal.points)
+        model = c.model_of(args)[1] if (args.model or args.layers) else None
+        fit, note = timer_from_calibration(cal, model)
+        if note:
+            print(note)
         label = f"calibration {os.path.basename(args.calibration)} ({cal.device or '?'})"
+        if isinstance(fit, FlooredStepTimer):
+            label += ", roofline floor + fitted overhead"
+            return RegionCheckingTimer(fit, fit.region), cal.meta, label
         return fit, cal.meta, label
     _, model = c.model_of(args)
     gpu = c.gpu_of(args)
@@ -127,6 +138,11 @@ _SWEEP_HEADERS = ["req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPO
                   "goodput", "preempt"]  # fmt: skip
 
 
+def _warn_region(timer: StepTimer) -> None:
+    if isinstance(timer, RegionCheckingTimer) and (msg := timer.warning()):
+        print(msg)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     timer, meta, label = _timer(args)
     sim = _sim_config(args, meta)
@@ -157,6 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         rows = sweep_rates(workload, c.parse_float_list(args.rates), sim, timer, slo)
         c.print_table(["rate", *_SWEEP_HEADERS], _sweep_rows(rows), "\nrate sweep (ms)")
         _warn_short(args, [(r.x, r.summary) for r in rows])
+        _warn_region(timer)
         if args.plot_dir:
             from roofline.planner.plots import plot_sweep
 
@@ -173,6 +190,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"\nreplicas for {args.replicas_for_rate:g} req/s (per-replica metrics, ms)",
         )
         _warn_short(args, [(args.replicas_for_rate / r.x, r.summary) for r in plan.rows])
+        _warn_region(timer)
         gpus = "" if plan.num_replicas is None else f" = {plan.num_replicas * args.tp} GPU(s)"
         print(f"\nreplicas needed for {100 * args.target_attainment:g}% within the SLO: "
               f"{plan.num_replicas or f'more than {args.max_replicas}'}{gpus}")  # fmt: skip
@@ -185,6 +203,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary = summarize(result, slo)
     c.print_table(["", "value"], _summary_rows(summary), f"\n{args.num_requests} requests, {rate}")
     _warn_short(args, [(args.rate, summary)])
+    _warn_region(timer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dataclasses.asdict(summary), f, indent=1)
@@ -197,8 +216,49 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fit_floored(cal, fit: FlooredStepTimer) -> int:
+    where = f"{cal.device or 'unknown device'}, {cal.model or 'unknown model'}"
+    units = ["s", "s", "s", "x", "x", "x", "x"]
+    rows = [
+        [name, f"{v * 1e6:,.2f} us" if u == "s" else f"{v:.3f} x"]
+        for (name, v), u in zip(fit.terms().items(), units, strict=True)
+    ]
+    c.print_table(["overhead term", "value"], rows, f"fit above the roofline floor, "
+                  f"{len(cal.points)} steps ({where})")  # fmt: skip
+    gpu = fit.gpu
+    print(
+        f"floor ceilings: {gpu.hbm_bandwidth_bytes_per_s / 1e9:,.0f} GB/s, "
+        f"{gpu.peak_flops_per_s(fit.precision.gemm_dtype) / 1e12:,.1f} TFLOP/s "
+        f"(raised x{fit.bandwidth_scale:.2f} / x{fit.flops_scale:.2f} where steps beat them); "
+        f"relative error: mean {100 * fit.mean_rel_error:.1f}%, max "
+        f"{100 * fit.max_rel_error:.1f}% ({fit.num_dropped} stalled steps left out)"
+    )
+    r = fit.region
+    print(
+        f"calibrated region: decode batch <= {r.max_decode_tokens}, mean context <= "
+        f"{r.max_mean_context_len}, prefill tokens per step <= {r.max_prefill_tokens}, "
+        f"cached prefix <= {r.max_cached_prefix_len}"
+    )
+    rows = []
+    for p in cal.points:
+        shape = p.shape()
+        floor, pred = fit.floor(shape), fit(shape)
+        rows.append([p.num_decode_tokens, f"{p.decode_context_len_sum:,}", p.num_prefill_tokens,
+                     c.ms(p.step_time_s), c.ms(floor), c.ms(pred),
+                     f"{100 * (pred / p.step_time_s - 1):+.1f}%",
+                     f"{100 * floor / p.step_time_s:.0f}%"])  # fmt: skip
+    headers = ["decode", "ctx sum", "prefill", "measured ms", "floor ms", "model ms", "error",
+               "of roofline"]  # fmt: skip
+    c.print_table(headers, rows, "")
+    return 0
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     cal = load_calibration(args.calibration)
+    model = c.model_of(args)[1] if (args.model or args.layers) else None
+    floored, _ = timer_from_calibration(cal, model)
+    if isinstance(floored, FlooredStepTimer):
+        return _cmd_fit_floored(cal, floored)
     fit: FittedStepTimer = fit_calibration(cal.points)
     names = [
         "intercept",
@@ -282,6 +342,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--plot-dir", help="write PNG plots here")
     g.add_argument("--json", help="write the summary of a single run here")
     p.set_defaults(plan_func=cmd_simulate)
+
+    from roofline.planner import validate
+
+    p = sub.add_parser(
+        "validate",
+        help="calibrate once, then predict a suite of unlike workloads and compare with the engine",
+    )
+    validate.add_arguments(p)
+    p.set_defaults(plan_func=validate.run_cli)
 
     p = sub.add_parser("fit", help="fit a calibration file; compare with the roofline")
     p.add_argument("--calibration", required=True)

@@ -85,3 +85,40 @@ def test_bench_throughput_reports_roofline(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "of the workload roofline" in out and "output tok/s" in out
+
+
+def test_bench_calibrate_then_plan_validate(tmp_path, capsys):
+    """The designed sweep writes a version 2 calibration (ceilings, model, build, every kind of
+    step), and `plan validate` predicts its suite from it and compares with the engine."""
+    model = _tiny_config(tmp_path)
+    cal_path, out_path = tmp_path / "cal.json", tmp_path / "val.json"
+    engine_flags = ["--model", model, "--max-model-len", "128", "--max-num-seqs", "8"]
+    engine_flags += ["--max-num-batched-tokens", "64"]
+    rc = main(["bench", "calibrate", *engine_flags, "--calibration-out", str(cal_path),
+               "--time-budget", "60"])  # fmt: skip
+    assert rc == 0
+    cal = load_calibration(cal_path)
+    assert cal.ceilings and cal.ceilings["bandwidth_bytes_per_s"] > 0
+    assert cal.model_config["hidden_size"] == 64 and cal.build["roofline"]
+    shapes = [p.shape() for p in cal.points]
+    assert max(s.num_decode_tokens for s in shapes) == 8  # the largest batch the engine allows
+    assert any(s.num_decode_tokens and s.prefill_chunks for s in shapes)  # mixed steps
+    assert any(p > 0 for s in shapes for _, p in s.prefill_chunks)  # chunks over a cached prefix
+    assert "fit above the roofline floor" in capsys.readouterr().out
+    rc = main(["plan", "validate", *engine_flags, "--calibration", str(cal_path),
+               "--scale", "0.01", "--out", str(out_path)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "figures outside their target" in out
+    rows = json.loads(out_path.read_text())["rows"]
+    assert [r["workload"].split(" (")[0] for r in rows] == [
+        "short requests",
+        "long prompts",
+        "long outputs",
+        "shared prefix",
+        "mixed 100-1024 / 512",
+        "serving at 80% of saturation",
+    ]
+    for row in rows:
+        for key in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms"):
+            assert row[key]["measured"] > 0 and row[key]["simulated"] > 0

@@ -73,7 +73,7 @@ def test_save_load_roundtrip(tmp_path):
     )
     path = tmp_path / "cal.json"
     save_calibration(path, cal)
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
     back = load_calibration(path)
     assert back.points == cal.points and back.meta == cal.meta and back.device == cal.device
     path.write_text('{"points": [{"num_decode_tokens": 1}]}')
