@@ -2,12 +2,14 @@
 output dimension, so one GEMM serves them all.
 
 ``MergedLinear(in, [out_a, out_b, ...])`` loads shard ``i`` into rows
-``sum(out[:i]) : sum(out[:i+1])`` through ``load_shard``; ``Linear`` is the one-shard case.
-Quantization methods will plug in here as strategy objects on the layer.
+``sum(out[:i]) : sum(out[:i+1])`` through ``load(shard, name, tensor)``; ``Linear`` is the
+one-shard case. How the weight is stored, loaded and multiplied is the layer's ``method``
+(``roofline.quantization``); the rest of this docstring is the 16-bit path,
+``UnquantizedLinearMethod``, whose helpers live here.
 
-On the CPU in fp32, ``prepack_for_cpu()`` keeps an MKL-packed copy of the weight: single-row
-GEMMs (batch-1 decode) run on it 1.7x faster on AVX2 machines, since MKL then streams the weight
-in its own blocked layout; other row counts take the plain path.
+On the CPU in fp32, ``process_weights_after_loading()`` keeps an MKL-packed copy of the weight:
+single-row GEMMs (batch-1 decode) run on it 1.7x faster on AVX2 machines, since MKL then streams
+the weight in its own blocked layout; other row counts take the plain path.
 
 On CUDA, half-precision GEMMs of at most 8 rows (small-batch decode) whose weight shape has a
 measured config in ``kernels.gemv.TUNED_CONFIGS`` run the Triton skinny GEMM: one launch where
@@ -21,67 +23,81 @@ bits, one launch fewer).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from roofline.quantization.base import LinearMethod
+
 
 class MergedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: list[int], bias: bool = False) -> None:
+    """``output_sizes`` shards packed along the output dimension, computed by one GEMM. The
+    weight tensors belong to ``method`` (a ``quantization.base.LinearMethod``; the 16-bit
+    ``UnquantizedLinearMethod`` when None); the bias, always in ``params_dtype``, to the layer.
+    ``params_dtype`` defaults to torch's default dtype (the runner builds models under the
+    model dtype)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: list[int],
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
+        from roofline.quantization.base import UnquantizedLinearMethod
+
         self.in_features = in_features
         self.output_sizes = list(out_features)
+        self.method: LinearMethod = method if method is not None else UnquantizedLinearMethod()
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        self.method.create_weights(self, in_features, self.output_sizes, dtype)
         total = sum(out_features)
-        self.weight = nn.Parameter(torch.empty(total, in_features))
-        self.bias = nn.Parameter(torch.zeros(total)) if bias else None
-        self._mkl_packed: torch.Tensor | None = None
+        self.bias = nn.Parameter(torch.zeros(total, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, sum(output_sizes)]
-        return linear(x, self.weight, self.bias, self._mkl_packed)
+        return self.method.apply(self, x, self.bias)
 
-    def prepack_for_cpu(self) -> None:
-        self._mkl_packed = mkl_prepack(self.weight)
+    def load(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        """Load checkpoint tensor ``<module>.<name>`` of output shard ``shard`` (its method
+        converts or quantizes it)."""
+        self.method.load(self, shard, name, tensor)
+
+    def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool) -> None:
+        self.load(shard, "bias" if is_bias else "weight", tensor)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
     def fuses_silu_mul(self, gate_up: torch.Tensor) -> bool:
-        """Whether ``forward_silu_mul(gate_up)`` replaces ``self(silu_and_mul(gate_up))``: for at
-        most SILU_MUL_MAX_ROWS rows, where the latter would run the Triton skinny GEMM on a plain
-        (unquantized, forward not overridden) float weight of gate_up's dtype. The activation's
-        output would be a fresh contiguous tensor of gate_up's rows, dtype and device, so the
-        skinny GEMM's condition is tested on gate_up itself (against this weight's shape)."""
-        return (
-            gate_up.shape[0] <= SILU_MUL_MAX_ROWS
-            and type(self).forward is MergedLinear.forward
-            and self.weight.dtype in _FLOAT
-            and self.weight.dtype == gate_up.dtype
-            and skinny_gemm_applies(gate_up, self.weight)
+        """Whether ``forward_silu_mul(gate_up)`` replaces ``self(silu_and_mul(gate_up))`` (the
+        method has a fused kernel for this input, and forward is not overridden)."""
+        return type(self).forward is MergedLinear.forward and self.method.fuses_silu_mul(
+            self, gate_up
         )
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * in_features] (gate | up) -> [num_tokens, sum(output_sizes)]
-        from roofline.kernels.gemv import skinny_gemm
-
-        return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True)
-
-    def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool) -> None:
-        start = sum(self.output_sizes[:shard])
-        size = self.output_sizes[shard]
-        target = self.bias if is_bias else self.weight
-        assert target is not None, "checkpoint has a bias the layer was built without"
-        if tensor.shape[0] != size:
-            raise ValueError(
-                f"shard {shard}: expected {size} rows, checkpoint has {tensor.shape[0]}"
-            )
-        with torch.no_grad():
-            target[start : start + size].copy_(tensor)
+        return self.method.apply_silu_mul(self, gate_up, self.bias)
 
 
 class Linear(MergedLinear):
-    """A plain linear layer (one shard), with the CPU packed path."""
+    """A plain linear layer (one shard)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, [out_features], bias)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, [out_features], bias, method, params_dtype)
 
 
 def mkl_prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -129,5 +145,5 @@ SKINNY_MAX_ROWS = 8
 # at 1, 8.41 -> 8.62 at 2, 8.24 -> 15.05 at 8.
 SILU_MUL_MAX_ROWS = 1
 _HALF = (torch.bfloat16, torch.float16)
-_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SKINNY = os.environ.get("ROOFLINE_SKINNY_GEMM", "1") != "0"

@@ -18,6 +18,7 @@ from roofline.layers.attention import Attention, ForwardContext
 from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
 from roofline.layers.norm import RMSNorm
 from roofline.layers.rotary import RotaryEmbedding
+from roofline.quantization.base import LinearMethod, QuantizationConfig
 
 # checkpoint module name -> (packed module name, shard index)
 PACKED_MODULES = {
@@ -29,8 +30,20 @@ PACKED_MODULES = {
 }
 
 
+def linear_method(quant_config: QuantizationConfig | None, prefix: str) -> LinearMethod | None:
+    """The method of the linear layer at ``prefix`` (None: 16-bit, the layer's default)."""
+    return None if quant_config is None else quant_config.get_linear_method(prefix)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -38,9 +51,14 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias
+            cfg.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            bias=cfg.attention_bias,
+            method=linear_method(quant_config, f"{prefix}qkv_proj"),
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(
+            self.q_size, cfg.hidden_size, method=linear_method(quant_config, f"{prefix}o_proj")
+        )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # shared by all layers, not owned
@@ -66,11 +84,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i])
-        self.down_proj = Linear(i, cfg.hidden_size)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, [i, i], method=linear_method(quant_config, f"{prefix}gate_up_proj")
+        )
+        self.down_proj = Linear(
+            i, cfg.hidden_size, method=linear_method(quant_config, f"{prefix}down_proj")
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,12 +105,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.self_attn = LlamaAttention(
+            cfg, layer_idx, rotary, quant_config, prefix=f"{prefix}self_attn."
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, quant_config, prefix=f"{prefix}mlp.")
 
     def forward(
         self,
@@ -106,7 +139,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """The decoder stack, its embedding and LM head. Linear layers get their method from
+    ``quant_config`` (by HF-style prefix); the embedding always stays 16-bit, and the LM head
+    does too unless the config quantizes it (a tied head then gets its own quantized copy of
+    the embedding, filled when loading ends)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(
@@ -114,10 +157,18 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, self.rotary, quant_config)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        own_head = not cfg.tie_word_embeddings or (
+            quant_config is not None and quant_config.quantizes_lm_head()
+        )
+        self.lm_head = (
+            Linear(cfg.hidden_size, cfg.vocab_size, method=linear_method(quant_config, "lm_head"))
+            if own_head
+            else None
+        )
         self._tied_head_packed: torch.Tensor | None = None
 
     def forward(
@@ -137,32 +188,38 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
 
-    def prepack_for_cpu(self) -> None:
-        """MKL-packed weights for batch-1 decode on the CPU (fp32 only; a no-op elsewhere)."""
+    def process_weights_after_loading(self) -> None:
+        """Each linear method's post-load step (the 16-bit one: MKL-packed weights for batch-1
+        decode on the CPU in fp32, a no-op elsewhere); the same for a tied LM head."""
         for module in self.modules():
             if isinstance(module, MergedLinear):
-                module.prepack_for_cpu()
+                module.process_weights_after_loading()
         if self.lm_head is None:
             self._tied_head_packed = mkl_prepack(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises if any parameter stays unloaded."""
+        """Load HF-named tensors; raises if any parameter stays unloaded. A tensor of a linear
+        layer (``<module>.<suffix>``: ``weight``, ``bias``, ``qweight``, ``scales``, ...) goes
+        to that layer's method under its suffix and output shard; the rest copy as they are."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name.startswith("lm_head.") and self.lm_head is None:
                 continue  # tied: the embedding serves as the LM head
             parts = name.split(".")
             packed = PACKED_MODULES.get(parts[-2]) if len(parts) >= 2 else None
             if packed is not None:
-                module_name = ".".join(parts[:-2] + [packed[0]])
-                module = self.get_submodule(module_name)
-                assert isinstance(module, MergedLinear)
-                module.load_shard(packed[1], tensor, is_bias=parts[-1] == "bias")
-                loaded.add(f"{module_name}.{parts[-1]}#{packed[1]}")
+                module_name, shard = ".".join(parts[:-2] + [packed[0]]), packed[1]
+            else:
+                module_name, shard = ".".join(parts[:-1]), 0
+            module = modules.get(module_name)
+            if isinstance(module, MergedLinear):
+                module.load(shard, parts[-1], tensor)
+                loaded.add(f"{module_name}.{parts[-1]}#{shard}")
                 continue
             if name not in params:
                 raise KeyError(
@@ -174,27 +231,29 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
-        if self.lm_head is not None and "lm_head.weight" not in loaded:
-            with torch.no_grad():  # some checkpoints omit a head equal to the embedding
-                self.lm_head.weight.copy_(self.embed_tokens.weight)
-            loaded.add("lm_head.weight")
+        if self.lm_head is not None and not any(k.startswith("lm_head.") for k in loaded):
+            # some checkpoints omit a head equal to the embedding (and a quantized head of a
+            # tied model is made from the embedding here)
+            self.lm_head.load(0, "weight", self.embed_tokens.weight)
+            loaded.update(
+                f"lm_head.{n}#0" for n in self.lm_head.method.checkpoint_names(self.lm_head)
+            )
         self._check_loaded(loaded)
 
     def _check_loaded(self, loaded: set[str]) -> None:
         missing = []
+        linears = set()
         for name, module in self.named_modules():
             if not isinstance(module, MergedLinear):
                 continue
-            for kind in ("weight", "bias") if module.bias is not None else ("weight",):
-                full = f"{name}.{kind}"
-                if full in loaded:  # loaded whole (a one-shard Linear)
-                    continue
+            linears.add(name)
+            kinds = module.method.checkpoint_names(module)
+            for kind in (*kinds, "bias") if module.bias is not None else kinds:
                 for shard in range(len(module.output_sizes)):
-                    if f"{full}#{shard}" not in loaded:
-                        missing.append(f"{full}[{shard}]")
+                    if f"{name}.{kind}#{shard}" not in loaded:
+                        missing.append(f"{name}.{kind}[{shard}]")
         for name, _ in self.named_parameters():
-            owner = name.rsplit(".", 1)[0]
-            if not isinstance(self.get_submodule(owner), MergedLinear) and name not in loaded:
+            if name.rsplit(".", 1)[0] not in linears and name not in loaded:
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

@@ -14,8 +14,9 @@ on the device, so the host never needs the value to feed the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -25,8 +26,10 @@ from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
 from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from roofline.layers.attention import AttentionBackend, ForwardContext
+from roofline.layers.linear import MergedLinear
 from roofline.layers.sampler import Sampler
 from roofline.models.registry import get_model_class
+from roofline.quantization.base import QuantizationConfig
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.worker.block_table import BlockTables
@@ -50,8 +53,10 @@ class ModelRunner:
         weights: Iterable[tuple[str, torch.Tensor]] | None,
         seed: int = 0,
         attention_backend: AttentionBackend | None = None,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.quant_config = quant_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.device = device
@@ -88,16 +93,19 @@ class ModelRunner:
     ) -> torch.nn.Module:
         cls = get_model_class(self.model_config)
         max_positions = max(self.scheduler_config.max_model_len, 1)
-        with torch.device("meta"):
-            model = cls(self.model_config, max_positions)
-        model = model.to(self.dtype).to_empty(device=self.device)
+        quant = {} if self.quant_config is None else {"quant_config": self.quant_config}
+        # Built in the model dtype, so quantized tensors (int8, fp8, fp32 scales) keep theirs.
+        with torch.device("meta"), _default_dtype(self.dtype):
+            model = cls(self.model_config, max_positions, **quant)
+        if self.quant_config is None:
+            model = model.to(self.dtype)
+        model = model.to_empty(device=self.device)
         model.rotary.reset_cache()
         if weights is None:
-            init_dummy_weights(model, seed)
+            init_dummy_weights(model, seed, dtype=self.dtype)
         else:
             model.load_weights(weights)
-        if self.device.type == "cpu":
-            model.prepack_for_cpu()
+        model.process_weights_after_loading()
         return model.eval()
 
     def _num_pages(self) -> int:
@@ -362,15 +370,45 @@ class StepHandle:
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Random weights for benchmarks: N(0, std) matrices, unit norms, zero biases."""
+def init_dummy_weights(
+    model: torch.nn.Module, seed: int, std: float = 0.02, dtype: torch.dtype | None = None
+) -> None:
+    """Random weights for benchmarks: N(0, std) matrices, unit norms, zero biases. A quantized
+    linear layer gets its N(0, std) weight one output shard at a time through its method's
+    ``load`` (quantized as a checkpoint in ``dtype`` would be)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    quantized = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, MergedLinear) and module.method.quantized
+    }
     for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        if owner in quantized:
+            if kind == "bias":
+                param.zero_()
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.zero_()
         else:
             param.normal_(0.0, std, generator=gen)
+    for module in quantized.values():
+        for shard, size in enumerate(module.output_sizes):
+            weight = torch.empty(
+                size, module.in_features, dtype=dtype or torch.float32, device=device
+            )
+            module.load(shard, "weight", weight.normal_(0.0, std, generator=gen))

@@ -1,0 +1,1 @@
+"""Weight quantization as strategy objects on the linear layer (see :mod:`.base`)."""
