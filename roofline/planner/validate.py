@@ -47,39 +47,71 @@ class Trace:
 
 
 class EngineStepper:
-    """Steps an engine and says which scheduled steps each call completed. Synchronously a
-    ``step()`` call runs the step it schedules; with async scheduling it launches one and waits
-    for the one launched by the call before, so its wall time and sampled tokens belong to that
-    earlier step (both, when a call drains the earlier step and then runs its own)."""
+    """Steps an engine and times each scheduled step, also under async scheduling.
+
+    Synchronously a ``step()`` call schedules, launches and finishes one step. With async
+    scheduling a call schedules and launches step k, then waits for step k-1 (launched by the
+    call before) and folds its tokens in. A step's time is therefore its own host part (up to
+    the end of its launch, timed by wrapping ``runner.launch``) plus the rest of the call that
+    completes it (the wait for the device, the update), so the times of all steps add up to the
+    wall time and an eager step whose launch is slower than the device is charged its launch.
+    ``step()`` returns the steps a call completed (oldest first) with their times."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._launched: list[SchedulerOutput] = []
-        self._pending: SchedulerOutput | None = None
+        self._t_sched: float | None = None
+        self._t_launched: float | None = None
+        self._pending: tuple[SchedulerOutput, float] | None = None  # launched, host seconds
 
     def __enter__(self) -> EngineStepper:
-        self.engine.on_schedule = self._launched.append
+        self.engine.on_schedule = self._on_schedule
+        runner = getattr(self.engine, "runner", None)
+        launch = getattr(runner, "launch", None)
+        if launch is not None:
+
+            def timed_launch(sched_out: SchedulerOutput) -> Any:
+                try:
+                    return launch(sched_out)
+                finally:
+                    self._t_launched = time.perf_counter()
+
+            runner.launch = timed_launch
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.engine.on_schedule = None
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:
+            vars(runner).pop("launch", None)  # the class's method again
 
-    def step(self) -> tuple[list[SchedulerOutput], float]:
-        """One ``engine.step()``: the steps it completed (oldest first) and its wall time."""
+    def _on_schedule(self, sched_out: SchedulerOutput) -> None:
+        self._launched.append(sched_out)
+        self._t_sched = time.perf_counter()
+
+    def step(self) -> list[tuple[SchedulerOutput, float]]:
         self._launched.clear()
+        self._t_sched = self._t_launched = None
         t0 = time.perf_counter()
         self.engine.step()
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         launched = self._launched[-1] if self._launched else None
-        done: list[SchedulerOutput] = []
+        t_sched = self._t_sched if self._t_sched is not None else t0
+        done: list[tuple[SchedulerOutput, float]] = []
         if getattr(self.engine, "_in_flight", None) is not None:  # overlapped
+            t_launched = self._t_launched if self._t_launched is not None else t_sched
             if self._pending is not None:
-                done.append(self._pending)
-            self._pending = launched
-        else:
-            done = [so for so in (self._pending, launched) if so is not None]
+                so, host_s = self._pending
+                done.append((so, host_s + t1 - t_launched))
+            self._pending = (launched, t_launched - t0) if launched is not None else None
+        else:  # the earlier step drained first, then this one ran start to end
+            if self._pending is not None:
+                so, host_s = self._pending
+                done.append((so, host_s + t_sched - t0))
+            if launched is not None:
+                done.append((launched, t1 - t_sched))
             self._pending = None
-        return done, dt
+        return done
 
 
 def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool = True) -> Trace:
@@ -106,13 +138,14 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, reqs[i].arrival_time_s - (time.perf_counter() - start)))
                 continue
-            done, dt = stepper.step()
+            done = stepper.step()
             if not done:
                 continue
-            shape = step_shape(done[-1])
-            points.append(CalibrationPoint.from_shape(shape, dt))
             clock = time.perf_counter() - start
-            for sched_out in done:
+            for sched_out, dt in done:
+                shape = step_shape(sched_out)
+                if shape.num_tokens:
+                    points.append(CalibrationPoint.from_shape(shape, dt))
                 for s in sched_out.scheduled:
                     if not s.samples or s.request.request_id not in metrics:
                         continue
@@ -124,8 +157,8 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                         m.finish_s = clock
             sch = engine.scheduler
             timeline.append(
-                TimePoint(clock, dt, shape.num_tokens, sch.num_running, sch.num_waiting,
-                          sch.kv_usage, sch.num_preemptions_total)
+                TimePoint(clock, sum(dt for _, dt in done), shape.num_tokens, sch.num_running,
+                          sch.num_waiting, sch.kv_usage, sch.num_preemptions_total)
             )  # fmt: skip
     stats = engine.get_stats()
     result = SimResult(

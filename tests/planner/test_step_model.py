@@ -5,6 +5,7 @@ to shapes the calibration never saw (the failure of the whole-time fit, issue 19
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -156,30 +157,40 @@ def test_calibration_file_v2_round_trip(tmp_path, llama3_8b):
 
 
 class _AsyncEngine:
-    """Schedules on each step() and completes the previous launch (as async scheduling)."""
+    """As async scheduling: each step() schedules and launches a step (host time), then waits
+    for the one launched before (device time); the last call only drains."""
 
-    def __init__(self, launches: int) -> None:
+    def __init__(self, host_s: list[float], wait_s: float) -> None:
         self.on_schedule = None
         self._in_flight = None
-        self.left = launches
+        self.host_s = host_s
+        self.wait_s = wait_s
+        self.runner = self  # runner.launch is this engine's launch
         self.counter = 0
 
+    def launch(self, step: int) -> None:
+        time.sleep(self.host_s[step - 1])
+
     def step(self) -> None:
-        if self.left:
+        prev, self._in_flight = self._in_flight, None
+        if self.counter < len(self.host_s):
             self.counter += 1
-            self.left -= 1
             self.on_schedule(self.counter)
+            self.runner.launch(self.counter)
             self._in_flight = self.counter
-        else:
-            self._in_flight = None  # drains the last one
+        if prev is not None:
+            time.sleep(self.wait_s)
 
 
-def test_stepper_gives_each_call_to_the_step_it_waited_for():
-    engine = _AsyncEngine(3)
+def test_stepper_charges_each_step_its_launch_and_its_wait():
+    engine = _AsyncEngine([0.001, 0.03, 0.001], wait_s=0.004)
     with EngineStepper(engine) as stepper:
-        done = [stepper.step()[0] for _ in range(4)]
-    assert done == [[], [1], [2], [3]]
-    assert engine.on_schedule is None
+        done = [stepper.step() for _ in range(4)]
+    assert [[so for so, _ in d] for d in done] == [[], [1], [2], [3]]
+    times = {so: dt for d in done for so, dt in d}
+    assert times[2] >= 0.03 + 0.004  # its slow launch and its own wait
+    assert times[2] > 2 * max(times[1], times[3])
+    assert engine.on_schedule is None and "launch" not in vars(engine)  # unwrapped
 
 
 def test_suite_fits_the_model_length():
