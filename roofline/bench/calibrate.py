@@ -123,8 +123,13 @@ def run_sweep(
         )
 
     def decode_cell(batch: int, context: int) -> None:
-        for _ in range(batch):  # own contexts: shared pages would be read from L2
-            add(_ids(rng, vocab, context), DECODE_STEPS)
+        # own contexts (shared pages would be read from L2); the first requests keep decoding
+        # until the last one's prompt is in, so the full batch decodes DECODE_STEPS times
+        sc = engine.scheduler_config
+        max_tokens = DECODE_STEPS + 1 + -(-batch * context // sc.max_num_batched_tokens)
+        context = min(context, sc.max_model_len - max_tokens)
+        for _ in range(batch):
+            add(_ids(rng, vocab, context), max_tokens)
         _run(engine, points)  # its prefill steps are measured points too
 
     def prefill_cell(length: int, count: int) -> None:
