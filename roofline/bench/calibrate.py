@@ -12,12 +12,12 @@ simulation of a workload unlike the calibration still interpolates:
   chunks over a cached prefix are measured too) and steps of several short prompts.
 * **mixed**: a prompt arriving while a batch decodes (the step shape of steady serving).
 
-Step times come from ``planner.validate.EngineStepper``: each step is charged its own host
-part up to its launch plus the rest of the call that completes it, which under async
-scheduling is the next call. The result is a
-version 2 calibration (:mod:`roofline.planner.calibration`): the points, the ceilings measured
-in the same run, the model config, the precision and the build, which ``roofline plan simulate
---calibration`` turns into a step model held to the roofline floor (``planner.step_model``).
+Step times come from ``planner.validate.EngineStepper``: on CUDA, device events recorded as
+each launch starts (a step's share of the pipelined run, whichever of host or device bound
+it). The result is a version 2 calibration (:mod:`roofline.planner.calibration`): the
+points, the ceilings measured in the same run, the model config, the precision and the build,
+which ``roofline plan simulate --calibration`` turns into a step model held to the roofline
+floor (``planner.step_model``).
 """
 
 from __future__ import annotations
@@ -85,18 +85,18 @@ def default_plan(engine: LLMEngine, max_batch: int | None = None, max_context: i
     )
 
 
-def _run(engine: LLMEngine, points: list[CalibrationPoint], skip: int = 0, after_step=None):
-    """Step ``engine`` until idle, recording each completed step past the first ``skip``."""
+def _run(engine: LLMEngine, points: list[CalibrationPoint], after_step=None) -> None:
+    """Step ``engine`` until idle and record every step it ran."""
     num_steps = 0
     with EngineStepper(engine) as stepper:
         while engine.has_unfinished_requests():
-            for sched_out, dt in stepper.step():
-                shape = step_shape(sched_out)
-                num_steps += 1
-                if shape.num_tokens and num_steps > skip:
-                    points.append(CalibrationPoint.from_shape(shape, dt))
+            num_steps += len(stepper.step())
             if after_step is not None:
                 after_step(num_steps)
+        for sched_out, dt in stepper.step_times():
+            shape = step_shape(sched_out)
+            if shape.num_tokens:
+                points.append(CalibrationPoint.from_shape(shape, dt))
 
 
 def _ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
@@ -150,7 +150,7 @@ def run_sweep(
                     arrived.add(at)
                     add(_ids(rng, vocab, prompt_len), 1)
 
-        _run(engine, points, skip=2, after_step=arrive)
+        _run(engine, points, after_step=arrive)
 
     pool_tokens = engine.runner.num_pages * engine.args.page_size
     cells: list[tuple[float, str, Callable[[], None]]] = []

@@ -49,13 +49,16 @@ class Trace:
 class EngineStepper:
     """Steps an engine and times each scheduled step, also under async scheduling.
 
-    Synchronously a ``step()`` call schedules, launches and finishes one step. With async
-    scheduling a call schedules and launches step k, then waits for step k-1 (launched by the
-    call before) and folds its tokens in. A step's time is therefore its own host part (up to
-    the end of its launch, timed by wrapping ``runner.launch``) plus the rest of the call that
-    completes it (the wait for the device, the update), so the times of all steps add up to the
-    wall time and an eager step whose launch is slower than the device is charged its launch.
-    ``step()`` returns the steps a call completed (oldest first) with their times."""
+    With async scheduling a ``step()`` call schedules and launches step k, then waits for step
+    k-1 and folds its tokens in, so a call's wall time belongs to no single step. On CUDA a
+    timing event is recorded on the stream as each launch starts (``runner.launch`` wrapped)
+    and whenever the engine goes idle: step k's time is the device time from the event before
+    its kernels to the next one, i.e. ``max(its device time, the host's time to launch the
+    next step)``, the step's real share of a pipelined run, whichever side bound it (an eager
+    step whose Python launch is slower than the device, a launch that synchronises). Elsewhere
+    (the CPU, stand-in engines) a step is charged its own host part up to its launch plus the
+    rest of the call that completes it. ``step()`` returns the steps a call completed (oldest
+    first) for token timestamps; :meth:`step_times` gives every completed step's time."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -63,6 +66,10 @@ class EngineStepper:
         self._t_sched: float | None = None
         self._t_launched: float | None = None
         self._pending: tuple[SchedulerOutput, float] | None = None  # launched, host seconds
+        runner = getattr(engine, "runner", None)
+        self._cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        self._marks: list[tuple[SchedulerOutput | None, Any]] = []  # (step or idle, event)
+        self._wall: list[tuple[SchedulerOutput, float]] = []
 
     def __enter__(self) -> EngineStepper:
         self.engine.on_schedule = self._on_schedule
@@ -71,6 +78,8 @@ class EngineStepper:
         if launch is not None:
 
             def timed_launch(sched_out: SchedulerOutput) -> Any:
+                if self._cuda:
+                    self._mark(sched_out)
                 try:
                     return launch(sched_out)
                 finally:
@@ -85,11 +94,19 @@ class EngineStepper:
         if runner is not None:
             vars(runner).pop("launch", None)  # the class's method again
 
+    def _mark(self, sched_out: SchedulerOutput | None) -> None:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((sched_out, event))
+
     def _on_schedule(self, sched_out: SchedulerOutput) -> None:
         self._launched.append(sched_out)
         self._t_sched = time.perf_counter()
 
     def step(self) -> list[tuple[SchedulerOutput, float]]:
+        """One ``engine.step()``: the steps it completed with their wall-split times."""
         self._launched.clear()
         self._t_sched = self._t_launched = None
         t0 = time.perf_counter()
@@ -111,7 +128,23 @@ class EngineStepper:
             if launched is not None:
                 done.append((launched, t1 - t_sched))
             self._pending = None
+            if self._cuda:
+                self._mark(None)  # the device's work ends here until the next launch
+        self._wall.extend(done)
         return done
+
+    def step_times(self) -> list[tuple[SchedulerOutput, float]]:
+        """Every completed step and its time (device events on CUDA, wall split elsewhere)."""
+        if not self._cuda:
+            return list(self._wall)
+        import torch
+
+        torch.cuda.synchronize()
+        return [
+            (so, start.elapsed_time(end) / 1e3)
+            for (so, start), (_, end) in zip(self._marks, self._marks[1:])
+            if so is not None
+        ]
 
 
 def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool = True) -> Trace:
@@ -142,10 +175,8 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
             if not done:
                 continue
             clock = time.perf_counter() - start
-            for sched_out, dt in done:
+            for sched_out, _ in done:
                 shape = step_shape(sched_out)
-                if shape.num_tokens:
-                    points.append(CalibrationPoint.from_shape(shape, dt))
                 for s in sched_out.scheduled:
                     if not s.samples or s.request.request_id not in metrics:
                         continue
@@ -160,6 +191,10 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                 TimePoint(clock, sum(dt for _, dt in done), shape.num_tokens, sch.num_running,
                           sch.num_waiting, sch.kv_usage, sch.num_preemptions_total)
             )  # fmt: skip
+        for sched_out, dt in stepper.step_times():
+            shape = step_shape(sched_out)
+            if shape.num_tokens:
+                points.append(CalibrationPoint.from_shape(shape, dt))
     stats = engine.get_stats()
     result = SimResult(
         list(metrics.values()),
