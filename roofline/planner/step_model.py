@@ -11,7 +11,8 @@ cannot take it below the floor:
     t = max(memory_s + c_w * weight_s + c_kv * kv_s,          (memory side, with efficiency)
             compute_s + c_lin * linear_s + c_att * attention_s)  (compute side, with efficiency)
       + c_fixed + c_seq * num_seqs + c_chunk * num_prefill_chunks     (host and launch costs)
-      + c_eager * [step holds a prefill chunk]                      (eager vs CUDA-graph step)
+      + c_eager * [step holds a prefill chunk] + c_mix * decodes in such a step
+                                                    (eager, prefill-path steps vs CUDA graphs)
 
 ``weight_s``/``kv_s`` are the step's weight and KV bytes over the bandwidth, ``linear_s`` and
 ``attention_s`` its GEMM and attention FLOPs over the matmul rate; ``max(memory_s, compute_s)``
@@ -50,14 +51,16 @@ OVERHEAD_TERMS = (
     "per_seq_s",
     "per_prefill_chunk_s",
     "per_prefill_step_s",
+    "per_mixed_decode_s",
     "weight_read_x",
     "kv_read_x",
     "linear_compute_x",
     "attention_compute_x",
 )
-"""Names of the fitted coefficients: seconds for the first four, multiples of the floor's
+"""Names of the fitted coefficients: seconds for the first five, multiples of the floor's
 component times for the rest. ``per_prefill_step_s`` is paid once by a step holding any prefill
-chunk: such steps run eagerly, while pure decode steps replay CUDA graphs."""
+chunk: such steps run eagerly, while pure decode steps replay CUDA graphs;
+``per_mixed_decode_s`` by each decode token in such a step (it takes the prefill path)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ def _features(shape: StepShape, ph: StepPhysics) -> tuple[list[float], list[floa
         float(shape.num_decode_tokens + num_chunks),
         float(num_chunks),
         float(num_chunks > 0),
+        float(shape.num_decode_tokens if num_chunks else 0),
     ]
     return host + [ph.weight_s, ph.kv_s, 0.0, 0.0], host + [0.0, 0.0, ph.linear_s, ph.attention_s]
 
