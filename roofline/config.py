@@ -80,9 +80,7 @@ class ModelConfig:
             step = int(d.get("decoder_sparse_step") or 1)
             only = set(d.get("mlp_only_layers") or ())
             dense_layers = tuple(
-                i
-                for i in range(int(d["num_hidden_layers"]))
-                if i in only or (i + 1) % step != 0
+                i for i in range(int(d["num_hidden_layers"])) if i in only or (i + 1) % step != 0
             )
         return cls(
             architecture=arch,
@@ -103,7 +101,8 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
             moe_intermediate_size=moe_inter if num_experts else 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            # Mixtral always renormalises; HF's Qwen3-MoE default is not to
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
             dense_mlp_layers=dense_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_ids,

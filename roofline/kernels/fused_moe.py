@@ -149,9 +149,7 @@ def _route_kernel(
             tl.store(weights_ptr + token * TOP_K + j, w / total)
 
 
-def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_ref`` in one launch: (weights [T, top_k] in logits' dtype, ids [T, top_k])."""
     check_device(logits)
     num_tokens, num_experts = logits.shape
@@ -247,7 +245,8 @@ def _moe_gemv_kernel(
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=w_mask, other=0.0)
             acc += tl.sum(w.to(tl.float32) * a, axis=1)
             if SILU_MUL:
-                w_up = tl.load(w_rows + N * stride_wn + k0 + offs_k[None, :], mask=w_mask, other=0.0)
+                w_up_ptrs = w_rows + N * stride_wn + k0 + offs_k[None, :]
+                w_up = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
                 acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
         if SILU_MUL:
             acc = _silu_mul(acc, acc_up, out_ty)
