@@ -16,6 +16,7 @@ from roofline.models.weights import iter_weights, load_model_config, resolve_mod
 from tests.e2e.hf_reference import tiny_hf_model
 from tests.models.test_weights import _interleave_rope_rows, _to_gguf_name
 
+
 def _write_moe_gguf(path: Path, arch: str, model) -> None:
     c = model.config
     num_experts = getattr(c, "num_experts", None) or c.num_local_experts
