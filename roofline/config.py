@@ -74,7 +74,9 @@ class ModelConfig:
                 rope_scaling = dict(rope_params)
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
         num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
-        moe_inter = int(d.get("moe_intermediate_size") or d.get("intermediate_size") or 0)
+        moe_inter = int(d.get("moe_intermediate_size") or d["intermediate_size"])
+        if arch == "MixtralForCausalLM":  # its intermediate_size is the experts' width
+            moe_inter = int(d["intermediate_size"])
         dense_layers: tuple[int, ...] = ()
         if num_experts:
             step = int(d.get("decoder_sparse_step") or 1)
