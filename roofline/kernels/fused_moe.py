@@ -166,7 +166,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
     N, K, num_pairs, a_rows_div, stride_am, stride_we, stride_wn, stride_om,
@@ -254,6 +254,27 @@ def _moe_gemv_kernel(
             acc = acc.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
         total += acc
     tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
+
+
+def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
+    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype."""
+    num_experts, _, hidden = w13.shape
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    counts = {1, max(1, GEMV_MAX_PAIRS // top_k + 1)}  # GEMV; grouped at its smallest
+    for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
+        counts.add(-(-per_expert * num_experts // top_k))
+    for num_tokens in sorted(counts):
+        xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
+        weights = torch.ones(num_tokens, top_k, dtype=x.dtype, device=x.device)
+        fused_moe(xs, w13, w2, weights, ids % num_experts)
+
+
+_WARMED: set[tuple] = set()
 
 
 def _gemm_config(num_pairs: int, num_experts: int) -> dict[str, int]:

@@ -43,6 +43,7 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts)  # router
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._warmed = False
         self._loaded: set[tuple[str, int]] = set()
         """(proj, expert) pairs a checkpoint tensor has filled; ("router", 0) for the gate."""
 
@@ -50,8 +51,11 @@ class FusedMoE(nn.Module):
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         logits = self.gate(x)  # [num_tokens, num_experts]
         if x.is_cuda:
-            from roofline.kernels.fused_moe import fused_moe, route
+            from roofline.kernels.fused_moe import fused_moe, route, warm_up
 
+            if not self._warmed:  # the first (eager) forward compiles every variant
+                warm_up(x, self.w13_weight, self.w2_weight, self.top_k)
+                self._warmed = True
             weights, ids = route(logits, self.top_k, self.renormalize)  # [num_tokens, top_k]
             return fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
         from roofline.kernels.fused_moe import fused_moe_ref, route_ref

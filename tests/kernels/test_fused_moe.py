@@ -96,3 +96,16 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref, dtype)
+
+
+def test_warm_up_runs_each_variant_once() -> None:
+    from roofline.kernels import fused_moe as mod
+
+    w13 = torch.zeros(4, 2 * 16, 32, device=DEVICE)
+    w2 = torch.zeros(4, 32, 16, device=DEVICE)
+    x = torch.zeros(1, 32, device=DEVICE)
+    mod.warm_up(x, w13, w2, 2)
+    key = next(k for k in mod._WARMED if k[0] == (4, 32, 32))
+    assert key[4] == 2
+    mod.warm_up(x, w13, w2, 2)  # a no-op the second time
+    assert sum(k[0] == (4, 32, 32) for k in mod._WARMED) == 1
