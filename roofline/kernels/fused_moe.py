@@ -32,12 +32,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, is_interpret
 
+GEMV_MAX_TOKENS = 2
 GEMV_MAX_PAIRS = 16
-"""Pairs (tokens x top_k) up to which the decode GEMV path runs instead of sorting + grouped GEMM
-(each pair reads its expert's rows itself; past this, experts shared by several pairs of the
-batch make the grouped GEMM's one read per touched expert the cheaper)."""
+"""The decode GEMV path runs for at most this many tokens and pairs (tokens x top_k), the
+grouped GEMM beyond: each pair reads its expert's rows itself, so once a batch's tokens share
+experts (Mixtral at 8 tokens: 16 pairs over 7.2 distinct experts expected) reading each touched
+expert once pays; below, the GEMV spreads one expert's read over more programs. Crossover to be
+confirmed on the H100 (``scripts/gpu_moe.py`` times both paths at 1-8 tokens)."""
 
 
 def route_ref(
@@ -218,12 +221,14 @@ def _moe_gemv_kernel(
     a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_om,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
-    pairs (input row = pair), weighted and summed in fp32."""
+    pairs (input row = pair), weighted and summed in fp32. Products accumulate elementwise in a
+    [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once after the loop; the K loop is pipelined
+    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``)."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -235,25 +240,33 @@ def _moe_gemv_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_row = pair // A_PER_PAIR
         w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
             a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
             a = a.to(tl.float32)[None, :]
             w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + k0 + offs_k[None, :], mask=w_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+            w_ptrs = w_rows + k0 + offs_k[None, :]
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a
             if SILU_MUL:
-                w_up_ptrs = w_rows + N * stride_wn + k0 + offs_k[None, :]
-                w_up = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
-                acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+                w_up = tl.load(
+                    w_ptrs + N * stride_wn, mask=w_mask, other=0.0, eviction_policy="evict_first"
+                )
+                acc_up += w_up.to(tl.float32) * a
+        res = tl.sum(acc, axis=1)  # [BLOCK_N]
         if SILU_MUL:
-            acc = _silu_mul(acc, acc_up, out_ty)
+            res = _silu_mul(res, tl.sum(acc_up, axis=1), out_ty)
         if MUL_WEIGHT:
-            acc = acc.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
-        total += acc
+            res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
+        total += res
     tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
+
+
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
+"""The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
+in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
 
 
 def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
@@ -264,7 +277,7 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) ->
     if key in _WARMED:
         return
     _WARMED.add(key)
-    counts = {1, max(1, GEMV_MAX_PAIRS // top_k + 1)}  # GEMV; grouped at its smallest
+    counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
     for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
         counts.add(-(-per_expert * num_experts // top_k))
     for num_tokens in sorted(counts):
@@ -277,13 +290,18 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) ->
 _WARMED: set[tuple] = set()
 
 
-def _gemm_config(num_pairs: int, num_experts: int) -> dict[str, int]:
-    """Tile sizes by the mean rows per expert (block_m never far above it: padding is waste)."""
+def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, int]:
+    """Tiles by the mean rows per expert (BLOCK_M never far above it: padding rows are waste).
+    Small blocks are weight reads: a deeper pipeline. The gate/up GEMM keeps two accumulators
+    (gate and up), so its BLOCK_N stays at 64 to fit the registers."""
     per_expert = num_pairs / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    if per_expert > 96:
-        block_m = 128
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 128, BLOCK_K=64, num_warps=4)
+    if per_expert <= 48:
+        block_m = 16 if per_expert <= 16 else 32
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    block_m = 64 if per_expert <= 96 else 128
+    block_n = 64 if silu_mul else 128
+    warps = 8 if block_m * block_n >= 128 * 64 else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> None:
@@ -308,8 +326,9 @@ def fused_moe(
     force_path: str | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
-    GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM (``force_path`` "gemv"/"grouped" for
-    tests and benchmarks). No host sync: the path depends on shapes only."""
+    GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
+    (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
+    depends on shapes only."""
     check_device(x, w13, w2, topk_weights, topk_ids)
     _check_shapes(x, w13, w2, topk_ids)
     num_tokens, top_k = topk_ids.shape
@@ -321,33 +340,36 @@ def fused_moe(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    path = force_path or ("gemv" if num_pairs <= GEMV_MAX_PAIRS else "grouped")
+    small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
+    path = force_path or ("gemv" if small else "grouped")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
-        block_n, block_k = 16, 128
+        cfg = dict(GEMV_CONFIG)
+        if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
+            cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
+        block_n = cfg["BLOCK_N"]
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
             x, w13, act, ids, weights, inter, hidden,
             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-            SILU_MUL=True, MUL_WEIGHT=False, num_warps=4,
+            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False, **cfg,
         )  # fmt: skip
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
             act, w2, out, ids, weights, hidden, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, BLOCK_N=block_n, BLOCK_K=block_k,
-            SILU_MUL=False, MUL_WEIGHT=True, num_warps=4,
+            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True, **cfg,
         )  # fmt: skip
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
-    cfg = _gemm_config(num_pairs, num_experts)
-    align = moe_align(ids, num_experts, cfg["BLOCK_M"])
+    block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
+    align = moe_align(ids, num_experts, block_m)
     num_blocks = align.block_expert_ids.numel()
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     for a, w, dst, n, k, div, silu in (
         (x, w13, act, inter, hidden, top_k, True),
         (act, w2, per_pair, hidden, inter, 1, False),
     ):
+        cfg = _gemm_config(num_pairs, num_experts, silu)
         grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
         _moe_gemm_kernel[grid](
             a, w, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded, weights,
