@@ -64,7 +64,7 @@ class FusedMoE(nn.Module):
         return fused_moe_ref(x, self.w13_weight, self.w2_weight, weights, ids)
 
     def load_router(self, tensor: torch.Tensor) -> None:
-        self.gate.load_shard(0, tensor, is_bias=False)
+        self.gate.load(0, "weight", tensor)
         self._loaded.add(("router", 0))
 
     def load_expert(self, expert: int | None, proj: str, tensor: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 from roofline.config import ModelConfig
 from roofline.layers.moe import FusedMoE
 from roofline.models.llama import LlamaForCausalLM
+from roofline.quantization.base import QuantizationConfig
 
 _SPARSE_BLOCKS = ("mlp", "block_sparse_moe")
 _EXPERT_PROJ = {
@@ -34,10 +35,22 @@ _EXPERT_PROJ = {
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose MLPs (except ``cfg.dense_mlp_layers``) are sparse MoE blocks."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
             raise ValueError(f"{cfg.architecture} needs num_experts and num_experts_per_tok > 0")
-        super().__init__(cfg, max_positions)
+        if quant_config is not None and quant_config.name != "none":
+            # the experts are this model's own stacked parameters: a quantized method for them
+            # (FusedMoE's counterpart of LinearMethod) does not exist yet
+            raise ValueError(
+                f"{cfg.architecture}: quantized MoE models ({quant_config.name}) are not "
+                "supported yet; run the 16-bit checkpoint"
+            )
+        super().__init__(cfg, max_positions, quant_config)
         for i, layer in enumerate(self.layers):
             if i not in cfg.dense_mlp_layers:
                 layer.mlp = FusedMoE(
@@ -81,8 +94,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         for i, block in self.moe_layers():
             gaps = block.missing()
             missing += [f"layers.{i}.mlp.{g}" for g in gaps]
-            if not gaps:
-                loaded.update(f"layers.{i}.mlp.{p}" for p, _ in block.named_parameters())
+            if not gaps:  # the router as a loaded linear layer, the experts as parameters
+                loaded.add(f"layers.{i}.mlp.gate.weight#0")
+                loaded.update(f"layers.{i}.mlp.{p}" for p in ("w13_weight", "w2_weight"))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
         super()._check_loaded(loaded)
