@@ -174,7 +174,7 @@ def load(model: str, **kw) -> LLM:
 def qwen_full(ceil: Ceilings, num_requests: int) -> None:
     free, total = torch.cuda.mem_get_info()
     print(f"GPU memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
-    llm = load("qwen3-30b-a3b", max_model_len=2048, max_num_seqs=128, gpu_memory_utilization=0.95)
+    llm = load("qwen3-30b-a3b", max_model_len=2048, max_num_seqs=128, gpu_memory_utilization=0.92)
     rows = latency.run(llm.llm_engine, ceil, [1, 8, 32, 128], 128, 64)
     print(latency.format_rows(rows), flush=True)
     SUMMARY["qwen3_30b_decode"] = latency.as_dicts(rows)

@@ -174,7 +174,7 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
     N, K, num_pairs, a_rows_div, stride_am, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
     A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
@@ -200,10 +200,10 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
@@ -361,6 +361,7 @@ def fused_moe(
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
     block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
     align = moe_align(ids, num_experts, block_m)
     num_blocks = align.block_expert_ids.numel()
@@ -374,6 +375,6 @@ def fused_moe(
         _moe_gemm_kernel[grid](
             a, w, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded, weights,
             n, k, num_pairs, div, a.stride(0), w.stride(0), w.stride(1), dst.stride(0),
-            SILU_MUL=silu, MUL_WEIGHT=not silu, **cfg,
+            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, **cfg,
         )  # fmt: skip
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
