@@ -37,6 +37,18 @@ class ModelConfig:
     """Bias on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model). HF ``num_experts`` (Qwen3-MoE) or
+    ``num_local_experts`` (Mixtral)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Hidden width of one expert's MLP (Mixtral: ``intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to one (Mixtral always does)."""
+    dense_mlp_layers: tuple[int, ...] = ()
+    """Layers of an MoE model that keep a dense MLP of ``intermediate_size`` (Qwen3-MoE
+    ``mlp_only_layers`` and layers off ``decoder_sparse_step``)."""
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -61,6 +73,17 @@ class ModelConfig:
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        moe_inter = int(d.get("moe_intermediate_size") or d["intermediate_size"])
+        if arch == "MixtralForCausalLM":  # its intermediate_size is the experts' width
+            moe_inter = int(d["intermediate_size"])
+        dense_layers: tuple[int, ...] = ()
+        if num_experts:
+            step = int(d.get("decoder_sparse_step") or 1)
+            only = set(d.get("mlp_only_layers") or ())
+            dense_layers = tuple(
+                i for i in range(int(d["num_hidden_layers"])) if i in only or (i + 1) % step != 0
+            )
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -76,7 +99,13 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            num_experts=num_experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=moe_inter if num_experts else 0,
+            # Mixtral always renormalises; HF's Qwen3-MoE default is not to
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+            dense_mlp_layers=dense_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=str(dtype),
@@ -88,8 +117,9 @@ class ModelConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings and LM head counted once each; once if tied)."""
+    def num_params(self, experts_counted: int | None = None) -> int:
+        """Parameter count (embeddings and LM head counted once each; once if tied); for an MoE
+        model, ``experts_counted`` experts per MoE layer (default: all of them)."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads
         q_dim, kv_dim = self.num_attention_heads * self.head_dim, kv * self.head_dim
         attn = h * (q_dim + 2 * kv_dim) + q_dim * h
@@ -97,10 +127,21 @@ class ModelConfig:
             attn += q_dim + 2 * kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 2 * h
+        mlp = self.num_hidden_layers * 3 * h * i
+        if self.num_experts:
+            num_moe = self.num_hidden_layers - len(self.dense_mlp_layers)
+            expert = 3 * h * self.moe_intermediate_size
+            mlp = len(self.dense_mlp_layers) * 3 * h * i
+            mlp += num_moe * (experts_counted or self.num_experts) * expert
+            mlp += num_moe * h * self.num_experts  # routers
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_hidden_layers * layer + embed + head + h
+        return self.num_hidden_layers * layer + mlp + embed + head + h
+
+    def num_active_params(self) -> int:
+        """Parameters one token reads: ``num_params`` with top-k experts per MoE layer."""
+        return self.num_params(experts_counted=self.num_experts_per_tok or None)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies across all layers."""

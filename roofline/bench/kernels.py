@@ -8,7 +8,8 @@ reports achieved GB/s (memory-bound kernels: the bytes each must move at least) 
 (prefill attention: the useful causal FLOPs) as a percentage of the matching ceiling. The
 headline is paged decode attention at batch 64, context 4096, 32 query / 8 KV heads, head_dim
 128, page 16, bf16, printed beside torch SDPA on contiguous K/V of the same shape; prefill
-attention on one 8192-token prompt is likewise printed beside SDPA (causal).
+attention on one 8192-token prompt is likewise printed beside SDPA (causal). The fused MoE layer
+of Qwen3-30B-A3B runs at 1, 16, 256 and 4096 tokens (GB/s over the touched experts, TFLOP/s).
 """
 
 from __future__ import annotations
@@ -248,6 +249,34 @@ def bench_pointwise(bench: Bench) -> None:
     )  # fmt: skip
 
 
+def bench_moe(bench: Bench) -> None:
+    """The fused MoE layer (routing + expert GEMMs) of Qwen3-30B-A3B (128 experts, top-8, hidden
+    2048, expert width 768): GB/s over the experts the tokens touch (decode sizes), TFLOP/s of
+    the active experts' GEMMs at 4096 tokens."""
+    from roofline.kernels.fused_moe import fused_moe, route
+
+    num_experts, top_k, hidden, inter, dtype = 128, 8, 2048, 768, torch.bfloat16
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda").mul_(0.02).to(dtype)
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda").mul_(0.02).to(dtype)
+    router = torch.randn(num_experts, hidden, device="cuda").mul_(0.02).to(dtype)
+    for num_tokens in (1, 16, 256, 4096):
+        x = torch.randn(num_tokens, hidden, dtype=dtype, device="cuda")
+        logits = x @ router.T
+
+        def layer(x=x, logits=logits):
+            weights, ids = route(logits, top_k, True)
+            return fused_moe(x, w13, w2, weights, ids)
+
+        touched = int(torch.unique(route(logits, top_k, True)[1]).numel())
+        shape = f"T={num_tokens} E={num_experts} k={top_k} {hidden}x{inter} ({touched} touched)"
+        if num_tokens < 4096:
+            nbytes = touched * 3 * hidden * inter * 2 + 2 * x.numel() * 2
+            bench.bandwidth("fused_moe (Qwen3-30B-A3B layer)", shape, layer, nbytes)
+        else:
+            bench.flops("fused_moe (Qwen3-30B-A3B layer)", shape, layer,
+                        2 * num_tokens * top_k * 3 * hidden * inter)  # fmt: skip
+
+
 def print_table(results: list[Result]) -> None:
     header = f"{'kernel':34} {'shape':48} {'time us':>10} {'achieved':>16} {'% roof':>7}"
     print(header)
@@ -262,13 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--warmup", type=int, default=5, help="untimed launches per case")
     parser.add_argument("--iters", type=int, default=30, help="timed launches per case (median)")
-    parser.add_argument("--only", choices=["decode", "prefill", "pointwise"], action="append",
-                        help="run only these groups (repeatable); default: all")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        choices=["decode", "prefill", "pointwise", "moe"],
+        action="append",
+        help="run only these groups (repeatable); default: all",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("roofline.bench.kernels needs a CUDA GPU (Triton kernels are timed on device).")
         return 2
-    groups = set(args.only or ["decode", "prefill", "pointwise"])
+    groups = set(args.only or ["decode", "prefill", "pointwise", "moe"])
     torch.manual_seed(0)
     bench = Bench(args.warmup, args.iters)
     bench.ceilings()
@@ -281,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_prefill(bench, 8192)
     if "pointwise" in groups:
         bench_pointwise(bench)
+    if "moe" in groups:
+        bench_moe(bench)
     device = torch.cuda.get_device_name()
     print(f"device: {device}, torch {torch.__version__}")
     print_table(bench.results)

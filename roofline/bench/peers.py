@@ -43,9 +43,13 @@ def hf_model_from_engine(engine):
 def _hf_config_dict(model_config) -> dict:
     d = dict(model_config.hf_config)
     arch = model_config.architecture
-    d.setdefault(
-        "model_type", {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama")
-    )
+    model_types = {
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+        "MixtralForCausalLM": "mixtral",
+    }
+    d.setdefault("model_type", model_types.get(arch, "llama"))
     d.pop("torch_dtype", None)
     d.pop("dtype", None)
     return d
@@ -63,6 +67,10 @@ def export_hf_state_dict(model) -> dict[str, torch.Tensor]:
             parts = tensor.split([attn.q_size, attn.kv_size, attn.kv_size])
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
                 out[hf.replace("qkv_proj", proj)] = part
+        elif name.endswith(".mlp.w13_weight"):  # MoE: transformers 5's stacked experts
+            out[hf.replace("w13_weight", "experts.gate_up_proj")] = tensor
+        elif name.endswith(".mlp.w2_weight"):
+            out[hf.replace("w2_weight", "experts.down_proj")] = tensor
         elif ".gate_up_proj." in name:
             gate, up = tensor.chunk(2)
             out[hf.replace("gate_up_proj", "gate_proj")] = gate

@@ -28,6 +28,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 """GGUF ``general.architecture`` -> (HF ``architectures[0]``, HF ``model_type``)."""
 
@@ -48,6 +49,11 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE: the router and the experts' weights stacked over the experts, [E, out, in] in HF order
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
 """Tensors that are not parameters: ``rope_freqs`` is folded into ``rope_scaling``."""
@@ -153,6 +159,16 @@ def gguf_config_dict(path: str | Path) -> dict[str, Any]:
         "torch_dtype": dtype,
         "_name_or_path": str(gguf_field(reader, "general.name", Path(path).stem)),
     }
+    num_experts = int(meta("expert_count", 0) or 0)
+    if num_experts:  # llama + experts is Mixtral; Qwen3-MoE renormalises its top-k as Mixtral
+        if arch == "llama":
+            d["architectures"], d["model_type"] = ["MixtralForCausalLM"], "mixtral"
+        d["num_experts"] = num_experts
+        d["num_experts_per_tok"] = int(meta("expert_used_count"))
+        d["moe_intermediate_size"] = int(
+            meta("expert_feed_forward_length", 0) or d["intermediate_size"]
+        )
+        d["norm_topk_prob"] = True
     return d
 
 

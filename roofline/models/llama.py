@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.startswith("lm_head.") and self.lm_head is None:
                 continue  # tied: the embedding serves as the LM head
+            if self.load_other_weight(name, tensor):
+                continue  # a subclass's own layout (MoE experts)
             parts = name.split(".")
             packed = PACKED_MODULES.get(parts[-2]) if len(parts) >= 2 else None
             if packed is not None:
@@ -239,6 +241,10 @@ class LlamaForCausalLM(nn.Module):
                 f"lm_head.{n}#0" for n in self.lm_head.method.checkpoint_names(self.lm_head)
             )
         self._check_loaded(loaded)
+
+    def load_other_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Hook for subclasses whose layers load tensors themselves; True when it took ``name``."""
+        return False
 
     def _check_loaded(self, loaded: set[str]) -> None:
         missing = []

@@ -22,6 +22,7 @@ from roofline.planner.memory import (
     weight_bytes,
 )
 from roofline.planner.models import resolve_model
+from roofline.planner.moe import expected_experts_touched
 from roofline.planner.parallel import plan_parallel
 from roofline.planner.roofline import step_cost
 from roofline.planner.specdec import optimal_draft_length, roofline_speedup
@@ -82,7 +83,17 @@ def cmd_memory(args: argparse.Namespace) -> int:
         [dt, c.gib(weight_bytes(model, dt, tp=args.tp).total)]
         for dt in ("fp32", "bf16", "fp8", "int8", "int4")
     ]
-    c.print_table(["weights", "GiB/GPU"], rows, f"{name}: {model.num_params() / 1e9:.2f}B params")
+    title = f"{name}: {model.num_params() / 1e9:.2f}B params"
+    if model.num_experts:  # MoE: what one token reads, and the experts a batch touches
+        e, k = model.num_experts, model.num_experts_per_tok
+        touched = ", ".join(
+            f"B={b}: {expected_experts_touched(e, k, b):.1f}" for b in (1, 8, 32, 128)
+        )
+        title += (
+            f" ({model.num_active_params() / 1e9:.2f}B active per token; {model.num_experts} "
+            f"experts, top-{model.num_experts_per_tok}; experts touched per layer {touched})"
+        )
+    c.print_table(["weights", "GiB/GPU"], rows, title)
     reserve = None if args.reserve_gib is None else args.reserve_gib * c.GiB
     plan = plan_memory(
         model, gpu, args.context, args.weight_dtype, args.kv_dtype, args.util, reserve,

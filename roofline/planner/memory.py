@@ -23,8 +23,9 @@ class ParamCounts:
     """Parameters of a decoder-only transformer, grouped by how inference reads them."""
 
     num_layers: int
-    linear_per_layer: int
-    """q, k, v, o, gate, up, down weight elements of one block."""
+    linear_per_layer: float
+    """q, k, v, o, gate, up, down weight elements of one block (MoE: the mean over the blocks of
+    the experts counted, plus the router)."""
     other_per_layer: int
     """Norm weights and biases of one block (kept in 16-bit)."""
     embedding: int
@@ -48,11 +49,22 @@ class ParamCounts:
         )
 
 
-def param_counts(model: ModelConfig) -> ParamCounts:
+def param_counts(model: ModelConfig, experts_per_layer: float | None = None) -> ParamCounts:
+    """Exact counts; for an MoE model the linear layers hold ``experts_per_layer`` experts per
+    MoE layer (default all; ``num_experts_per_tok`` gives the active parameters of a token)."""
     h, i = model.hidden_size, model.intermediate_size
     q_dim = model.num_attention_heads * model.head_dim
     kv_dim = model.num_key_value_heads * model.head_dim
-    linear = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * i
+    linear: float = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * i
+    if model.num_experts:
+        experts = model.num_experts if experts_per_layer is None else experts_per_layer
+        sparse = 3 * h * model.moe_intermediate_size * experts + h * model.num_experts  # + router
+        num_dense = len(model.dense_mlp_layers)
+        num_sparse = model.num_hidden_layers - num_dense
+        mlp = (num_dense * 3 * h * i + num_sparse * sparse) / model.num_hidden_layers
+        linear = h * (q_dim + 2 * kv_dim) + q_dim * h + mlp
+        if linear == int(linear):
+            linear = int(linear)
     other = 2 * h
     if model.attention_bias:
         other += q_dim + 2 * kv_dim
@@ -99,10 +111,15 @@ class WeightBytes:
 
 
 def weight_bytes(
-    model: ModelConfig, weight_dtype: str = "bf16", quant_group_size: int = 128, tp: int = 1
+    model: ModelConfig,
+    weight_dtype: str = "bf16",
+    quant_group_size: int = 128,
+    tp: int = 1,
+    experts_per_layer: float | None = None,
 ) -> WeightBytes:
-    """Weight memory of one tensor-parallel rank (linear layers and vocab sharded, norms copied)."""
-    pc = param_counts(model)
+    """Weight memory of one tensor-parallel rank (linear layers and vocab sharded, norms copied);
+    for an MoE model, of ``experts_per_layer`` experts per MoE layer (default all)."""
+    pc = param_counts(model, experts_per_layer)
     wb = weight_bytes_per_param(weight_dtype, quant_group_size)
     ob = other_bytes_per_param(weight_dtype)
     head = pc.lm_head * ob / tp

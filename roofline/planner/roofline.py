@@ -32,6 +32,7 @@ from roofline.planner.memory import (
     param_counts,
     weight_bytes,
 )
+from roofline.planner.moe import experts_read
 from roofline.planner.parallel import allreduce_time_per_step_s
 
 
@@ -102,8 +103,9 @@ class StepCost:
 
 
 def linear_flops_per_token(model: ModelConfig, include_lm_head: bool = False) -> float:
-    """2 x the linear-layer parameters of all blocks (plus the LM head when asked)."""
-    pc = param_counts(model)
+    """2 x the linear-layer parameters of all blocks (plus the LM head when asked); an MoE
+    token runs its ``num_experts_per_tok`` experts only."""
+    pc = param_counts(model, model.num_experts_per_tok or None)
     return 2.0 * (pc.linear + (pc.lm_head if include_lm_head else 0))
 
 
@@ -154,10 +156,14 @@ def decode_flops(
     )
 
 
-def step_weight_bytes(model: ModelConfig, precision: Precision = BF16, tp: int = 1) -> float:
+def step_weight_bytes(
+    model: ModelConfig, precision: Precision = BF16, tp: int = 1, num_tokens: int | None = None
+) -> float:
     """Weights one step reads on a rank: all blocks, norms and the LM head (not the embedding
-    table, of which only looked-up rows are read)."""
-    wb = weight_bytes(model, precision.weight_dtype, precision.quant_group_size, tp)
+    table, of which only looked-up rows are read). MoE: per MoE layer only the experts that
+    ``num_tokens`` tokens are expected to touch (``planner.moe``; all when None)."""
+    experts = experts_read(model, num_tokens)
+    wb = weight_bytes(model, precision.weight_dtype, precision.quant_group_size, tp, experts)
     return wb.linear + wb.other + wb.lm_head_read
 
 
@@ -229,7 +235,7 @@ def step_cost(
     body = linear_flops_per_token(model) * num_tokens / tp
     linear = body + head_flops / tp
     attention = attention_flops_per_pair(model, kv_layout) * pairs / tp
-    weights = step_weight_bytes(model, precision, tp) if num_tokens else 0.0
+    weights = step_weight_bytes(model, precision, tp, num_tokens) if num_tokens else 0.0
     embedding = num_tokens * model.hidden_size * other_bytes_per_param(precision.weight_dtype)
     kv_read, kv_write = kv_read_tokens * kv_tok, num_tokens * kv_tok
 

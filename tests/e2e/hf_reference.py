@@ -83,6 +83,17 @@ def tiny_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
         common.setdefault("head_dim", 32)
         cfg = transformers.Qwen3Config(**common, rope_theta=1000000.0)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        common.setdefault("head_dim", 32)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+        moe.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+        cfg = transformers.Qwen3MoeConfig(**{**moe, **common}, rope_theta=1000000.0)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0
+        )
+        model = transformers.MixtralForCausalLM(cfg)
     else:
         raise ValueError(arch)
     model = model.float().eval()

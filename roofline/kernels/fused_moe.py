@@ -1,0 +1,380 @@
+"""Fused mixture-of-experts MLP: routing, token grouping by expert, and the two expert GEMMs.
+
+A token's MoE output is ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its top-k experts
+``e = ids[j]`` with routing weights ``w_j``. Expert weights are stacked: ``w13 [E, 2I, H]``
+(gate rows then up rows of each expert) and ``w2 [E, H, I]``. A (token, slot) pair is one row of
+work; ``P = num_tokens * top_k`` pairs in all, pair ``p`` belongs to token ``p // top_k``.
+
+* ``route``: softmax over the router logits in fp32, top-k, optional renormalisation, one
+  program per token (``route_ref`` is torch's softmax + topk).
+* Grouped path (many pairs): ``moe_align`` sorts the pairs by expert on the device (no host
+  sync, static sizes: CUDA-graph capturable) and pads each expert's run to ``block_m`` rows, so
+  every ``block_m`` block of the sorted list belongs to one expert. One grouped GEMM launch
+  computes gate and up of every block against its expert's ``w13`` and writes
+  ``silu(gate) * up`` (both accumulated in one program, the activation fused in the epilogue);
+  a second multiplies by ``w2`` and the routing weight; the top-k rows of each token are then
+  summed. Programs past the padded end exit at once; experts with no token cost nothing.
+* Decode path (few pairs): no sorting. The gate/up GEMV runs one program per (pair, column
+  block) and reads only the selected experts' rows; the down GEMV runs one program per (token,
+  column block) that loops over the token's k experts, so the routing weights and the top-k sum
+  happen in its fp32 accumulator (one launch, one store).
+
+``fused_moe_ref`` loops over experts in plain torch (HF transformers' order) and is the
+definition both paths are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret
+
+GEMV_MAX_TOKENS = 2
+GEMV_MAX_PAIRS = 16
+"""The decode GEMV path runs for at most this many tokens and pairs (tokens x top_k), the
+grouped GEMM beyond: each pair reads its expert's rows itself, so once a batch's tokens share
+experts (Mixtral at 8 tokens: 16 pairs over 7.2 distinct experts expected) reading each touched
+expert once pays; below, the GEMV spreads one expert's read over more programs. Crossover to be
+confirmed on the H100 (``scripts/gpu_moe.py`` times both paths at 1-8 tokens)."""
+
+
+def route_ref(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits: [T, E] -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: a loop over the experts
+    that received a token (a host sync: reference and CPU path only)."""
+    out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
+    for expert in torch.unique(topk_ids).tolist():
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"expert id {expert} out of range [0, {num_experts})")
+        token_idx, slot = torch.where(topk_ids == expert)
+        h = F.linear(x[token_idx], w13[expert])  # [n, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        h = h * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+class MoeAlignment(NamedTuple):
+    """Pairs sorted by expert, each expert's run padded to ``block_m`` rows (device tensors)."""
+
+    sorted_pair_ids: torch.Tensor
+    """[max_padded] int32: pair index per row of the sorted list; ``P`` marks a padding row."""
+    block_expert_ids: torch.Tensor
+    """[max_padded // block_m] int32: the expert of each block (``E`` past the padded end)."""
+    num_padded: torch.Tensor
+    """[1] int64: rows in use (the sum of the padded runs); later blocks are skipped."""
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound of the sorted list: every touched expert (at most min(E, P)) pads at most
+    ``block_m - 1`` rows; rounded up to whole blocks."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group the ``P = T * k`` pairs by expert (stable: ascending pair order within an expert)
+    with device ops only, so it runs inside a CUDA graph."""
+    flat = topk_ids.reshape(-1).long()  # [P]
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync for its size)
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    pad_end = torch.cumsum(padded, 0)  # [E]
+    raw_start = torch.cumsum(counts, 0) - counts  # [E]
+    order = torch.sort(flat, stable=True).indices  # [P] pair ids, grouped by expert
+    expert_of = flat[order]  # [P]
+    rank = torch.arange(num_pairs, device=device) - raw_start[expert_of]  # [P] rank in its run
+    dest = pad_end[expert_of] - padded[expert_of] + rank  # [P] row in the sorted list
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, rows, block_m, device=device)  # [num_blocks]
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).to(torch.int32)
+    return MoeAlignment(sorted_ids, block_expert, pad_end[-1:])
+
+
+@triton.jit
+def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
+    """silu(gate) * up as the unfused ops round it: gate and up to the output dtype, the SiLU
+    in fp32 rounded, then the product."""
+    g = gate.to(OUT_DTYPE).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    return act * up.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    logit = tl.load(logits_ptr + token * stride_l + offs, mask=mask, other=float("-inf"))
+    logit = logit.to(tl.float32)
+    prob = tl.exp(logit - tl.max(logit, axis=0))
+    prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
+    total = 0.0
+    for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
+        best = tl.max(prob, axis=0)
+        idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
+        tl.store(ids_ptr + token * TOP_K + j, idx.to(tl.int64))
+        tl.store(weights_ptr + token * TOP_K + j, best)
+        total += best
+        prob = tl.where(offs == idx, -1.0, prob)
+    if RENORMALIZE:
+        for j in tl.static_range(TOP_K):
+            w = tl.load(weights_ptr + token * TOP_K + j)
+            tl.store(weights_ptr + token * TOP_K + j, w / total)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_ref`` in one launch: (weights [T, top_k] in logits' dtype, ids [T, top_k])."""
+    check_device(logits)
+    num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, {num_experts}]")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
+        )  # fmt: skip
+    return weights.to(logits.dtype), ids
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
+    N, K, num_pairs, a_rows_div, stride_am, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
+    A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
+    output row is the pair. SILU_MUL: accumulate gate (rows n) and up (rows N + n) together and
+    store silu(gate) * up [., N]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # [BLOCK_M]
+    row_ok = pair < num_pairs
+    a_row = tl.where(row_ok, pair // a_rows_div, 0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, out_ty)
+    if MUL_WEIGHT:
+        acc = acc.to(out_ty).to(tl.float32)  # the down projection's output, then the weight
+        acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_om,
+    PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
+    row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
+    pairs (input row = pair), weighted and summed in fp32. Products accumulate elementwise in a
+    [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once after the loop; the K loop is pipelined
+    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    for j in tl.static_range(PAIRS_PER_PROGRAM):
+        pair = row * PAIRS_PER_PROGRAM + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = pair // A_PER_PAIR
+        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
+            a = a.to(tl.float32)[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_ptrs = w_rows + k0 + offs_k[None, :]
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a
+            if SILU_MUL:
+                w_up = tl.load(
+                    w_ptrs + N * stride_wn, mask=w_mask, other=0.0, eviction_policy="evict_first"
+                )
+                acc_up += w_up.to(tl.float32) * a
+        res = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if SILU_MUL:
+            res = _silu_mul(res, tl.sum(acc_up, axis=1), out_ty)
+        if MUL_WEIGHT:
+            res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
+        total += res
+    tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
+
+
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
+"""The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
+in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
+
+
+def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
+    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype."""
+    num_experts, _, hidden = w13.shape
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
+    for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
+        counts.add(-(-per_expert * num_experts // top_k))
+    for num_tokens in sorted(counts):
+        xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
+        weights = torch.ones(num_tokens, top_k, dtype=x.dtype, device=x.device)
+        fused_moe(xs, w13, w2, weights, ids % num_experts)
+
+
+_WARMED: set[tuple] = set()
+
+
+def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, int]:
+    """Tiles by the mean rows per expert (BLOCK_M never far above it: padding rows are waste).
+    Small blocks are weight reads: a deeper pipeline. The gate/up GEMM keeps two accumulators
+    (gate and up), so its BLOCK_N stays at 64 to fit the registers."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 48:
+        block_m = 16 if per_expert <= 16 else 32
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    block_m = 64 if per_expert <= 96 else 128
+    block_n = 64 if silu_mul else 128
+    warps = 8 if block_m * block_n >= 128 * 64 else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match w13 {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
+    if ids.shape[0] != x.shape[0]:
+        raise ValueError("one row of top-k ids per token")
+    for t in (x, w13, w2):
+        if t.stride(-1) != 1:
+            raise ValueError("fused_moe needs the last dim of x and the weights contiguous")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    force_path: str | None = None,
+) -> torch.Tensor:
+    """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
+    GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
+    (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
+    depends on shapes only."""
+    check_device(x, w13, w2, topk_weights, topk_ids)
+    _check_shapes(x, w13, w2, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    num_pairs = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
+    path = force_path or ("gemv" if small else "grouped")
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
+    if path == "gemv":
+        cfg = dict(GEMV_CONFIG)
+        if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
+            cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
+        block_n = cfg["BLOCK_N"]
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+            x, w13, act, ids, weights, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False, **cfg,
+        )  # fmt: skip
+        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+            act, w2, out, ids, weights, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True, **cfg,
+        )  # fmt: skip
+        return out
+    if path != "grouped":
+        raise ValueError(f"unknown fused_moe path {path!r}")
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
+    block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
+    align = moe_align(ids, num_experts, block_m)
+    num_blocks = align.block_expert_ids.numel()
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    for a, w, dst, n, k, div, silu in (
+        (x, w13, act, inter, hidden, top_k, True),
+        (act, w2, per_pair, hidden, inter, 1, False),
+    ):
+        cfg = _gemm_config(num_pairs, num_experts, silu)
+        grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
+        _moe_gemm_kernel[grid](
+            a, w, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded, weights,
+            n, k, num_pairs, div, a.stride(0), w.stride(0), w.stride(1), dst.stride(0),
+            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, **cfg,
+        )  # fmt: skip
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,144 @@
+"""Fused MoE: the device-side grouping against a host-side one, routing, and both Triton paths
+(decode GEMV, sorted grouped GEMM) against the plain-torch loop over experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, ON_GPU, assert_close
+
+from roofline.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_ref,
+    max_padded_rows,
+    moe_align,
+    route,
+    route_ref,
+)
+
+
+def _host_grouping(ids: torch.Tensor, num_experts: int, block_m: int) -> dict[int, list[int]]:
+    """expert -> its pairs in ascending order (what every padded run must hold)."""
+    groups: dict[int, list[int]] = {}
+    for pair, expert in enumerate(ids.reshape(-1).tolist()):
+        groups.setdefault(expert, []).append(pair)
+    return groups
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k", [(1, 8, 2), (5, 16, 4), (33, 8, 2), (3, 64, 8), (40, 4, 1)]
+)
+def test_moe_align_groups_pairs_by_expert(num_tokens, num_experts, top_k, block_m) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 100 + num_experts)
+    # only the lower half of the experts is ever chosen: the upper half receives no token
+    pool = max(top_k, num_experts // 2)
+    ids = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(num_tokens)])
+    align = moe_align(ids.to(DEVICE), num_experts, block_m)
+    sorted_ids = align.sorted_pair_ids.cpu().tolist()
+    block_expert = align.block_expert_ids.cpu().tolist()
+    num_padded = int(align.num_padded.item())
+    num_pairs = num_tokens * top_k
+    assert len(sorted_ids) == max_padded_rows(num_pairs, num_experts, block_m)
+    assert len(sorted_ids) % block_m == 0 and num_padded % block_m == 0
+    got: dict[int, list[int]] = {}
+    for b in range(num_padded // block_m):
+        rows = sorted_ids[b * block_m : (b + 1) * block_m]
+        real = [p for p in rows if p < num_pairs]
+        assert real, "a block of padding only"
+        assert rows == real + [num_pairs] * (block_m - len(real)), "padding only at a run's end"
+        got.setdefault(block_expert[b], []).extend(real)
+    assert got == _host_grouping(ids, num_experts, block_m)
+    assert all(p == num_pairs for p in sorted_ids[num_padded:])
+    assert all(e == num_experts for e in block_expert[num_padded // block_m :])
+
+
+def test_moe_align_same_expert_across_batch() -> None:
+    """Every token picks experts 3 and 5: two runs of all tokens, nothing else."""
+    ids = torch.tensor([[3, 5]] * 9)
+    align = moe_align(ids.to(DEVICE), 8, 4)
+    assert int(align.num_padded.item()) == 24  # 9 -> 12 rows per expert
+    rows = align.sorted_pair_ids.cpu().tolist()
+    assert rows[:12] == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 18, 18]
+    assert rows[12:24] == [1, 3, 5, 7, 9, 11, 13, 15, 17, 18, 18, 18]
+    assert align.block_expert_ids.cpu().tolist()[:6] == [3, 3, 3, 5, 5, 5]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_softmax_topk(renormalize) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(7, 24, generator=gen)).to(DEVICE)
+    weights, ids = route(logits, 4, renormalize)
+    ref_w, ref_ids = route_ref(logits, 4, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    assert_close(weights, ref_w, torch.float32)
+
+
+# (tokens, experts, top_k, hidden, inter); the last two reach the 64- and 128-row tiles
+SHAPES = [(1, 8, 2, 64, 48), (3, 16, 4, 64, 32), (37, 8, 2, 32, 48), (100, 2, 1, 32, 16)]
+SHAPES += [(200, 2, 1, 32, 16)]
+if ON_GPU:
+    SHAPES += [(1, 128, 8, 2048, 768), (256, 128, 8, 2048, 768), (64, 8, 2, 4096, 1024)]
+
+
+CASES = [(*shape, path) for shape in SHAPES for path in ("gemv", "grouped")]
+CASES = [c for c in CASES if c[-1] == "grouped" or c[0] <= 40]  # GEMV: decode sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter,path", CASES)
+def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, inter, dtype, path):
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE)
+    logits[:, num_experts // 2 :] -= 100.0  # the upper experts never chosen
+    weights, ids = route_ref(logits, top_k, renormalize=True)
+    weights = weights.to(dtype)
+    out = fused_moe(x, w13, w2, weights, ids, force_path=path)
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+def test_warm_up_runs_each_variant_once() -> None:
+    from roofline.kernels import fused_moe as mod
+
+    w13 = torch.zeros(4, 2 * 16, 32, device=DEVICE)
+    w2 = torch.zeros(4, 32, 16, device=DEVICE)
+    x = torch.zeros(1, 32, device=DEVICE)
+    mod.warm_up(x, w13, w2, 2)
+    key = next(k for k in mod._WARMED if k[0] == (4, 32, 32))
+    assert key[4] == 2
+    mod.warm_up(x, w13, w2, 2)  # a no-op the second time
+    assert sum(k[0] == (4, 32, 32) for k in mod._WARMED) == 1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_fused_moe_replays_in_a_cuda_graph(num_tokens) -> None:
+    """Routing, grouping and both GEMM paths captured once, replayed on new inputs (no host
+    sync inside, or the capture raises): the eager result on those inputs."""
+    num_experts, top_k, hidden, inter = 16, 4, 256, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / 16
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / 11
+    router = torch.randn(num_experts, hidden, device="cuda", generator=gen)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w13, w2, router = w13.bfloat16(), w2.bfloat16(), router.bfloat16()
+
+    def layer():
+        weights, ids = route(x @ router.T, top_k, True)
+        return fused_moe(x, w13, w2, weights, ids)
+
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    x.copy_(torch.randn(num_tokens, hidden, device="cuda", generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer())
