@@ -77,7 +77,7 @@ GREEDY = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 8, "temperature": 
 
 
 @settings(
-    max_examples=50,
+    max_examples=40,
     deadline=None,
     derandomize=True,
     database=None,

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from roofline.entrypoints.openai.errors import OpenAIError
 
 T = TypeVar("T")
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _bad_unicode(text: str) -> int | None:
@@ -48,7 +49,8 @@ def _where(path: list[str | int]) -> str:
 
 def check_text(body: BaseModel) -> None:
     """Refuse a request holding a string (a value or an object key, at any depth, in any
-    field) that is not valid Unicode. Linear in the size of the request."""
+    field) that is not valid Unicode. Linear in the size of the request (lists of numbers,
+    such as token-id prompts, are passed over in one C-level pass)."""
     stack: list[tuple[list[str | int], Any]] = [
         ([name], getattr(body, name)) for name in type(body).model_fields
     ]
@@ -68,6 +70,8 @@ def check_text(body: BaseModel) -> None:
         elif isinstance(value, BaseModel):
             stack += [([*path, n], getattr(value, n)) for n in type(value).model_fields]
         elif isinstance(value, (list, tuple)):
+            if set(map(type, value)) <= _SCALARS:  # token ids: one pass in C, no text inside
+                continue
             stack += [([*path, i], v) for i, v in enumerate(value)]
         elif isinstance(value, dict):
             for k, v in value.items():
