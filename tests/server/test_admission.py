@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import httpx
@@ -111,6 +112,18 @@ def send_and_leave(url: str, payload: dict[str, object]) -> None:
         )
 
 
+@pytest.fixture(scope="module")
+def slow_core(tiny_model: str) -> Iterator[AsyncLLMEngine]:
+    """A tiny core whose steps take 50 ms more (requests stay running while a test acts)."""
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model, kv_cache_memory_bytes=TINY_KV_BYTES), core_setup=slow_steps
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -121,25 +134,20 @@ def send_and_leave(url: str, payload: dict[str, object]) -> None:
     ids=["64 prompts", "n=64", "32 prompts x n=2 streamed"],
 )
 def test_client_that_leaves_at_once_gets_nothing_run(
-    tiny_model: str, fields: dict[str, object]
+    slow_core: AsyncLLMEngine, fields: dict[str, object]
 ) -> None:
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=tiny_model, kv_cache_memory_bytes=TINY_KV_BYTES), core_setup=slow_steps
-    )
-    try:
-        with run_in_thread(build_app(engine)) as url:
-            before = counts(url)
-            for _ in range(3):
-                send_and_leave(url, body(max_tokens=200, **fields))
-            time.sleep(1.0)  # 20 slow steps, had anything been admitted
-            m = wait_idle(url)
-            after = m["roofline:prompt_tokens_total"], m["roofline:generation_tokens_total"]
-            # at most one step of one request may slip in before the abort: never the whole
-            # 64 x 200 tokens of each of three requests
-            assert after[1] - before[1] <= 64, (before, after)
-            assert engine.num_active_streams == 0
-    finally:
-        engine.shutdown()
+    engine = slow_core
+    with run_in_thread(build_app(engine)) as url:
+        before = counts(url)
+        for _ in range(3):
+            send_and_leave(url, body(max_tokens=200, **fields))
+        time.sleep(1.0)  # 20 slow steps, had anything been admitted
+        m = wait_idle(url)
+        after = m["roofline:prompt_tokens_total"], m["roofline:generation_tokens_total"]
+        # at most one step of one request may slip in before the abort: never the whole
+        # 64 x 200 tokens of each of three requests
+        assert after[1] - before[1] <= 64, (before, after)
+        assert engine.num_active_streams == 0
 
 
 def test_api_key_paths(tiny_core: AsyncLLMEngine) -> None:
