@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+"""Longest stop string (characters); with ``MAX_STOP_STRINGS`` it bounds a stop list's
+automaton (``engine/stop_matcher.py``) to 32,768 trie nodes."""
 MAX_LOGPROBS = 20
 MAX_N = 128
 
@@ -110,6 +113,12 @@ class SamplingParams:
             )
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        too_long = [len(s) for s in self.stop if len(s) > MAX_STOP_STRING_CHARS]
+        if too_long:
+            raise ValueError(
+                f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, "
+                f"got one of {too_long[0]}"
+            )
         self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []

@@ -29,6 +29,7 @@ from roofline.engine.core import CoreHandle, ProcessCore, ThreadCore
 from roofline.engine.core_messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreFailed,
     CoreOutputs,
     unpack_outputs,
@@ -209,29 +210,61 @@ class AsyncLLMEngine:
         """Queue a request; raises what ``LLMEngine.add_request`` raises (``ValueError`` for
         bad input, ``QueueFullError``) or :class:`EngineDeadError`. With ``stream=False`` the
         stream yields one output, the final one, with everything."""
-        text, token_ids = self._tokenize(prompt)
+        return (await self.add_requests([request_id], [prompt], params, priority, stream))[0]
+
+    async def add_requests(
+        self,
+        request_ids: list[str],
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        priority: int = 0,
+        stream: bool = True,
+    ) -> list[RequestStream]:
+        """Queue the prompts of one client request in one message to the core: every one is
+        admitted or none (the first failure is raised; nothing is sent if a prompt fails to
+        tokenize). Cancelled while waiting for the verdict, it aborts them all."""
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request ids must be distinct")
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
-        out = RequestStream(request_id, loop, text, token_ids, arrival, final_only=not stream)
+        outs = [
+            RequestStream(rid, loop, text, token_ids, arrival, final_only=not stream)
+            for rid, (text, token_ids) in zip(request_ids, tokenized, strict=True)
+        ]
         with self._lock:
             self._check_alive()
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = out
-        command = AddRequest(request_id, token_ids, params, priority, arrival, text)
+            for rid in request_ids:
+                if rid in self._streams:
+                    raise ValueError(f"request id {rid!r} is already in use")
+            for out in outs:
+                self._streams[out.request_id] = out
+        adds = [
+            AddRequest(o.request_id, o.prompt_token_ids, params, priority, arrival, o.prompt)
+            for o in outs
+        ]
         try:
-            self.core.send(command)
-            await out.added
+            self.core.send(adds[0] if len(adds) == 1 else AddRequests(adds))
+            await asyncio.wait([o.added for o in outs])
         except asyncio.CancelledError:
-            self.abort(request_id)  # the core may have taken it: undo
+            self.abort(request_ids)  # the core may have taken them: undo
             raise
         except BaseException as e:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._forget(request_ids)
             if isinstance(e, OSError):  # the pipe broke: the core is gone
                 raise EngineDeadError(f"the engine core is gone: {e!r}") from e
             raise
-        return out
+        errors = [o.added.exception() for o in outs]  # all retrieved: no asyncio warnings
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            self.abort(request_ids)  # settled together; a no-op unless the engine died between
+            raise first
+        return outs
+
+    def _forget(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._streams.pop(rid, None)
 
     async def generate(
         self,
@@ -250,16 +283,21 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (idempotent; callable from any thread, never blocks on a step)."""
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests (idempotent; callable from any thread, never blocks on a step; one
+        message for all of them)."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is None or self.is_dead:
+            streams = [s for s in (self._streams.pop(rid, None) for rid in ids) if s is not None]
+        if not streams or self.is_dead:
             return
-        if stream.accepted and self.observer is not None:
-            self.observer.on_aborted(request_id, time.monotonic())
+        if self.observer is not None:
+            now = time.monotonic()
+            for stream in streams:
+                if stream.accepted:
+                    self.observer.on_aborted(stream.request_id, now)
         try:
-            self.core.send(AbortRequests([request_id]))
+            self.core.send(AbortRequests([s.request_id for s in streams]))
         except OSError:  # the core is gone; the reader reports it
             pass
 

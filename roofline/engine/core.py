@@ -2,8 +2,9 @@
 
 The OpenAI server runs the core in a child process (``spawn``, so CUDA is initialised only
 there), as vLLM v1's EngineCore: the step loop never shares an interpreter lock with the HTTP
-event loop. The API process sends commands (``AddRequest``, ``AbortRequests``, ``Shutdown``,
-in :mod:`roofline.engine.core_messages`); the core answers with one ``CoreOutputs`` per loop
+event loop. The API process sends commands (``AddRequest``, ``AddRequests`` (all the prompts of
+one client request, admitted together or not at all), ``AbortRequests``, ``Shutdown``, in
+:mod:`roofline.engine.core_messages`); the core answers with one ``CoreOutputs`` per loop
 iteration: the verdicts on the adds it just took (sent before the step, so an HTTP answer never
 waits for a step), then the step's outputs of every request that changed, as deltas (requests
 are added with ``delta=True``: only the text, token ids and logprobs new since the request's
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 from roofline.engine.core_messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     Command,
     CoreFailed,
     CoreOutputs,
@@ -96,6 +98,8 @@ class EngineCore:
             for command in commands:
                 if isinstance(command, AddRequest):
                     added.append((command.request_id, self._add(command)))
+                elif isinstance(command, AddRequests):
+                    added += self._add_all(command.requests)
                 elif isinstance(command, AbortRequests):
                     engine.abort_request(command.request_ids)
                 elif isinstance(command, Shutdown):
@@ -143,6 +147,18 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - a bad request fails alone
             return portable(e)
         return None
+
+    def _add_all(self, commands: list[AddRequest]) -> list[tuple[str, BaseException | None]]:
+        """Add every request or none: on a failure those already added are aborted and the
+        failure is the verdict on all of them."""
+        added: list[str] = []
+        for command in commands:
+            error = self._add(command)
+            if error is not None:
+                self.engine.abort_request(added)
+                return [(c.request_id, error) for c in commands]
+            added.append(command.request_id)
+        return [(c.request_id, None) for c in commands]
 
 
 def ready_message(engine: LLMEngine) -> CoreReady:

@@ -1,6 +1,7 @@
 """The messages between the API process and the engine core (:mod:`roofline.engine.core`).
 
-Commands flow to the core (:class:`AddRequest`, :class:`AbortRequests`, :class:`Shutdown`);
+Commands flow to the core (:class:`AddRequest`, :class:`AddRequests`, :class:`AbortRequests`,
+:class:`Shutdown`);
 the core answers with :class:`CoreReady` once, then :class:`CoreOutputs` per loop iteration, or
 :class:`CoreFailed`. All are dataclasses, pickled over a pipe; the per-step delta outputs travel
 as plain tuples (:func:`pack_outputs`), the one hot payload.
@@ -25,6 +26,14 @@ class AddRequest:
     arrival_time: float
     """``time.monotonic()`` in the API process (the same clock in every process on Linux)."""
     prompt_text: str | None
+
+
+@dataclass
+class AddRequests:
+    """The sub-requests of one client request (its prompts): admitted together, in one loop
+    iteration, or none of them (the first failure is every one's verdict)."""
+
+    requests: list[AddRequest]
 
 
 @dataclass
@@ -68,7 +77,7 @@ class CoreOutputs:
     """Delta outputs in wire form (:func:`pack_outputs`)."""
 
 
-Command = AddRequest | AbortRequests | Shutdown
+Command = AddRequest | AddRequests | AbortRequests | Shutdown
 
 
 def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:

@@ -10,7 +10,10 @@ character is never streamed. The window starts on the last few prompt tokens, so
 output token keeps its leading space. Stop strings are searched in the accumulated text across
 token boundaries; while streaming, the longest tail of the text that could still begin a stop
 string is held back until the next update (or ``finished=True``), so a stop string is never
-partly emitted. Text is not passed through HF's ``clean_up_tokenization_spaces`` (as in vLLM).
+partly emitted. Both come from one Aho-Corasick cursor per sequence
+(:mod:`roofline.engine.stop_matcher`): the work per update is linear in the new text, not in the
+text generated before it or in the stops' number and length. Text is not passed through HF's
+``clean_up_tokenization_spaces`` (as in vLLM).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from roofline.engine.stop_matcher import StopMatcher, automaton_for
 from roofline.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5
@@ -52,7 +56,7 @@ class IncrementalDetokenizer:
         self._tokenizer: _Decoder = backend if backend is not None else tokenizer  # type: ignore[assignment]
         self._skip_special_tokens = params.skip_special_tokens
         self._stop = list(params.stop)
-        self._max_stop_len = params.max_stop_len()
+        self._matcher = StopMatcher(automaton_for(tuple(self._stop))) if self._stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._token_ids: list[int] = []
@@ -83,12 +87,17 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("", None)
         self._token_ids.extend(new_token_ids)
         self._window.extend(new_token_ids)
-        num_checked_chars = len(self._text)
-        self._text += self._decode_new(flush=finished)
+        new_text = self._decode_new(flush=finished)
+        self._text += new_text
 
         stop = None
-        if self._stop and len(self._token_ids) >= max(1, self._min_tokens):
-            stop = self._find_stop(num_checked_chars)
+        if self._matcher is not None:
+            match = self._matcher.feed(
+                new_text, report=len(self._token_ids) >= max(1, self._min_tokens)
+            )
+            if match is not None:  # the matcher has seen all of _text: its positions are ours
+                stop_string = self._stop[match.stop_index]
+                stop = (stop_string, match.end - len(stop_string))
         if stop is not None:
             stop_string, start = stop
             self._text = self._text[: start + len(stop_string) if self._include_stop else start]
@@ -97,7 +106,8 @@ class IncrementalDetokenizer:
         if finished:
             self._done = True
             return DetokenizerDelta(self._emit(len(self._text)), None)
-        return DetokenizerDelta(self._emit(len(self._text) - self._stop_prefix_len()), None)
+        held = 0 if self._matcher is None else self._matcher.num_pending_chars
+        return DetokenizerDelta(self._emit(len(self._text) - held), None)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -117,25 +127,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._window)
         return new_text[len(prefix_text) :]
-
-    def _find_stop(self, num_checked_chars: int) -> tuple[str, int] | None:
-        """The earliest stop string ending after ``num_checked_chars`` (first listed on a tie)
-        and its start index in ``_text``."""
-        search_from = max(0, num_checked_chars - self._max_stop_len + 1)
-        found: tuple[str, int] | None = None
-        for stop_string in self._stop:
-            start = self._text.find(stop_string, search_from)
-            if start != -1 and (found is None or start < found[1]):
-                found = (stop_string, start)
-        return found
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of ``_text`` that is a proper prefix of a stop string."""
-        for length in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
-            tail = self._text[-length:]
-            if any(len(s) > length and s.startswith(tail) for s in self._stop):
-                return length
-        return 0
 
     def _emit(self, end: int) -> str:
         end = max(end, self._num_emitted_chars)

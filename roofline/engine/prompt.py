@@ -12,6 +12,13 @@ def tokenize_prompt(tokenizer: Any, prompt: str | list[int]) -> tuple[str | None
             raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
         if not prompt:
             raise ValueError("the prompt is empty")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # the tokenizer would raise a TypeError
+                raise ValueError(
+                    f"the prompt is not valid Unicode (a lone surrogate at character {e.start})"
+                ) from None
         return prompt, list(tokenizer(prompt).input_ids)
     if not isinstance(prompt, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt

@@ -259,11 +259,15 @@ def test_include_stop_str_in_output(byte_tok: Tokenizer) -> None:
     assert "".join(deltas) == detok.output_text == "abcEND"
 
 
-def test_earliest_stop_string_wins(byte_tok: Tokenizer) -> None:
-    params = SamplingParams(stop=["cd", "bcde"])
-    detok = IncrementalDetokenizer(byte_tok, [1], params)
-    delta = detok.update(_byte_ids(byte_tok, "abcdef"))
-    assert delta == ("a", "bcde")
+def test_first_ending_stop_string_wins(byte_tok: Tokenizer) -> None:
+    # The text stops where a stop string first ends, however the tokens arrive (one update or
+    # one token per update); of two ending there, the longer (it starts first).
+    for stops, expected in ((["cd", "bcde"], ("ab", "cd")), (["cd", "bcd"], ("a", "bcd"))):
+        params = SamplingParams(stop=stops)
+        detok = IncrementalDetokenizer(byte_tok, [1], params)
+        assert detok.update(_byte_ids(byte_tok, "abcdef")) == expected
+        deltas, _ = _stream(byte_tok, [1], _byte_ids(byte_tok, "abcdef"), params)
+        assert "".join(deltas) == expected[0]
 
 
 def test_holdback_of_possible_stop_prefix(byte_tok: Tokenizer) -> None:

@@ -112,7 +112,8 @@ class ServerProcess:
 
 def metrics(base_url: str) -> dict[str, float]:
     """``/metrics`` as ``{sample name with sorted labels but model_name: value}``."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    headers = {"Authorization": f"Bearer {API_KEY}"}  # ignored by servers without a key
+    text = httpx.get(f"{base_url}/metrics", timeout=30, headers=headers).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -253,6 +253,8 @@ def test_roofline_serve_command(tiny_model: str) -> None:
         "tiny-test",
         "--max-num-seqs",
         "4",
+        "--max-seqs-per-request",
+        "3",
     )
     try:
         proc.wait_ready(timeout=300)
@@ -263,6 +265,8 @@ def test_roofline_serve_command(tiny_model: str) -> None:
             assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny-test", 256)]
             r = http.post("/v1/completions", json={**body(4), "model": "tiny-test", "n": 2})
             assert r.status_code == 200, r.text
+            too_many = http.post("/v1/completions", json={**body(4), "n": 4})
+            assert assert_openai_error(too_many, 400)["code"] == "too_many_sequences"
             assert r.json()["usage"] == {
                 "prompt_tokens": 4,
                 "completion_tokens": 8,

@@ -24,7 +24,10 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 def test_health_models_and_auth(server: Served, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.base_url}/health").status_code == 200  # no key needed
-    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+        assert httpx.get(f"{server.base_url}{path}").status_code == 401, path
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        assert httpx.get(f"{server.base_url}{path}", headers=key).status_code == 200, path
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 8192

@@ -13,7 +13,11 @@ import logging
 import os
 import sys
 
-from roofline.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
+from roofline.entrypoints.openai import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
+    DEFAULT_SERVER_MAX_NUM_WAITING,
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +37,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("ROOFLINE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: "
+        help="require 'Authorization: Bearer KEY' on every path but /health (default: "
         "$ROOFLINE_API_KEY, unset = no key)",
+    )
+    parser.add_argument(
+        "--public-docs-and-metrics",
+        action="store_true",
+        help="with --api-key, still serve /metrics, /docs and /openapi.json without the key",
+    )
+    parser.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQS_PER_REQUEST,
+        help="most sequences (prompts x n) one request may start; 400 beyond (default %(default)s)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -88,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes <= 0:
         print("error: --max-body-bytes must be positive", file=sys.stderr)
         return 2
+    if args.max_seqs_per_request <= 0:
+        print("error: --max-seqs-per-request must be positive", file=sys.stderr)
+        return 2
+    if args.max_num_waiting is None:  # a server bounds its queue unless told otherwise
+        args.max_num_waiting = DEFAULT_SERVER_MAX_NUM_WAITING
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs.from_cli_args(args), in_process=args.engine_in_process
     )
@@ -98,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         allow_request_chat_template=args.trust_request_chat_template,
         model_root=args.model,
+        max_seqs_per_request=args.max_seqs_per_request,
+        public_docs_and_metrics=args.public_docs_and_metrics,
     )
     run_server(engine, app, args.host, args.port, args.log_level)
     return 0

@@ -48,6 +48,9 @@ class OpenAIError(Exception):
         code: str | None = None,
         type: str | None = None,
     ) -> None:
+        # Never fail to encode the answer: a lone surrogate echoed from a request is escaped.
+        if not message.isascii():
+            message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message

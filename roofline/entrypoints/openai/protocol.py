@@ -184,6 +184,9 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    """Deprecated function calling: refused (``guards.refuse_legacy_functions``)."""
+    function_call: Any | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:

@@ -2,9 +2,11 @@
 
 ``build_app`` wires an :class:`AsyncLLMEngine` to the routes (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``), installs the OpenAI-shaped
-error handlers, and wraps the app in two plain ASGI middlewares: the API key check on ``/v1``
-(401 before the body is read) and the body-size limit (413, the body is buffered up to the limit
-and replayed to the app, so chunked uploads are bounded too).
+error handlers, and wraps the app in two plain ASGI middlewares: the API key check (401 before
+the body is read; on every path but ``/health``, which load balancers poll, unless the operator
+leaves ``/metrics`` and the API docs open) and the body-size limit (413, the body is buffered up
+to the limit and replayed to the app, so chunked uploads are bounded too). A POST body to
+``/v1`` is read as JSON whatever its ``Content-Type`` says (``curl -d`` sends a form type).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
@@ -21,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from roofline.engine.async_engine import AsyncLLMEngine
-from roofline.entrypoints.openai import DEFAULT_MAX_BODY_BYTES
+from roofline.entrypoints.openai import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQS_PER_REQUEST
 from roofline.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from roofline.entrypoints.openai.metrics import ServerMetrics
 from roofline.entrypoints.openai.protocol import (
@@ -49,15 +53,22 @@ async def _send_error(send: Send, error: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every ``/v1`` path."""
+OPEN_PATHS = frozenset({"/health"})
+"""Paths served without the API key."""
+DOCS_AND_METRICS_PATHS = frozenset({"/metrics", "/docs", "/docs/oauth2-redirect", "/redoc"})
+"""Paths that ``public_docs_and_metrics`` opens too (with ``/openapi.json``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on every path but ``open_paths``."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _send_error(
@@ -122,6 +133,26 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+class JsonBodyMiddleware:
+    """Marks every POST body to ``/v1`` as JSON: a body sent without a ``Content-Type``, or
+    with a form or text type (``curl -d``), is parsed as JSON (a 400 if it is not)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"].startswith("/v1/")
+        ):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            given = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip()
+            if not (given == b"application/json" or given.endswith(b"+json")):
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
@@ -135,16 +166,28 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allow_request_chat_template: bool = False,
     model_root: str | None = None,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    public_docs_and_metrics: bool = False,
 ) -> FastAPI:
     """The app for one engine. Attaches a :class:`ServerMetrics` observer to the engine
-    unless it already has one."""
+    unless it already has one. With an ``api_key`` every path but ``/health`` needs it
+    (``public_docs_and_metrics`` leaves ``/metrics``, ``/docs``, ``/openapi.json`` open)."""
     name = served_model_name or engine.model_name
     metrics = engine.observer if isinstance(engine.observer, ServerMetrics) else None
     if metrics is None:
         metrics = ServerMetrics(name)
         engine.observer = metrics
-    state = ServingState(engine, name, model_root, allow_request_chat_template)
-    app = FastAPI(title="roofline OpenAI-compatible server", version="0.1")
+    state = ServingState(
+        engine, name, model_root, allow_request_chat_template, max_seqs_per_request
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if state.template_renderer is not None:
+            await state.template_renderer.close()
+
+    app = FastAPI(title="roofline OpenAI-compatible server", version="0.1", lifespan=lifespan)
     app.state.serving = state
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -189,9 +232,13 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(state, body, raw)
 
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:  # added last, so it runs first: no body is read without the key
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS
+        if public_docs_and_metrics:
+            open_paths |= DOCS_AND_METRICS_PATHS | {app.openapi_url or "/openapi.json"}
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     return app
 
 

@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
-
 from roofline.engine.async_engine import AsyncLLMEngine, RequestStream
+from roofline.entrypoints.openai import DEFAULT_MAX_SEQS_PER_REQUEST
 from roofline.entrypoints.openai.errors import OpenAIError, from_exception
+from roofline.entrypoints.openai.guards import ClientWatch, check_fan_out
 from roofline.entrypoints.openai.protocol import Usage
 from roofline.outputs import Logprob, RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -34,6 +34,9 @@ class ServingState:
     served_model_name: str
     model_root: str | None = None
     allow_request_chat_template: bool = False
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    template_renderer: Any = None
+    """The ``TemplateRenderer`` of request-supplied chat templates (when allowed)."""
 
     def check_request(self, model: str | None) -> None:
         """Refuse a generation request once the engine is dead (503, before any other work), or
@@ -64,9 +67,10 @@ async def add_requests(
     param: str,
     stream: bool,
 ) -> list[RequestStream]:
-    """Add one engine request per prompt (``stream=False``: the engine reports each once, when
-    it has finished); on any failure abort those already added and raise the matching
-    :class:`OpenAIError`."""
+    """Add one engine request per prompt, all in one message (``stream=False``: the engine
+    reports each once, when it has finished); all are admitted or none, and a failure is
+    raised as the matching :class:`OpenAIError`."""
+    check_fan_out(len(prompts), params.n, state.max_seqs_per_request)
     vocab = state.engine.vocab_size
     for prompt in prompts:
         if isinstance(prompt, list):
@@ -86,20 +90,11 @@ async def add_requests(
             param="stop_token_ids",
             code="invalid_token_id",
         )
-    streams: list[RequestStream] = []
+    ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
     try:
-        for i, prompt in enumerate(prompts):
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(
-                await state.engine.add_request(request_id, prompt, params, priority, stream)
-            )
-    except BaseException as e:
-        for s in streams:
-            state.engine.abort(s.request_id)
-        if isinstance(e, Exception):
-            raise from_exception(e, param=param) from e
-        raise
-    return streams
+        return await state.engine.add_requests(ids, prompts, params, priority, stream)
+    except Exception as e:
+        raise from_exception(e, param=param) from e
 
 
 async def iterate(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -135,20 +130,13 @@ async def iterate(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 
 def abort_unfinished(state: ServingState, streams: list[RequestStream]) -> None:
-    for s in streams:
-        if not s.finished:
-            state.engine.abort(s.request_id)
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
+    unfinished = [s.request_id for s in streams if not s.finished]
+    if unfinished:
+        state.engine.abort(unfinished)
 
 
 async def collect(
-    state: ServingState, raw: Request, streams: list[RequestStream]
+    state: ServingState, watch: ClientWatch, streams: list[RequestStream]
 ) -> list[RequestOutput]:
     """Wait for every request's final output; abort them all if the client disconnects."""
 
@@ -158,20 +146,13 @@ async def collect(
             finals[i] = output
         return [f for f in finals if f is not None]
 
-    work = asyncio.ensure_future(run())
-    watcher = asyncio.ensure_future(_wait_disconnect(raw))
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            raise OpenAIError(499, "client disconnected", code="client_disconnected")
-        finals = work.result()
+        finals = await watch.guard(run())
     except Exception as e:
         if isinstance(e, OpenAIError):
             raise
         raise from_exception(e) from e
     finally:
-        watcher.cancel()
-        work.cancel()
         abort_unfinished(state, streams)
     for out in finals:
         if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):

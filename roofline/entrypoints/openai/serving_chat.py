@@ -1,22 +1,22 @@
 """``POST /v1/chat/completions``: messages rendered by the model's chat template, then served
 like a completion. The tokenizer's own template is rendered in the API process (sandboxed jinja,
 by the tokenizer); a template sent with the request is refused unless the operator allowed it
-(``--trust-request-chat-template``), and is then rendered here in an immutable jinja sandbox
-off the event loop.
+(``--trust-request-chat-template``), and is then rendered in a worker process under a time and
+an output-size bound (:mod:`.chat_template`). Any failure to render or tokenize the
+conversation is the request's: a 400.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from roofline.entrypoints.openai.chat_template import TemplateRenderer
 from roofline.entrypoints.openai.errors import OpenAIError, from_exception
+from roofline.entrypoints.openai.guards import ClientWatch, check_text, refuse_legacy_functions
 from roofline.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,27 +39,12 @@ from roofline.entrypoints.openai.serving_base import (
 from roofline.outputs import RequestOutput
 
 
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def render_template(
-    template: str,
-    messages: list[dict[str, str]],
-    add_generation_prompt: bool,
-    special: dict[str, str | None],
-) -> str:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special
-    )
-
-
 def _encode(tokenizer: Any, text: str) -> list[int]:
     """The rendered conversation's token ids (it already holds its special tokens)."""
     if not isinstance(text, str) or not text:
         raise ValueError("the chat template rendered an empty prompt")
+    if not text.isascii():
+        text.encode("utf-8")  # a lone surrogate made by the template: UnicodeEncodeError
     if tokenizer is None:
         raise ValueError("this model has no tokenizer")
     return list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -85,13 +70,19 @@ async def render_prompt(state: ServingState, body: ChatCompletionRequest) -> lis
             "bos_token": getattr(tok, "bos_token", None),
             "eos_token": getattr(tok, "eos_token", None),
         }
-        text = await asyncio.to_thread(
-            render_template, body.chat_template, messages, add_gen, special
-        )
+        if state.template_renderer is None:
+            state.template_renderer = TemplateRenderer()
+        context = {"messages": messages, "add_generation_prompt": add_gen, **special}
+        text = await state.template_renderer.render(body.chat_template, context)
         return _encode(tok, text)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
+    except OpenAIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - rendering the request's messages: its error
         raise OpenAIError(
-            400, f"cannot apply the chat template: {e}", param="messages", code="invalid_messages"
+            400,
+            f"cannot apply the chat template: {type(e).__name__}: {e}",
+            param="chat_template" if body.chat_template is not None else "messages",
+            code="invalid_messages",
         ) from e
 
 
@@ -117,22 +108,34 @@ def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> dict[str, list] | 
 async def create_chat_completion(
     state: ServingState, body: ChatCompletionRequest, raw: Request
 ) -> Any:
+    check_text(body)
     state.check_request(body.model)
+    refuse_legacy_functions(body)
+    watch = ClientWatch(raw)
+    try:
+        return await _create_chat_completion(state, body, watch)
+    finally:
+        watch.stop()
+
+
+async def _create_chat_completion(
+    state: ServingState, body: ChatCompletionRequest, watch: ClientWatch
+) -> Any:
     try:
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
-    prompt = await render_prompt(state, body)
+    prompt = await watch.guard(render_prompt(state, body))
     request_id = random_id("chatcmpl")
-    streams = await add_requests(
-        state, [prompt], params, request_id, body.priority, "messages", body.stream
+    streams = await watch.guard(
+        add_requests(state, [prompt], params, request_id, body.priority, "messages", body.stream)
     )
     created = int(time.time())
     k = params.logprobs or 0
     tracker = DeltaTracker(params.n)
 
     if not body.stream:
-        finals = await collect(state, raw, streams)
+        finals = await collect(state, watch, streams)
         deltas = tracker.deltas(0, finals[0])
         names = token_strings(state, deltas)
         choices = [

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from roofline.entrypoints.openai.errors import from_exception
+from roofline.entrypoints.openai.guards import ClientWatch, check_text
 from roofline.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -58,22 +59,33 @@ def _logprobs(delta: Delta, k: int, names: dict[int, str]) -> dict[str, list] | 
 
 
 async def create_completion(state: ServingState, body: CompletionRequest, raw: Request) -> Any:
+    check_text(body)
     state.check_request(body.model)
+    watch = ClientWatch(raw)
+    try:
+        return await _create_completion(state, body, watch)
+    finally:
+        watch.stop()
+
+
+async def _create_completion(
+    state: ServingState, body: CompletionRequest, watch: ClientWatch
+) -> Any:
     try:
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
     prompts = body.prompts()
     request_id = random_id("cmpl")
-    streams = await add_requests(
-        state, prompts, params, request_id, body.priority, "prompt", body.stream
+    streams = await watch.guard(
+        add_requests(state, prompts, params, request_id, body.priority, "prompt", body.stream)
     )
     created = int(time.time())
     k = params.logprobs or 0
     tracker = DeltaTracker(params.n)
 
     if not body.stream:
-        finals = await collect(state, raw, streams)
+        finals = await collect(state, watch, streams)
         choices = []
         for i, out in enumerate(finals):
             deltas = tracker.deltas(i, out)
