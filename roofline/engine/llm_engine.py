@@ -137,8 +137,13 @@ class LLMEngine:
         target's KV budget sees the draft's memory."""
         if spec_config is not None:
             self.spec = build_spec_decoder(
-                spec_config, args, self.model_config, self.tokenizer, self.scheduler_config,
-                device, dtype,
+                spec_config,
+                args,
+                self.model_config,
+                self.tokenizer,
+                self.scheduler_config,
+                device,
+                dtype,
             )
         self.runner = ModelRunner(
             self.model_config,

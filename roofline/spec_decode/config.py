@@ -68,7 +68,9 @@ class SpeculativeConfig:
             )
 
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
         """From ``LLM(speculative_config=...)`` (a dict) or the CLI (a JSON string)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value

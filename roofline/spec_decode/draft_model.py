@@ -84,7 +84,8 @@ class DraftModelProposer:
                 block_ids = self.kv.allocate(m, num_new)
                 if block_ids is None:
                     continue  # the draft pool is full: this request proposes what it has
-                scheduled.append(ScheduledRequest(m, num_new, block_ids, m.num_computed_tokens, True))
+                start = m.num_computed_tokens
+                scheduled.append(ScheduledRequest(m, num_new, block_ids, start, True))
             if not scheduled:
                 break
             for s in scheduled:

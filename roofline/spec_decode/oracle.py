@@ -54,7 +54,6 @@ class OracleProposer:
             truth = ref[done : done + k]
             keep = self._rng.random(len(truth)) < self.alpha
             shift = self._rng.integers(1, self.vocab_size, len(truth))
-            out.append(
-                [t if ok else (t + int(s)) % self.vocab_size for t, ok, s in zip(truth, keep, shift)]
-            )
+            vocab = self.vocab_size
+            out.append([t if ok else (t + int(s)) % vocab for t, ok, s in zip(truth, keep, shift)])
         return Proposals(out)
