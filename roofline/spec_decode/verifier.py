@@ -20,8 +20,6 @@ own generator (the sampler's), so it reproduces run to run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -30,25 +28,26 @@ from roofline.layers.sampler import SAMPLING_EPS, Sampler, SamplingTensors
 from roofline.request import Request
 
 
-@dataclass
 class _RowView:
     """A request as the sampler sees it at one verification row: the proposals before the
     row count as output (penalties, min_tokens)."""
 
-    request: Request
-    extra: list[int]
+    __slots__ = (
+        "request",
+        "extra",
+        "request_id",
+        "sampling_params",
+        "eos_token_ids",
+        "num_output_tokens",
+    )
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def sampling_params(self):
-        return self.request.sampling_params
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.request.eos_token_ids
+    def __init__(self, request: Request, extra: list[int], num_output_tokens: int) -> None:
+        self.request = request
+        self.extra = extra
+        self.request_id = request.request_id
+        self.sampling_params = request.sampling_params
+        self.eos_token_ids = request.eos_token_ids
+        self.num_output_tokens = num_output_tokens + len(extra)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -57,10 +56,6 @@ class _RowView:
     @property
     def all_token_ids(self) -> list[int]:
         return self.request.all_token_ids + self.extra
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens + len(self.extra)
 
 
 class Verifier:
@@ -85,8 +80,8 @@ class Verifier:
         starts: list[int] = []
         for r in requests:
             starts.append(len(views))
-            spec = r.spec_token_ids
-            views.extend(_RowView(r, spec[:j]) for j in range(len(spec) + 1))
+            spec, num_output = r.spec_token_ids, r.num_output_tokens
+            views.extend(_RowView(r, spec[:j], num_output) for j in range(len(spec) + 1))
         if logits.shape[0] != len(views):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(views)} verification rows")
         t = SamplingTensors.from_requests(views, vocab, device)  # type: ignore[arg-type]
