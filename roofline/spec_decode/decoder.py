@@ -43,6 +43,19 @@ class SpecDecodeStats:
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
         }
 
+    def summary(self) -> str:
+        """One line for ``roofline bench`` output."""
+        per_pos = [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
+        ms = 1e3 * self.propose_s / self.num_propose_calls if self.num_propose_calls else 0.0
+        return (
+            f"speculative decoding: {self.num_drafts} verifications, "
+            f"{self.num_draft_tokens} proposed, {self.num_accepted_tokens} accepted "
+            f"({100 * self.acceptance_rate:.1f}%), mean accepted length "
+            f"{self.mean_accepted_length:.2f} tokens per verification, acceptance per "
+            f"position [{', '.join(f'{x:.2f}' for x in per_pos)}], proposing {ms:.2f} ms "
+            "per step"
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

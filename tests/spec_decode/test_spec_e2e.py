@@ -206,3 +206,27 @@ def test_draft_with_another_vocabulary_is_refused(models):
     spec = {"method": "draft_model", "model": models[2], "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(models[0], dtype="float32", device="cpu", speculative_config=spec)
+
+
+def test_metrics_and_bench_summary(models):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from roofline.entrypoints.openai.metrics import _StatsCollector
+
+    spec = {"method": "draft_model", "model": models[0], "num_speculative_tokens": 2}
+    spec["disable_by_batch_size"] = 4
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    _, engine = _generate(models[0], [[5, 6, 7]], params, speculative_config=spec)
+    stats = engine.get_stats()
+    registry = CollectorRegistry()
+    registry.register(_StatsCollector(lambda: stats, "tiny", dict))
+    text = generate_latest(registry).decode()
+    drafted = stats.spec_decode_num_draft_tokens_total
+    assert drafted > 0
+    assert f'roofline:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {drafted:.1f}' in text
+    assert "roofline:spec_decode_num_accepted_tokens_total" in text
+    assert (
+        'roofline:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"}'
+        in text
+    )
+    assert "mean accepted length" in engine.spec.stats.summary()
