@@ -318,6 +318,8 @@ class LLMEngine:
             prev = None
         if speculate:  # proposals need every token on the host: speculative steps are sync
             spec.propose(self.scheduler.running)  # type: ignore[union-attr]
+        elif spec is not None:
+            spec.withdraw()
         sched_out = self.scheduler.schedule()
         if spec is not None and sched_out.finished_request_ids:
             spec.remove(sched_out.finished_request_ids)

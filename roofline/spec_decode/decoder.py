@@ -76,12 +76,23 @@ class SpecDecoder:
         """Speculate only while at most this many requests run (the adaptive switch)."""
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._proposed: list[Request] = []
 
     def active(self, num_running: int) -> bool:
         return 0 < num_running <= self.max_batch_size
 
+    def withdraw(self) -> None:
+        """Drop proposals that no step verified (a request the token budget did not reach):
+        before proposing again, and on every step while speculation is off, so an async
+        (non-speculative) step never sees them."""
+        for r in self._proposed:
+            if r.spec_token_ids:
+                r.spec_token_ids = []
+        self._proposed = []
+
     def propose(self, running: list[Request]) -> None:
         t0 = time.perf_counter()
+        self.withdraw()
         requests: list[Request] = []
         max_lens: list[int] = []
         for r in running:
@@ -102,6 +113,7 @@ class SpecDecoder:
             proposals = self.proposer.propose(requests, max_lens)
             for r, tokens, n in zip(requests, proposals.token_ids, max_lens):
                 r.spec_token_ids = list(tokens[:n])
+            self._proposed = requests
         self.stats.propose_s += time.perf_counter() - t0
         self.stats.num_propose_calls += 1
 

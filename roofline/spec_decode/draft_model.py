@@ -79,13 +79,18 @@ class DraftModelProposer:
         for _ in range(self.k):
             active = [m for m in active if len(drafted[m.request_id]) < wanted[m.request_id]]
             scheduled: list[ScheduledRequest] = []
+            budget = self.runner.scheduler_config.max_num_batched_tokens
             for m in active:
-                num_new = m.num_tokens - m.num_computed_tokens
-                block_ids = self.kv.allocate(m, num_new)
+                # a long catch-up (a new request's prompt) is chunked over rounds by the budget;
+                # a request still catching up proposes nothing this round
+                num_new = min(m.num_tokens - m.num_computed_tokens, budget)
+                block_ids = self.kv.allocate(m, num_new) if num_new > 0 else None
                 if block_ids is None:
                     continue  # the draft pool is full: this request proposes what it has
+                budget -= num_new
                 start = m.num_computed_tokens
-                scheduled.append(ScheduledRequest(m, num_new, block_ids, start, True))
+                samples = start + num_new == m.num_tokens
+                scheduled.append(ScheduledRequest(m, num_new, block_ids, start, samples))
             if not scheduled:
                 break
             for s in scheduled:
@@ -99,8 +104,9 @@ class DraftModelProposer:
                 )
             )
             for s in scheduled:
-                token = out.sampled_token_ids[s.request.request_id]
-                s.request.output_token_ids.append(token)
-                drafted[s.request.request_id].append(token)
-            active = [s.request for s in scheduled]
+                if s.samples:
+                    token = out.sampled_token_ids[s.request.request_id]
+                    s.request.output_token_ids.append(token)
+                    drafted[s.request.request_id].append(token)
+            active = [s.request for s in scheduled if s.samples]
         return Proposals([drafted[r.request_id] for r in requests])

@@ -230,3 +230,19 @@ def test_metrics_and_bench_summary(models):
         in text
     )
     assert "mean accepted length" in engine.spec.stats.summary()
+
+
+def test_async_batches_switch_to_speculation_and_back(models):
+    """Async scheduling on: above the threshold the steps overlap, below it they speculate."""
+    prompts = _prompts()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 4 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    base, _ = _generate(models[0], prompts, params)
+    spec = dict(NGRAM, disable_by_batch_size=3)
+    got, engine = _generate(
+        models[0], prompts, params, speculative_config=spec, async_scheduling=True
+    )
+    assert _tokens(got) == _tokens(base)
+    assert engine.get_stats().spec_decode_num_drafts_total > 0
