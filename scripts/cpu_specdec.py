@@ -50,19 +50,27 @@ def main() -> None:
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     }
-    plain = LLM("smollm2", device=args.device, max_model_len=2048)
-    spec = LLM("smollm2", device=args.device, max_model_len=2048, speculative_config=spec_cfg)
-    decoder = spec.llm_engine.spec
+    llm = LLM(
+        "smollm2",
+        device=args.device,
+        max_model_len=2048,
+        kv_cache_memory_bytes=256 << 20,
+        speculative_config=spec_cfg,
+    )
+    decoder = llm.llm_engine.spec
     assert decoder is not None
-    print(f"n-gram k={args.k}, speculating while <= {decoder.max_batch_size} requests run")
+    threshold = decoder.max_batch_size
+    print(f"n-gram k={args.k}, speculating while <= {threshold} requests run", flush=True)
     print(
         f"{'prompt':<16} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
         f"{'accept':>6} {'mean len':>8} identical"
     )
     for name, text in PROMPTS.items():
         conv = [{"role": "user", "content": text}]
-        run(plain, conv, 8), run(spec, conv, 8)  # warm
-        base_ids, base_s = run(plain, conv, args.max_tokens)
+        decoder.max_batch_size = 0  # the same engine with speculation off
+        run(llm, conv, 8)  # warm
+        base_ids, base_s = run(llm, conv, args.max_tokens)
+        decoder.max_batch_size = threshold
         s = decoder.stats
         d0, p0, a0, e0 = (
             s.num_drafts,
@@ -70,14 +78,15 @@ def main() -> None:
             s.num_accepted_tokens,
             s.num_emitted_tokens,
         )
-        ids, spec_s = run(spec, conv, args.max_tokens)
+        ids, spec_s = run(llm, conv, args.max_tokens)
         drafts, proposed = s.num_drafts - d0, s.num_draft_tokens - p0
         accepted, emitted = s.num_accepted_tokens - a0, s.num_emitted_tokens - e0
         n = len(base_ids)
         print(
             f"{name:<16} {n:>6} {n / base_s:>11.1f} {len(ids) / spec_s:>10.1f} "
             f"{base_s / spec_s:>6.2f}x {accepted / max(proposed, 1):>6.2f} "
-            f"{emitted / max(drafts, 1):>8.2f} {ids == base_ids}"
+            f"{emitted / max(drafts, 1):>8.2f} {ids == base_ids}",
+            flush=True,
         )
     print(decoder.stats.summary())
 
