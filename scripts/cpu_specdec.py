@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from roofline import LLM, SamplingParams
 
 PARAGRAPH = (
@@ -43,7 +45,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); 1 on a shared, oversubscribed machine, where "
+        "spinning OpenMP threads made a 5-row GEMM 20x slower than on one thread",
+    )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec_cfg = {
         "method": "ngram",
         "num_speculative_tokens": args.k,

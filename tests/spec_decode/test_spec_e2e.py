@@ -150,8 +150,8 @@ def test_logprobs_of_emitted_tokens(models):
 def test_seeded_sampling_reproducible(models):
     spec = {"method": "draft_model", "model": models[0], "num_speculative_tokens": 3}
     spec["disable_by_batch_size"] = 64
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, n=2)
-    runs = [_generate(models[0], _prompts()[2:4], params, speculative_config=spec) for _ in (0, 1)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, n=2)
+    runs = [_generate(models[0], _prompts()[3:4], params, speculative_config=spec) for _ in (0, 1)]
     got = [[c.token_ids for o in outs for c in o.outputs] for outs, _ in runs]
     assert got[0] == got[1]
     assert runs[0][1].get_stats().spec_decode_num_accepted_tokens_total > 0
