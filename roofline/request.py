@@ -53,6 +53,10 @@ class Request:
     """Output tokens a launched step is sampling whose values the host has not received yet
     (at most 2 with async scheduling: one per step in flight). They count in ``num_tokens`` but
     not in ``output_token_ids``; ``Scheduler.update`` turns them into real tokens in order."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens (speculative decoding) this request's next step verifies. They count in
+    ``num_tokens`` (the step computes them) but are not output until the verifier accepts them;
+    ``Scheduler.update`` clears them."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was (last) admitted."""
     num_preemptions: int = 0
@@ -77,8 +81,14 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + output tokens, pending ones included: the length the next step extends."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        """Prompt + output tokens, pending and proposed ones included: the length the next
+        step extends."""
+        return (
+            len(self.prompt_token_ids)
+            + len(self.output_token_ids)
+            + self.num_pending_tokens
+            + len(self.spec_token_ids)
+        )
 
     @property
     def num_known_tokens(self) -> int:

@@ -129,6 +129,8 @@ def cmd_latency(ns: argparse.Namespace) -> int:
         save_calibration(ns.calibration_out, cal)
         print(f"[{len(points)} calibration points written to {ns.calibration_out}]")
     table = latency.format_rows(rows)
+    if llm.llm_engine.spec is not None:
+        table += "\n" + llm.llm_engine.spec.stats.summary()
     print(table)
     if ns.json:
         with open(ns.json, "w") as f:
@@ -171,6 +173,8 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
             f"the run ({', '.join(sorted(set(res.jit_compiles)))}): the start-up warm-up "
             "missed them"
         )
+    if engine.spec is not None:
+        lines.append(engine.spec.stats.summary())
     results = {"roofline": vars(res), "ceilings": vars(ceilings)}
     for peer in [p for p in ns.compare.split(",") if p]:
         pr = _run_peer(peer, llm, wl, ns)

@@ -64,6 +64,7 @@ def run_batch(
     engine.on_schedule = lambda sched_out: shapes.append(step_shape(sched_out))
     started: set[str] = set()
     prefill_s, step_times = 0.0, []
+    stats0 = engine.get_stats()
     try:
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -78,6 +79,12 @@ def run_batch(
                 step_times.append(dt)
     finally:
         engine.on_schedule = None
+    stats1 = engine.get_stats()
+    drafts = stats1.spec_decode_num_drafts_total - stats0.spec_decode_num_drafts_total
+    emitted = (
+        stats1.spec_decode_num_emitted_tokens_total - stats0.spec_decode_num_emitted_tokens_total
+    )
+    tokens_per_step = emitted / drafts if drafts else 1.0  # speculative: tokens per verification
     step_times = step_times[1:-1] or step_times  # the edges may hold ragged work
     p50 = statistics.median(step_times)
     p90 = sorted(step_times)[int(0.9 * (len(step_times) - 1))]
@@ -96,7 +103,7 @@ def run_batch(
         prefill_s,
         1e3 * p50,
         1e3 * p90,
-        batch_size / p50,
+        batch_size * tokens_per_step / p50,
         1e3 * cost.time_s,
         100 * cost.time_s / p50,
         cost.bound,

@@ -274,6 +274,26 @@ class KVCacheManager:
                     self._uncache(page)
                 self._free[page] = None
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Shrink the request's block table to the pages covering its first ``num_tokens``
+        tokens (speculative decoding rolls back rejected proposals). Dropped pages return to
+        the free queue's tail when no one else holds them; they never hold cached content,
+        since pages are registered only over known (accepted) tokens."""
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        keep = self.pages_needed(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        for i in range(len(blocks) - 1, keep - 1, -1):
+            page = blocks[i]
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                self._uncache(page)
+                self._free[page] = None
+        del blocks[keep:]
+        if self._num_checked.get(rid, 0) > keep:
+            self._num_checked[rid] = keep
+
     def has_unwritten_shared_pages(self, request: Request) -> bool:
         """Whether another request holds a page this request allocated but has not written yet
         (a same-step prefix hit on it). Freeing such a request before its step runs would leave

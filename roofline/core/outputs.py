@@ -33,6 +33,13 @@ class ScheduledRequest:
         scheduling the last one may be pending (sampled by the step still in flight): then
         this list is one shorter and the runner takes that id from the device."""
         start, end = self.start_position, self.start_position + self.num_new_tokens
+        spec = self.request.spec_token_ids
+        if spec:  # a verification row: the known tail, then the proposals it verifies
+            known = self.request.num_known_tokens
+            return self._known_ids(start, min(end, known)) + spec[: end - known]
+        return self._known_ids(start, end)
+
+    def _known_ids(self, start: int, end: int) -> list[int]:
         prompt, output = self.request.prompt_token_ids, self.request.output_token_ids
         num_prompt = len(prompt)
         if end <= num_prompt:
@@ -73,6 +80,25 @@ class ModelRunnerOutput:
     """request_id -> sampled token, for every scheduled request whose ``samples`` is True."""
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     """request_id -> log-probabilities of the sampled token, for requests that asked."""
+    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
+    """request_id -> what the verifier emitted, for requests scheduled with proposals (their
+    ``sampled_token_ids`` entry is the last emitted token)."""
+
+
+@dataclass
+class VerifiedTokens:
+    """The tokens one verification row emits: the accepted prefix of the proposals, then the
+    target's own token (the correction at the first rejection, or the bonus when all k were
+    accepted). ``len(token_ids) == num_accepted + 1``."""
+
+    token_ids: list[int]
+    num_proposed: int
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per emitted token, for requests that asked for logprobs."""
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
 
 
 @dataclass

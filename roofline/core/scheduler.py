@@ -26,6 +26,7 @@ from roofline.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
+    VerifiedTokens,
 )
 from roofline.request import Request, RequestStatus
 
@@ -58,6 +59,16 @@ class _Step:
         entry = self.scheduled.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry.num_new_tokens
+
+
+def _fit_proposals(request: Request, num_new: int) -> int:
+    """Drop the proposals a short token budget cannot verify this step (a verification row
+    must end on its last proposal); the request's ``num_new_tokens`` after that."""
+    num_known_left = request.num_known_tokens - request.num_computed_tokens
+    if num_new >= num_known_left + len(request.spec_token_ids):
+        return num_new
+    del request.spec_token_ids[max(num_new - num_known_left, 0) :]
+    return min(request.num_tokens - request.num_computed_tokens, num_new)
 
 
 class Scheduler:
@@ -160,11 +171,17 @@ class Scheduler:
             if self._finishes_on_pending(request):
                 continue  # its pending token ends it (length): nothing more to compute
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if request.spec_token_ids:
+                num_new = _fit_proposals(request, num_new)
             while True:
                 block_ids = self.kv.allocate(request, num_new)
                 if block_ids is not None:
                     step.add(request, num_new, block_ids)
                     break
+                if request.spec_token_ids:  # proposals are guesses: drop them, preempt no one
+                    request.spec_token_ids = []
+                    num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+                    continue
                 victim = self._running_victim()
                 self._preempt(victim, step)
                 if victim is request:
@@ -192,6 +209,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.insert(0, victim)
@@ -312,16 +330,20 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         now = time.monotonic()
         sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
+        verified = runner_out.verified
         for entry in sched_out.scheduled:
             request = entry.request
             if not entry.samples or request.is_finished:
                 continue  # a partial prefill chunk; or finished/aborted mid-step: stay so
-            token = sampled[request.request_id]
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
+            if verified and request.request_id in verified:
+                updates.append(self._update_verified(request, verified[request.request_id]))
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
             logprobs: list[TokenLogprobs] = []
             if all_logprobs and request.request_id in all_logprobs:
                 logprobs.append(all_logprobs[request.request_id])
@@ -330,6 +352,26 @@ class Scheduler:
                 self._finish(request, status)
             updates.append(RequestUpdate(request, [token], logprobs, status is not None))
         return updates
+
+    def _update_verified(self, request: Request, verified: VerifiedTokens) -> RequestUpdate:
+        """A verification row: roll the rejected proposals back (their KV slots, and the pages
+        that held only them), then append the emitted tokens one by one under the stop rules,
+        so a stop token or ``max_tokens`` inside the accepted run ends it there."""
+        num_rejected = verified.num_proposed - verified.num_accepted
+        request.spec_token_ids = []
+        request.num_computed_tokens -= num_rejected
+        self.kv.trim(request, request.num_computed_tokens)
+        new_ids: list[int] = []
+        status = None
+        for token in verified.token_ids:
+            request.output_token_ids.append(token)
+            new_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                break
+        logprobs = (verified.logprobs or [])[: len(new_ids)]
+        return RequestUpdate(request, new_ids, logprobs, status is not None)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """Stop rules, in order: EOS, stop token ids (both only after ``min_tokens`` outputs),

@@ -45,6 +45,8 @@ _HELP = {
     "num_pages": "exact number of KV pages (testing)",
     "enforce_eager": "never capture CUDA graphs for decode steps",
     "async_scheduling": "schedule step N+1 while the GPU runs step N (default: on with CUDA)",
+    "speculative_config": "speculative decoding as JSON, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, draft_model)',
 }
 
 
@@ -78,6 +80,7 @@ class EngineArgs:
     num_pages: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    speculative_config: dict | str | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -41,6 +41,9 @@ from roofline.models.weights import (
 from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from roofline.request import Request, RequestStatus
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.build import build_spec_decoder
+from roofline.spec_decode.config import SpeculativeConfig
+from roofline.spec_decode.decoder import SpecDecoder
 from roofline.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,12 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    spec_decode_num_drafts_total: int = 0
+    """Verification rows: one per speculating request per step."""
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_emitted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +120,7 @@ class _Group:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        spec_config = SpeculativeConfig.parse(args.speculative_config)
         source = resolve_model(args.model)
         self.model_name = source.name
         self.model_config: ModelConfig = load_model_config(source)
@@ -122,6 +132,19 @@ class LLMEngine:
         dummy = args.load_format == "dummy" or source.kind == "config"
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+        self.spec: SpecDecoder | None = None
+        """Speculative decoding (None: off); built before the target so that, on CUDA, the
+        target's KV budget sees the draft's memory."""
+        if spec_config is not None:
+            self.spec = build_spec_decoder(
+                spec_config,
+                args,
+                self.model_config,
+                self.tokenizer,
+                self.scheduler_config,
+                device,
+                dtype,
+            )
         self.runner = ModelRunner(
             self.model_config,
             args.cache_config(),
@@ -287,11 +310,19 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
-        overlap = self.async_scheduling and self._num_sync_groups == 0
+        spec = self.spec
+        speculate = spec is not None and spec.active(self.scheduler.num_running)
+        overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
         if prev is not None and not overlap:
             outputs += self._finish_step(*prev)  # drain: this step needs the host up to date
             prev = None
+        if speculate:  # proposals need every token on the host: speculative steps are sync
+            spec.propose(self.scheduler.running)  # type: ignore[union-attr]
+        elif spec is not None:
+            spec.withdraw()
         sched_out = self.scheduler.schedule()
+        if spec is not None and sched_out.finished_request_ids:
+            spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
             self.on_schedule(sched_out)
         handle = self.runner.launch(sched_out)
@@ -312,6 +343,8 @@ class LLMEngine:
         run_out = handle.result()
         self.step_timing.wait_s += time.perf_counter() - t0
         updates = self.scheduler.update(sched_out, run_out)
+        if run_out.verified and self.spec is not None:
+            self.spec.record(run_out.verified)
         changed: dict[str, _Group] = {}
         now = time.monotonic()
         for upd in updates:
@@ -435,6 +468,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries_total=kv.prefix_queries,
             prefix_cache_hits_total=kv.prefix_hits,
+            **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

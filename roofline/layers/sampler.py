@@ -303,6 +303,10 @@ class Sampler:
     def _process(logits: Tensor, t: SamplingTensors) -> Tensor:
         return apply_truncation(apply_penalties(logits, t), t)
 
+    def generator(self, request: Request, device: torch.device) -> torch.Generator:
+        """The seeded request's own generator (the verifier draws from it too)."""
+        return self._generator(request, device)
+
     def _generator(self, request: Request, device: torch.device) -> torch.Generator:
         generator = self._generators.get(request.request_id)
         if generator is None:

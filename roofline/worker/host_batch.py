@@ -44,6 +44,9 @@ class HostBatch:
     """Rows whose input token is pending (async scheduling): a 0 here, the device fills it."""
     pending_requests: list[str] = field(default_factory=list)
     """The request id of each pending row."""
+    verifies: bool = False
+    """Some sampling request carries proposals: its last ``1 + k`` rows all sample (in
+    ``sample_rows``), and the verifier, not the sampler, decides its tokens."""
 
     @property
     def num_reqs(self) -> int:
@@ -71,6 +74,8 @@ class HostBatch:
             req, start, n = s.request, s.start_position, s.num_new_tokens
             end = start + n
             known = len(req.prompt_token_ids) + len(req.output_token_ids)
+            num_spec = len(req.spec_token_ids)
+            known += num_spec
             bt = s.block_ids
             if end > known:  # the last input token is pending (sampled by the last launch)
                 if end != known + 1:
@@ -92,6 +97,9 @@ class HostBatch:
             b.seq_lens.append(end)
             b.table_rows.append(tables.row_of(req, bt, b.table_updates))
             if s.samples:
+                if num_spec:  # a verification row: the known token and every proposal
+                    b.sample_rows.extend(range(num_rows - 1 - num_spec, num_rows - 1))
+                    b.verifies = True
                 b.sample_rows.append(num_rows - 1)
                 b.sample_requests.append(req)
         return b

@@ -32,6 +32,8 @@ from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.runner_step import verify_step
+from roofline.spec_decode.verifier import Verifier
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.host_batch import HostBatch, upload
@@ -82,6 +84,7 @@ class ModelRunner:
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler()
+        self.verifier = Verifier(self.sampler)
         self.graphs: DecodeGraphs | None = None
         self._prev_sampled: torch.Tensor | None = None
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
@@ -251,6 +254,9 @@ class ModelRunner:
             return StepHandle([], None, [])
         requests = batch.sample_requests
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
+            self._prev_sampled, self._prev_rows = None, {}
+            return verify_step(self.sampler, self.verifier, logits, requests)
         out = self.sampler.sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}

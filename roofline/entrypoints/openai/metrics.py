@@ -107,6 +107,26 @@ _COUNTERS = (
         "Prompt tokens looked up in the prefix cache.",
     ),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    (
+        "spec_decode_num_drafts",
+        "spec_decode_num_drafts_total",
+        "Speculative verifications (one per speculating request per step).",
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_draft_tokens_total",
+        "Tokens proposed for verification.",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_total",
+        "Proposed tokens the target accepted.",
+    ),
+    (
+        "spec_decode_num_emitted_tokens",
+        "spec_decode_num_emitted_tokens_total",
+        "Tokens emitted by verifications (accepted + the target's own).",
+    ),
 )
 
 
@@ -129,6 +149,14 @@ class _StatsCollector(Collector):
             c = CounterMetricFamily(f"roofline:{name}", doc, labels=labels)
             c.add_metric([self._model_name], float(getattr(stats, field, 0) if stats else 0))
             yield c
+        c = CounterMetricFamily(
+            "roofline:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposals by position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for pos, count in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ())):
+            c.add_metric([self._model_name, str(pos)], float(count))
+        yield c
         c = CounterMetricFamily(
             "roofline:request_success",
             "Finished requests by reason.",

@@ -1,0 +1,132 @@
+"""SpecDecoder: the engine's speculative-decoding strategy object.
+
+Once per step, before scheduling, ``propose(running)`` asks the proposer for each running
+request in the decode state (prefill done, nothing pending) and stores the tokens in
+``Request.spec_token_ids``; the scheduler then counts them like any other tokens and the runner
+verifies them. The per-request k is clipped so that the emitted tokens (accepted + 1) never pass
+``max_tokens`` or ``max_model_len``. Above ``max_batch_size`` running requests it proposes
+nothing (the adaptive switch). It also keeps the counters the engine reports: proposals,
+accepted and emitted tokens, acceptance per position, time spent proposing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from roofline.core.outputs import VerifiedTokens
+from roofline.request import Request, RequestStatus
+from roofline.spec_decode.config import SpeculativeConfig
+from roofline.spec_decode.proposer import Proposer
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0
+    """Verification rows (one per request per speculative step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """[k] how often the proposal at position i was accepted."""
+    propose_s: float = 0.0
+    num_propose_calls: int = 0
+
+    def as_engine_stats(self) -> dict[str, object]:
+        """The ``EngineStats`` fields (``/metrics`` reads them)."""
+        return {
+            "spec_decode_num_drafts_total": self.num_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+            "spec_decode_num_emitted_tokens_total": self.num_emitted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+        }
+
+    def summary(self) -> str:
+        """One line for ``roofline bench`` output."""
+        per_pos = [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
+        ms = 1e3 * self.propose_s / self.num_propose_calls if self.num_propose_calls else 0.0
+        return (
+            f"speculative decoding: {self.num_drafts} verifications, "
+            f"{self.num_draft_tokens} proposed, {self.num_accepted_tokens} accepted "
+            f"({100 * self.acceptance_rate:.1f}%), mean accepted length "
+            f"{self.mean_accepted_length:.2f} tokens per verification, acceptance per "
+            f"position [{', '.join(f'{x:.2f}' for x in per_pos)}], proposing {ms:.2f} ms "
+            "per step"
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification row (accepted + the target's own)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_batch_size: int, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_batch_size = max_batch_size
+        """Speculate only while at most this many requests run (the adaptive switch)."""
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._proposed: list[Request] = []
+
+    def active(self, num_running: int) -> bool:
+        return 0 < num_running <= self.max_batch_size
+
+    def withdraw(self) -> None:
+        """Drop proposals that no step verified (a request the token budget did not reach):
+        before proposing again, and on every step while speculation is off, so an async
+        (non-speculative) step never sees them."""
+        for r in self._proposed:
+            if r.spec_token_ids:
+                r.spec_token_ids = []
+        self._proposed = []
+
+    def propose(self, running: list[Request]) -> None:
+        t0 = time.perf_counter()
+        self.withdraw()
+        requests: list[Request] = []
+        max_lens: list[int] = []
+        for r in running:
+            if (
+                r.status is not RequestStatus.RUNNING
+                or r.num_pending_tokens
+                or r.num_computed_tokens != r.num_known_tokens - 1
+            ):
+                continue  # still prefilling, or its last token is in flight
+            room = min(
+                r.max_tokens - r.num_output_tokens - 1,
+                self.max_model_len - r.num_known_tokens - 1,
+            )
+            if room > 0:
+                requests.append(r)
+                max_lens.append(min(room, self.config.num_speculative_tokens))
+        if requests:
+            proposals = self.proposer.propose(requests, max_lens)
+            for r, tokens, n in zip(requests, proposals.token_ids, max_lens):
+                r.spec_token_ids = list(tokens[:n])
+            self._proposed = requests
+        self.stats.propose_s += time.perf_counter() - t0
+        self.stats.num_propose_calls += 1
+
+    def record(self, verified: dict[str, VerifiedTokens]) -> None:
+        """Count a step's verification rows (``ModelRunnerOutput.verified``)."""
+        s = self.stats
+        for v in verified.values():
+            s.num_drafts += 1
+            s.num_draft_tokens += v.num_proposed
+            s.num_accepted_tokens += v.num_accepted
+            s.num_emitted_tokens += v.num_accepted + 1
+            for i in range(v.num_accepted):
+                s.accepted_per_pos[i] += 1
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        self.proposer.remove(request_ids)
