@@ -47,6 +47,9 @@ _HELP = {
     "async_scheduling": "schedule step N+1 while the GPU runs step N (default: on with CUDA)",
     "speculative_config": "speculative decoding as JSON, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, draft_model)',
+    "tensor_parallel_size": "shard the model over this many GPUs (CPU: gloo processes)",
+    "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
+    "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
 }
 
 
@@ -81,6 +84,8 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     speculative_config: dict | str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

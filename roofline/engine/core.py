@@ -169,13 +169,18 @@ def ready_message(engine: LLMEngine) -> CoreReady:
 
 # --------------------------------------------------------------------------- in a process
 class _PipeChannel:
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, idle_check: Callable[[], None] | None = None) -> None:
         self.conn = conn
+        self.idle_check = idle_check
+        """Called about once a second while the core waits for commands (it raises when the
+        engine can no longer serve: a dead tensor-parallel worker)."""
 
     def recv(self, block: bool) -> list[Command] | None:
         commands: list[Command] = []
         try:
             if block:
+                while self.idle_check is not None and not self.conn.poll(1.0):
+                    self.idle_check()
                 commands.append(self.conn.recv())
             while self.conn.poll():
                 commands.append(self.conn.recv())
@@ -213,9 +218,12 @@ def run_core_process(
     freeze_startup_heap()  # the model and imports: out of the GC's full collections
     conn.send(ready_message(engine))
     try:
-        EngineCore(engine, _PipeChannel(conn)).run()
+        idle_check = getattr(engine.runner, "check_health", None)  # tensor-parallel workers
+        EngineCore(engine, _PipeChannel(conn, idle_check)).run()
     except BaseException:
         raise SystemExit(1) from None
+    finally:
+        engine.shutdown()  # tensor-parallel workers, if any
 
 
 class CoreHandle(Protocol):

@@ -132,6 +132,10 @@ class LLMEngine:
         dummy = args.load_format == "dummy" or source.kind == "config"
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+        if spec_config is not None and (
+            args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None
+        ):
+            raise ValueError("speculative decoding under tensor parallelism is not supported yet")
         self.spec: SpecDecoder | None = None
         """Speculative decoding (None: off); built before the target so that, on CUDA, the
         target's KV budget sees the draft's memory."""
@@ -145,19 +149,24 @@ class LLMEngine:
                 device,
                 dtype,
             )
-        self.runner = ModelRunner(
-            self.model_config,
-            args.cache_config(),
-            self.scheduler_config,
-            device,
-            dtype,
-            weights=None if dummy else iter_weights(source),
-            seed=args.seed,
-            attention_backend=_make_backend(args.attention_backend, device),
-        )
-        self.runner.warmup()
-        if device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs()
+        if args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None:
+            from roofline.distributed.executor import build_executor  # workers per rank
+
+            self.runner = build_executor(args, source, self.model_config, device, dtype, dummy)
+        else:
+            self.runner = ModelRunner(
+                self.model_config,
+                args.cache_config(),
+                self.scheduler_config,
+                device,
+                dtype,
+                weights=None if dummy else iter_weights(source),
+                seed=args.seed,
+                attention_backend=_make_backend(args.attention_backend, device),
+            )
+            self.runner.warmup()
+            if device.type == "cuda" and not args.enforce_eager:
+                self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, args.page_size, args.enable_prefix_caching
         )
@@ -457,6 +466,12 @@ class LLMEngine:
             self._seq_owner.pop(seq.request_id, None)
 
     # ----------------------------------------------------------------- helpers
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the in-process runner needs nothing)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def get_stats(self) -> EngineStats:
         kv = self.kv_manager
         return EngineStats(

@@ -3,6 +3,11 @@
 
 Checkpoint names follow HF; ``q/k/v_proj`` load into the packed ``qkv_proj`` and
 ``gate/up_proj`` into ``gate_up_proj`` (see ``PACKED_MODULES``).
+
+Under tensor parallelism (a ``ParallelContext`` of ``world_size > 1``) every layer is built with
+its rank's local sizes (``distributed/sharding.py``: heads, KV heads, MLP columns, vocabulary
+rows), the loader hands it its slices, and the row-parallel outputs (o_proj, down_proj) and the
+vocab-parallel embedding are all-reduced; logits are gathered over the vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import torch
 from torch import nn
 
 from roofline.config import ModelConfig
+from roofline.distributed.layers import VocabParallelEmbedding
+from roofline.distributed.parallel_state import SINGLE, ParallelContext
+from roofline.distributed.sharding import ShardLayout
 from roofline.layers.activation import SiluAndMul
 from roofline.layers.attention import Attention, ForwardContext
 from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
@@ -43,10 +51,13 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        shard: ShardLayout | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        shard = shard or ShardLayout.of(cfg, 0, 1)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -63,6 +74,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # shared by all layers, not owned
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.reduce = parallel.all_reduce if parallel.is_parallel else None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
@@ -80,15 +92,21 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, ctx, positions, self.rotary, qk_norm)  # RoPE, store, attention
-        return self.o_proj(out)  # [num_tokens, hidden]
+        out = self.o_proj(out)  # [num_tokens, hidden] (this rank's partial sum under TP)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, quant_config: QuantizationConfig | None = None, prefix: str = ""
+        self,
+        cfg: ModelConfig,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        shard: ShardLayout | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
-        i = cfg.intermediate_size
+        i = cfg.intermediate_size if shard is None else shard.intermediate_size
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, [i, i], method=linear_method(quant_config, f"{prefix}gate_up_proj")
         )
@@ -96,12 +114,15 @@ class LlamaMLP(nn.Module):
             i, cfg.hidden_size, method=linear_method(quant_config, f"{prefix}down_proj")
         )
         self.act = SiluAndMul()
+        self.reduce = parallel.all_reduce if parallel.is_parallel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
-            return self.down_proj.forward_silu_mul(gate_up)
-        return self.down_proj(self.act(gate_up))
+            out = self.down_proj.forward_silu_mul(gate_up)
+        else:
+            out = self.down_proj(self.act(gate_up))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,15 +132,17 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         rotary: RotaryEmbedding,
         quant_config: QuantizationConfig | None = None,
+        shard: ShardLayout | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(
-            cfg, layer_idx, rotary, quant_config, prefix=f"{prefix}self_attn."
+            cfg, layer_idx, rotary, quant_config, f"{prefix}self_attn.", shard, parallel
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, quant_config, prefix=f"{prefix}mlp.")
+        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}mlp.", shard, parallel)
 
     def forward(
         self,
@@ -149,23 +172,33 @@ class LlamaForCausalLM(nn.Module):
         cfg: ModelConfig,
         max_positions: int,
         quant_config: QuantizationConfig | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.parallel = parallel
+        shard = ShardLayout.of(cfg, parallel.rank, parallel.world_size)
+        self.shard = shard
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if parallel.is_parallel:
+            self.embed_tokens = VocabParallelEmbedding(
+                shard.vocab_per_rank, cfg.hidden_size, parallel
+            )
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary, quant_config)
+            LlamaDecoderLayer(cfg, i, self.rotary, quant_config, shard, parallel)
             for i in range(cfg.num_hidden_layers)
         )
+        head_rows = shard.vocab_per_rank if parallel.is_parallel else cfg.vocab_size
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         own_head = not cfg.tie_word_embeddings or (
             quant_config is not None and quant_config.quantizes_lm_head()
         )
         self.lm_head = (
-            Linear(cfg.hidden_size, cfg.vocab_size, method=linear_method(quant_config, "lm_head"))
+            Linear(cfg.hidden_size, head_rows, method=linear_method(quant_config, "lm_head"))
             if own_head
             else None
         )
@@ -185,8 +218,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab] fp32
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+        if self.parallel.is_parallel:  # [num_rows, vocab_per_rank] -> all ranks, padding cut
+            logits = self.parallel.gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits
 
     def process_weights_after_loading(self) -> None:
         """Each linear method's post-load step (the 16-bit one: MKL-packed weights for batch-1

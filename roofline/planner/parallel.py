@@ -4,8 +4,11 @@ Megatron-style tensor parallelism splits every block's attention heads and MLP c
 ``tp`` ranks and all-reduces the hidden state twice per layer (after the attention output
 projection and after the MLP down projection). A ring all-reduce of ``n`` bytes over ``p`` ranks
 moves ``2 (p - 1) / p * n`` bytes through each rank's link and takes ``2 (p - 1)`` latency hops
-(the alpha-beta model). Pipeline parallelism splits the layers into ``pp`` stages that hand the
-hidden state on point to point; it cuts memory per GPU but not the latency of one token.
+(the alpha-beta model); the engine all-reduces small messages (decode) one-shot instead, one
+hop reading ``(p - 1) n`` bytes, and both costs come from ``roofline.distributed.comm_model``,
+the model the engine's transport choice follows. Pipeline parallelism splits the layers into
+``pp`` stages that hand the hidden state on point to point; it cuts memory per GPU but not the
+latency of one token.
 """
 
 from __future__ import annotations
@@ -13,17 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roofline.config import ModelConfig
+from roofline.distributed import comm_model
 from roofline.planner.hardware import GPUSpec, dtype_bytes
 from roofline.planner.memory import MemoryPlan, plan_memory
 
 
 def ring_allreduce_time_s(num_bytes: float, num_gpus: int, gpu: GPUSpec) -> float:
     """alpha-beta time of a ring all-reduce of ``num_bytes`` over ``num_gpus`` ranks."""
-    if num_gpus <= 1 or num_bytes <= 0:
-        return 0.0
-    steps = 2 * (num_gpus - 1)
-    bw_term = steps / num_gpus * num_bytes / gpu.interconnect_bandwidth_bytes_per_s
-    return bw_term + steps * gpu.interconnect_latency_s
+    bw, hop = gpu.interconnect_bandwidth_bytes_per_s, gpu.interconnect_latency_s
+    return comm_model.ring_allreduce_s(num_bytes, num_gpus, bw, hop)
+
+
+def allreduce_time_s(num_bytes: float, num_gpus: int, gpu: GPUSpec) -> float:
+    """The engine's all-reduce (one-shot for small messages, else ring): ``comm_model``."""
+    bw, hop = gpu.interconnect_bandwidth_bytes_per_s, gpu.interconnect_latency_s
+    return comm_model.allreduce_s(num_bytes, num_gpus, bw, hop)
 
 
 def allreduce_bytes_per_layer(
@@ -38,7 +45,7 @@ def allreduce_time_per_layer_s(
 ) -> float:
     """Both all-reduces of one layer (each a separate collective, so two latency terms)."""
     one = num_tokens * model.hidden_size * dtype_bytes(act_dtype)
-    return 2 * ring_allreduce_time_s(one, tp, gpu)
+    return 2 * allreduce_time_s(one, tp, gpu)
 
 
 def allreduce_time_per_step_s(

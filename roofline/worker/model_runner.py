@@ -25,9 +25,10 @@ from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
 from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from roofline.distributed.parallel_state import SINGLE, ParallelContext
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.linear import MergedLinear
-from roofline.layers.sampler import Sampler
+from roofline.layers.sampler import Sampler, SamplerOutput
 from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
 from roofline.request import Request
@@ -56,7 +57,10 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: AttentionBackend | None = None,
         quant_config: QuantizationConfig | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
+        self.parallel = parallel
+        """This rank's tensor-parallel context (weights, KV heads and sampling follow it)."""
         self.model_config = model_config
         self.quant_config = quant_config
         self.cache_config = cache_config
@@ -66,6 +70,8 @@ class ModelRunner:
         self.page_size = cache_config.page_size
         torch.manual_seed(seed)
         self.model = self._build_model(weights, seed)
+        self.num_kv_heads = self.model.shard.num_kv_heads
+        """KV heads of this rank's pool (all of them unless sharded)."""
         self.num_pages = self._num_pages()
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
@@ -74,7 +80,7 @@ class ModelRunner:
             2,
             self.num_pages,
             self.page_size,
-            cfg.num_key_value_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             dtype=dtype,
             device=device,
@@ -97,6 +103,8 @@ class ModelRunner:
         cls = get_model_class(self.model_config)
         max_positions = max(self.scheduler_config.max_model_len, 1)
         quant = {} if self.quant_config is None else {"quant_config": self.quant_config}
+        if self.parallel.is_parallel:
+            quant["parallel"] = self.parallel
         # Built in the model dtype, so quantized tensors (int8, fp8, fp32 scales) keep theirs.
         with torch.device("meta"), _default_dtype(self.dtype):
             model = cls(self.model_config, max_positions, **quant)
@@ -116,6 +124,7 @@ class ModelRunner:
         if cc.num_pages_override is not None:
             return cc.num_pages_override
         page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype.itemsize)
+        page_bytes = page_bytes * self.num_kv_heads // cfg.num_key_value_heads
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._default_kv_budget()
@@ -222,7 +231,11 @@ class ModelRunner:
             self.block_tables.drop(sched_out.preempted_request_ids)
         if sched_out.is_empty:
             return StepHandle([], None, [])
-        batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        return self.launch_batch(HostBatch.build(sched_out, self.page_size, self.block_tables))
+
+    def launch_batch(self, batch: HostBatch) -> StepHandle:
+        """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
+        with its block-table rows already assigned)."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
@@ -257,10 +270,23 @@ class ModelRunner:
         if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
             self._prev_sampled, self._prev_rows = None, {}
             return verify_step(self.sampler, self.verifier, logits, requests)
-        out = self.sampler.sample(logits, requests)
+        out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         return StepHandle(requests, out.token_ids, out.logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
+        the next step's pending input tokens on every rank)."""
+        if not self.parallel.is_parallel:
+            return self.sampler.sample(logits, requests)
+        if self.parallel.rank == 0:
+            out = self.sampler.sample(logits, requests)
+        else:
+            ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
+            out = SamplerOutput(ids, [None] * len(requests))
+        self.parallel.broadcast_from_first(out.token_ids)
+        return out
 
     def _upload(self, batch: HostBatch, *extra: list[int]) -> _DeviceInputs:
         """A step's inputs on the device in one copy (and the block-table updates applied);
@@ -363,6 +389,21 @@ class StepHandle:
             self._host.copy_(token_ids, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids in row order (waits for them)."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        return self._logprobs
 
     def result(self) -> ModelRunnerOutput:
         if self._host is None:

@@ -14,6 +14,7 @@ from roofline.planner.latency import (
 from roofline.planner.memory import KVLayout, kv_bytes_per_token, param_counts
 from roofline.planner.parallel import (
     allreduce_time_per_layer_s,
+    allreduce_time_s,
     pipeline_bubble_fraction,
     plan_parallel,
     ring_allreduce_time_s,
@@ -115,7 +116,13 @@ def test_ring_allreduce_and_tp(llama3_8b):
     assert t == pytest.approx(1.5 * n_bytes / 450e9 + 6 * gpu.interconnect_latency_s)
     assert ring_allreduce_time_s(n_bytes, 1, gpu) == 0.0
     per_layer = allreduce_time_per_layer_s(llama3_8b, gpu, 2)
-    assert per_layer == 2 * ring_allreduce_time_s(4096 * 2, 2, gpu)
+    # 8 KB per all-reduce: the one-shot algorithm (one hop) the engine uses at that size
+    assert per_layer == 2 * allreduce_time_s(4096 * 2, 2, gpu)
+    assert allreduce_time_s(4096 * 2, 4, gpu) < ring_allreduce_time_s(
+        4096 * 2, 4, gpu
+    )  # 2 vs 6 hops
+    big = 64 << 20  # prefill-sized: the ring
+    assert allreduce_time_s(big, 4, gpu) == ring_allreduce_time_s(big, 4, gpu)
     plan1 = plan_parallel(llama3_8b, gpu, 1, 1, 4096)
     plan2 = plan_parallel(llama3_8b, gpu, 2, 1, 4096)
     assert plan2.memory.weight_bytes == pytest.approx(plan1.memory.weight_bytes / 2, rel=0.001)
