@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from roofline.core.outputs import SchedulerOutput
 from roofline.planner.calibration import (
     CalibrationPoint,
@@ -281,14 +283,20 @@ def run_suite(engine: Any, timer: StepTimer, cases: list[SuiteCase], log=print) 
             work = dataclasses.replace(work, request_rate=case.serving_fraction * offline_rps)
         engine.kv_manager.reset_prefix_cache()
         t0 = time.perf_counter()
-        measured = summarize(
-            trace_engine(engine, work.requests(), realtime=work.request_rate is not None).result
-        )
+        trace = trace_engine(engine, work.requests(), realtime=work.request_rate is not None)
+        measured = summarize(trace.result)
         offline_rps = measured.request_throughput if work.request_rate is None else offline_rps
         name = (
             case.name if work.request_rate is None else f"{case.name} ({work.request_rate:.3g}/s)"
         )
-        row = _compare(name, measured, summarize(simulate(work, sim, timer)))
+        simulated = simulate(work, sim, timer)
+        row = _compare(name, measured, summarize(simulated))
+        # where an error comes from: the step model on the engine's own steps, and the number
+        # of steps the engine and the simulator took (scheduling differences)
+        model = getattr(timer, "inner", timer)
+        ratios = [model(p.shape()) / p.step_time_s for p in trace.points]
+        row["step_model_error_p50"] = float(np.median(ratios)) - 1.0 if ratios else 0.0
+        row["engine_steps"], row["simulated_steps"] = len(trace.points), simulated.num_steps
         rows.append(row)
         log(f"  {name}: measured in {time.perf_counter() - t0:.1f} s")
     return rows
@@ -297,6 +305,12 @@ def run_suite(engine: Any, timer: StepTimer, cases: list[SuiteCase], log=print) 
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'workload':<34} {'figure':<13} {'measured':>11} {'simulated':>11} {'error':>8}"]
     for row in rows:
+        if "engine_steps" in row:
+            lines.append(
+                f"{row['workload']:<34} steps: engine {row['engine_steps']:,}, simulator "
+                f"{row['simulated_steps']:,}; step model on the engine's steps "
+                f"{100 * row['step_model_error_p50']:+.1f}% (median)"
+            )
         for key, bound in TARGETS.items():
             v = row[key]
             mark = "" if abs(v["error"]) <= bound else f"  (over {100 * bound:.0f}%)"
