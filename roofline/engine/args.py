@@ -47,6 +47,8 @@ _HELP = {
     "async_scheduling": "schedule step N+1 while the GPU runs step N (default: on with CUDA)",
     "speculative_config": "speculative decoding as JSON, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, draft_model)',
+    "kv_cache_dtype": "KV page storage: auto (the model dtype), fp8 (e4m3) or int8, quantized "
+    "per token and head (about half the bytes of bf16 pages)",
 }
 
 
@@ -81,6 +83,7 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     speculative_config: dict | str | None = None
+    kv_cache_dtype: str = "auto"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -109,6 +112,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_pages_override=self.num_pages,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:

@@ -30,6 +30,7 @@ from roofline.layers.linear import MergedLinear
 from roofline.layers.sampler import Sampler
 from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.kv_cache import KVCacheSpec
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.runner_step import verify_step
@@ -64,23 +65,25 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.page_size = cache_config.page_size
+        self.backend = attention_backend or TorchAttentionBackend()
+        self.kv_spec = KVCacheSpec.create(cache_config.kv_cache_dtype, dtype)
+        self.kv_spec.check_backend(self.backend, device)  # before any weight is loaded
         torch.manual_seed(seed)
         self.model = self._build_model(weights, seed)
         self.num_pages = self._num_pages()
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
+        # in the page dtype; a quantized pool adds fp32 scales [num_layers, 2, num_pages,
+        # page_size, kv_heads].
+        self.kv_cache, self.kv_scales = self.kv_spec.allocate(
             cfg.num_hidden_layers,
-            2,
             self.num_pages,
             self.page_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            dtype=dtype,
-            device=device,
+            device,
         )
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        self.backend = attention_backend or TorchAttentionBackend()
+        self.kv_caches = self.kv_spec.layer_views(self.kv_cache, self.kv_scales)
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler()
@@ -115,7 +118,9 @@ class ModelRunner:
         cc, cfg = self.cache_config, self.model_config
         if cc.num_pages_override is not None:
             return cc.num_pages_override
-        page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype.itemsize)
+        page_bytes = self.page_size * self.kv_spec.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        )
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._default_kv_budget()
