@@ -108,6 +108,9 @@ class _Group:
     ids, logprobs); ``cumulative_logprob`` stays cumulative."""
     sent: list[tuple[int, int, int]] = field(default_factory=list)
     """Per completion, (chars of text, token ids, logprob entries) already reported."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``prompt_logprobs``: [None] then one dict per prompt token received so far."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -177,6 +180,9 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._num_sync_groups = 0
         """Unfinished user requests whose sampling needs host-side history (no overlap)."""
+        self._num_prompt_logprob_groups = 0
+        """Unfinished user requests that asked for prompt logprobs (the runner computes them
+        only while this is > 0)."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -255,6 +261,9 @@ class LLMEngine:
         self._groups[request_id] = group
         if _needs_sync(params):
             self._num_sync_groups += 1
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+            self._num_prompt_logprob_groups += 1
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (group, i)
 
@@ -325,7 +334,10 @@ class LLMEngine:
             spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
             self.on_schedule(sched_out)
-        handle = self.runner.launch(sched_out)
+        if self._num_prompt_logprob_groups:
+            handle = self.runner.launch(sched_out, prompt_logprobs=True)
+        else:
+            handle = self.runner.launch(sched_out)
         if prev is not None:
             outputs += self._finish_step(*prev)  # runs while the device computes sched_out
         if overlap and not sched_out.is_empty:
@@ -342,6 +354,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         run_out = handle.result()
         self.step_timing.wait_s += time.perf_counter() - t0
+        if run_out.prompt_logprobs:
+            self._add_prompt_logprobs(run_out.prompt_logprobs)
         updates = self.scheduler.update(sched_out, run_out)
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
@@ -389,6 +403,18 @@ class LLMEngine:
             for lp in new_logprobs:
                 group.logprobs[index].append(self._convert_logprobs(lp))
                 group.cumulative_logprob[index] += lp.logprob
+
+    def _add_prompt_logprobs(self, new: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Append each request's new prompt-token entries; entries of positions already held
+        (recomputed after a preemption, or by the 2nd..nth sequence) are dropped."""
+        for rid, (first, entries) in new.items():
+            owner = self._seq_owner.get(rid)
+            if owner is None or owner[0].prompt_logprobs is None:
+                continue
+            held = owner[0].prompt_logprobs
+            for i, lp in enumerate(entries, start=first):
+                if i == len(held):
+                    held.append(self._convert_logprobs(lp))
 
     def _convert_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         out = {
@@ -439,6 +465,13 @@ class LLMEngine:
             first.num_cached_tokens,
             first.num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs),
         )
+        prompt_lps = group.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < len(group.prompt_token_ids):
+            prompt_lps = None  # not all computed yet (an output before the prompt's end)
+        elif prompt_lps is not None and group.delta:
+            prompt_lps, group.prompt_logprobs_sent = (
+                (None, True) if group.prompt_logprobs_sent else (prompt_lps, True)
+            )
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -447,12 +480,15 @@ class LLMEngine:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_lps,
         )
 
     def _drop(self, group: _Group) -> None:
         if self._groups.pop(group.request_id, None) is not None:
             if _needs_sync(group.seqs[0].sampling_params):
                 self._num_sync_groups -= 1
+            if group.prompt_logprobs is not None:
+                self._num_prompt_logprob_groups -= 1
         for seq in group.seqs:
             self._seq_owner.pop(seq.request_id, None)
 

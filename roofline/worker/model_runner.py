@@ -39,6 +39,7 @@ from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
+from roofline.worker.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,10 @@ class ModelRunner:
         return self.launch(sched_out).result()
 
     @torch.inference_mode()
-    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
-        """Queue one step on the device; the sampled ids arrive through the handle."""
+    def launch(self, sched_out: SchedulerOutput, prompt_logprobs: bool = False) -> StepHandle:
+        """Queue one step on the device; the sampled ids arrive through the handle. With
+        ``prompt_logprobs`` (some request in flight asks for them) the step also computes the
+        prompt logprobs of the requests that asked (a host sync: their values go to the host)."""
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
             self.block_tables.drop(sched_out.finished_request_ids)
@@ -252,11 +255,14 @@ class ModelRunner:
             meta = self._metadata(batch, dev)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
+        prompt_lps = (
+            compute_prompt_logprobs(self.model, hidden, sched_out) if prompt_logprobs else {}
+        )
         if gather:
             hidden = hidden.index_select(0, sample_rows)  # [num_sampled, hidden]
         if not batch.sample_rows:
             self._prev_sampled, self._prev_rows = None, {}
-            return StepHandle([], None, [])
+            return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
@@ -265,7 +271,7 @@ class ModelRunner:
         out = self.sampler.sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
-        return StepHandle(requests, out.token_ids, out.logprobs)
+        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps)
 
     def _upload(self, batch: HostBatch, *extra: list[int]) -> _DeviceInputs:
         """A step's inputs on the device in one copy (and the block-table updates applied);
@@ -358,9 +364,11 @@ class StepHandle:
         requests: list[Request],
         token_ids: torch.Tensor | None,
         logprobs: list[TokenLogprobs | None],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> None:
         self._requests = requests
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
         if token_ids is not None and token_ids.is_cuda:
@@ -371,14 +379,14 @@ class StepHandle:
 
     def result(self) -> ModelRunnerOutput:
         if self._host is None:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
         if self._event is not None:
             self._event.synchronize()  # the step's one host sync
         token_ids = self._host.tolist()
         requests = self._requests
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
 @contextlib.contextmanager

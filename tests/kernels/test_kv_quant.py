@@ -51,9 +51,9 @@ def test_store_kv_quantized(page_dtype: torch.dtype, dtype: torch.dtype) -> None
     ref = [t.clone() for t in got]
     store_kv(k, v, *got[:2], slots, *got[2:])
     store_kv_ref(k, v, *ref[:2], slots, *ref[2:])
-    for a, b in zip(got, ref):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)  # fmt: skip
+    for a, b in zip(got, ref):  # bit-exact: fp8 compared as raw bytes
+        bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        assert torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
