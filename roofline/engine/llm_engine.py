@@ -59,6 +59,8 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    kv_cache_capacity_tokens: int = 0
+    """Tokens the KV pool holds (pages x page size): about 2x with fp8/int8 pages."""
     spec_decode_num_drafts_total: int = 0
     """Verification rows: one per speculating request per step."""
     spec_decode_num_draft_tokens_total: int = 0
@@ -504,6 +506,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries_total=kv.prefix_queries,
             prefix_cache_hits_total=kv.prefix_hits,
+            kv_cache_capacity_tokens=self.runner.num_pages * self.runner.page_size,
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )
 

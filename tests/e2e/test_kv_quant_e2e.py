@@ -62,12 +62,11 @@ def test_quantized_kv_greedy_independent_of_scheduling(tiny, kv_cache_dtype):
 def test_quantized_pool_holds_more_tokens(tiny):
     path, _ = tiny
     budget = dict(kv_cache_memory_bytes=1 << 20, max_model_len=128)
-    pages = {
-        dt: LLM(
-            str(path), dtype="bfloat16", device="cpu", kv_cache_dtype=dt, **budget
-        ).llm_engine.runner.num_pages
-        for dt in ("auto", "fp8", "int8")
-    }
+    pages = {}
+    for dt in ("auto", "fp8", "int8"):
+        engine = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_dtype=dt, **budget)
+        pages[dt] = engine.llm_engine.runner.num_pages
+        assert engine.llm_engine.get_stats().kv_cache_capacity_tokens == pages[dt] * 16
     # 3 layers x K, V x 2 heads, head_dim 16: 32 bytes per head in bf16, 16 + 4 (scale)
     page_bytes = {"auto": 16 * 3 * 2 * 2 * 32, "fp8": 16 * 3 * 2 * 2 * 20}
     assert pages["auto"] == (1 << 20) // page_bytes["auto"]

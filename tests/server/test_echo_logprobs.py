@@ -8,7 +8,7 @@ import math
 
 import openai
 import pytest
-from server_utils import MODEL
+from server_utils import MODEL, Served, metrics
 
 from roofline import LLM, SamplingParams
 
@@ -52,6 +52,11 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, llm: LLM) -> None
     first = chunks[0].choices[0].logprobs
     assert first.token_logprobs[0] is None
     assert first.token_logprobs[1:num_prompt] == lp.token_logprobs[1:num_prompt]
+
+
+def test_kv_capacity_metric(server: Served) -> None:
+    capacity = metrics(server.base_url)["roofline:kv_cache_capacity_tokens"]
+    assert capacity > 0 and capacity % 16 == 0  # pages x page size
 
 
 def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
