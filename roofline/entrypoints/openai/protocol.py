@@ -2,8 +2,8 @@
 
 Requests are parsed strictly (no string-to-number coercion, no NaN), unknown fields are
 ignored, and every sampling field is checked again by ``SamplingParams`` when the request is
-converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement (``echo``,
-``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
+converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement
+(``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
 refused with a 400 rather than silently ignored. Response models document the answers' shape in
 the OpenAPI schema; streamed chunks are built as plain dicts by the handlers.
 """
