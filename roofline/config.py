@@ -163,6 +163,9 @@ class CacheConfig:
     """Reuse KV pages of identical prompt prefixes (full pages, hash-chained, LRU eviction)."""
     num_pages_override: int | None = None
     """Exact number of KV pages (tests use this to force preemption)."""
+    kv_cache_dtype: str = "auto"
+    """Page storage: ``auto`` (the model's dtype), ``fp8`` (e4m3) or ``int8``, the last two
+    with a per-token, per-head scale (``roofline/quantization/kv_cache.py``)."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -175,6 +178,10 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_pages_override is not None and self.num_pages_override <= 0:
             raise ValueError("num_pages_override must be positive")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -55,3 +55,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
     """Set when the request failed inside the engine (finish_reason ``error``)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one dict per prompt token (None for the first),
+    the top-N plus the prompt token itself. Delta outputs carry it once, in the first output."""

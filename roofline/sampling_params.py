@@ -67,6 +67,9 @@ class SamplingParams:
     """Per-request seed: the same seed gives the same tokens alone or inside any batch."""
     logprobs: int | None = None
     """Return this many top log-probabilities per generated token (plus the sampled one)."""
+    prompt_logprobs: int | None = None
+    """Return this many top log-probabilities per prompt token (plus the prompt token's own);
+    such a request recomputes its whole prompt instead of reading the prefix cache."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -134,6 +137,8 @@ class SamplingParams:
             self.seed = _int("seed", self.seed, -(2**63), 2**64 - 1)
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

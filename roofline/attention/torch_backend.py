@@ -4,6 +4,8 @@ Stores the step's new K/V into their slots, then attends. Decode rows (query len
 gathered from their pages into one padded batch and go through a single masked SDPA call;
 prefill/extend rows run one request at a time with a causal mask shifted by the cached context.
 This is the correctness reference the Triton backend is tested against, and the CPU fast path.
+A quantized cache (fp8 / int8 pages, ``kv_scales`` given) is quantized on store and only the
+pages a call reads are dequantized, per call (``quantization/kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.quantization.kv_cache import gather_dequantized, store_quantized_ref
 
 
 def store_kv(
@@ -28,17 +31,33 @@ def store_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim]."""
+def _pages(
+    cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:  # [len(ids), page_size, num_kv_heads, head_dim]
+    # index_select, not cache[ids]: advanced indexing on a large CPU tensor costs milliseconds
+    if scale is None:
+        return cache.index_select(0, ids)
+    return gather_dequantized(cache, scale, ids, dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The first ``seq_len`` positions of one sequence: [seq_len, num_kv_heads, head_dim]
+    (dequantized to ``dtype`` when ``scale`` is given)."""
     page_size = cache.shape[1]
     num_blocks = (seq_len + page_size - 1) // page_size
-    # index_select, not cache[ids]: advanced indexing on a large CPU tensor costs milliseconds
-    pages = cache.index_select(0, block_ids[:num_blocks])  # [num_blocks, page_size, heads, dim]
+    pages = _pages(cache, scale, block_ids[:num_blocks], dtype)  # [blocks, page, heads, dim]
     return pages.flatten(0, 1)[:seq_len]
 
 
 class TorchAttentionBackend:
     name = "torch"
+    kv_cache_dtypes = ("auto", "fp8", "int8")
 
     def forward(
         self,
@@ -49,17 +68,22 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+        if kv_scales is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            store_quantized_ref(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             rows = slice(starts[i], starts[i] + q_len)
-            ks = gather_kv(k_cache, meta.block_table[i], seq_len)
-            vs = gather_kv(v_cache, meta.block_table[i], seq_len)
+            ks = gather_kv(k_cache, meta.block_table[i], seq_len, k_scale, q.dtype)
+            vs = gather_kv(v_cache, meta.block_table[i], seq_len, v_scale, q.dtype)
             out[rows] = _attend(q[rows], ks, vs, seq_len - q_len, scale)
         return out
 
@@ -70,6 +94,8 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         page_size = k_cache.shape[1]
         num_blocks = (meta.max_seq_len + page_size - 1) // page_size
@@ -78,8 +104,9 @@ class TorchAttentionBackend:
         # [num_reqs, num_blocks * page_size, num_kv_heads, head_dim] -> heads first, then only the
         # first max_seq_len keys: a lone request then attends over exactly its own keys, as HF's
         # SDPA call does (padding keys, even masked, change how SDPA blocks the sum).
-        ks = k_cache.index_select(0, ids).view(shape).transpose(1, 2)[:, :, : meta.max_seq_len]
-        vs = v_cache.index_select(0, ids).view(shape).transpose(1, 2)[:, :, : meta.max_seq_len]
+        ks = _pages(k_cache, k_scale, ids, q.dtype).view(shape).transpose(1, 2)
+        vs = _pages(v_cache, v_scale, ids, q.dtype).view(shape).transpose(1, 2)
+        ks, vs = ks[:, :, : meta.max_seq_len], vs[:, :, : meta.max_seq_len]
         positions = torch.arange(ks.shape[2], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:, None]  # [num_reqs, max_len]
         qh = q.unsqueeze(2)  # [num_reqs, num_heads, 1, head_dim]

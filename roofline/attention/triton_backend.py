@@ -7,7 +7,8 @@ request's cached sequence. A decode-only step (every request brings exactly one 
 to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
 (prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
 ``kernels.prefill_attention``, which handles query length 1 rows as well. Host-side values come
-from the metadata's CPU fields, so the forward never syncs with the device.
+from the metadata's CPU fields, so the forward never syncs with the device. A quantized cache
+(``kv_scales`` given) is quantized by the store and read in registers by both attention kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from roofline.kernels.prefill_attention import prefill_attention
 class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True
+    kv_cache_dtypes = ("auto", "fp8", "int8")
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
@@ -38,14 +40,17 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         rope: tuple | None = None,  # (positions, cos_sin_cache, qk_norm or None)
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantized cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         if rope is None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:  # q and k rotated in place, k and v stored: one kernel
             positions, cos_sin, qk_norm = rope
             rotary_kv_store(
-                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm
-            )
+                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
+                k_scale, v_scale,
+            )  # fmt: skip
         if meta.is_decode_only:
             return decode_attention(
                 q,
@@ -56,6 +61,8 @@ class TritonAttentionBackend:
                 scale,
                 max_seq_len=meta.max_seq_len,
                 num_splits=self.decode_num_splits,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return prefill_attention(
             q,
@@ -66,4 +73,6 @@ class TritonAttentionBackend:
             meta.seq_lens,
             scale,
             max_query_len=meta.max_query_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

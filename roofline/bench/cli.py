@@ -1,4 +1,4 @@
-"""``roofline bench latency | throughput | serve | kernels``.
+"""``roofline bench latency | throughput | serve | kernels | quality``.
 
 Every figure is printed beside the roofline measured in the same run (copy bandwidth and matmul
 rate of this machine) and, with ``--compare``, beside peers run on the same weights in the same
@@ -38,6 +38,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_cli(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks against the roofline")
     sub = bench.add_subparsers(dest="bench_command", required=True)
+    from roofline.bench.quality import add_cli as add_quality
+
+    add_quality(sub)
     lat = sub.add_parser("latency", help="decode step time per batch size")
     _common(lat)
     lat.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32, 128])

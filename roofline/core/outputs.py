@@ -83,6 +83,9 @@ class ModelRunnerOutput:
     verified: dict[str, VerifiedTokens] = field(default_factory=dict)
     """request_id -> what the verifier emitted, for requests scheduled with proposals (their
     ``sampled_token_ids`` entry is the last emitted token)."""
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    """request_id -> (prompt index of the first entry, entries) for the prompt tokens this step
+    predicted, for requests with ``prompt_logprobs`` (``worker/prompt_logprobs.py``)."""
 
 
 @dataclass

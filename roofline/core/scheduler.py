@@ -268,6 +268,8 @@ class Scheduler:
                 self.kv.share_prefix(request.parent, request, share_len)  # type: ignore[arg-type]
                 request.num_computed_tokens = share_len
                 hit = PrefixHit([], 0)
+            elif request.sampling_params.prompt_logprobs is not None:
+                hit = PrefixHit([], 0)  # its prompt's logits are needed: recompute them all
             else:
                 hit = self.kv.lookup_prefix(request, count=count_lookup)
                 count_lookup = False

@@ -50,6 +50,8 @@ _HELP = {
     "tensor_parallel_size": "shard the model over this many GPUs (CPU: gloo processes)",
     "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
+    "kv_cache_dtype": "KV page storage: auto (the model dtype), fp8 (e4m3) or int8, quantized "
+    "per token and head (about half the bytes of bf16 pages)",
 }
 
 
@@ -86,6 +88,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -114,6 +117,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_pages_override=self.num_pages,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def scheduler_config(self, model_config: ModelConfig, device: torch.device) -> SchedulerConfig:

@@ -83,8 +83,9 @@ Command = AddRequest | AddRequests | AbortRequests | Shutdown
 def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
     """Delta outputs as plain tuples, without the prompt: pickling them costs the core half of
     what the dataclasses cost (and the API process a quarter), per step, per running request.
-    Row: ``(request_id, finished, completions, metrics, num_cached_tokens, error)``, completions
-    as ``CompletionOutput``'s fields in order, metrics as ``RequestMetrics``'s (or None)."""
+    Row: ``(request_id, finished, completions, metrics, num_cached_tokens, error,
+    prompt_logprobs)``, completions as ``CompletionOutput``'s fields in order, metrics as
+    ``RequestMetrics``'s (or None)."""
     rows = []
     for o in outputs:
         m = o.metrics
@@ -117,6 +118,7 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
                 ),
                 o.num_cached_tokens,
                 o.error,
+                o.prompt_logprobs,
             )
         )
     return rows
@@ -134,8 +136,9 @@ def unpack_outputs(rows: list[tuple]) -> list[RequestOutput]:
             None if metrics is None else RequestMetrics(*metrics),
             num_cached,
             error,
+            prompt_lps,
         )
-        for request_id, finished, completions, metrics, num_cached, error in rows
+        for request_id, finished, completions, metrics, num_cached, error, prompt_lps in rows
     ]
 
 

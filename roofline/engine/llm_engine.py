@@ -59,6 +59,8 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    kv_cache_capacity_tokens: int = 0
+    """Tokens the KV pool holds (pages x page size): about 2x with fp8/int8 pages."""
     spec_decode_num_drafts_total: int = 0
     """Verification rows: one per speculating request per step."""
     spec_decode_num_draft_tokens_total: int = 0
@@ -108,6 +110,9 @@ class _Group:
     ids, logprobs); ``cumulative_logprob`` stays cumulative."""
     sent: list[tuple[int, int, int]] = field(default_factory=list)
     """Per completion, (chars of text, token ids, logprob entries) already reported."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``prompt_logprobs``: [None] then one dict per prompt token received so far."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -186,6 +191,9 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._num_sync_groups = 0
         """Unfinished user requests whose sampling needs host-side history (no overlap)."""
+        self._num_prompt_logprob_groups = 0
+        """Unfinished user requests that asked for prompt logprobs (the runner computes them
+        only while this is > 0)."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -264,6 +272,9 @@ class LLMEngine:
         self._groups[request_id] = group
         if _needs_sync(params):
             self._num_sync_groups += 1
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+            self._num_prompt_logprob_groups += 1
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (group, i)
 
@@ -282,6 +293,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (dummy weights)")
+        if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs are not supported with tensor_parallel_size > 1 yet")
         max_tokens = params.max_tokens or 1
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(
@@ -334,7 +347,10 @@ class LLMEngine:
             spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
             self.on_schedule(sched_out)
-        handle = self.runner.launch(sched_out)
+        if self._num_prompt_logprob_groups:
+            handle = self.runner.launch(sched_out, prompt_logprobs=True)
+        else:
+            handle = self.runner.launch(sched_out)
         if prev is not None:
             outputs += self._finish_step(*prev)  # runs while the device computes sched_out
         if overlap and not sched_out.is_empty:
@@ -351,6 +367,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         run_out = handle.result()
         self.step_timing.wait_s += time.perf_counter() - t0
+        if run_out.prompt_logprobs:
+            self._add_prompt_logprobs(run_out.prompt_logprobs)
         updates = self.scheduler.update(sched_out, run_out)
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
@@ -398,6 +416,18 @@ class LLMEngine:
             for lp in new_logprobs:
                 group.logprobs[index].append(self._convert_logprobs(lp))
                 group.cumulative_logprob[index] += lp.logprob
+
+    def _add_prompt_logprobs(self, new: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Append each request's new prompt-token entries; entries of positions already held
+        (recomputed after a preemption, or by the 2nd..nth sequence) are dropped."""
+        for rid, (first, entries) in new.items():
+            owner = self._seq_owner.get(rid)
+            if owner is None or owner[0].prompt_logprobs is None:
+                continue
+            held = owner[0].prompt_logprobs
+            for i, lp in enumerate(entries, start=first):
+                if i == len(held):
+                    held.append(self._convert_logprobs(lp))
 
     def _convert_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         out = {
@@ -448,6 +478,13 @@ class LLMEngine:
             first.num_cached_tokens,
             first.num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs),
         )
+        prompt_lps = group.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < len(group.prompt_token_ids):
+            prompt_lps = None  # not all computed yet (an output before the prompt's end)
+        elif prompt_lps is not None and group.delta:
+            prompt_lps, group.prompt_logprobs_sent = (
+                (None, True) if group.prompt_logprobs_sent else (prompt_lps, True)
+            )
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -456,12 +493,15 @@ class LLMEngine:
             finished=finished,
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_lps,
         )
 
     def _drop(self, group: _Group) -> None:
         if self._groups.pop(group.request_id, None) is not None:
             if _needs_sync(group.seqs[0].sampling_params):
                 self._num_sync_groups -= 1
+            if group.prompt_logprobs is not None:
+                self._num_prompt_logprob_groups -= 1
         for seq in group.seqs:
             self._seq_owner.pop(seq.request_id, None)
 
@@ -483,6 +523,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries_total=kv.prefix_queries,
             prefix_cache_hits_total=kv.prefix_hits,
+            kv_cache_capacity_tokens=self.runner.num_pages * self.runner.page_size,
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )
 

@@ -30,6 +30,8 @@ def merge_into(acc: RequestOutput, new: RequestOutput) -> None:
     acc.metrics = new.metrics
     acc.num_cached_tokens = new.num_cached_tokens
     acc.error = new.error or acc.error
+    if new.prompt_logprobs is not None:
+        acc.prompt_logprobs = new.prompt_logprobs
 
 
 class RequestStream:

@@ -12,6 +12,11 @@ KV layout (see ``roofline/attention/metadata.py``): ``k_cache, v_cache: [num_pag
 num_kv_heads, head_dim]``; token ``t`` of request ``r`` lives in page ``block_table[r, t //
 page_size]`` at row ``t % page_size``. Query head ``h`` reads KV head ``h // (num_heads //
 num_kv_heads)`` (HF ``repeat_kv`` order).
+
+Quantized pages (fp8 e4m3 / int8, ``roofline/quantization/kv_cache.py``) come with ``k_scale,
+v_scale: [num_pages, page_size, num_kv_heads]`` fp32: K/V tiles are converted to q's dtype in
+registers, K's per-token scale multiplies the score columns after ``q @ k^T`` and V's multiplies
+the probability columns before ``p @ v``; the softmax sum uses the unscaled probabilities.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, num_sms
+from roofline.quantization.kv_cache import dequantize
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128
@@ -36,8 +42,16 @@ def decode_attention_ref(
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
-    """Plain-torch paged decode attention, one request at a time, in fp32."""
+    """Plain-torch paged decode attention, one request at a time, in fp32 (a quantized cache
+    is dequantized first)."""
+    if k_scale is not None:
+        k_cache, v_cache = (
+            dequantize(k_cache, k_scale, q.dtype),
+            dequantize(v_cache, v_scale, q.dtype),
+        )
     num_reqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -87,12 +101,16 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
     scale_log2e,
+    stride_sp,
+    stride_ss,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -115,6 +133,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +156,8 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    k_scale_head = k_scale_ptr + kv_head  # scales: head stride 1
+    v_scale_head = v_scale_ptr + kv_head
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
         n_mask = offs_n < end
@@ -145,7 +166,13 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_off = pages * stride_kp + rows * stride_ks  # [BLOCK_N] int64
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_H, BLOCK_N]
+        if KV_QUANT:  # 1-byte K in registers -> q's dtype; its scale goes on the scores
+            s_off = pages * stride_sp + rows * stride_ss  # [BLOCK_N]
+            k = k.to(tl.float32).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        if KV_QUANT:
+            s = s * tl.load(k_scale_head + s_off, mask=n_mask, other=0.0)[None, :]
+        s = s * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -153,6 +180,9 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = pages * stride_vp + rows * stride_vs
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:  # V's scale goes on the probabilities
+            p = p * tl.load(v_scale_head + s_off, mask=n_mask, other=0.0)[None, :]
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -214,6 +244,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (quantized)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attend one query token per request over its paged K/V; returns ``out``.
 
@@ -253,16 +285,21 @@ def decode_attention(
         part_lse = torch.empty(
             num_reqs, num_heads, num_splits, dtype=torch.float32, device=q.device
         )
+    k_s, v_s, stride_sp, stride_ss = scale_args(k_cache, v_cache, k_scale, v_scale)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        k_s,
+        v_s,
         block_table,
         seq_lens,
         out,
         part_out,
         part_lse,
         scale * LOG2E,
+        stride_sp,
+        stride_ss,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -285,6 +322,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
         PRECISION=precision,
+        KV_QUANT=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -303,6 +341,23 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def scale_args(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(k_scale, v_scale, page stride, row stride) for the attention kernels; the caches stand
+    in for the scale pointers of a 16/32-bit cache (never read: ``KV_QUANT`` is False)."""
+    if k_scale is None:
+        assert v_scale is None and k_cache.dtype.itemsize > 1, "a 1-byte cache needs its scales"
+        return k_cache, v_cache, 0, 0
+    assert v_scale is not None and k_scale.shape == k_cache.shape[:3]
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    assert k_scale.dtype == torch.float32 and v_cache.dtype == k_cache.dtype
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
 
 
 def decode_attention_bytes(

@@ -6,6 +6,11 @@ cache may be a strided view, e.g. one layer of a larger tensor; only head_dim mu
 contiguous). A negative slot means "padding row, store nothing" (CUDA-graph padding). Values are
 cast to the cache dtype on store. One program per token copies all its KV heads.
 
+A quantized cache (fp8 e4m3 or int8 pages, ``roofline/quantization/kv_cache.py``) passes
+``k_scale, v_scale: [num_pages, page_size, num_kv_heads]`` fp32: the kernel then quantizes each
+head vector with its own scale (``amax / qmax``, IEEE division, clamp, round) as it stores it,
+with the same arithmetic as ``kv_cache.quantize``.
+
 ``rotary_kv_store`` fuses the rotary embedding (see ``rotary.py``) with the store: it rotates q
 and k in place and writes the rotated k and the untouched v to the cache in the same pass, so k
 is read once instead of three times. Its numerics are ``rotary.py``'s (HF's rounding points).
@@ -21,6 +26,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device
 from roofline.kernels.rotary import _rotate_heads, _round, rotary_ref
+from roofline.quantization.kv_cache import qmax_of, store_quantized_ref
 
 
 def store_kv_ref(
@@ -29,7 +35,13 @@ def store_kv_ref(
     k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (quantized)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    if k_scale is not None:
+        assert v_scale is not None
+        store_quantized_ref(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return
     page_size = k_cache.shape[1]
     keep = slot_mapping >= 0  # [num_tokens]
     slots = slot_mapping[keep].long()
@@ -47,9 +59,11 @@ def rotary_kv_store_ref(
     k_cache: torch.Tensor,  # updated in place
     v_cache: torch.Tensor,  # updated in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated copies of q, k
     q_rot, k_rot = rotary_ref(q, k, positions, cos_sin_cache)
-    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_rot, k_rot
 
 
@@ -71,12 +85,62 @@ def _cache_offsets(
 
 
 @triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 ``y`` (|y| <= 448) to the nearest float8 e4m3 value, ties to even, staying in
+    fp32: ``(y + C) - C`` with C = 1.5 * 2^23 * the e4m3 step at y's exponent (subnormals below
+    2^-6 share the step 2^-9). The cast to fp8 after it is then exact, on the GPU and in the
+    interpreter alike (whose own fp8 cast drops the carry when rounding crosses a power of 2)."""
+    exp = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of |y|
+    exp = tl.maximum(exp, 127 - 6)
+    magic = (((exp - 3 + 23) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    return (y + magic) - magic
+
+
+@triton.jit
+def _store_rows(
+    cache_ptr,
+    scale_ptr,
+    c_off,
+    slot,
+    stride_sp,
+    stride_ss,
+    offs_h,
+    x,
+    mask,
+    h_mask,
+    PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+):
+    """Store ``x [BLOCK_H, BLOCK_D]`` (masked-out entries 0) at ``c_off``; quantized with one
+    scale per head (stored at the slot's row of ``scale_ptr``) when ``QUANT``."""
+    if QUANT:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
+        scale = tl.where(amax > 0.0, tl.math.div_rn(amax, QMAX), 1.0)  # [BLOCK_H]
+        y = tl.math.div_rn(xf, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if IS_INT:  # round half away from zero (kv_cache.quantize)
+            y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+        else:
+            y = _round_to_e4m3(y)
+        tl.store(cache_ptr + c_off, y.to(cache_ptr.dtype.element_ty), mask=mask)
+        s_off = (slot // PAGE_SIZE) * stride_sp + (slot % PAGE_SIZE) * stride_ss + offs_h
+        tl.store(scale_ptr + s_off, scale, mask=h_mask)
+    else:
+        tl.store(cache_ptr + c_off, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -84,11 +148,16 @@ def _store_kv_kernel(
     stride_cp,
     stride_cs,
     stride_ch,
+    stride_sp,
+    stride_ss,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -97,14 +166,17 @@ def _store_kv_kernel(
     mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k_src = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     v_src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    k = tl.load(k_src, mask=mask)  # [BLOCK_H, BLOCK_D]
-    v = tl.load(v_src, mask=mask)
+    k = tl.load(k_src, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_D]
+    v = tl.load(v_src, mask=mask, other=0.0)
     slot, c_off = _cache_offsets(
         slot_mapping_ptr, tok, stride_cp, stride_cs, stride_ch, offs_h, offs_d, PAGE_SIZE
     )
     mask = mask & (slot >= 0)
-    tl.store(k_cache_ptr + c_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + c_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    h_mask = (offs_h < NUM_KV_HEADS) & (slot >= 0)
+    _store_rows(k_cache_ptr, k_scale_ptr, c_off, slot, stride_sp, stride_ss, offs_h, k, mask,
+                h_mask, PAGE_SIZE, QUANT, QMAX, IS_INT)  # fmt: skip
+    _store_rows(v_cache_ptr, v_scale_ptr, c_off, slot, stride_sp, stride_ss, offs_h, v, mask,
+                h_mask, PAGE_SIZE, QUANT, QMAX, IS_INT)  # fmt: skip
 
 
 def _check_cache(
@@ -119,24 +191,44 @@ def _check_cache(
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
 
 
+def _scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, dict]:
+    """(k_scale, v_scale, stride_sp, stride_ss, constexprs) for the store kernels; the cache
+    itself stands in for the unused scale pointers of a 16/32-bit cache."""
+    if k_scale is None:
+        assert v_scale is None
+        return k_cache, k_cache, 0, 0, {"QUANT": False, "QMAX": 1.0, "IS_INT": False}
+    assert v_scale is not None and k_scale.shape == k_cache.shape[:3]
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+    assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+    quant = {"QUANT": True, "QMAX": qmax_of(k_cache.dtype), "IS_INT": k_cache.dtype == torch.int8}
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), quant
+
+
 def store_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32: quantize
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     check_device(k, v, k_cache, v_cache, slot_mapping)
     _check_cache(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    k_s, v_s, stride_sp, stride_ss, quant = _scale_args(k_cache, k_scale, v_scale)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
+        k_s,
+        v_s,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -144,12 +236,15 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        stride_sp,
+        stride_ss,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
+        **quant,
     )
 
 
@@ -163,6 +258,8 @@ def _rotary_kv_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     q_norm_ptr,
     k_norm_ptr,
     norm_eps,
@@ -177,6 +274,8 @@ def _rotary_kv_store_kernel(
     stride_cp,
     stride_cs,
     stride_ch,
+    stride_sp,
+    stride_ss,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -187,6 +286,9 @@ def _rotary_kv_store_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     QK_NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -257,9 +359,13 @@ def _rotary_kv_store_kernel(
     )
     if slot >= 0:
         v_src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-        v = tl.load(v_src, mask=mask)
-        tl.store(k_cache_ptr + c_off, k_rot.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + c_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_src, mask=mask, other=0.0)
+        k_rot = tl.where(mask, k_rot, 0.0)  # padding heads/features out of the amax
+        h_mask = offs_h < NUM_KV_HEADS
+        _store_rows(k_cache_ptr, k_scale_ptr, c_off, slot, stride_sp, stride_ss, offs_h, k_rot,
+                    mask, h_mask, PAGE_SIZE, QUANT, QMAX, IS_INT)  # fmt: skip
+        _store_rows(v_cache_ptr, v_scale_ptr, c_off, slot, stride_sp, stride_ss, offs_h, v,
+                    mask, h_mask, PAGE_SIZE, QUANT, QMAX, IS_INT)  # fmt: skip
 
 
 def rotary_kv_store(
@@ -272,9 +378,12 @@ def rotary_kv_store(
     v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 = skip the store
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q_w, k_w [head_dim], eps)
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32: quantize
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k), the same tensors, rotated
     """RoPE on q and k (in place) and the K/V store, in one kernel. With ``qk_norm`` each q and k
-    head is RMS-normalised first (Qwen3's q_norm / k_norm, HF's rounding points)."""
+    head is RMS-normalised first (Qwen3's q_norm / k_norm, HF's rounding points); with scales
+    the stored K/V are quantized (the rotated k, as ``rotary_kv_store_ref``)."""
     check_device(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     _check_cache(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -293,6 +402,7 @@ def rotary_kv_store(
     else:
         q_norm_w = k_norm_w = cos_sin_cache  # unused
         eps = 0.0
+    k_s, v_s, stride_sp, stride_ss, quant = _scale_args(k_cache, k_scale, v_scale)
     _rotary_kv_store_kernel[(num_tokens,)](
         q,
         k,
@@ -302,6 +412,8 @@ def rotary_kv_store(
         k_cache,
         v_cache,
         slot_mapping,
+        k_s,
+        v_s,
         q_norm_w,
         k_norm_w,
         eps,
@@ -316,6 +428,8 @@ def rotary_kv_store(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        stride_sp,
+        stride_ss,
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -328,5 +442,6 @@ def rotary_kv_store(
         QK_NORM=qk_norm is not None,
         num_warps=4,
         enable_fp_fusion=False,  # keep each rounded product and sum (no fma), as HF
+        **quant,
     )
     return q, k

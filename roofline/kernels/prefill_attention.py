@@ -14,7 +14,9 @@ packed tile indices that needs no host sync; each program finds its request by b
 run last-first so the longest causal rows start early. Per tile: keys in ``BLOCK_N`` blocks
 gathered through the block table, ``tl.dot`` on tensor cores, fp32 online softmax (base 2); key
 blocks entirely left of the tile's first row skip the causal mask. Query head ``h`` reads KV head
-``h // (num_heads // num_kv_heads)``.
+``h // (num_heads // num_kv_heads)``. Quantized pages (fp8 / int8 with per-token, per-head
+scales) are read as in ``decode_attention``: converted in registers, K's scale on the score
+columns, V's on the probability columns.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
+from roofline.kernels.decode_attention import scale_args
+from roofline.quantization.kv_cache import dequantize
 
 LOG2E = 1.4426950408889634
 
@@ -36,8 +40,16 @@ def prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Plain-torch paged causal attention, one request at a time, in fp32."""
+    """Plain-torch paged causal attention, one request at a time, in fp32 (a quantized cache
+    is dequantized first)."""
+    if k_scale is not None:
+        k_cache, v_cache = (
+            dequantize(k_cache, k_scale, q.dtype),
+            dequantize(v_cache, v_scale, q.dtype),
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -73,6 +85,8 @@ def _attend_block(
     q,
     k_head,
     v_head,
+    ks_head,
+    vs_head,
     bt_row,
     n0,
     kv_end,
@@ -81,6 +95,8 @@ def _attend_block(
     stride_ks,
     stride_vp,
     stride_vs,
+    stride_sp,
+    stride_ss,
     offs_d,
     d_mask,
     scale_log2e,
@@ -88,6 +104,7 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Fold keys ``n0 .. n0 + BLOCK_N`` (gathered through the block table) into the softmax."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -102,7 +119,13 @@ def _attend_block(
         mask=n_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+    if KV_QUANT:  # 1-byte K -> q's dtype in registers; its per-token scale on the scores
+        s_off = pages * stride_sp + rows * stride_ss  # [BLOCK_N]
+        k = k.to(tl.float32).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if KV_QUANT:
+        s = s * tl.load(ks_head + s_off, mask=n_mask, other=0.0)[None, :]
+    s = s * scale_log2e
     if CAUSAL_MASK:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -116,6 +139,9 @@ def _attend_block(
         mask=n_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if KV_QUANT:  # V's per-token scale on the probabilities (after the softmax sum)
+        p = p * tl.load(vs_head + s_off, mask=n_mask, other=0.0)[None, :]
+        v = v.to(tl.float32).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -127,11 +153,15 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
     scale_log2e,
+    stride_sp,
+    stride_ss,
     num_reqs,
     num_tiles,
     search_steps,
@@ -153,6 +183,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # last tiles (longest causal rows) first
     head = tl.program_id(1)
@@ -187,6 +218,8 @@ def _prefill_kernel(
     kv_head = (head // GROUP).to(tl.int64)
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    ks_head = k_scale_ptr + kv_head  # scales: head stride 1
+    vs_head = v_scale_ptr + kv_head
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -197,15 +230,15 @@ def _prefill_kernel(
     full_end = (ctx_len + first_row + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_head, v_head, bt_row, n0, kv_end, q_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask, scale_log2e,
-            PAGE_SIZE, BLOCK_N, False, PRECISION,
+            acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n0, kv_end, q_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, stride_sp, stride_ss, offs_d, d_mask,
+            scale_log2e, PAGE_SIZE, BLOCK_N, False, PRECISION, KV_QUANT,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_head, v_head, bt_row, n0, kv_end, q_pos,
-            stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask, scale_log2e,
-            PAGE_SIZE, BLOCK_N, True, PRECISION,
+            acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, bt_row, n0, kv_end, q_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, stride_sp, stride_ss, offs_d, d_mask,
+            scale_log2e, PAGE_SIZE, BLOCK_N, True, PRECISION, KV_QUANT,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -253,6 +286,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (quantized)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
     The tile/launch overrides exist for tuning sweeps."""
@@ -274,15 +309,20 @@ def prefill_attention(
     num_stages = num_stages or cfg_stages
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)
+    k_s, v_s, stride_sp, stride_ss = scale_args(k_cache, v_cache, k_scale, v_scale)
     _prefill_kernel[(num_tiles, num_heads)](
         q,
         k_cache,
         v_cache,
+        k_s,
+        v_s,
         block_table,
         query_start_loc,
         seq_lens,
         out,
         scale * LOG2E,
+        stride_sp,
+        stride_ss,
         num_reqs,
         num_tiles,
         search_steps,
@@ -304,6 +344,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_QUANT=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -30,18 +30,23 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         rope: tuple | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``rope = (positions, cos_sin_cache, qk_norm)`` asks the backend to rotate q and k
         first, after RMS-normalising each head when ``qk_norm = (q_w, k_w, eps)`` is not None
-        (only passed to backends whose ``fuses_rope`` is True)."""
+        (only passed to backends whose ``fuses_rope`` is True). ``kv_scales = (k_scale,
+        v_scale)`` comes with a quantized cache (only to backends whose ``kv_cache_dtypes``
+        name its dtype)."""
         ...
 
 
 @dataclass
 class ForwardContext:
     meta: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (k_cache, v_cache), each [num_pages, page_size, num_kv_heads, head_dim]."""
+    kv_caches: list[tuple[torch.Tensor, ...]]
+    """Per layer (k_cache, v_cache), each [num_pages, page_size, num_kv_heads, head_dim]; a
+    quantized cache adds (k_scale, v_scale) [num_pages, page_size, num_kv_heads] fp32
+    (``quantization/kv_cache.py``), which the layer passes on as ``kv_scales``."""
     backend: AttentionBackend
 
 
@@ -67,7 +72,7 @@ class Attention(nn.Module):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         # positions: [num_tokens]; rotary: a RotaryEmbedding (None: q and k come rotated);
         # qk_norm: (q_norm weight, k_norm weight, eps), only with a backend that fuses RoPE
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        k_cache, v_cache, *kv_scales = ctx.kv_caches[self.layer_idx]
         rope = None
         if rotary is not None:
             assert positions is not None
@@ -76,10 +81,10 @@ class Attention(nn.Module):
             else:
                 assert qk_norm is None, "q/k norm is fused only with a backend that fuses RoPE"
                 q, k = rotary(positions, q, k)
-        if rope is None:
-            out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
-        else:
-            out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, rope=rope)
+        extra: dict = {} if rope is None else {"rope": rope}
+        if kv_scales:
+            extra["kv_scales"] = tuple(kv_scales)
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, **extra)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     @staticmethod

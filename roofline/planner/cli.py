@@ -57,7 +57,13 @@ def add_gpu_args(p: argparse.ArgumentParser, default: str | None = "h100") -> No
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
     g.add_argument("--weight-dtype", default="bf16", help="fp32, fp16, bf16, fp8, int8, int4")
-    g.add_argument("--kv-dtype", default="bf16", help="fp16, bf16, fp8, int8, int4")
+    g.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        default="bf16",
+        help="fp16, bf16, fp8, int8 (the engine's --kv-cache-dtype; scales counted), int4",
+    )
 
 
 def parse_int_list(text: str) -> list[int]:

@@ -242,7 +242,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("kv", help="KV cache bytes per token / sequence / batch")
     c.add_model_args(p)
-    p.add_argument("--kv-dtype", default="all", help=f"{', '.join(DTYPE_BYTES)} or all")
+    p.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        default="all",
+        help=f"{', '.join(DTYPE_BYTES)} or all",
+    )
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16, help="round the batch to whole pages")

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from roofline.config import ModelConfig
 from roofline.planner.hardware import GPUSpec, canonical_dtype, dtype_bytes
 
+KV_SCALE_BYTES = 4
+"""One fp32 scale per quantized (fp8 / int8) K or V head and token, as the engine stores it."""
+
 
 @dataclass(frozen=True)
 class ParamCounts:
@@ -210,9 +213,15 @@ def weight_bytes_per_gpu(
 
 
 def kv_bytes_per_token(layout: KVLayout, kv_dtype: str = "bf16", tp: int = 1, pp: int = 1) -> float:
-    """KV bytes of one token over the layers one rank holds (all layers when ``pp`` is 1)."""
+    """KV bytes of one token over the layers one rank holds (all layers when ``pp`` is 1).
+    fp8 / int8 K/V heads carry one fp32 scale each, as the engine stores them
+    (``roofline/quantization/kv_cache.py``)."""
     layers = math.ceil(layout.num_layers / pp)
-    return layers * layout.elements_per_token_per_layer(tp) * dtype_bytes(kv_dtype)
+    elements = layout.elements_per_token_per_layer(tp)
+    scales = 0
+    if canonical_dtype(kv_dtype) in ("fp8", "int8") and not layout.is_mla:
+        scales = KV_SCALE_BYTES * elements // layout.head_dim
+    return layers * (elements * dtype_bytes(kv_dtype) + scales)
 
 
 def kv_bytes(

@@ -31,6 +31,7 @@ from roofline.layers.linear import MergedLinear
 from roofline.layers.sampler import Sampler, SamplerOutput
 from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.kv_cache import KVCacheSpec
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.runner_step import verify_step
@@ -39,6 +40,7 @@ from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
+from roofline.worker.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.page_size = cache_config.page_size
+        self.backend = attention_backend or TorchAttentionBackend()
+        self.kv_spec = KVCacheSpec.create(cache_config.kv_cache_dtype, dtype)
+        self.kv_spec.check_backend(self.backend, device)  # before any weight is loaded
         torch.manual_seed(seed)
         self.model = self._build_model(weights, seed)
         self.num_kv_heads = self.model.shard.num_kv_heads
@@ -75,18 +80,17 @@ class ModelRunner:
         self.num_pages = self._num_pages()
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
+        # in the page dtype; a quantized pool adds fp32 scales [num_layers, 2, num_pages,
+        # page_size, kv_heads].
+        self.kv_cache, self.kv_scales = self.kv_spec.allocate(
             cfg.num_hidden_layers,
-            2,
             self.num_pages,
             self.page_size,
             self.num_kv_heads,
             cfg.head_dim,
-            dtype=dtype,
-            device=device,
+            device,
         )
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        self.backend = attention_backend or TorchAttentionBackend()
+        self.kv_caches = self.kv_spec.layer_views(self.kv_cache, self.kv_scales)
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler()
@@ -123,8 +127,9 @@ class ModelRunner:
         cc, cfg = self.cache_config, self.model_config
         if cc.num_pages_override is not None:
             return cc.num_pages_override
-        page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype.itemsize)
-        page_bytes = page_bytes * self.num_kv_heads // cfg.num_key_value_heads
+        page_bytes = self.page_size * self.kv_spec.bytes_per_token(
+            cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim
+        )  # this rank's KV heads (all of them unless sharded)
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._default_kv_budget()
@@ -222,8 +227,10 @@ class ModelRunner:
         return self.launch(sched_out).result()
 
     @torch.inference_mode()
-    def launch(self, sched_out: SchedulerOutput) -> StepHandle:
-        """Queue one step on the device; the sampled ids arrive through the handle."""
+    def launch(self, sched_out: SchedulerOutput, prompt_logprobs: bool = False) -> StepHandle:
+        """Queue one step on the device; the sampled ids arrive through the handle. With
+        ``prompt_logprobs`` (some request in flight asks for them) the step also computes the
+        prompt logprobs of the requests that asked (a host sync: their values go to the host)."""
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
             self.block_tables.drop(sched_out.finished_request_ids)
@@ -231,11 +238,15 @@ class ModelRunner:
             self.block_tables.drop(sched_out.preempted_request_ids)
         if sched_out.is_empty:
             return StepHandle([], None, [])
-        return self.launch_batch(HostBatch.build(sched_out, self.page_size, self.block_tables))
+        batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        return self.launch_batch(batch, sched_out if prompt_logprobs else None)
 
-    def launch_batch(self, batch: HostBatch) -> StepHandle:
+    def launch_batch(
+        self, batch: HostBatch, prompt_logprobs_of: SchedulerOutput | None = None
+    ) -> StepHandle:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
-        with its block-table rows already assigned)."""
+        with its block-table rows already assigned). ``prompt_logprobs_of``: the step's
+        ``SchedulerOutput`` when some request in it asks for prompt logprobs."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
@@ -260,11 +271,16 @@ class ModelRunner:
             meta = self._metadata(batch, dev)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
+        prompt_lps = (
+            compute_prompt_logprobs(self.model, hidden, prompt_logprobs_of)
+            if prompt_logprobs_of is not None
+            else {}
+        )
         if gather:
             hidden = hidden.index_select(0, sample_rows)  # [num_sampled, hidden]
         if not batch.sample_rows:
             self._prev_sampled, self._prev_rows = None, {}
-            return StepHandle([], None, [])
+            return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
@@ -273,7 +289,7 @@ class ModelRunner:
         out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
-        return StepHandle(requests, out.token_ids, out.logprobs)
+        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
@@ -379,9 +395,11 @@ class StepHandle:
         requests: list[Request],
         token_ids: torch.Tensor | None,
         logprobs: list[TokenLogprobs | None],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> None:
         self._requests = requests
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
         if token_ids is not None and token_ids.is_cuda:
@@ -407,14 +425,14 @@ class StepHandle:
 
     def result(self) -> ModelRunnerOutput:
         if self._host is None:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
         if self._event is not None:
             self._event.synchronize()  # the step's one host sync
         token_ids = self._host.tolist()
         requests = self._requests
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
 @contextlib.contextmanager

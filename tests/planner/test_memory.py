@@ -56,7 +56,9 @@ def test_mla_deepseek_v3():
 
 
 @pytest.mark.parametrize(
-    "dtype,ratio", [("fp16", 1.0), ("fp8", 0.5), ("int8", 0.5), ("int4", 0.25)]
+    # fp8 / int8 heads carry a 4-byte scale each (head_dim 128: 128 + 4 bytes vs 256)
+    "dtype,ratio",
+    [("fp16", 1.0), ("fp8", 132 / 256), ("int8", 132 / 256), ("int4", 0.25)],
 )
 def test_kv_precisions_and_linearity(llama3_8b, dtype, ratio):
     layout = KVLayout.from_model(llama3_8b)

@@ -81,7 +81,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("min_tokens above max_tokens", CMPL, c(min_tokens=10), 400, "min_tokens", None),
     ("ignore_eos string", CMPL, c(ignore_eos="yes"), 400, "ignore_eos", None),
     ("priority string", CMPL, c(priority="high"), 400, "priority", None),
-    ("echo unsupported", CMPL, c(echo=True), 400, "echo", None),
+    ("prompt_logprobs 1000", CMPL, c(prompt_logprobs=1000), 400, "prompt_logprobs", None),
+    ("echo logprobs 1000", CMPL, c(echo=True, logprobs=1000), 400, "logprobs", None),
     ("logit_bias unsupported", CMPL, c(logit_bias={"50": 10}), 400, "logit_bias", None),
     (
         "stream_options without stream",

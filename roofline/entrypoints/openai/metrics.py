@@ -96,6 +96,11 @@ _GAUGES = (
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache pages in use (0..1)."),
+    (
+        "kv_cache_capacity_tokens",
+        "kv_cache_capacity_tokens",
+        "Tokens the KV pool holds (fp8/int8 pages: about twice the bf16 tokens).",
+    ),
 )
 _COUNTERS = (
     ("num_preemptions", "num_preemptions_total", "Preemptions since start."),

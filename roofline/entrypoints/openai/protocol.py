@@ -2,8 +2,8 @@
 
 Requests are parsed strictly (no string-to-number coercion, no NaN), unknown fields are
 ignored, and every sampling field is checked again by ``SamplingParams`` when the request is
-converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement (``echo``,
-``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
+converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement
+(``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
 refused with a 400 rather than silently ignored. Response models document the answers' shape in
 the OpenAPI schema; streamed chunks are built as plain dicts by the handlers.
 """
@@ -116,18 +116,27 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    """Return the prompt before the completion (with ``logprobs``: the prompt tokens' logprobs
+    first, None for the first token), for log-likelihood scoring as evaluation harnesses do."""
+    prompt_logprobs: int | None = None
+    """vLLM's extension: each choice's ``prompt_logprobs``, one dict per prompt token."""
     suffix: str | None = None
     best_of: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(400, "best_of must equal n (or be omitted)", param="best_of")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs)
+        params = self.sampling_params(max_tokens, self.logprobs)
+        wanted = [self.prompt_logprobs]
+        if self.echo and self.logprobs is not None:
+            wanted.append(self.logprobs)
+        if any(w is not None for w in wanted):
+            params.prompt_logprobs = max(w for w in wanted if w is not None)
+            params.__post_init__()  # validates the prompt_logprobs range
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a string, ids, or a batch of either)."""
@@ -238,6 +247,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    """vLLM's shape: per prompt token (None for the first), token id -> {logprob, rank,
+    decoded_token}."""
 
 
 class CompletionResponse(BaseModel):

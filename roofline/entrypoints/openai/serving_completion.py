@@ -1,7 +1,8 @@
 """``POST /v1/completions``: prompts (text, token ids, or a batch of either) to completions,
 streamed as SSE or answered at once. Choice ``i * n + j`` is the ``j``-th completion of the
 ``i``-th prompt; ``logprobs`` follows the legacy completions shape (tokens, token_logprobs,
-top_logprobs, text_offset).
+top_logprobs, text_offset). ``echo`` and ``prompt_logprobs`` put the prompt and its
+logprobs in front of each choice (``echo.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from roofline.entrypoints.openai.echo import echo_logprobs, prompt_logprobs_json, prompt_text
 from roofline.entrypoints.openai.errors import from_exception
 from roofline.entrypoints.openai.guards import ClientWatch, check_text
 from roofline.entrypoints.openai.protocol import (
@@ -91,13 +93,21 @@ async def _create_completion(
             deltas = tracker.deltas(i, out)
             names = token_strings(state, deltas)
             for d in deltas:
+                text, logprobs = d.text, _logprobs(d, k, names)
+                if body.echo:
+                    text = prompt_text(state, out) + text
+                    if body.logprobs is not None:
+                        logprobs = echo_logprobs(state, out, k, logprobs)
                 choices.append(
                     CompletionChoice(
                         index=d.index,
-                        text=d.text,
-                        logprobs=_logprobs(d, k, names),
+                        text=text,
+                        logprobs=logprobs,
                         finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
+                        prompt_logprobs=prompt_logprobs_json(out)
+                        if body.prompt_logprobs is not None
+                        else None,
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -123,20 +133,23 @@ async def _create_completion(
     def render(i: int, output: RequestOutput) -> str:
         deltas = tracker.deltas(i, output)
         names = token_strings(state, deltas)
-        return "".join(
-            fmt.event(
-                [
-                    {
-                        "index": d.index,
-                        "text": d.text,
-                        "logprobs": _logprobs(d, k, names),
-                        "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason,
-                    }
-                ]
-            )
-            for d in deltas
-        )
+        events = []
+        for d in deltas:
+            choice = {
+                "index": d.index,
+                "text": d.text,
+                "logprobs": _logprobs(d, k, names),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            if d.first and body.echo:  # the prompt goes in front of the first chunk
+                choice["text"] = prompt_text(state, output) + d.text
+                if body.logprobs is not None:
+                    choice["logprobs"] = echo_logprobs(state, output, k, choice["logprobs"])
+            if d.first and body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(output)
+            events.append(fmt.event([choice]))
+        return "".join(events)
 
     return StreamingResponse(
         sse_stream(state, streams, render, fmt.usage_event),
