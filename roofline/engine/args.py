@@ -50,6 +50,10 @@ _HELP = {
     "tensor_parallel_size": "shard the model over this many GPUs (CPU: gloo processes)",
     "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
+    "quantization": "weight quantization: int8, int4 (g128; int4-g32/-g64, int4-asym[-g<N>]), "
+    "fp8, fp8-w8a8, or gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 quantized); default: the checkpoint's "
+    "own quantization_config (gptq, awq, fp8) or none",
+    "quantize_lm_head": "quantize the LM head too (16-bit by default)",
 }
 
 
@@ -86,6 +90,8 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
