@@ -23,6 +23,7 @@ dequantize, round to x's dtype, fp32 matmul) defines what both compute.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -311,3 +312,15 @@ def dequantize_weight(
         SCALAR_SCALE=scalar, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out
+
+
+def dequant_cublas_gemm(
+    kind: str,
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, N]
+    """The large-M path: the weight dequantized into x's dtype by one launch, then cuBLAS."""
+    return F.linear(x, dequantize_weight(kind, qweight, scales, offsets, x.dtype), bias)

@@ -84,8 +84,7 @@ def quantized_linear(
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
         )
-    weight = kernels.dequantize_weight(kind, layer.qweight, layer.scales, offsets, x.dtype)
-    return F.linear(x, weight, bias)
+    return kernels.dequant_cublas_gemm(kind, x, layer.qweight, layer.scales, offsets, bias)
 
 
 def fuses_silu_mul(layer: nn.Module, gate_up: torch.Tensor) -> bool:

@@ -28,9 +28,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize(
-    "method", ["int8", "int4-g32", "int4-asym-g32", "fp8", "fp8-w8a8"]
-)
+@pytest.mark.parametrize("method", ["int8", "int4-g32", "int4-asym-g32", "fp8", "fp8-w8a8"])
 def test_quantized_greedy_matches_dequantized_reference(tiny, method: str) -> None:
     quant = LLM(str(tiny), dtype="float32", device="cpu", quantization=method)
     model = quant.llm_engine.runner.model
