@@ -137,6 +137,28 @@ def test_gguf_blocks_bit_exact(kind: str) -> None:
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_gguf_k_quants_bit_exact(kind: str) -> None:
+    """Random super-blocks (finite fp16 scales) against the gguf package's dequantization."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[kind]
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(4, 2, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, size=(4, 2, 2)).astype(np.float16).view(np.uint8)
+    if kind == "Q4_K":
+        blocks[..., 0:4] = scales.reshape(4, 2, 4)
+    else:
+        blocks[..., 208:210] = scales[..., 0:1, :].reshape(4, 2, 2)
+    data = blocks.reshape(4, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
+    tensors = unpack_blocks(kind, data, rows=4)
+    if kind == "Q6_K":
+        got = formats.dequantize_int8(*tensors, torch.float32)
+    else:
+        got = formats.dequantize_int4(*tensors, torch.float32)
+    assert torch.equal(got, expected.reshape(4, -1))
+
+
 def test_embedded_smollm2_blocks_bit_exact() -> None:
     from roofline.models.gguf_loader import dequantize_tensor, open_gguf
     from roofline.models.weights import gguf_path
