@@ -134,6 +134,38 @@ class PackedIntLinearMethod(LinearMethod):
                 f"{tuple(tensor.shape)} (packing or group size does not match the config)"
             )
 
+    def shard_slice(
+        self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int
+    ) -> torch.Tensor:
+        """Slices in the checkpoint's own orientation ([K-ish, N-ish]); packed dims move in
+        whole int32 words, grouped dims in whole groups (``g_idx`` re-based to the slice)."""
+        if name == "bias":
+            return tensor.narrow(0, start, size) if axis == "out" else tensor
+        per = 32 // self.bits
+        group = self.group_size
+        if axis == "out":
+            packed_n = name == "qzeros" or (self.fmt == "awq" and name == "qweight")
+            if name == "g_idx":
+                return tensor
+            if packed_n and (start % per or size % per):
+                raise ValueError(f"a slice of {size} outputs at {start} splits packed {name}")
+            return (
+                tensor.narrow(1, start // per, size // per)
+                if packed_n
+                else (tensor.narrow(1, start, size))
+            )
+        if group is None:
+            raise ValueError("per-channel GPTQ layers cannot be sliced along their input")
+        if start % group or size % group:
+            raise ValueError(f"a slice [{start}, {start + size}) of K cuts a group of {group}")
+        if name in ("scales", "qzeros"):
+            return tensor.narrow(0, start // group, size // group)
+        if name == "g_idx":
+            return tensor.narrow(0, start, size) - start // group
+        if self.fmt == "gptq":
+            return tensor.narrow(0, start // per, size // per)
+        return tensor.narrow(0, start, size)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.bits == 4:
             with torch.no_grad():

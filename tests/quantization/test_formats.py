@@ -170,3 +170,44 @@ def test_embedded_smollm2_blocks_bit_exact() -> None:
         parts = unpack_blocks(kind, t.data, rows=int(t.shape[-1]))
         got = formats.dequantize_int4(*parts, torch.float32)
         assert torch.equal(got, dequantize_tensor(t))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("axis,start,size", [("out", 8, 8), ("in", 32, 32)])
+def test_packed_shard_slice_matches_full_layer(fmt: str, axis: str, start: int, size: int) -> None:
+    """A tensor-parallel rank's slice of the checkpoint tensors loads into the same values as the
+    matching block of the whole layer."""
+    from roofline.quantization.common import dequantize
+
+    k, n, group = 64, 16, 32
+    gen = np.random.default_rng(3)
+    q = gen.integers(0, 16, size=(k, n))
+    z = gen.integers(1, 16, (k // group, n))
+    s = gen.uniform(0.01, 0.1, size=(k // group, n)).astype(np.float16)
+    if fmt == "gptq":
+        tensors = {"qweight": _pack_along(q, 4, 0), "qzeros": _pack_along(z - 1, 4, 1)}
+    else:
+        tensors = {
+            "qweight": _pack_along(q, 4, 1, AWQ_ORDER),
+            "qzeros": _pack_along(z, 4, 1, AWQ_ORDER),
+        }
+    tensors["scales"] = s
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()}
+    tensors["g_idx"] = torch.arange(k, dtype=torch.int32) // group
+
+    def build(in_features: int, out_features: int, slicer) -> torch.Tensor:
+        method = PackedIntLinearMethod(fmt, 4, group, 1 if fmt == "gptq" else 0)
+        layer = _Layer(in_features, [out_features])
+        method.create_weights(layer, in_features, [out_features], torch.float16)
+        for name, t in tensors.items():
+            if fmt == "awq" and name == "g_idx":
+                continue
+            method.load(layer, 0, name, slicer(method, name, t))
+        method.process_weights_after_loading(layer)
+        return dequantize("int4", layer, torch.float32)
+
+    full = build(k, n, lambda m, name, t: t)
+    local_k, local_n = (size, n) if axis == "in" else (k, size)
+    part = build(local_k, local_n, lambda m, name, t: m.shard_slice(name, t, axis, start, size))
+    expected = full[:, start : start + size] if axis == "in" else full[start : start + size]
+    assert torch.equal(part, expected)
