@@ -50,6 +50,14 @@ class OnTheFlyConfig(QuantizationConfig):
     def quantizes_lm_head(self) -> bool:
         return self.lm_head
 
+    def planner_precision(self) -> tuple[str, str | None, int]:
+        if self.name == "int8":
+            return "int8", "bf16", 128
+        if self.name in ("fp8", "fp8-w8a8"):
+            return "fp8", None if self.name == "fp8-w8a8" else "bf16", 128
+        match = _INT4.match(self.name)
+        return "int4", "bf16", int(match["group"] or 128) if match else 128
+
 
 def layer_in_features(cfg: ModelConfig) -> dict[str, int]:
     """Input size of each linear layer kind of the Llama family (for group checks)."""

@@ -119,3 +119,25 @@ def test_gguf_kept_quantized_matches_default() -> None:
     default = LLM(device="cpu", max_model_len=256)
     expected = [o.outputs[0].token_ids for o in default.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+
+
+def test_cli_flags_and_planner_precision() -> None:
+    import argparse
+
+    from roofline.config import ModelConfig
+    from roofline.engine.args import EngineArgs
+    from roofline.quantization.registry import resolve_quantization
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "int4-asym-g64"]))
+    assert args.quantization == "int4-asym-g64" and not args.quantize_lm_head
+    cfg = ModelConfig.from_json("roofline/model_configs/llama-3.1-8b/config.json")
+    cpu = torch.device("cpu")
+    expected = {
+        "int8": ("int8", "bf16", 128),
+        "int4-asym-g64": ("int4", "bf16", 64),
+        "fp8-w8a8": ("fp8", None, 128),
+    }
+    for name, precision in expected.items():
+        assert resolve_quantization(name, cfg, "config", cpu).planner_precision() == precision
