@@ -126,7 +126,7 @@ def bandwidth(copy_bw: float) -> None:
         for layer, (n, k) in SHAPES.items():
             qw, s, o = quantized(kind, n, k)
             q_bytes = nbytes(qw, s, o)
-            for m in ROWS:
+            for m in (*ROWS, 128, 256):  # 128 / 256: where dequant + cuBLAS should take over
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_fused = time_cuda(functools.partial(dequant_gemm, kind, x, qw, s, o), 3, 20)
                 t_deq = time_cuda(functools.partial(dequant_cublas_gemm, kind, x, qw, s, o), 3, 20)

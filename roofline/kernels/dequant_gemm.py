@@ -2,7 +2,8 @@
 W held in one of the canonical layouts of ``roofline.quantization.formats`` (int8 with group
 scales, int4 nibbles with group scales and offsets, fp8 e4m3 with per-channel scales).
 
-``dequant_gemm`` is the decode kernel (M up to 16, any M works): the structure of
+``dequant_gemm`` is the decode kernel (M up to 16; larger batches take row blocks of 32 or 64,
+re-reading W once per block): the structure of
 ``kernels.gemv`` (one program per BLOCK_N output columns, the whole of K walked in
 ``[BLOCK_N, BLOCK_K]`` tiles with ``num_stages`` tiles in flight, a second grid axis for further
 blocks of BLOCK_M rows), except that a tile is read quantized (1 or 1/2 byte per element) and
@@ -32,6 +33,7 @@ from roofline.kernels.gemv import _silu_mul, heuristic_config, m_bucket
 from roofline.quantization import formats
 
 KIND_INT8, KIND_INT4, KIND_FP8 = 0, 1, 2
+MAX_DECODE_BLOCK_M = 16  # up to here BLOCK_M = M's power-of-two bucket; above, 32 or 64 rows
 _KINDS = {"int8": KIND_INT8, "int4": KIND_INT4, "fp8": KIND_FP8}
 
 
@@ -273,9 +275,11 @@ def dequant_gemm(
         return out
     group, row_scale, scalar, stride_s = _layout(kind, qweight, scales, k)
     cfg = heuristic_config(n, k, num_sms(x.device))
+    if m > MAX_DECODE_BLOCK_M:  # batches: taller row blocks, so W is re-read ceil(M / 64) times
+        cfg = cfg._replace(block_k=min(cfg.block_k, 128), num_stages=3)
     bk = _block_k(k, group, block_k or cfg.block_k)
     bn = block_n or cfg.block_n
-    block_m = m_bucket(m) if m <= 16 else 16
+    block_m = m_bucket(m) if m <= MAX_DECODE_BLOCK_M else (32 if m <= 32 else 64)
     use_dot = x.dtype != torch.float32 and m > 1
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _dequant_gemm_kernel[grid](

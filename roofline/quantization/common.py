@@ -2,11 +2,12 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
-* CUDA, at most ``DECODE_MAX_ROWS`` rows: the fused dequant skinny GEMM
-  (``kernels.dequant_gemm.dequant_gemm``);
-* CUDA, more rows: ``LARGE_M_PATH`` ``"dequant"`` (the default: the weight dequantized by one
-  Triton launch into a 16-bit buffer, then cuBLAS) or ``"triton"`` (the fused kernel, re-reading
-  the weight once per 16 rows); ``ROOFLINE_QUANT_LARGE_M`` picks, the GPU benchmark decides;
+* CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
+  (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
+  rows beyond);
+* CUDA, more rows (prefill): the weight dequantized by one Triton launch into a 16-bit buffer,
+  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` moves the switch (0: always dequantize +
+  cuBLAS); ``scripts/gpu_quant.py`` times both at each M to set it;
 * CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``, the hook for a fast
   CPU kernel), else dequantize per call (``formats``) and ``F.linear``: correct, not fast.
 """
@@ -24,7 +25,7 @@ from roofline.quantization import formats
 from roofline.quantization.base import load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
-LARGE_M_PATH = os.environ.get("ROOFLINE_QUANT_LARGE_M", "dequant")
+FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -80,7 +81,7 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
-    if x.shape[0] <= DECODE_MAX_ROWS or LARGE_M_PATH == "triton":
+    if x.shape[0] <= FUSED_MAX_ROWS:
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
         )

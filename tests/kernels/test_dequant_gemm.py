@@ -39,7 +39,7 @@ CASES = [("int8", K), ("int8", 32), ("int4", 32), ("int4", 128), ("fp8", K), ("f
 
 
 @pytest.mark.parametrize("kind,group", CASES)
-@pytest.mark.parametrize("m", [1, 3] if not ON_GPU else [1, 4, 16, 64])
+@pytest.mark.parametrize("m", [1, 3, 20] if not ON_GPU else [1, 4, 16, 64, 100])
 def test_dequant_gemm_matches_reference(kind: str, group: int, m: int) -> None:
     qweight, scales, offsets = _weight(kind, group)
     gen = torch.Generator().manual_seed(1)
