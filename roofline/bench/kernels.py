@@ -15,6 +15,7 @@ of Qwen3-30B-A3B runs at 1, 16, 256 and 4096 tokens (GB/s over the touched exper
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -277,6 +278,41 @@ def bench_moe(bench: Bench) -> None:
                         2 * num_tokens * top_k * 3 * hidden * inter)  # fmt: skip
 
 
+def bench_dequant(bench: Bench) -> None:
+    """Fused dequant GEMMs (``kernels.dequant_gemm``) on the Llama-3.1-8B gate/up and down
+    shapes at M = 1, 4, 16, 64: GB/s of quantized bytes (weights + scales + offsets), beside the
+    dequantize-into-cuBLAS path."""
+    from roofline.kernels.dequant_gemm import dequant_cublas_gemm, dequant_gemm
+    from roofline.quantization import formats
+
+    for n, k in [(28672, 4096), (4096, 14336)]:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        int8 = formats.quantize_int8(w, k, torch.bfloat16)
+        int4 = formats.quantize_int4(w, 128, True, torch.bfloat16)
+        fp8 = formats.quantize_fp8(w)
+        cases = {
+            "int8": (int8.qweight, int8.scales, None),
+            "int4 g128": tuple(int4),
+            "fp8": (fp8[0], fp8[1], None),
+        }
+        del w
+        for label, (qw, s, o) in cases.items():
+            kind = label.split()[0]
+            nbytes = sum(t.numel() * t.element_size() for t in (qw, s, o) if t is not None)
+            for m in (1, 4, 16, 64):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                shape = f"M={m} N={n} K={k}"
+                bench.bandwidth(
+                    f"dequant_gemm {label}", shape,
+                    functools.partial(dequant_gemm, kind, x, qw, s, o), nbytes,
+                )  # fmt: skip
+                bench.bandwidth(
+                    f"dequant+cuBLAS {label}", shape,
+                    functools.partial(dequant_cublas_gemm, kind, x, qw, s, o), nbytes,
+                )  # fmt: skip
+        torch.cuda.empty_cache()
+
+
 def print_table(results: list[Result]) -> None:
     header = f"{'kernel':34} {'shape':48} {'time us':>10} {'achieved':>16} {'% roof':>7}"
     print(header)
@@ -293,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30, help="timed launches per case (median)")
     parser.add_argument(
         "--only",
-        choices=["decode", "prefill", "pointwise", "moe"],
+        choices=["decode", "prefill", "pointwise", "moe", "quant"],
         action="append",
         help="run only these groups (repeatable); default: all",
     )
@@ -301,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("roofline.bench.kernels needs a CUDA GPU (Triton kernels are timed on device).")
         return 2
-    groups = set(args.only or ["decode", "prefill", "pointwise", "moe"])
+    groups = set(args.only or ["decode", "prefill", "pointwise", "moe", "quant"])
     torch.manual_seed(0)
     bench = Bench(args.warmup, args.iters)
     bench.ceilings()
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_pointwise(bench)
     if "moe" in groups:
         bench_moe(bench)
+    if "quant" in groups:
+        bench_dequant(bench)
     device = torch.cuda.get_device_name()
     print(f"device: {device}, torch {torch.__version__}")
     print_table(bench.results)

@@ -40,7 +40,11 @@ class LatencyRow:
 
 def precision_of(engine: LLMEngine) -> Precision:
     dt = _DTYPE_NAMES[str(engine.runner.dtype).removeprefix("torch.")]
-    return Precision(weight_dtype=dt, kv_dtype=dt)
+    quant = getattr(engine.runner, "quant_config", None)
+    if quant is None:
+        return Precision(weight_dtype=dt, kv_dtype=dt)
+    weight, gemm, group = quant.planner_precision()
+    return Precision(weight_dtype=weight, kv_dtype=dt, compute_dtype=gemm, quant_group_size=group)
 
 
 def run_batch(

@@ -52,6 +52,10 @@ _HELP = {
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
     "kv_cache_dtype": "KV page storage: auto (the model dtype), fp8 (e4m3) or int8, quantized "
     "per token and head (about half the bytes of bf16 pages)",
+    "quantization": "weight quantization: int8, int4 (g128; int4-g32/-g64, int4-asym[-g<N>]), "
+    "fp8, fp8-w8a8, or gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 quantized); default: the checkpoint's "
+    "own quantization_config (gptq, awq, fp8) or none",
+    "quantize_lm_head": "quantize the LM head too (16-bit by default)",
 }
 
 
@@ -89,6 +93,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -39,6 +39,7 @@ from roofline.models.weights import (
     resolve_model,
 )
 from roofline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from roofline.quantization.registry import resolve_quantization
 from roofline.request import Request, RequestStatus
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.build import build_spec_decoder
@@ -133,6 +134,14 @@ class LLMEngine:
         dtype = args.resolve_dtype(self.model_config, device)
         self.scheduler_config = args.scheduler_config(self.model_config, device)
         self.max_model_len = self.scheduler_config.max_model_len
+        quant_config = resolve_quantization(
+            args.quantization,
+            self.model_config,
+            source.kind,
+            device,
+            args.quantize_lm_head,
+            str(source.path) if source.kind == "gguf" else None,
+        )
         self.tokenizer = load_tokenizer(source)
         dummy = args.load_format == "dummy" or source.kind == "config"
         if args.load_format not in ("auto", "dummy"):
@@ -157,6 +166,11 @@ class LLMEngine:
         if args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None:
             from roofline.distributed.executor import build_executor  # workers per rank
 
+            if quant_config is not None:
+                raise ValueError(
+                    "quantization under tensor parallelism is not wired into the workers yet"
+                )
+
             self.runner = build_executor(args, source, self.model_config, device, dtype, dummy)
         else:
             self.runner = ModelRunner(
@@ -165,9 +179,10 @@ class LLMEngine:
                 self.scheduler_config,
                 device,
                 dtype,
-                weights=None if dummy else iter_weights(source),
+                weights=None if dummy else iter_weights(source, quant_config),
                 seed=args.seed,
                 attention_backend=_make_backend(args.attention_backend, device),
+                quant_config=quant_config,
             )
             self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager:
@@ -523,7 +538,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries_total=kv.prefix_queries,
             prefix_cache_hits_total=kv.prefix_hits,
-            kv_cache_capacity_tokens=self.runner.num_pages * self.runner.page_size,
+            kv_cache_capacity_tokens=self.runner.num_pages * self.args.page_size,
             **(self.spec.stats.as_engine_stats() if self.spec is not None else {}),
         )
 

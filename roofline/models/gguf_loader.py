@@ -283,8 +283,12 @@ def num_gguf_weights(path: str | Path) -> int:
     return sum(t.name not in _SKIPPED_TENSORS for t in reader.tensors)
 
 
-def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for each GGUF tensor, one at a time."""
+def iter_gguf_weights(
+    path: str | Path, quant_config: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for each GGUF tensor, one at a time. With a
+    ``quantization.gguf.GGUFConfig``, the weights it keeps quantized come as their canonical
+    ``qweight``/``scales``/``offsets`` tensors instead."""
     reader = open_gguf(str(path))
     arch = str(gguf_field(reader, "general.architecture"))
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
@@ -293,13 +297,23 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        weight = dequantize_tensor(tensor)
-        if arch == "llama":
-            if ".self_attn.q_proj." in name:
-                weight = unpermute_rope_rows(weight, num_heads)
-            elif ".self_attn.k_proj." in name:
-                weight = unpermute_rope_rows(weight, num_kv_heads)
-        yield name, weight
+        heads = None
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            heads = num_heads
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            heads = num_kv_heads
+
+        def unpermute(t: torch.Tensor, heads: int | None = heads) -> torch.Tensor:
+            return t if heads is None else unpermute_rope_rows(t, heads)
+
+        kept = quant_config.kept(name) if quant_config is not None else None
+        if kept is not None:
+            from roofline.quantization.gguf import iter_kept
+
+            rows = int(tensor.shape[-1])
+            yield from iter_kept(name, kept, tensor.data, rows, unpermute)
+            continue
+        yield name, unpermute(dequantize_tensor(tensor))
 
 
 def gguf_chat_template(path: str | Path) -> str | None:

@@ -165,16 +165,21 @@ def _num_safetensors(folder: Path) -> int:
     return total
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, quant_config: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_param_name, tensor)`` one tensor at a time, so peak host memory stays near one
     tensor. Safetensors keep their stored dtype; GGUF tensors come dequantized to float32.
-    A tied checkpoint may lack ``lm_head.weight``: the model ties it to the embedding."""
+    A tied checkpoint may lack ``lm_head.weight``: the model ties it to the embedding. A GGUF
+    read with ``quantization="gguf"`` yields the weights it keeps quantized as canonical
+    ``qweight``/``scales``/``offsets`` tensors."""
     if source.kind == "hf":
         total = _num_safetensors(source.path)
         yield from _progress(_iter_safetensors(source.path), total, f"loading {source.name}")
     elif source.kind == "gguf":
         total = _gguf().num_gguf_weights(source.path)
-        tensors = _gguf().iter_gguf_weights(source.path)
+        gguf_config = quant_config if getattr(quant_config, "name", None) == "gguf" else None
+        tensors = _gguf().iter_gguf_weights(source.path, gguf_config)
         yield from _progress(tensors, total, f"dequantizing {source.name}")
     else:
         raise ValueError(

@@ -110,6 +110,11 @@ class QuantizationConfig(ABC):
 
     name: str = "none"
 
+    def planner_precision(self) -> tuple[str, str | None, int]:
+        """(weight dtype, GEMM dtype or None, group size) for the planner's roofline
+        (``planner.roofline.Precision``); 16-bit by default."""
+        return "bf16", None, 128
+
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethod:
         """The method of the linear layer at ``prefix``."""

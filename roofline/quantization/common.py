@@ -1,0 +1,109 @@
+"""What every quantized linear method shares: registering its tensors, copying canonical
+tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
+one of the canonical layouts (``formats``) by device and number of rows:
+
+* CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
+  (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
+  rows beyond);
+* CUDA, more rows (prefill): the weight dequantized by one Triton launch into a 16-bit buffer,
+  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` moves the switch (0: always dequantize +
+  cuBLAS); ``scripts/gpu_quant.py`` times both at each M to set it;
+* CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``, the hook for a fast
+  CPU kernel), else dequantize per call (``formats``) and ``F.linear``: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roofline.quantization import formats
+from roofline.quantization.base import load_rows, shard_offset
+
+DECODE_MAX_ROWS = 16
+FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
+
+CpuKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    torch.Tensor,
+]
+"""``fn(x, qweight, scales, offsets, bias) -> x @ W^T + bias`` for one canonical layout."""
+CPU_KERNELS: dict[str, CpuKernel] = {}
+
+
+def register_cpu_kernel(kind: str, fn: CpuKernel) -> None:
+    """Route CPU GEMMs of weights of ``kind`` (``int8``, ``int4``, ``fp8``) through ``fn``."""
+    if kind not in ("int8", "int4", "fp8"):
+        raise ValueError(f"unknown quantized layout {kind!r}")
+    CPU_KERNELS[kind] = fn
+
+
+def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Register a frozen parameter (quantized tensors cannot require grad)."""
+    tensor = (
+        torch.zeros(shape, dtype=dtype)
+        if dtype.is_floating_point
+        else torch.empty(shape, dtype=dtype)
+    )
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def copy_shard_rows(layer: nn.Module, name: str, shard: int, tensor: torch.Tensor) -> None:
+    """Copy a canonical tensor of output shard ``shard`` into the rows of ``layer.<name>``."""
+    offset, size = shard_offset(layer, shard)
+    target: torch.Tensor = getattr(layer, name)
+    load_rows(target, offset, size, tensor.to(target.device), f"{name} shard {shard}")
+
+
+def dequantize(kind: str, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's whole weight ``[N, K]`` in ``dtype``, in plain torch."""
+    offsets = getattr(layer, "offsets", None)
+    if kind == "int8":
+        return formats.dequantize_int8(layer.qweight, layer.scales, dtype)
+    if kind == "int4":
+        return formats.dequantize_int4(layer.qweight, layer.scales, offsets, dtype)
+    return formats.dequantize_fp8(layer.qweight, layer.scales, dtype)
+
+
+def quantized_linear(
+    kind: str, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a weight in canonical layout ``kind`` (see the module doc)."""
+    offsets = getattr(layer, "offsets", None)
+    if not x.is_cuda:
+        cpu = CPU_KERNELS.get(kind)
+        if cpu is not None:
+            return cpu(x, layer.qweight, layer.scales, offsets, bias)
+        return F.linear(x, dequantize(kind, layer, x.dtype), bias)
+    from roofline.kernels import dequant_gemm as kernels
+
+    if x.shape[0] <= FUSED_MAX_ROWS:
+        return kernels.dequant_gemm(
+            kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
+        )
+    return kernels.dequant_cublas_gemm(kind, x, layer.qweight, layer.scales, offsets, bias)
+
+
+def fuses_silu_mul(layer: nn.Module, gate_up: torch.Tensor) -> bool:
+    """The fused dequant GEMM takes the SiLU-and-mul at one row on CUDA (as the 16-bit path)."""
+    from roofline.layers import linear as linear_mod
+
+    return (
+        gate_up.is_cuda
+        and gate_up.shape[0] <= linear_mod.SILU_MUL_MAX_ROWS
+        and gate_up.dtype in (torch.bfloat16, torch.float16)
+        and gate_up.is_contiguous()
+    )
+
+
+def silu_mul_linear(
+    kind: str, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    from roofline.kernels.dequant_gemm import dequant_gemm
+
+    offsets = getattr(layer, "offsets", None)
+    return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)

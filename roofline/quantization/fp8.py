@@ -1,0 +1,130 @@
+"""fp8 (e4m3) weights: ``qweight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N]`` (one per
+output channel; a per-tensor checkpoint scale is spread over its shard's rows), ``w = q * s``.
+
+* weight-only (``fp8``): activations stay 16-bit; the fused dequant GEMM at every M on CUDA
+  (``common.quantized_linear``).
+* W8A8 (``fp8-w8a8``): above ``common.DECODE_MAX_ROWS`` rows on CUDA the activations are
+  quantized per token (dynamic scales ``max|x_row| / 448``) and multiplied on fp8 tensor cores by
+  ``torch._scaled_mm`` with the per-channel weight scales; decode-sized batches take the
+  weight-only kernel (a weight read, where quantizing x buys nothing). On the CPU W8A8 computes
+  exactly what the tensor-core path does: x rounded to fp8 per token, both operands widened, an
+  fp32 matmul, both scales applied.
+
+CUDA needs fp8 support (compute capability 8.9+: Ada, Hopper); ``check_fp8_device`` refuses
+other GPUs before any weight loads. Checkpoints already in fp8 (``weight`` of dtype
+float8_e4m3fn plus ``weight_scale`` per tensor or per channel) load as they are; their
+``input_scale`` (static activation scales) is not used: scales are always dynamic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roofline.quantization import common, formats
+from roofline.quantization.base import LinearMethod, load_bias, shard_offset
+
+
+def check_fp8_device(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"fp8 quantization needs fp8 support (compute capability 8.9+: Ada, Hopper); {name} "
+            "has none: use quantization='int8' instead"
+        )
+
+
+class Fp8LinearMethod(LinearMethod):
+    kind = "fp8"
+
+    def __init__(self, w8a8: bool = False, prequantized: bool = False) -> None:
+        self.w8a8 = w8a8
+        self.prequantized = prequantized
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
+        n = sum(output_sizes)
+        common.add_param(layer, "qweight", (n, in_features), formats.FP8_DTYPE)
+        common.add_param(layer, "scales", (n,), torch.float32)
+
+    def checkpoint_names(self, layer: nn.Module) -> tuple[str, ...]:
+        return ("weight", "weight_scale") if self.prequantized else ("weight",)
+
+    def load(self, layer: nn.Module, shard: int, name: str, tensor: torch.Tensor) -> None:
+        offset, size = shard_offset(layer, shard)
+        if name == "bias":
+            load_bias(layer, shard, tensor)
+        elif name == "weight" and tensor.dtype == formats.FP8_DTYPE:
+            common.copy_shard_rows(layer, "qweight", shard, tensor)
+        elif name == "weight":
+            if self.prequantized:
+                raise ValueError(f"fp8 checkpoint: weight shard {shard} is {tensor.dtype}, not fp8")
+            if tuple(tensor.shape) != (size, layer.in_features):
+                raise ValueError(
+                    f"weight shard {shard}: expected {(size, layer.in_features)}, "
+                    f"checkpoint has {tuple(tensor.shape)}"
+                )
+            q, scales = formats.quantize_fp8(tensor.to(layer.qweight.device))
+            common.copy_shard_rows(layer, "qweight", shard, q)
+            common.copy_shard_rows(layer, "scales", shard, scales)
+        elif name == "weight_scale":
+            scale = tensor.float().reshape(-1)
+            if scale.numel() not in (1, size):
+                raise ValueError(
+                    f"weight_scale shard {shard}: {tuple(tensor.shape)} is neither per tensor "
+                    f"nor per channel ({size} rows); block-wise fp8 is not supported"
+                )
+            common.copy_shard_rows(layer, "scales", shard, scale.expand(size))
+        elif name == "input_scale":
+            return  # static activation scales: unused (dynamic per-token scales instead)
+        else:
+            raise ValueError(f"an fp8 layer takes weight, weight_scale or bias, not {name!r}")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.w8a8:
+            return common.quantized_linear(self.kind, layer, x, bias)
+        if x.is_cuda:
+            if x.shape[0] <= common.DECODE_MAX_ROWS:
+                return common.quantized_linear(self.kind, layer, x, bias)
+            return _scaled_mm(x, layer.qweight, layer.scales, bias)
+        return w8a8_ref(x, layer.qweight, layer.scales, bias)
+
+    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
+        return common.fuses_silu_mul(layer, gate_up)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return common.silu_mul_linear(self.kind, layer, gate_up, bias)
+
+    def shard_slice(
+        self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int
+    ) -> torch.Tensor:
+        if name in ("weight_scale", "input_scale") and (axis == "in" or tensor.numel() == 1):
+            return tensor
+        return super().shard_slice(name, tensor, axis, start, size)
+
+
+def w8a8_ref(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # fp8 [N, K]
+    scales: torch.Tensor,  # fp32 [N]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """W8A8 in plain torch: x quantized per token to fp8, fp32 matmul, both scales applied."""
+    xq, x_scales = formats.quantize_fp8_per_token(x)  # [M, K] fp8, [M, 1]
+    out = (xq.float() @ qweight.float().T) * x_scales * scales.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _scaled_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    xq, x_scales = formats.quantize_fp8_per_token(x)  # [M, K] fp8, [M, 1] fp32
+    out = torch._scaled_mm(
+        xq, qweight.T, scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype
+    )  # [M, N]
+    return out if bias is None else out + bias
