@@ -35,6 +35,7 @@ from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.runner_step import verify_step
 from roofline.spec_decode.verifier import Verifier
+from roofline.worker import host_memory
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.host_batch import HostBatch, upload
@@ -75,7 +76,7 @@ class ModelRunner:
         self.num_pages = self._num_pages()
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
+        self.kv_cache = host_memory.zeros(  # lazily committed pages on the CPU
             cfg.num_hidden_layers,
             2,
             self.num_pages,
