@@ -50,6 +50,8 @@ _HELP = {
     "tensor_parallel_size": "shard the model over this many GPUs (CPU: gloo processes)",
     "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
+    "gguf_keep_quantized": "GGUF on the CPU: multiply Q4_0/Q4_1/Q8_0 blocks as stored (fused "
+    "int8 kernels); --no-gguf-keep-quantized dequantizes them at load (the fp32 reference)",
 }
 
 
@@ -86,6 +88,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    gguf_keep_quantized: bool = True
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

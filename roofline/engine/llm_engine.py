@@ -154,15 +154,21 @@ class LLMEngine:
 
             self.runner = build_executor(args, source, self.model_config, device, dtype, dummy)
         else:
+            quant_config, weights = None, None if dummy else iter_weights(source)
+            if source.kind == "gguf" and device.type == "cpu" and args.gguf_keep_quantized:
+                from roofline.quantization.gguf_cpu import cpu_gguf_checkpoint
+
+                quant_config, weights = cpu_gguf_checkpoint(source.path, dummy)
             self.runner = ModelRunner(
                 self.model_config,
                 args.cache_config(),
                 self.scheduler_config,
                 device,
                 dtype,
-                weights=None if dummy else iter_weights(source),
+                weights=weights,
                 seed=args.seed,
                 attention_backend=_make_backend(args.attention_backend, device),
+                quant_config=quant_config,
             )
             self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager:

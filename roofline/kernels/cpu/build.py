@@ -68,28 +68,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rl_set_threads.restype = i32
     lib.rl_set_threads.argtypes = [i32]
     lib.rl_quantize_rows.restype = None
-    lib.rl_quantize_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
+    lib.rl_quantize_rows.argtypes = [p, i64, i64, i64, i32, i32, p, p, p]
     lib.rl_gemm_gguf.restype = None
-    lib.rl_gemm_gguf.argtypes = [i32, p, i64, i64, p, p, p, i64, p, i64, p, i32]
+    lib.rl_gemm_gguf.argtypes = [i32, p, i64, i64, p, i32, p, p, i64, p, i64, p, i32]
     lib.rl_gemm_canonical.restype = None
-    lib.rl_gemm_canonical.argtypes = [
-        i32,
-        p,
-        p,
-        p,
-        i32,
-        i64,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        i64,
-        p,
-        i32,
-    ]
+    canonical = [i32, p, p, p, i32, i64, i64, i64, p, i32, p, p, i64, p, i64, p, i32]
+    lib.rl_gemm_canonical.argtypes = canonical
+    lib.rl_linear_gguf.restype = None
+    lib.rl_linear_gguf.argtypes = [i32, p, i64, i64, p, i64, i64, i32, p, i64, p, i32]
     lib.rl_dequant_gguf_rows.restype = None
     lib.rl_dequant_gguf_rows.argtypes = [i32, p, i64, i64, p]
 

@@ -17,6 +17,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,7 +37,8 @@ typedef struct {
     int64_t groups, blocks_per_group;
     int half_scales;
     int64_t N, K, M;
-    const int8_t *xq;  /* [M, K] */
+    const void *xq;    /* [M, K] int8, or int16 when act16 */
+    int act16;
     const float *dx;   /* [M, K / 32] */
     const float *dsx;  /* [M, K / 32]: dx * sum(xq) of the block */
     float *y;          /* [M, ldy] */
@@ -127,19 +129,29 @@ static void rows_generic(const rl_job *j, int64_t n0, int64_t n1) {
     const int64_t nb = j->K / 32;
     for (int64_t n = n0; n < n1; n++) {
         for (int64_t m = 0; m < j->M; m++) {
-            const int8_t *xq = j->xq + m * j->K;
+            const int8_t *xq = (const int8_t *)j->xq + m * j->K;
             const float *dx = j->dx + m * nb, *dsx = j->dsx + m * nb;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 float s, o;
                 const uint8_t *qs = block_of(j, n, b, &s, &o);
-                const int8_t *xb = xq + b * 32;
                 int32_t isum = 0;
-                if (is8(j->fmt)) {
-                    for (int i = 0; i < 32; i++) isum += (int8_t)qs[i] * xb[i];
-                } else { /* nibble i: low = element i, high = element i + 16 (xq ordered so) */
-                    for (int i = 0; i < 16; i++)
-                        isum += (qs[i] & 15) * xb[i] + (qs[i] >> 4) * xb[i + 16];
+                if (j->act16) {
+                    const int16_t *xb = (const int16_t *)j->xq + m * j->K + b * 32;
+                    if (is8(j->fmt)) {
+                        for (int i = 0; i < 32; i++) isum += (int8_t)qs[i] * xb[i];
+                    } else {
+                        for (int i = 0; i < 16; i++)
+                            isum += (qs[i] & 15) * xb[i] + (qs[i] >> 4) * xb[i + 16];
+                    }
+                } else {
+                    const int8_t *xb = xq + b * 32;
+                    if (is8(j->fmt)) {
+                        for (int i = 0; i < 32; i++) isum += (int8_t)qs[i] * xb[i];
+                    } else { /* nibble i: low = element i, high = element i + 16 (xq so) */
+                        for (int i = 0; i < 16; i++)
+                            isum += (qs[i] & 15) * xb[i] + (qs[i] >> 4) * xb[i + 16];
+                    }
                 }
                 acc += s * dx[b] * (float)isum + o * dsx[b];
             }
@@ -152,6 +164,17 @@ static void rows_generic(const rl_job *j, int64_t n0, int64_t n1) {
 #ifdef RL_X86
 /* ---------------------------------------------------------------- shared vector pieces */
 #define RL_MT 4 /* activation rows per register tile */
+
+#define RL_DISPATCH(NAME)                                                                  \
+    static void NAME(const rl_job *j, int64_t n0, int64_t n1) {                            \
+        switch (j->fmt) {                                                                  \
+        case FMT_Q4_0: NAME##_fmt(j, n0, n1, FMT_Q4_0); break;                             \
+        case FMT_Q4_1: NAME##_fmt(j, n0, n1, FMT_Q4_1); break;                             \
+        case FMT_Q8_0: NAME##_fmt(j, n0, n1, FMT_Q8_0); break;                             \
+        case FMT_I4: NAME##_fmt(j, n0, n1, FMT_I4); break;                                 \
+        default: NAME##_fmt(j, n0, n1, FMT_I8); break;                                     \
+        }                                                                                  \
+    }
 
 #define RL_VECTOR_ROWS(NAME, DOT)                                                          \
     static inline __attribute__((always_inline)) void NAME##_fmt(const rl_job *j, int64_t n0,  \
@@ -185,7 +208,8 @@ static void rows_generic(const rl_job *j, int64_t n0, int64_t n1) {
                     for (int t = 0; t < mt; t++) {                                         \
                         const int64_t m = m0 + t;                                          \
                         __m256i xv =                                                       \
-                            _mm256_loadu_si256((const __m256i *)(j->xq + m * j->K + b * 32)); \
+                            _mm256_loadu_si256((const __m256i *)((const int8_t *)j->xq +     \
+                                                                 m * j->K + b * 32));       \
                         if (eight) xv = _mm256_sign_epi8(xv, wsign);                       \
                         __m256 isum = _mm256_cvtepi32_ps(DOT(w, xv));                      \
                         acc[t] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * j->dx[m * nb + b]), \
@@ -227,10 +251,222 @@ RL_VECTOR_ROWS(rows_avx2, dot_avx2)
 /* ---------------------------------------------------------------- AVX-512 VNNI path */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-static inline __m256i dot_vnni(__m256i w, __m256i x) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+/* Two blocks per 512-bit register: lanes 0-7 hold block b's dot products, 8-15 block b + 1's;
+ * the per-block scales are spread over those lanes, so one convert and two FMAs serve 64
+ * weights. A tail block (odd K / 32) goes through the 256-bit code above. */
+static inline __attribute__((always_inline)) __m512 pair_of(const float *p, __m512i idx) {
+    __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)p));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
 }
-RL_VECTOR_ROWS(rows_vnni, dot_vnni)
+
+static inline __attribute__((always_inline)) void rows_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                    int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32, npairs = nb / 2;
+    const int eight = is8(fmt);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m512 acc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t pb = 0; pb < npairs; pb++) {
+                const int64_t b = 2 * pb;
+                float s0, o0, s1, o1;
+                const uint8_t *q0 = block_of(&jj, n, b, &s0, &o0);
+                const uint8_t *q1 = block_of(&jj, n, b + 1, &s1, &o1);
+                __m512i w;
+                __mmask64 neg = 0;
+                if (eight) {
+                    __m256i a = _mm256_loadu_si256((const __m256i *)q0);
+                    __m256i c = _mm256_loadu_si256((const __m256i *)q1);
+                    __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+                    neg = _mm512_movepi8_mask(raw);
+                    w = _mm512_abs_epi8(raw);
+                } else { /* [lo_b, hi_b, lo_b1, hi_b1] = elements 0..31 of b, then of b + 1 */
+                    __m128i a = _mm_loadu_si128((const __m128i *)q0);
+                    __m128i c = _mm_loadu_si128((const __m128i *)q1);
+                    __m256i ac = _mm256_set_m128i(c, a);
+                    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(ac),
+                                                      _mm256_srli_epi16(ac, 4), 1);
+                    both = _mm512_and_si512(both, low); /* [lo_b, lo_b1, hi_b, hi_b1] */
+                    w = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+                }
+                const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0),
+                                                       _mm512_set1_ps(s1));
+                const __m512 ov = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(o0 * 0.125f),
+                                                       _mm512_set1_ps(o1 * 0.125f));
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    __m512i xv = _mm512_loadu_si512(
+                        (const void *)((const int8_t *)j->xq + m * j->K + b * 32));
+                    if (eight) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    __m512 isum = _mm512_cvtepi32_ps(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+                    __m512 scale = _mm512_mul_ps(sv, pair_of(j->dx + m * nb + b, idx));
+                    acc[t] = _mm512_fmadd_ps(isum, scale, acc[t]);
+                    if (!eight) /* offsets: dsx / 8 in each of a block's 8 lanes */
+                        acc[t] = _mm512_fmadd_ps(ov, pair_of(j->dsx + m * nb + b, idx), acc[t]);
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                const int64_t m = m0 + t;
+                float v = _mm512_reduce_add_ps(acc[t]);
+                if (nb & 1) { /* tail block */
+                    float s, o;
+                    const uint8_t *qs = block_of(&jj, n, nb - 1, &s, &o);
+                    __m256i wt, ws = _mm256_setzero_si256();
+                    __m256i xv = _mm256_loadu_si256(
+                        (const __m256i *)((const int8_t *)j->xq + m * j->K + (nb - 1) * 32));
+                    if (eight) {
+                        ws = _mm256_loadu_si256((const __m256i *)qs);
+                        wt = _mm256_sign_epi8(ws, ws);
+                        xv = _mm256_sign_epi8(xv, ws);
+                    } else {
+                        __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                        wt = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p),
+                                              _mm256_set1_epi8(15));
+                    }
+                    __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wt, xv);
+                    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(is),
+                                              _mm256_extracti128_si256(is, 1));
+                    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+                    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+                    v += s * j->dx[m * nb + nb - 1] * (float)_mm_cvtsi128_si32(h) +
+                         o * j->dsx[m * nb + nb - 1];
+                }
+                if (j->bias) v += j->bias[n];
+                j->y[m * j->ldy + n] = v;
+            }
+        }
+    }
+}
+
+static void rows_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
+    switch (j->fmt) {
+    case FMT_Q4_0: rows_vnni512_fmt(j, n0, n1, FMT_Q4_0); break;
+    case FMT_Q4_1: rows_vnni512_fmt(j, n0, n1, FMT_Q4_1); break;
+    case FMT_Q8_0: rows_vnni512_fmt(j, n0, n1, FMT_Q8_0); break;
+    case FMT_I4: rows_vnni512_fmt(j, n0, n1, FMT_I4); break;
+    default: rows_vnni512_fmt(j, n0, n1, FMT_I8); break;
+    }
+}
+#pragma GCC pop_options
+#endif
+
+#ifdef RL_X86
+/* ---------------------------------------------------------------- int16 activations */
+/* Activations with 15 bits per block of 32: each weight block is widened to 16-bit once and
+ * multiplied with vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2); results stay within ~1e-5 of
+ * the fp32 reference, where int8 activations (above) are 2x cheaper in compute but move
+ * greedy tokens on small models. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+static inline __attribute__((always_inline)) void rows16_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                      int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32;
+    const int eight = is8(fmt);
+    const __m256i low = _mm256_set1_epi8(15);
+    const int16_t *x16 = (const int16_t *)j->xq;
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m512 acc[RL_MT];
+            float oacc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) {
+                acc[t] = _mm512_setzero_ps();
+                oacc[t] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
+                __m512i w;
+                if (eight) {
+                    w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
+                } else {
+                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                    __m256i pp = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low);
+                    w = _mm512_cvtepu8_epi16(pp);
+                }
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    __m512i xv = _mm512_loadu_si512((const void *)(x16 + m * j->K + b * 32));
+                    __m512 isum = _mm512_cvtepi32_ps(
+                        _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv));
+                    acc[t] = _mm512_fmadd_ps(isum, _mm512_set1_ps(s * j->dx[m * nb + b]), acc[t]);
+                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                float v = _mm512_reduce_add_ps(acc[t]) + oacc[t];
+                if (j->bias) v += j->bias[n];
+                j->y[(m0 + t) * j->ldy + n] = v;
+            }
+        }
+    }
+}
+RL_DISPATCH(rows16_vnni512)
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline __attribute__((always_inline)) void rows16_avx2_fmt(const rl_job *j, int64_t n0,
+                                                                   int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32;
+    const int eight = is8(fmt);
+    const __m128i low = _mm_set1_epi8(15);
+    const int16_t *x16 = (const int16_t *)j->xq;
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m256 acc[RL_MT];
+            float oacc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) {
+                acc[t] = _mm256_setzero_ps();
+                oacc[t] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
+                __m256i w0, w1;
+                if (eight) {
+                    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+                    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+                } else {
+                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
+                    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
+                }
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    const int16_t *xb = x16 + m * j->K + b * 32;
+                    __m256i d0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb));
+                    __m256i d1 =
+                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16)));
+                    __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
+                    acc[t] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * j->dx[m * nb + b]), acc[t]);
+                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]),
+                                      _mm256_extractf128_ps(acc[t], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                float v = _mm_cvtss_f32(h) + oacc[t];
+                if (j->bias) v += j->bias[n];
+                j->y[(m0 + t) * j->ldy + n] = v;
+            }
+        }
+    }
+}
+RL_DISPATCH(rows16_avx2)
 #pragma GCC pop_options
 #endif
 
@@ -250,11 +486,14 @@ int rl_best_isa(void) {
 
 typedef void (*rows_fn)(const rl_job *, int64_t, int64_t);
 
-static rows_fn pick(int isa) {
+static rows_fn pick(int isa, int act16) {
 #ifdef RL_X86
     static int best = -1;
     if (best < 0) best = rl_best_isa();
-    if (isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows_vnni;
+    if (act16 && isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows16_vnni512;
+    if (act16 && isa >= ISA_AVX2 && best >= ISA_AVX2) return rows16_avx2;
+    if (act16) return rows_generic;
+    if (isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows_vnni512;
     if (isa >= ISA_AVX2 && best >= ISA_AVX2) return rows_avx2;
 #endif
     (void)isa;
@@ -267,7 +506,7 @@ static rows_fn pick(int isa) {
  * caller never waits for a worker that has not been scheduled: it takes the chunks itself and
  * waits only for chunks already being computed. */
 #define RL_MAX_THREADS 64
-#define RL_SPIN 100000
+#define RL_SPIN 20000
 
 static struct {
     pthread_t threads[RL_MAX_THREADS];
@@ -341,7 +580,7 @@ int rl_set_threads(int n) {
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void run(const rl_job *j, int isa) {
-    rows_fn fn = pick(isa);
+    rows_fn fn = pick(isa, j->act16);
     /* Small problems stay on the caller: waking a worker costs more than it saves. */
     if (pool.num_threads == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
         fn(j, 0, j->N);
@@ -373,21 +612,24 @@ static void run(const rl_job *j, int isa) {
  * block's int8 values are stored as its 16 even elements then its 16 odd ones (the order in
  * which the canonical int4 layout's low and high nibbles unpack); else low/high = first/second
  * 16 elements (the GGUF order). */
-void rl_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int even_odd, int8_t *xq,
-                      float *dx, float *dsx) {
+void rl_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int even_odd, int bits,
+                      void *xq_out, float *dx, float *dsx) {
+    const float qmax = bits == 16 ? 32767.0f : 127.0f;
     const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + b * 32;
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *out = xq + m * K + b * 32;
+            const float d = amax / qmax, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t sum = 0;
             for (int i = 0; i < 32; i++) {
                 int v = (int)lrintf(xb[i] * inv);
-                int pos = even_odd ? (i & 1) * 16 + (i >> 1) : i;
-                out[pos] = (int8_t)v;
+                int64_t pos = m * K + b * 32 + (even_odd ? (i & 1) * 16 + (i >> 1) : i);
+                if (bits == 16)
+                    ((int16_t *)xq_out)[pos] = (int16_t)v;
+                else
+                    ((int8_t *)xq_out)[pos] = (int8_t)v;
                 sum += v;
             }
             dx[m * nb + b] = d;
@@ -396,24 +638,47 @@ void rl_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int eve
     }
 }
 
-void rl_gemm_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const int8_t *xq,
-                  const float *dx, const float *dsx, int64_t M, float *y, int64_t ldy,
-                  const float *bias, int isa) {
-    rl_job j = {.fmt = fmt, .rows = rows, .N = N, .K = K, .M = M, .xq = xq, .dx = dx,
+void rl_gemm_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const void *xq,
+                  int act_bits, const float *dx, const float *dsx, int64_t M, float *y,
+                  int64_t ldy, const float *bias, int isa) {
+    rl_job j = {.fmt = fmt, .rows = rows, .N = N, .K = K, .M = M, .xq = xq,
+                .act16 = act_bits == 16, .dx = dx,
                 .dsx = dsx, .y = y, .ldy = ldy, .bias = bias};
     run(&j, isa);
 }
 
 void rl_gemm_canonical(int bits, const uint8_t *q, const void *scales, const void *offsets,
-                       int half_scales, int64_t group, int64_t N, int64_t K, const int8_t *xq, const float *dx,
+                       int half_scales, int64_t group, int64_t N, int64_t K, const void *xq,
+                       int act_bits, const float *dx,
                        const float *dsx, int64_t M, float *y, int64_t ldy, const float *bias,
                        int isa) {
     rl_job j = {.fmt = bits == 4 ? FMT_I4 : FMT_I8, .q = q, .row_bytes = bits == 4 ? K / 2 : K,
                 .scales = scales, .offsets = offsets, .half_scales = half_scales,
-                .groups = K / group,
+                .groups = K / group, .act16 = act_bits == 16,
                 .blocks_per_group = group / 32, .N = N, .K = K, .M = M, .xq = xq, .dx = dx,
                 .dsx = dsx, .y = y, .ldy = ldy, .bias = bias};
     run(&j, isa);
+}
+
+/* x fp32 [M, K] (row stride ldx) -> y: quantizes the activations into a per-thread scratch
+ * buffer, then runs the GEMM: one call per linear layer from Python. */
+static __thread int8_t *scratch_q;
+static __thread float *scratch_f;
+static __thread int64_t scratch_elems;
+
+void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
+                    int64_t M, int64_t ldx, int act_bits, float *y, int64_t ldy,
+                    const float *bias, int isa) {
+    if (M * K > scratch_elems) {
+        free(scratch_q);
+        free(scratch_f);
+        scratch_q = malloc(2 * (size_t)(M * K));
+        scratch_f = malloc(sizeof(float) * (size_t)(M * K / 32) * 2);
+        scratch_elems = M * K;
+    }
+    float *dx = scratch_f, *dsx = scratch_f + M * K / 32;
+    rl_quantize_rows(x, M, K, ldx, 0, act_bits, scratch_q, dx, dsx);
+    rl_gemm_gguf(fmt, rows, N, K, scratch_q, act_bits, dx, dsx, M, y, ldy, bias, isa);
 }
 
 /* Dequantize whole GGUF rows (embedding lookups): out [num_rows, K] fp32. */
