@@ -51,7 +51,7 @@ _HELP = {
     "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
     "gguf_keep_quantized": "GGUF on the CPU: multiply Q4_0/Q4_1/Q8_0 blocks as stored (fused "
-    "int8 kernels); --no-gguf-keep-quantized dequantizes them at load (the fp32 reference)",
+    "integer kernels); --no-gguf-keep-quantized dequantizes them at load (the fp32 reference)",
 }
 
 
