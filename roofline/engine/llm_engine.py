@@ -170,7 +170,8 @@ class LLMEngine:
                 attention_backend=_make_backend(args.attention_backend, device),
                 quant_config=quant_config,
             )
-            self.runner.warmup()
+            if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
+                self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager:
                 self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(

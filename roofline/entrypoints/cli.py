@@ -204,7 +204,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``command`` "generate" or "chat" the bench/serve/plan commands are
+    left out (their modules take a noticeable part of a first answer's start-up to import)."""
     from roofline import __version__
     from roofline.models.weights import available_configs
 
@@ -245,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_args(p, name)
         EngineArgs.add_cli_args(p)
         p.set_defaults(func=fn)
-    _add_optional_commands(sub)
+    if command not in ("generate", "chat"):
+        _add_optional_commands(sub)
     return parser
 
 
@@ -260,7 +263,8 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    ns = build_parser(args[0] if args else None).parse_args(args)
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -98,6 +98,16 @@ class GGUFBlocksLinearMethod(LinearMethod):
         y = ops.gguf_gemm(x, layer.gguf_rows, b)  # fp32
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
+        return gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        # gate_up: [num_tokens, 2 * in_features] -> [num_tokens, out_features] fp32
+        b = None if bias is None else bias.float()
+        return ops.gguf_gemm(gate_up, layer.gguf_rows, b, silu_mul=True)
+
     def weight_bytes(self, layer: nn.Module) -> int:
         return 0 if layer.gguf_rows is None else layer.gguf_rows.nbytes()
 

@@ -140,3 +140,14 @@ def test_threaded_large_gemm_matches_single_chunk() -> None:
         quantized_activations_ref(x, ops.ACT_BITS), ops._dequantize_ref("Q8_0", blocks, 512)
     )
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)  # |y| ~ 30: fp32 sum order
+
+
+@needs_lib
+def test_silu_mul_fused_into_the_input() -> None:
+    gen = torch.Generator().manual_seed(6)
+    blocks = random_blocks("Q4_1", 48, 96, gen)
+    w = ops.GGUFRows.from_tensors("Q4_1", 96, [(blocks, None)])
+    gate_up = torch.randn(3, 192, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = ops.gguf_gemm((torch.nn.functional.silu(gate) * up).contiguous(), w)
+    torch.testing.assert_close(ops.gguf_gemm(gate_up, w, silu_mul=True), want)

@@ -75,7 +75,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     canonical = [i32, p, p, p, i32, i64, i64, i64, p, i32, p, p, i64, p, i64, p, i32]
     lib.rl_gemm_canonical.argtypes = canonical
     lib.rl_linear_gguf.restype = None
-    lib.rl_linear_gguf.argtypes = [i32, p, i64, i64, p, i64, i64, i32, p, i64, p, i32]
+    lib.rl_linear_gguf.argtypes = [i32, p, i64, i64, p, i64, i64, i32, i32, p, i64, p, i32]
     lib.rl_dequant_gguf_rows.restype = None
     lib.rl_dequant_gguf_rows.argtypes = [i32, p, i64, i64, p]
 

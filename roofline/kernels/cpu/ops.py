@@ -124,10 +124,15 @@ def gguf_gemm(
     bias: torch.Tensor | None = None,
     isa: str | None = None,
     act_bits: int = ACT_BITS,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, N] over GGUF blocks (reference path without the library)."""
+    """x [M, K] -> fp32 [M, N] over GGUF blocks (reference path without the library). With
+    ``silu_mul`` x is [M, 2K] (gate | up) and the GEMM's input ``silu(gate) * up``."""
     lib = load_library()
     if lib is None:
+        if silu_mul:
+            gate, up = x.float().chunk(2, dim=-1)
+            x = F.silu(gate) * up
         return gguf_gemm_ref(x, w, bias)
     x = _as_rows(x)
     m = x.shape[0]
@@ -142,6 +147,7 @@ def gguf_gemm(
         m,
         x.stride(0),
         act_bits,
+        int(silu_mul),
         y.data_ptr(),
         n,
         None if bias is None else bias.data_ptr(),

@@ -666,8 +666,12 @@ static __thread int8_t *scratch_q;
 static __thread float *scratch_f;
 static __thread int64_t scratch_elems;
 
+static __thread float *scratch_x;
+static __thread int64_t scratch_x_elems;
+
+/* silu_mul: x is [M, 2K] (gate | up) and the GEMM's input is silu(gate) * up, computed here. */
 void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
-                    int64_t M, int64_t ldx, int act_bits, float *y, int64_t ldy,
+                    int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
                     const float *bias, int isa) {
     if (M * K > scratch_elems) {
         free(scratch_q);
@@ -675,6 +679,20 @@ void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, c
         scratch_q = malloc(2 * (size_t)(M * K));
         scratch_f = malloc(sizeof(float) * (size_t)(M * K / 32) * 2);
         scratch_elems = M * K;
+    }
+    if (silu_mul) {
+        if (M * K > scratch_x_elems) {
+            free(scratch_x);
+            scratch_x = malloc(sizeof(float) * (size_t)(M * K));
+            scratch_x_elems = M * K;
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const float *g = x + m * ldx, *u = g + K;
+            float *h = scratch_x + m * K;
+            for (int64_t i = 0; i < K; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        x = scratch_x;
+        ldx = K;
     }
     float *dx = scratch_f, *dsx = scratch_f + M * K / 32;
     rl_quantize_rows(x, M, K, ldx, 0, act_bits, scratch_q, dx, dsx);
