@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -117,10 +118,38 @@ def _check_model(ns: argparse.Namespace) -> None:
         raise ValueError(f"{source.name!r} has no tokenizer: add --no-chat-template")
 
 
+class loading_notice:
+    """Prints ``loading MODEL ...`` to stderr if loading is still running after ``after_s``
+    seconds, and how long it took at the end (nothing for a load that finishes sooner)."""
+
+    def __init__(self, what: str, after_s: float = 1.0) -> None:
+        import threading
+
+        self.what, self.shown, self.start = what, False, time.perf_counter()
+        self.timer = threading.Timer(after_s, self._show)
+        self.timer.daemon = True
+
+    def _show(self) -> None:
+        self.shown = True
+        print(f"[loading {self.what} ...]", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> loading_notice:
+        if sys.stderr.isatty() or os.environ.get("ROOFLINE_PROGRESS") == "1":
+            self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+        if self.shown and exc[0] is None:
+            elapsed = time.perf_counter() - self.start
+            print(f"[loaded {self.what} in {elapsed:.1f} s]", file=sys.stderr, flush=True)
+
+
 def _engine(ns: argparse.Namespace):
     from roofline.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    with loading_notice(ns.model or "SmolLM2-135M-Instruct (embedded)"):
+        return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
 
 
 def _stream(engine, request_id: str, prompt, params: SamplingParams, out=sys.stdout) -> str:

@@ -112,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
     if port_error is not None:  # before the model loads, not after
         print(f"error: cannot listen on {args.host}:{args.port}: {port_error}", file=sys.stderr)
         return 2
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs.from_cli_args(args), in_process=args.engine_in_process
-    )
+    from roofline.entrypoints.cli import loading_notice
+
+    with loading_notice(args.model or "SmolLM2-135M-Instruct (embedded)"):
+        engine = AsyncLLMEngine.from_engine_args(
+            EngineArgs.from_cli_args(args), in_process=args.engine_in_process
+        )
     app = build_app(
         engine,
         args.served_model_name,
