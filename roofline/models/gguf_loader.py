@@ -326,4 +326,3 @@ def gguf_chat_template(path: str | Path) -> str | None:
     """The Jinja chat template stored in the GGUF metadata, if any."""
     template = gguf_field(open_gguf(str(path)), "tokenizer.chat_template", None)
     return None if template is None else str(template)
-
