@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class GGUFTensorInfo:
 @dataclass(frozen=True)
 class GGUFIndex:
     path: Path
+    arch: str
+    """``general.architecture`` (``llama``, ``qwen2``, ...)."""
     config: dict[str, Any]
     chat_template: str | None
     tensors: list[GGUFTensorInfo]
@@ -75,6 +77,7 @@ def _parse(path: Path) -> dict[str, Any]:
         for t in reader.tensors
     ]
     return {
+        "arch": str(gguf_loader.gguf_field(reader, "general.architecture")),
         "config": gguf_loader.gguf_config_dict(path),
         "chat_template": gguf_loader.gguf_chat_template(path),
         "tensors": tensors,
@@ -105,7 +108,7 @@ def _index(path: str, key: str) -> GGUFIndex:
         GGUFTensorInfo(t["name"], t["type_name"], tuple(t["shape"]), t["offset"], t["num_bytes"])
         for t in data["tensors"]
     ]
-    return GGUFIndex(p, data["config"], data["chat_template"], tensors)
+    return GGUFIndex(p, data["arch"], data["config"], data["chat_template"], tensors)
 
 
 def gguf_index(path: str | os.PathLike[str]) -> GGUFIndex:

@@ -292,7 +292,7 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     the cached index and a memory map: the header is not parsed again)."""
     index = gguf_index(path)
     cfg = index.config
-    arch = next(a for a, (hf, _) in GGUF_ARCHITECTURES.items() if hf == cfg["architectures"][0])
+    arch = index.arch
     num_heads = int(cfg["num_attention_heads"])
     num_kv_heads = int(cfg["num_key_value_heads"])
     for info in index.tensors:

@@ -175,8 +175,7 @@ def iter_gguf_kept(config: GGUFCPUConfig) -> Iterator[tuple[str, torch.Tensor]]:
 
     index = config.index
     cfg = index.config
-    arch_of = {hf: a for a, (hf, _) in gguf_loader.GGUF_ARCHITECTURES.items()}
-    arch = arch_of[cfg["architectures"][0]]
+    arch = index.arch
     heads = {"q_proj": int(cfg["num_attention_heads"]), "k_proj": int(cfg["num_key_value_heads"])}
     for info in index.tensors:
         name = gguf_loader.hf_tensor_name(info.name)

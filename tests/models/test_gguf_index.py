@@ -19,7 +19,7 @@ def test_cache_reused_and_invalidated(tmp_path, monkeypatch: pytest.MonkeyPatch)
 
     def fake_parse(p):
         calls.append(p)
-        return {"config": {"n": len(calls)}, "chat_template": None, "tensors": []}
+        return {"arch": "llama", "config": {"n": len(calls)}, "chat_template": None, "tensors": []}
 
     monkeypatch.setattr(gi, "_parse", fake_parse)
     gi._index.cache_clear()
