@@ -173,18 +173,25 @@ class LLMEngine:
 
             self.runner = build_executor(args, source, self.model_config, device, dtype, dummy)
         else:
+            weights = None if dummy else iter_weights(source, quant_config)
+            cpu_gguf = source.kind == "gguf" and device.type == "cpu" and args.gguf_keep_quantized
+            if quant_config is None and cpu_gguf:  # the fused CPU kernels read the blocks
+                from roofline.quantization.gguf_cpu import cpu_gguf_checkpoint
+
+                quant_config, weights = cpu_gguf_checkpoint(source.path, dummy)
             self.runner = ModelRunner(
                 self.model_config,
                 args.cache_config(),
                 self.scheduler_config,
                 device,
                 dtype,
-                weights=None if dummy else iter_weights(source, quant_config),
+                weights=weights,
                 seed=args.seed,
                 attention_backend=_make_backend(args.attention_backend, device),
                 quant_config=quant_config,
             )
-            self.runner.warmup()
+            if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
+                self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager:
                 self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(

@@ -7,47 +7,149 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from roofline.engine.args import EngineArgs
 from roofline.sampling_params import SamplingParams
 
+# Defaults per command where the model's generation_config.json says nothing: generate keeps
+# plain greedy decoding; chat adds a repetition penalty (small models loop when greedy) and a
+# token limit that lets answers end.
+_DEFAULTS = {
+    "generate": {
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+    },
+    "chat": {
+        "max_tokens": 512,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.1,
+    },
+}
+_GENERATION_CONFIG_KEYS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+}
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+
+def _add_sampling_args(p: argparse.ArgumentParser, command: str) -> None:
+    d = _DEFAULTS[command]
+    src = "default: the model's generation_config.json, else %s"
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help=f"new tokens at most ({src % d['max_tokens']})"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=None, help=f"0 = greedy ({src % d['temperature']})"
+    )
+    p.add_argument("--top-p", type=float, default=None, help=src % d["top_p"])
+    p.add_argument("--top-k", type=int, default=None, help=src % d["top_k"])
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument(
+        "--repetition-penalty", type=float, default=None, help=src % d["repetition_penalty"]
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _generation_defaults(ns: argparse.Namespace) -> dict:
+    """The command's sampling defaults, overridden by the model's generation_config.json."""
+    import json
+
+    from roofline.models.weights import resolve_model
+
+    defaults = dict(_DEFAULTS[ns.command])
+    source = resolve_model(ns.model)
+    if source.kind == "hf" and (source.path / "generation_config.json").is_file():
+        gen = json.loads((source.path / "generation_config.json").read_text())
+        if gen.get("do_sample") is False:
+            gen = {k: v for k, v in gen.items() if k not in ("temperature", "top_p", "top_k")}
+        for key, name in _GENERATION_CONFIG_KEYS.items():
+            if gen.get(key) is not None:
+                defaults[name] = gen[key]
+    return defaults
+
+
 def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    """Validated before anything is loaded: a bad value fails at once."""
+    d = _generation_defaults(ns)
+
+    def pick(name: str):
+        value = getattr(ns, name)
+        return d[name] if value is None else value
+
     return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
+        max_tokens=pick("max_tokens"),
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k"),
         min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty"),
         presence_penalty=ns.presence_penalty,
         frequency_penalty=ns.frequency_penalty,
-        seed=ns.sampling_seed,
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
 
 
+def _check_model(ns: argparse.Namespace) -> None:
+    """Refuse, before loading, a bundled random-weight config without --load-format dummy."""
+    from roofline.models.weights import resolve_model
+
+    source = resolve_model(ns.model)
+    if source.kind == "config" and ns.load_format != "dummy":
+        raise ValueError(
+            f"{source.name!r} is a random-weight config for benchmarks (no weights, no "
+            "tokenizer); run it with --load-format dummy (token ids only, meaningless text), "
+            "or give a checkpoint folder, a .gguf file or 'smollm2'"
+        )
+    if source.kind == "config" and not ns.no_chat_template:
+        raise ValueError(f"{source.name!r} has no tokenizer: add --no-chat-template")
+
+
+class loading_notice:
+    """Prints ``loading MODEL ...`` to stderr if loading is still running after ``after_s``
+    seconds, and how long it took at the end (nothing for a load that finishes sooner)."""
+
+    def __init__(self, what: str, after_s: float = 1.0) -> None:
+        import threading
+
+        self.what, self.shown, self.start = what, False, time.perf_counter()
+        self.timer = threading.Timer(after_s, self._show)
+        self.timer.daemon = True
+
+    def _show(self) -> None:
+        self.shown = True
+        print(f"[loading {self.what} ...]", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> loading_notice:
+        if sys.stderr.isatty() or os.environ.get("ROOFLINE_PROGRESS") == "1":
+            self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+        if self.shown and exc[0] is None:
+            elapsed = time.perf_counter() - self.start
+            print(f"[loaded {self.what} in {elapsed:.1f} s]", file=sys.stderr, flush=True)
+
+
 def _engine(ns: argparse.Namespace):
     from roofline.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    with loading_notice(ns.model or "SmolLM2-135M-Instruct (embedded)"):
+        return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
 
 
 def _stream(engine, request_id: str, prompt, params: SamplingParams, out=sys.stdout) -> str:
@@ -84,9 +186,13 @@ def _prompt_for(engine, text: str, ns: argparse.Namespace, history: list[dict] |
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    engine = _engine(ns)
     params = _sampling_params(ns)
-    prompts = ns.prompt or ["What is the capital of France?"]
+    _check_model(ns)
+    prompts = list(ns.prompts)
+    if ns.prompt:
+        prompts.insert(0, " ".join(ns.prompt))  # bare words are one prompt
+    prompts = prompts or ["What is the capital of France?"]
+    engine = _engine(ns)
     for i, text in enumerate(prompts):
         if len(prompts) > 1:
             print(f"--- {text}", file=sys.stderr)
@@ -95,8 +201,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    engine = _engine(ns)
     params = _sampling_params(ns)
+    _check_model(ns)
+    engine = _engine(ns)
     history: list[dict] = []
     print(
         "roofline chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr
@@ -111,6 +218,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             break
         if line.strip() == "/reset":
             history.clear()
+            print("[history cleared]", file=sys.stderr)
             continue
         prompt = _prompt_for(engine, line, ns, history)
         reply = _stream(engine, f"chat-{turn}", prompt, params)
@@ -125,29 +233,51 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``command`` "generate" or "chat" the bench/serve/plan commands are
+    left out (their modules take a noticeable part of a first answer's start-up to import)."""
+    from roofline import __version__
+    from roofline.models.weights import available_configs
+
     parser = argparse.ArgumentParser(prog="roofline", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"roofline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    configs = ", ".join(available_configs()) or "none"
     for name, fn, helptext in (
         ("generate", cmd_generate, "generate text for one or more prompts, streamed"),
         ("chat", cmd_chat, "interactive chat that keeps its history"),
     ):
         p = sub.add_parser(name, help=helptext)
         if name == "generate":
-            p.add_argument("prompt", nargs="*", help="prompt text (default: a sample question)")
+            p.add_argument(
+                "prompt",
+                nargs="*",
+                help="the prompt; several bare words are ONE prompt (quotes optional; default: "
+                "a sample question)",
+            )
+            p.add_argument(
+                "--prompt",
+                dest="prompts",
+                action="append",
+                default=[],
+                help="a further prompt (repeatable: one request each)",
+            )
         p.add_argument(
             "--model",
             default=None,
-            help="HF folder, .gguf file or short name (default: smollm2, embedded)",
+            help="HF checkpoint folder, .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
+            f"embedded; the default). Random-weight configs for benchmarks only (need "
+            f"--load-format dummy): {configs}",
         )
         p.add_argument("--system", default=None, help="system message for the chat template")
         p.add_argument(
             "--no-chat-template", action="store_true", help="send the prompt as raw text"
         )
-        _add_sampling_args(p)
+        _add_sampling_args(p, name)
         EngineArgs.add_cli_args(p)
         p.set_defaults(func=fn)
-    _add_optional_commands(sub)
+    if command not in ("generate", "chat"):
+        _add_optional_commands(sub)
     return parser
 
 
@@ -162,7 +292,8 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    ns = build_parser(args[0] if args else None).parse_args(args)
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError) as e:

