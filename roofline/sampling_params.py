@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from roofline.structured_output.params import StructuredOutputsParams
+
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 """Longest stop string (characters); with ``MAX_STOP_STRINGS`` it bounds a stop list's
@@ -72,6 +74,8 @@ class SamplingParams:
     such a request recomputes its whole prompt instead of reading the prefix cache."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (vLLM's name)."""
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N)
@@ -139,6 +143,12 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,7 @@ from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.build import build_spec_decoder
 from roofline.spec_decode.config import SpeculativeConfig
 from roofline.spec_decode.decoder import SpecDecoder
+from roofline.structured_output.engine_hooks import GrammarWaits
 from roofline.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class _Group:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With ``prompt_logprobs``: [None] then one dict per prompt token received so far."""
     prompt_logprobs_sent: bool = False
+    constrained: bool = False
+    """Its sequences have grammar matchers (structured outputs)."""
 
     @property
     def finished(self) -> bool:
@@ -216,6 +219,8 @@ class LLMEngine:
         self._num_prompt_logprob_groups = 0
         """Unfinished user requests that asked for prompt logprobs (the runner computes them
         only while this is > 0)."""
+        self.grammars = GrammarWaits(self)
+        """Structured outputs: requests waiting for their grammar, matchers, masking."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -283,14 +288,10 @@ class LLMEngine:
             delta,
             [(0, 0, 0)] * len(seqs),
         )
-        added: list[str] = []
-        try:
-            for seq in seqs:
-                self.scheduler.add_request(seq)
-                added.append(seq.request_id)
-        except Exception:
-            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise
+        if params.structured_outputs is not None:
+            self.grammars.add(group, params.structured_outputs)  # scheduled once compiled
+        else:
+            self._schedule_group(group)
         self._groups[request_id] = group
         if _needs_sync(params):
             self._num_sync_groups += 1
@@ -299,6 +300,16 @@ class LLMEngine:
             self._num_prompt_logprob_groups += 1
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (group, i)
+
+    def _schedule_group(self, group: _Group) -> None:
+        added: list[str] = []
+        try:
+            for seq in group.seqs:
+                self.scheduler.add_request(seq)
+                added.append(seq.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -341,6 +352,7 @@ class LLMEngine:
             self.scheduler.finish_requests(
                 [s.request_id for s in group.seqs], RequestStatus.FINISHED_ABORTED
             )
+            self.grammars.discard(group)
             self._drop(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -353,9 +365,14 @@ class LLMEngine:
         (synchronous), or the previous one (async scheduling, which keeps one in flight)."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
+        if self.grammars.waiting:
+            outputs += self.grammars.admit_ready(idle=not self.scheduler.has_unfinished_requests())
         prev, self._in_flight = self._in_flight, None
         spec = self.spec
         speculate = spec is not None and spec.active(self.scheduler.num_running)
+        # Not while grammar matchers run: verification would need one bitmask row per proposed
+        # position (GrammarMatcher.count_valid_prefix / rollback are the seam for that).
+        speculate = speculate and not self.grammars.has_matchers
         overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
         if prev is not None and not overlap:
             outputs += self._finish_step(*prev)  # drain: this step needs the host up to date
@@ -369,10 +386,20 @@ class LLMEngine:
             spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
             self.on_schedule(sched_out)
-        if self._num_prompt_logprob_groups:
-            handle = self.runner.launch(sched_out, prompt_logprobs=True)
-        else:
-            handle = self.runner.launch(sched_out)
+        mask = None
+        if self.grammars.has_matchers:
+            # Constrained rows need every earlier token accepted: fold the previous step in
+            # after this step's forward is queued, then fill and apply the bitmask.
+            def mask(logits, requests) -> None:
+                nonlocal prev
+                if prev is not None:
+                    outputs.extend(self._finish_step(*prev))
+                    prev = None
+                self.grammars.mask_logits(logits, requests)
+
+        handle = self.runner.launch(
+            sched_out, prompt_logprobs=self._num_prompt_logprob_groups > 0, mask_logits=mask
+        )
         if prev is not None:
             outputs += self._finish_step(*prev)  # runs while the device computes sched_out
         if overlap and not sched_out.is_empty:
@@ -405,6 +432,8 @@ class LLMEngine:
                 # first token: the prompt is done (counted once, cached tokens included, as vLLM)
                 self._prompt_tokens_total += upd.request.num_prompt_tokens
             self._generation_tokens_total += len(upd.new_token_ids)
+            if group.constrained:
+                self.grammars.accept(upd.request.request_id, upd.new_token_ids)
             self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
             upd.request.last_token_time = now
             changed[group.request_id] = group
@@ -526,6 +555,8 @@ class LLMEngine:
                 self._num_prompt_logprob_groups -= 1
         for seq in group.seqs:
             self._seq_owner.pop(seq.request_id, None)
+        if group.constrained:
+            self.grammars.remove(group)
 
     # ----------------------------------------------------------------- helpers
     def shutdown(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -227,10 +227,17 @@ class ModelRunner:
         return self.launch(sched_out).result()
 
     @torch.inference_mode()
-    def launch(self, sched_out: SchedulerOutput, prompt_logprobs: bool = False) -> StepHandle:
+    def launch(
+        self,
+        sched_out: SchedulerOutput,
+        prompt_logprobs: bool = False,
+        mask_logits: Callable[[torch.Tensor, list[Request]], None] | None = None,
+    ) -> StepHandle:
         """Queue one step on the device; the sampled ids arrive through the handle. With
         ``prompt_logprobs`` (some request in flight asks for them) the step also computes the
-        prompt logprobs of the requests that asked (a host sync: their values go to the host)."""
+        prompt logprobs of the requests that asked (a host sync: their values go to the host).
+        ``mask_logits(logits, requests)``, if given, edits the sampled rows' logits in place
+        between the LM head and the sampler (structured outputs; it may wait for the host)."""
         if sched_out.finished_request_ids:
             self.sampler.remove(sched_out.finished_request_ids)
             self.block_tables.drop(sched_out.finished_request_ids)
@@ -286,6 +293,8 @@ class ModelRunner:
         if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
             self._prev_sampled, self._prev_rows = None, {}
             return verify_step(self.sampler, self.verifier, logits, requests)
+        if mask_logits is not None:  # never with verification: the engine does not speculate
+            mask_logits(logits, requests)  # while constrained requests run
         out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}

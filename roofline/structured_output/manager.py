@@ -1,0 +1,136 @@
+"""The engine's side of structured outputs: compiles constraints off the step loop, keeps one
+matcher per constrained sequence, and masks the logits of a step's constrained rows.
+
+* **Compiling.** :meth:`StructuredOutputManager.submit` hands a constraint to a worker thread
+  and returns a future; futures are cached by the constraint's key (an LRU of
+  ``MAX_CACHED_GRAMMARS``), so equal constraints compile once and ``n > 1`` sequences share one
+  grammar. The engine keeps a request out of the scheduler until its future is done, so a
+  request waiting for its grammar never holds up other requests' steps.
+* **Matching.** :meth:`start` gives each sequence its matcher; :meth:`accept` advances it on the
+  tokens the scheduler confirmed (dropped tokens of finished requests never reach it). A
+  preempted request keeps its output tokens (it recomputes their KV), so its matcher stays
+  valid; no rollback is needed for preemption or prefix caching.
+* **Masking.** :meth:`mask_logits` is called by the runner between the LM head and the sampler
+  (with async scheduling, after the previous step's tokens were accepted: the host fills the
+  bitmask while the device runs this step's forward). Only rows whose request has a live
+  matcher are filled, copied and masked; a step without such rows costs one dict lookup per
+  row, and the engine passes no callback at all while no matcher exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roofline.request import Request
+from roofline.structured_output.backend import GrammarMatcher, StructuredOutputBackend, make_backend
+from roofline.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        backend: str = "auto",
+        max_rollback_tokens: int = 0,
+    ) -> None:
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        self.backend: StructuredOutputBackend = make_backend(
+            backend, tokenizer, vocab_size, stop_token_ids
+        )
+        self.max_rollback_tokens = max_rollback_tokens
+        """How far matchers can roll back (speculative decoding sets its proposal length)."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._bitmask: Tensor | None = None  # host [rows, words], grown on demand
+
+    # ----------------------------------------------------------------- compiling
+    def validate(self, params: StructuredOutputsParams) -> None:
+        self.backend.validate(params)
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar's future (shared by equal constraints)."""
+        key = params.key
+        future = self._futures.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._futures.move_to_end(key)
+            return future
+        future = self._pool.submit(self.backend.compile, params)
+        self._futures[key] = future
+        while len(self._futures) > MAX_CACHED_GRAMMARS:
+            self._futures.popitem(last=False)
+        return future
+
+    # ----------------------------------------------------------------- matchers
+    @property
+    def has_matchers(self) -> bool:
+        return bool(self._matchers)
+
+    def start(self, request_ids: Iterable[str], compiled: Any) -> None:
+        for request_id in request_ids:
+            self._matchers[request_id] = self.backend.matcher(compiled, self.max_rollback_tokens)
+
+    def matcher(self, request_id: str) -> GrammarMatcher | None:
+        """The sequence's matcher (speculative decoding checks proposals against it)."""
+        return self._matchers.get(request_id)
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return
+        for token_id in token_ids:
+            if matcher.is_terminated():
+                return
+            if not matcher.accept_token(token_id):
+                logger.warning("request %s: token %d rejected by its grammar", request_id, token_id)
+                return
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    # ----------------------------------------------------------------- masking
+    def mask_logits(self, logits: Tensor, requests: Sequence[Request]) -> None:
+        """Mask, in place, the rows of ``logits`` ([R, V]) whose request is constrained."""
+        rows: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        get = self._matchers.get
+        for i, request in enumerate(requests):
+            matcher = get(request.request_id)
+            if matcher is not None and not matcher.is_terminated():
+                rows.append(i)
+                matchers.append(matcher)
+        if not rows:
+            return
+        bitmask = self._host_bitmask(len(rows))  # [C, words]
+        self.backend.fill_rows(matchers, bitmask)
+        device_mask = bitmask.to(logits.device, non_blocking=True)  # [C, words]
+        if len(rows) == logits.shape[0]:
+            self.backend.apply_bitmask(logits, device_mask)
+            return
+        index = torch.tensor(rows, device=logits.device)  # [C]
+        sub = logits.index_select(0, index)  # [C, V]
+        self.backend.apply_bitmask(sub, device_mask)
+        logits.index_copy_(0, index, sub)
+
+    def _host_bitmask(self, num_rows: int) -> Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = self.backend.allocate_bitmask(max(num_rows, 16))
+        return self._bitmask[:num_rows]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
