@@ -246,10 +246,13 @@ class ModelRunner:
         if sched_out.is_empty:
             return StepHandle([], None, [])
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
-        return self.launch_batch(batch, sched_out if prompt_logprobs else None)
+        return self.launch_batch(batch, sched_out if prompt_logprobs else None, mask_logits)
 
     def launch_batch(
-        self, batch: HostBatch, prompt_logprobs_of: SchedulerOutput | None = None
+        self,
+        batch: HostBatch,
+        prompt_logprobs_of: SchedulerOutput | None = None,
+        mask_logits: Callable[[torch.Tensor, list[Request]], None] | None = None,
     ) -> StepHandle:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
         with its block-table rows already assigned). ``prompt_logprobs_of``: the step's

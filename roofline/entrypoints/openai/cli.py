@@ -68,6 +68,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="let requests carry their own chat_template (rendered sandboxed)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "llama3", "mistral"],
+        help="how the model writes tool calls (auto: from its chat template; default %(default)s)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="split <think>...</think> into reasoning_content (default: off)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     parser.add_argument(
@@ -127,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         model_root=args.model,
         max_seqs_per_request=args.max_seqs_per_request,
         public_docs_and_metrics=args.public_docs_and_metrics,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     run_server(engine, app, args.host, args.port, args.log_level)
     return 0

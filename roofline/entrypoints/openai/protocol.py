@@ -3,8 +3,10 @@
 Requests are parsed strictly (no string-to-number coercion, no NaN), unknown fields are
 ignored, and every sampling field is checked again by ``SamplingParams`` when the request is
 converted (:meth:`_SamplingRequest.to_sampling_params`). Features we do not implement
-(``suffix``, ``best_of``, ``logit_bias``, tools, JSON response formats, non-text content) are
-refused with a 400 rather than silently ignored. Response models document the answers' shape in
+(``suffix``, ``best_of``, ``logit_bias``, non-text content) are refused with a 400 rather than
+silently ignored. Output constraints (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*`` fields) become ``SamplingParams.structured_outputs``; tools are validated by
+:mod:`roofline.entrypoints.openai.tools`. Response models document the answers' shape in
 the OpenAPI schema; streamed chunks are built as plain dicts by the handlers.
 """
 
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from roofline.entrypoints.openai.errors import OpenAIError
 from roofline.sampling_params import MAX_LOGPROBS, SamplingParams
+from roofline.structured_output.params import StructuredOutputsParams
 
 MAX_PROMPTS = 256
 """Most prompts one completions request may batch."""
@@ -36,6 +39,18 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
     """vLLM's extension: every chunk carries the usage so far (benchmarks count tokens with it,
     also where the text is empty, e.g. models without a tokenizer)."""
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -63,6 +78,49 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for (at most one field may ask)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise OpenAIError(
+                    400,
+                    "response_format json_schema needs json_schema.schema",
+                    param="response_format",
+                )
+            asked.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = ", ".join(n for n, _ in asked)
+            raise OpenAIError(
+                400, f"set only one output constraint, got {names}", param=asked[1][0]
+            )
+        field, spec = asked[0]
+        allowed = {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = set(spec) - allowed
+        if unknown:
+            raise OpenAIError(400, f"{field}: unknown keys {sorted(unknown)}", param=field)
+        try:
+            return StructuredOutputsParams(**spec, field_name=field)
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(400, str(e), param=field) from e
 
     def _base_checks(self) -> None:
         if self.logit_bias:
@@ -101,6 +159,7 @@ class _SamplingRequest(_Strict):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
         )
 
     @property
@@ -166,10 +225,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -179,10 +251,6 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -190,20 +258,14 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     """Deprecated function calling: refused (``guards.refuse_legacy_functions``)."""
     function_call: Any | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError(
-                400, "only response_format type 'text' is supported", param="response_format"
-            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -217,12 +279,16 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -278,6 +344,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

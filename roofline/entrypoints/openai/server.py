@@ -168,6 +168,8 @@ def build_app(
     model_root: str | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     public_docs_and_metrics: bool = False,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app for one engine. Attaches a :class:`ServerMetrics` observer to the engine
     unless it already has one. With an ``api_key`` every path but ``/health`` needs it
@@ -178,7 +180,13 @@ def build_app(
         metrics = ServerMetrics(name)
         engine.observer = metrics
     state = ServingState(
-        engine, name, model_root, allow_request_chat_template, max_seqs_per_request
+        engine,
+        name,
+        model_root,
+        allow_request_chat_template,
+        max_seqs_per_request,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
 
     @asynccontextmanager

@@ -37,6 +37,12 @@ class ServingState:
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     template_renderer: Any = None
     """The ``TemplateRenderer`` of request-supplied chat templates (when allowed)."""
+    tool_call_parser: str = "auto"
+    """``--tool-call-parser``: the tool-call format to read (auto: from the chat template)."""
+    reasoning_parser: str | None = None
+    """``--reasoning-parser``: split ``<think>`` reasoning from the content (None: off)."""
+    grammar_checker: Any = None
+    """The API process's grammar compiler (:class:`GrammarChecker`), built on first use."""
 
     def check_request(self, model: str | None) -> None:
         """Refuse a generation request once the engine is dead (503, before any other work), or

@@ -8,14 +8,18 @@ conversation is the request's: a 400.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from roofline.entrypoints.openai.chat_output import ChoiceParser, tool_call_id
 from roofline.entrypoints.openai.chat_template import TemplateRenderer
 from roofline.entrypoints.openai.errors import OpenAIError, from_exception
+from roofline.entrypoints.openai.grammar_check import check_constraint
 from roofline.entrypoints.openai.guards import ClientWatch, check_text, refuse_legacy_functions
 from roofline.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -24,6 +28,7 @@ from roofline.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     random_id,
 )
+from roofline.entrypoints.openai.reasoning import get_reasoning_parser
 from roofline.entrypoints.openai.serving_base import (
     ChunkFormat,
     Delta,
@@ -36,7 +41,15 @@ from roofline.entrypoints.openai.serving_base import (
     token_strings,
     usage_of,
 )
+from roofline.entrypoints.openai.tool_parsers import get_tool_parser
+from roofline.entrypoints.openai.tools import (
+    ToolPlan,
+    plan_tools,
+    render_messages,
+    template_reads_tools,
+)
 from roofline.outputs import RequestOutput
+from roofline.sampling_params import SamplingParams
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -50,15 +63,28 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-async def render_prompt(state: ServingState, body: ChatCompletionRequest) -> list[int]:
+async def render_prompt(
+    state: ServingState, body: ChatCompletionRequest, plan: ToolPlan | None = None
+) -> list[int]:
     """The conversation as prompt token ids, exactly as ``LLM.chat`` builds them (with the
-    API process's copy of the tokenizer)."""
+    API process's copy of the tokenizer); tools and tool messages as :mod:`.tools` renders
+    them."""
     messages = body.message_dicts()
     add_gen = body.add_generation_prompt
     engine = state.engine
+    template = body.chat_template or getattr(engine.tokenizer, "chat_template", None)
+    native = template_reads_tools(template if isinstance(template, str) else None)
+    tools = plan.template_tools() if plan is not None and native else None
+    if plan is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        messages = render_messages(messages, plan, native)
     try:
-        if body.chat_template is None:
+        if body.chat_template is None and tools is None:
             return _encode(engine.tokenizer, engine.apply_chat_template(messages, add_gen))
+        if body.chat_template is None:
+            text = engine.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_gen
+            )
+            return _encode(engine.tokenizer, text)
         if not state.allow_request_chat_template:
             raise OpenAIError(
                 400,
@@ -69,6 +95,7 @@ async def render_prompt(state: ServingState, body: ChatCompletionRequest) -> lis
         special = {
             "bos_token": getattr(tok, "bos_token", None),
             "eos_token": getattr(tok, "eos_token", None),
+            "tools": tools,
         }
         if state.template_renderer is None:
             state.template_renderer = TemplateRenderer()
@@ -125,7 +152,10 @@ async def _create_chat_completion(
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
-    prompt = await watch.guard(render_prompt(state, body))
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    params, make_parser = _output_parsing(state, plan, params)
+    await watch.guard(check_constraint(state, params.structured_outputs))
+    prompt = await watch.guard(render_prompt(state, body, plan))
     request_id = random_id("chatcmpl")
     streams = await watch.guard(
         add_requests(state, [prompt], params, request_id, body.priority, "messages", body.stream)
@@ -141,13 +171,16 @@ async def _create_chat_completion(
         choices = [
             ChatChoice(
                 index=d.index,
-                message=AssistantMessage(content=d.text),
+                message=_message(d.text, make_parser),
                 logprobs=_logprobs(d, k, names),
                 finish_reason=d.finish_reason,
                 stop_reason=d.stop_reason,
             )
             for d in sorted(deltas, key=lambda d: d.index)
         ]
+        for choice in choices:
+            if choice.message.tool_calls and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
         return ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -167,19 +200,32 @@ async def _create_chat_completion(
         body.continuous_usage,
     )
 
+    parsers: dict[int, ChoiceParser] = {}
+
     def render(i: int, output: RequestOutput) -> str:
         deltas = tracker.deltas(i, output)
         names = token_strings(state, deltas)
         events = []
         for d in deltas:
-            message: dict[str, Any] = {"content": d.text}
+            finish_reason = d.finish_reason
+            if make_parser is None:
+                message: dict[str, Any] = {"content": d.text}
+            else:
+                parser = parsers.get(d.index)
+                if parser is None:
+                    parser = parsers[d.index] = make_parser()
+                message = parser.delta(d.text, final=finish_reason is not None)
+                if not message and finish_reason is None and not d.first and d.logprobs is None:
+                    continue
+                if parser.called_tools and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             if d.first:
                 message["role"] = "assistant"
             choice = {
                 "index": d.index,
                 "delta": message,
                 "logprobs": _logprobs(d, k, names),
-                "finish_reason": d.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": d.stop_reason,
             }
             events.append(fmt.event([choice]))
@@ -189,4 +235,58 @@ async def _create_chat_completion(
         sse_stream(state, streams, render, fmt.usage_event),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
+    )
+
+
+def _output_parsing(
+    state: ServingState, plan: ToolPlan | None, params: SamplingParams
+) -> tuple[SamplingParams, Callable[[], ChoiceParser] | None]:
+    """The sampling parameters with the tool constraint added, and how each choice's text is
+    read (None: plain content, the fast path)."""
+    try:
+        reasoning = get_reasoning_parser(state.reasoning_parser)
+    except ValueError as e:
+        raise OpenAIError(500, str(e)) from e
+    if plan is None:
+        if reasoning is None:
+            return params, None
+        return params, lambda: ChoiceParser(reasoning_parser=reasoning)
+    constraint = plan.constraint()
+    if constraint is not None and params.structured_outputs is not None:
+        raise OpenAIError(
+            400,
+            "tool_choice required or a named function cannot be combined with another output "
+            "constraint",
+            param="tool_choice",
+        )
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    if plan.choice == "required":
+        from roofline.entrypoints.openai.tool_parsers.parsers import ArrayParser
+
+        tool_parser = ArrayParser()
+    else:
+        tool_parser = get_tool_parser(
+            state.tool_call_parser, template if isinstance(template, str) else None
+        )
+    updates: dict[str, Any] = {}
+    if constraint is not None:
+        updates["structured_outputs"] = constraint
+    if tool_parser.keeps_special_tokens:
+        updates["skip_special_tokens"] = False
+    if updates:
+        params = dataclasses.replace(params, **updates)
+    named = plan.named if plan.choice == "named" else None
+    return params, lambda: ChoiceParser(tool_parser, reasoning, named)
+
+
+def _message(text: str, make_parser: Callable[[], ChoiceParser] | None) -> AssistantMessage:
+    if make_parser is None:
+        return AssistantMessage(content=text)
+    parsed = make_parser().parse(text)
+    calls = [
+        {"id": tool_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+        for n, a in parsed.calls
+    ]
+    return AssistantMessage(
+        content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=calls
     )

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from roofline.entrypoints.openai.echo import echo_logprobs, prompt_logprobs_json, prompt_text
 from roofline.entrypoints.openai.errors import from_exception
+from roofline.entrypoints.openai.grammar_check import check_constraint
 from roofline.entrypoints.openai.guards import ClientWatch, check_text
 from roofline.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -77,6 +78,7 @@ async def _create_completion(
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
+    await check_constraint(state, params.structured_outputs)
     prompts = body.prompts()
     request_id = random_id("cmpl")
     streams = await watch.guard(
