@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from roofline.request import RequestStatus
+from roofline.structured_output.backend import StructuredOutputBackend
 from roofline.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class _Waiting:
 
 
 class GrammarWaits:
-    def __init__(self, engine: LLMEngine, backend: str = "auto") -> None:
+    def __init__(self, engine: LLMEngine, backend: str | StructuredOutputBackend = "auto") -> None:
         self._engine = engine
         self._backend = backend
         self._manager: StructuredOutputManager | None = None
@@ -58,6 +59,13 @@ class GrammarWaits:
                 self._backend,
             )
         return self._manager
+
+    def use_backend(self, backend: StructuredOutputBackend) -> None:
+        """Compile with this backend (e.g. over a synthetic vocabulary, for a model without a
+        tokenizer); only before the first constrained request."""
+        if self._manager is not None:
+            raise RuntimeError("the structured output backend is already in use")
+        self._backend = backend
 
     @property
     def has_matchers(self) -> bool:

@@ -43,14 +43,15 @@ class StructuredOutputManager:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        backend: str = "auto",
+        backend: str | StructuredOutputBackend = "auto",
         max_rollback_tokens: int = 0,
     ) -> None:
-        if tokenizer is None:
+        if isinstance(backend, StructuredOutputBackend):  # built by the caller (benchmarks)
+            self.backend = backend
+        elif tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this model has none")
-        self.backend: StructuredOutputBackend = make_backend(
-            backend, tokenizer, vocab_size, stop_token_ids
-        )
+        else:
+            self.backend = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
         self.max_rollback_tokens = max_rollback_tokens
         """How far matchers can roll back (speculative decoding sets its proposal length)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
