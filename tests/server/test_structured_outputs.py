@@ -317,8 +317,13 @@ def test_sampled_n_logprobs_and_preemption(llm: LLM) -> None:
         assert all(step[t].logprob > -1e9 for step, t in zip(c.logprobs, c.token_ids))
     # a KV pool of a few pages: requests are preempted and recomputed mid-answer; async
     # scheduling: the mask waits for the previous step inside the launch
-    small = LLM(num_pages=12, max_model_len=128, max_num_seqs=4, async_scheduling=True)
-    prompts = [f"Describe {t} as JSON:" for t in TOPICS[:4]]
+    small = LLM(num_pages=8, max_model_len=128, max_num_seqs=4, async_scheduling=True)
+    # ~25-token prompts: 4 requests fill the 8 pages, growing past 32 tokens preempts
+    prompts = [
+        f"Here is a made-up person who likes {t}, written as one JSON object with a name and "
+        "an age:"
+        for t in TOPICS[:4]
+    ]
     greedy = SamplingParams(
         temperature=0,
         max_tokens=40,
