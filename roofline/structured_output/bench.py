@@ -57,7 +57,7 @@ def synthetic_vocab(vocab_size: int, seed: int = 0) -> list[bytes]:
         if token not in seen:
             seen.add(token)
             vocab.append(token)
-    return vocab
+    return vocab[:vocab_size]
 
 
 def synthetic_backend(vocab_size: int, stop_token_id: int) -> StructuredOutputBackend:
