@@ -53,7 +53,9 @@ class WorkerError(RuntimeError):
 class Executor(Protocol):
     num_pages: int
 
-    def launch(self, sched_out: SchedulerOutput) -> Any: ...
+    def launch(
+        self, sched_out: SchedulerOutput, prompt_logprobs: bool = False, mask_logits: Any = None
+    ) -> Any: ...
 
     def shutdown(self) -> None: ...
 
@@ -95,7 +97,17 @@ class _RemoteExecutor:
         self.device = torch.device(spec.device_type)
         """Rank 0's kind of device and the dtype (what benchmarks read off a runner)."""
 
-    def launch(self, sched_out: SchedulerOutput) -> RemoteStep:
+    def launch(
+        self,
+        sched_out: SchedulerOutput,
+        prompt_logprobs: bool = False,
+        mask_logits: Any = None,
+    ) -> RemoteStep:
+        """``prompt_logprobs`` and ``mask_logits`` are the single-process runner's options; the
+        engine refuses the requests that need them under tensor parallelism, so here they are
+        always off."""
+        if prompt_logprobs or mask_logits is not None:
+            raise ValueError("prompt logprobs and structured outputs need tensor_parallel_size 1")
         self._check()
         finished, preempted = sched_out.finished_request_ids, sched_out.preempted_request_ids
         if finished or preempted:

@@ -326,8 +326,13 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (dummy weights)")
-        if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs are not supported with tensor_parallel_size > 1 yet")
+        if self.args.tensor_parallel_size > 1:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not supported with tensor_parallel_size > 1")
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    "structured outputs are not supported with tensor_parallel_size > 1"
+                )
         max_tokens = params.max_tokens or 1
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(

@@ -79,11 +79,11 @@ class EngineStepper:
         launch = getattr(runner, "launch", None)
         if launch is not None:
 
-            def timed_launch(sched_out: SchedulerOutput) -> Any:
+            def timed_launch(sched_out: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
                 if self._cuda:
                     self._mark(sched_out)
                 try:
-                    return launch(sched_out)
+                    return launch(sched_out, *args, **kwargs)
                 finally:
                     self._t_launched = time.perf_counter()
 
