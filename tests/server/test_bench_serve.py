@@ -211,7 +211,7 @@ def test_bench_times_tokens_of_a_model_without_text(
     (one per step, counted from the usage in every chunk)."""
     data = tmp_path / "ids.jsonl"
     data.write_text(
-        "\n".join(json.dumps({"prompt": [5 + i, 6, 7], "max_tokens": 6}) for i in range(3))
+        "\n".join(json.dumps({"prompt": [5 + i, 6, 7], "max_tokens": 48}) for i in range(3))
     )
     out = tmp_path / "r.json"
     with run_in_thread(build_app(tiny_core)) as url:
@@ -232,8 +232,8 @@ def test_bench_times_tokens_of_a_model_without_text(
         )
     assert code == 0
     run = json.loads(out.read_text())["runs"][0]
-    assert (run["completed"], run["total_output_tokens"]) == (3, 18)
+    assert (run["completed"], run["total_output_tokens"]) == (3, 144)
     for r in run["requests"]:
-        assert r["output_tokens"] == 6 and r["ttft"] is not None
-        assert 1 <= len(r["chunk_times"]) <= 6 and len(r["itls"]) == len(r["chunk_times"]) - 1
+        assert r["output_tokens"] == 48 and r["ttft"] is not None
+        assert 1 <= len(r["chunk_times"]) <= 48 and len(r["itls"]) == len(r["chunk_times"]) - 1
     assert run["tpot_ms"]["p50"] is not None and run["itl_ms"]["p50"] is not None
