@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roofline.quantization import formats
-from roofline.quantization.base import load_rows, shard_offset
+from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
 FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
@@ -107,3 +107,21 @@ def silu_mul_linear(
 
     offsets = getattr(layer, "offsets", None)
     return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)
+
+
+class CanonicalLinearMethod(LinearMethod):
+    """A method whose weights sit in one canonical layout (``kind``: int8, int4 or fp8): its
+    GEMM and its SiLU-fused down projection go through this module's kernel choice."""
+
+    kind: str
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return quantized_linear(self.kind, layer, x, bias)
+
+    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
+        return fuses_silu_mul(layer, gate_up)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return silu_mul_linear(self.kind, layer, gate_up, bias)

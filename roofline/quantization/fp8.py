@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from roofline.quantization import common, formats
-from roofline.quantization.base import LinearMethod, load_bias, shard_offset
+from roofline.quantization.base import load_bias, shard_offset
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -34,7 +34,7 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(common.CanonicalLinearMethod):
     kind = "fp8"
 
     def __init__(self, w8a8: bool = False, prequantized: bool = False) -> None:
@@ -89,14 +89,6 @@ class Fp8LinearMethod(LinearMethod):
                 return common.quantized_linear(self.kind, layer, x, bias)
             return _scaled_mm(x, layer.qweight, layer.scales, bias)
         return w8a8_ref(x, layer.qweight, layer.scales, bias)
-
-    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
-        return common.fuses_silu_mul(layer, gate_up)
-
-    def apply_silu_mul(
-        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return common.silu_mul_linear(self.kind, layer, gate_up, bias)
 
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from roofline.quantization import common, formats
-from roofline.quantization.base import LinearMethod, load_bias, shard_offset
+from roofline.quantization.base import load_bias, shard_offset
 from roofline.quantization.int8 import slice_groups
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(common.CanonicalLinearMethod):
     kind = "int4"
 
     def __init__(
@@ -69,17 +69,6 @@ class Int4LinearMethod(LinearMethod):
             raise ValueError(
                 f"an int4 layer takes weight, qweight, scales, offsets or bias, not {name!r}"
             )
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return common.quantized_linear(self.kind, layer, x, bias)
-
-    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
-        return common.fuses_silu_mul(layer, gate_up)
-
-    def apply_silu_mul(
-        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return common.silu_mul_linear(self.kind, layer, gate_up, bias)
 
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int

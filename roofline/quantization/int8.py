@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from roofline.quantization import common, formats
-from roofline.quantization.base import LinearMethod, load_bias, shard_offset
+from roofline.quantization.base import load_bias, shard_offset
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(common.CanonicalLinearMethod):
     kind = "int8"
 
     def __init__(
@@ -61,17 +61,6 @@ class Int8LinearMethod(LinearMethod):
             common.copy_shard_rows(layer, name, shard, tensor)
         else:
             raise ValueError(f"an int8 layer takes weight, qweight, scales or bias, not {name!r}")
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return common.quantized_linear(self.kind, layer, x, bias)
-
-    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
-        return common.fuses_silu_mul(layer, gate_up)
-
-    def apply_silu_mul(
-        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return common.silu_mul_linear(self.kind, layer, gate_up, bias)
 
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int
