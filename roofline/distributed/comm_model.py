@@ -10,8 +10,11 @@ simulator import it).
 
 from __future__ import annotations
 
-ONE_SHOT_MAX_BYTES = 512 * 1024
-"""Largest message the engine all-reduces one-shot (``custom_allreduce.MAX_BYTES``)."""
+ONE_SHOT_MAX_BYTES = 256 * 1024
+"""Largest message the engine all-reduces one-shot (``custom_allreduce.MAX_BYTES``). Measured on
+two H200s inside CUDA graphs (bf16, BENCHMARKS.md): one-shot 8.9 / 9.5 / 9.2 / 13.6 us against
+NCCL's 43.7 / 9.5 / 12.6 / 12.1 us at 8 / 32 / 128 / 512 KB, so the crossover lies between
+128 and 512 KB."""
 
 
 def ring_allreduce_s(
