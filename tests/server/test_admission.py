@@ -144,9 +144,9 @@ def test_client_that_leaves_at_once_gets_nothing_run(
         time.sleep(1.0)  # 20 slow steps, had anything been admitted
         m = wait_idle(url)
         after = m["roofline:prompt_tokens_total"], m["roofline:generation_tokens_total"]
-        # at most one step of one request may slip in before the abort: never the whole
-        # 64 x 200 tokens of each of three requests
-        assert after[1] - before[1] <= 64, (before, after)
+        # at most one step of each request (64 sequences) may slip in before its abort: never
+        # the whole 64 x 200 tokens of each of the three (15,716 ran without the watch)
+        assert after[1] - before[1] <= 3 * 64, (before, after)
         assert engine.num_active_streams == 0
 
 
