@@ -52,6 +52,16 @@ def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.
     layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
 
+def check_weight_shard(layer: nn.Module, shard: int, tensor: torch.Tensor) -> None:
+    """A 16-bit ``weight`` shard about to be quantized must be ``[shard rows, in_features]``."""
+    _, size = shard_offset(layer, shard)
+    if tuple(tensor.shape) != (size, layer.in_features):
+        raise ValueError(
+            f"weight shard {shard}: expected {(size, layer.in_features)}, "
+            f"checkpoint has {tuple(tensor.shape)}"
+        )
+
+
 def copy_shard_rows(layer: nn.Module, name: str, shard: int, tensor: torch.Tensor) -> None:
     """Copy a canonical tensor of output shard ``shard`` into the rows of ``layer.<name>``."""
     offset, size = shard_offset(layer, shard)

@@ -60,11 +60,7 @@ class Fp8LinearMethod(common.CanonicalLinearMethod):
         elif name == "weight":
             if self.prequantized:
                 raise ValueError(f"fp8 checkpoint: weight shard {shard} is {tensor.dtype}, not fp8")
-            if tuple(tensor.shape) != (size, layer.in_features):
-                raise ValueError(
-                    f"weight shard {shard}: expected {(size, layer.in_features)}, "
-                    f"checkpoint has {tuple(tensor.shape)}"
-                )
+            common.check_weight_shard(layer, shard, tensor)
             q, scales = formats.quantize_fp8(tensor.to(layer.qweight.device))
             common.copy_shard_rows(layer, "qweight", shard, q)
             common.copy_shard_rows(layer, "scales", shard, scales)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from roofline.quantization import common, formats
-from roofline.quantization.base import load_bias, shard_offset
+from roofline.quantization.base import load_bias
 from roofline.quantization.int8 import slice_groups
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -53,12 +53,7 @@ class Int4LinearMethod(common.CanonicalLinearMethod):
         if name == "bias":
             load_bias(layer, shard, tensor)
         elif name == "weight":
-            _, size = shard_offset(layer, shard)
-            if tuple(tensor.shape) != (size, layer.in_features):
-                raise ValueError(
-                    f"weight shard {shard}: expected {(size, layer.in_features)}, "
-                    f"checkpoint has {tuple(tensor.shape)}"
-                )
+            common.check_weight_shard(layer, shard, tensor)
             w = tensor.to(layer.qweight.device)
             q = formats.quantize_int4(w, self.group_size, self.symmetric, layer.scales.dtype)
             for part, value in zip(("qweight", "scales", "offsets"), q):

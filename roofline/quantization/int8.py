@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from roofline.quantization import common, formats
-from roofline.quantization.base import load_bias, shard_offset
+from roofline.quantization.base import load_bias
 
 
 class Int8LinearMethod(common.CanonicalLinearMethod):
@@ -47,12 +47,7 @@ class Int8LinearMethod(common.CanonicalLinearMethod):
         if name == "bias":
             load_bias(layer, shard, tensor)
         elif name == "weight":
-            _, size = shard_offset(layer, shard)
-            if tuple(tensor.shape) != (size, layer.in_features):
-                raise ValueError(
-                    f"weight shard {shard}: expected {(size, layer.in_features)}, "
-                    f"checkpoint has {tuple(tensor.shape)}"
-                )
+            common.check_weight_shard(layer, shard, tensor)
             w = tensor.to(layer.qweight.device)
             q = formats.quantize_int8(w, layer.group_size, layer.scales.dtype)
             common.copy_shard_rows(layer, "qweight", shard, q.qweight)
