@@ -68,6 +68,13 @@ def add_cli(subparsers) -> None:
         default="synthetic",
         help="synthetic, chat (built-in questions, chat template) or a .jsonl path",
     )
+    thr.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(workloads_presets()),
+        help="a named workload (overrides --dataset and the lengths): "
+        + "; ".join(f"{k}: {v}" for k, v in workloads_presets().items()),
+    )
     thr.add_argument("--num-prompts", type=int, default=256)
     thr.add_argument("--input-len", type=parse_range, default=(100, 1024), help="N or LO:HI")
     thr.add_argument("--output-len", type=parse_range, default=(512, 512), help="N or LO:HI")
@@ -82,6 +89,12 @@ def add_cli(subparsers) -> None:
     ker.set_defaults(
         func=lambda ns: __import__("roofline.bench.kernels").bench.kernels.main(ns.rest)
     )
+
+
+def workloads_presets() -> dict[str, str]:
+    from roofline.bench.workloads import PRESETS
+
+    return PRESETS
 
 
 def _engine_llm(ns: argparse.Namespace):
@@ -147,7 +160,9 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
 
     llm = _engine_llm(ns)
     engine = llm.llm_engine
-    if ns.dataset == "synthetic":
+    if ns.preset is not None:
+        wl = workloads.preset(ns.preset, engine.model_config.vocab_size, seed=ns.seed)
+    elif ns.dataset == "synthetic":
         wl = workloads.synthetic(
             ns.num_prompts,
             ns.input_len,

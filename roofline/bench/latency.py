@@ -99,6 +99,7 @@ def run_batch(
         num_decode_tokens=batch_size,
         decode_context_lens=batch_size * mid_context,
         precision=precision_of(engine),
+        tp=engine.args.tensor_parallel_size,
     )
     return LatencyRow(
         batch_size,

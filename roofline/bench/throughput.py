@@ -4,7 +4,9 @@ workload's roofline.
 The roofline of a workload is the time an ideal engine would need on this machine: every prompt
 token's FLOPs at the measured matmul rate, plus every decode step with all unfinished requests
 batched together (weights once per step, each request's KV once) at the measured bandwidth,
-whichever bound each step hits.
+whichever bound each step hits. A prefix common to every prompt is prefilled and read once per
+step (what prefix caching and shared-prefix attention allow), and under tensor parallelism each
+step's bytes and FLOPs are split over the ranks, with the all-reduces added.
 """
 
 from __future__ import annotations
@@ -45,14 +47,26 @@ class ThroughputResult:
 
 
 def workload_roofline_s(
-    model_config, ceilings: Ceilings, workload: Workload, precision: Precision, max_num_seqs: int
+    model_config,
+    ceilings: Ceilings,
+    workload: Workload,
+    precision: Precision,
+    max_num_seqs: int,
+    tp: int = 1,
 ) -> float:
     spec = ceilings.as_gpu_spec()
+    shared = workload.shared_prefix_len
     total = 0.0
-    for prompt in workload.prompts:  # prefill: compute-bound, one prompt at a time
-        total += step_cost(
-            model_config, spec, num_prefill_tokens=len(prompt), precision=precision
-        ).compute_time_s
+    for i, prompt in enumerate(workload.prompts):  # prefill: compute-bound, one at a time
+        cached = shared if i else 0  # later prompts find the common prefix cached
+        cost = step_cost(
+            model_config,
+            spec,
+            prefill_chunks=[(len(prompt) - cached, cached)],
+            precision=precision,
+            tp=tp,
+        )
+        total += cost.compute_time_s + cost.comm_time_s
     # decode: requests in arrival order, at most max_num_seqs at once, all batched per step
     pending = list(zip((len(p) for p in workload.prompts), workload.output_lens))
     running: list[list[int]] = []  # [context_len, tokens_left]
@@ -63,12 +77,15 @@ def workload_roofline_s(
                 running.append([ctx + 1, out - 1])  # the first token comes from the prefill
         if not running:
             continue
+        # the common prefix's KV is read once per step, each request's own part once each
+        unique_ctx = sum(c - shared for c, _ in running) + shared
         cost = step_cost(
             model_config,
             spec,
             num_decode_tokens=len(running),
-            decode_context_lens=[c for c, _ in running],
+            decode_context_lens=unique_ctx,
             precision=precision,
+            tp=tp,
         )
         total += cost.time_s
         for r in running:
@@ -111,6 +128,7 @@ def run(
         workload,
         precision_of(engine),
         engine.scheduler_config.max_num_seqs,
+        tp=engine.args.tensor_parallel_size,
     )
     return ThroughputResult(
         workload.name,

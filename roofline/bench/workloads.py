@@ -1,5 +1,6 @@
-"""Benchmark workloads: synthetic random-token prompts with length ranges, a JSONL file of
-prompts, or a fixed set of chat questions (rendered with the model's chat template)."""
+"""Benchmark workloads: synthetic random-token prompts with length ranges, prompts that share a
+common prefix, a JSONL file of prompts, a fixed set of chat questions (rendered with the model's
+chat template), and named presets for the workload families the engine is held to."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     name: str
+    shared_prefix_len: int = 0
+    """Leading tokens every prompt has in common (the roofline prefills and reads them once)."""
 
     @property
     def num_requests(self) -> int:
@@ -72,6 +75,54 @@ def synthetic(
     lo_out, hi_out = output_len
     name = f"synthetic n={num_requests} in={lo_in}-{hi_in} out={lo_out}-{hi_out}"
     return Workload(prompts, outs, name)
+
+
+def shared_prefix(
+    num_requests: int,
+    prefix_len: int,
+    unique_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> Workload:
+    """One random ``prefix_len``-token prefix (a system prompt) followed by each request's own
+    random tokens; lengths uniform in the inclusive ranges."""
+    if prefix_len < 1:
+        raise ValueError("prefix_len must be at least 1")
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, vocab_size - 10) for _ in range(prefix_len)]
+    base = synthetic(num_requests, unique_len, output_len, vocab_size, seed + 1)
+    prompts = [prefix + p for p in base.prompts]
+    lo, hi = unique_len
+    lo_out, hi_out = output_len
+    name = (
+        f"shared-prefix n={num_requests} prefix={prefix_len} unique={lo}-{hi} out={lo_out}-{hi_out}"
+    )
+    return Workload(prompts, base.output_lens, name, shared_prefix_len=prefix_len)
+
+
+PRESETS: dict[str, str] = {
+    "default": "256 requests, input 100-1024, output 512 (the headline offline workload)",
+    "short": "1,000 short requests: input 20-300, output 20-300",
+    "shared-prefix": "256 requests: a common 2,000-token prefix + 64 unique tokens, output 128",
+    "long-prompt": "16 requests of 8,000 input tokens, output 128",
+}
+
+
+def preset(name: str, vocab_size: int, seed: int = 0) -> Workload:
+    """The named workload of ``PRESETS``, with random tokens from ``seed``."""
+    if name == "default":
+        wl = synthetic(256, (100, 1024), (512, 512), vocab_size, seed)
+    elif name == "short":
+        wl = synthetic(1000, (20, 300), (20, 300), vocab_size, seed)
+    elif name == "shared-prefix":
+        wl = shared_prefix(256, 2000, (64, 64), (128, 128), vocab_size, seed)
+    elif name == "long-prompt":
+        wl = synthetic(16, (8000, 8000), (128, 128), vocab_size, seed)
+    else:
+        raise ValueError(f"unknown workload preset {name!r}; choose from {', '.join(PRESETS)}")
+    wl.name = f"preset {name}: {wl.name}"
+    return wl
 
 
 def chat(tokenizer, num_requests: int, output_len: int) -> Workload:
