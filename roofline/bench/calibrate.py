@@ -94,7 +94,7 @@ def _run(engine: LLMEngine, points: list[CalibrationPoint], after_step=None) -> 
             if after_step is not None:
                 after_step(num_steps)
         for sched_out, dt in stepper.step_times():
-            shape = step_shape(sched_out)
+            shape = step_shape(sched_out, engine.kv_manager.page_size)
             if shape.num_tokens:
                 points.append(CalibrationPoint.from_shape(shape, dt))
 

@@ -65,7 +65,9 @@ def run_batch(
     for rid in ids:
         engine.add_request(rid, [rng.randrange(10, vocab - 10) for _ in range(input_len)], params)
     shapes: list[StepShape] = []
-    engine.on_schedule = lambda sched_out: shapes.append(step_shape(sched_out))
+    engine.on_schedule = lambda sched_out: shapes.append(
+        step_shape(sched_out, engine.kv_manager.page_size)
+    )
     started: set[str] = set()
     prefill_s, step_times = 0.0, []
     stats0 = engine.get_stats()

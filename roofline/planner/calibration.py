@@ -57,6 +57,9 @@ class StepShape:
     """Sum over decode tokens of the context each attends to (itself included)."""
     prefill_chunks: tuple[tuple[int, int], ...] = ()
     """``(num_new_tokens, num_cached_tokens)`` per prefilling request."""
+    decode_shared_tokens: int = 0
+    """Decode context tokens on pages another decode token of the step also reads (a shared
+    prefix): the floor counts their KV bytes once."""
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -114,6 +117,7 @@ class RooflineStepTimer:
             precision=self.precision,
             tp=self.tp,
             overhead_s=self.overhead_s,
+            decode_shared_tokens=shape.decode_shared_tokens,
         ).time_s
 
 
@@ -129,6 +133,8 @@ class CalibrationPoint:
     """Prefilling requests in the step; None: one if there are prefill tokens."""
     prefill_chunks: list[list[int]] | None = None
     """``[num_new_tokens, num_cached_tokens]`` per chunk (version 2 files); None: unknown."""
+    decode_shared_tokens: int = 0
+    """See :attr:`StepShape.decode_shared_tokens` (0 in files written before it existed)."""
 
     @classmethod
     def from_shape(cls, shape: StepShape, step_time_s: float) -> CalibrationPoint:
@@ -140,6 +146,7 @@ class CalibrationPoint:
             shape.prefill_attention_pairs,
             len(shape.prefill_chunks),
             [[q, p] for q, p in shape.prefill_chunks],
+            shape.decode_shared_tokens,
         )
 
     def shape(self) -> StepShape:
@@ -152,7 +159,9 @@ class CalibrationPoint:
             chunks = tuple((q + (i < r), 0) for i in range(n))
         else:
             chunks = ()
-        return StepShape(self.num_decode_tokens, self.decode_context_len_sum, chunks)
+        return StepShape(
+            self.num_decode_tokens, self.decode_context_len_sum, chunks, self.decode_shared_tokens
+        )
 
     def features(self) -> list[float]:
         pairs = self.prefill_attention_pairs
@@ -220,6 +229,7 @@ def load_calibration(path: str | os.PathLike[str]) -> Calibration:
                     prefill_attention_pairs=p.get("prefill_attention_pairs"),
                     num_prefill_chunks=p.get("num_prefill_chunks"),
                     prefill_chunks=p.get("prefill_chunks"),
+                    decode_shared_tokens=int(p.get("decode_shared_tokens", 0)),
                 )
             )
         except (KeyError, TypeError, ValueError) as e:

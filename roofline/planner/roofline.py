@@ -200,6 +200,7 @@ def step_cost(
     tp: int = 1,
     kv_layout: KVLayout | None = None,
     overhead_s: float = 0.0,
+    decode_shared_tokens: int = 0,
 ) -> StepCost:
     """Bytes, FLOPs and time of one mixed step.
 
@@ -207,6 +208,9 @@ def step_cost(
     sum. ``prefill_chunks``: ``(num_new_tokens, num_cached_tokens)`` per prefilling request;
     when omitted, ``num_prefill_tokens`` is one fresh prompt. Every decode token and every
     chunk samples once. ``gpu`` None gives bytes and FLOPs with zero times.
+    ``decode_shared_tokens``: decode context tokens whose KV another decode token of the step
+    also reads (pages shared through the prefix cache): read once, they leave the KV bytes and
+    keep their attention FLOPs.
     """
     if isinstance(decode_context_lens, int):
         ctx_sum = decode_context_lens
@@ -219,6 +223,8 @@ def step_cost(
         raise ValueError("token counts must be non-negative")
     if num_decode_tokens and ctx_sum < num_decode_tokens:
         raise ValueError("each decode token's context includes itself, so sum >= count")
+    if not 0 <= decode_shared_tokens <= max(0, ctx_sum - num_decode_tokens):
+        raise ValueError("decode_shared_tokens must lie in [0, context sum - decode tokens]")
     if prefill_chunks is None:
         prefill_chunks = [(num_prefill_tokens, 0)] if num_prefill_tokens else []
     elif num_prefill_tokens and num_prefill_tokens != sum(q for q, _ in prefill_chunks):
@@ -229,7 +235,7 @@ def step_cost(
     kv_tok = kv_bytes_per_token(layout, precision.kv_dtype, tp)
 
     pairs = ctx_sum + sum(prefill_attention_pairs(q, p) for q, p in prefill_chunks)
-    kv_read_tokens = ctx_sum + sum(q + p for q, p in prefill_chunks)
+    kv_read_tokens = ctx_sum - decode_shared_tokens + sum(q + p for q, p in prefill_chunks)
     num_sampled = num_decode_tokens + len(prefill_chunks)
     head_flops = 2.0 * model.vocab_size * model.hidden_size * num_sampled
     body = linear_flops_per_token(model) * num_tokens / tp

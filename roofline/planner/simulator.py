@@ -12,6 +12,7 @@ prefill, paging, preemption and prefix hits therefore behave exactly as in the e
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,20 +99,24 @@ class SimResult:
         return len(self.timeline)
 
 
-def step_shape(sched_out: SchedulerOutput) -> StepShape:
+def step_shape(sched_out: SchedulerOutput, page_size: int) -> StepShape:
     """The step's shape. A one-token step is a decode whose context includes the new token;
     anything longer is a prefill chunk (a fresh prompt, the rest of a chunked one, or a
-    preempted request recomputing)."""
+    preempted request recomputing). A page that several decodes hold (a prefix shared through
+    the cache: always a full page) counts as shared tokens for all holders but one."""
     num_decode = ctx_sum = 0
     chunks: list[tuple[int, int]] = []
+    holders: Counter[int] = Counter()
     for s in sched_out.scheduled:
         start = s.start_position
         if s.num_new_tokens == 1:
             num_decode += 1
             ctx_sum += start + 1
+            holders.update(s.block_ids)
         else:
             chunks.append((s.num_new_tokens, start))
-    return StepShape(num_decode, ctx_sum, tuple(chunks))
+    shared = page_size * sum(n - 1 for n in holders.values() if n > 1)
+    return StepShape(num_decode, ctx_sum, tuple(chunks), min(shared, ctx_sum - num_decode))
 
 
 def _make_request(i: int, req: SyntheticRequest) -> Request:
@@ -160,7 +165,7 @@ def simulate(
             raise RuntimeError("the scheduler scheduled nothing with no arrivals left")
         if len(timeline) >= sim.max_num_steps:
             raise RuntimeError(f"simulation passed {sim.max_num_steps} steps")
-        shape = step_shape(out)
+        shape = step_shape(out, sim.page_size)
         dt = timer(shape)
         during = (sched.num_running, sched.num_waiting, sched.kv_usage)
         sampled = {s.request.request_id: FAKE_TOKEN_ID for s in out.scheduled if s.samples}

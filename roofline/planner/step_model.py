@@ -86,6 +86,7 @@ def step_physics(
         shape.decode_context_len_sum,
         prefill_chunks=list(shape.prefill_chunks),
         precision=precision,
+        decode_shared_tokens=shape.decode_shared_tokens,
     )
     bw = gpu.hbm_bandwidth_bytes_per_s
     flops = gpu.peak_flops_per_s(precision.gemm_dtype)

@@ -178,7 +178,7 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                 continue
             clock = time.perf_counter() - start
             for sched_out, _ in done:
-                shape = step_shape(sched_out)
+                shape = step_shape(sched_out, engine.kv_manager.page_size)
                 for s in sched_out.scheduled:
                     if not s.samples or s.request.request_id not in metrics:
                         continue
@@ -194,7 +194,7 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                           sch.num_waiting, sch.kv_usage, sch.num_preemptions_total)
             )  # fmt: skip
         for sched_out, dt in stepper.step_times():
-            shape = step_shape(sched_out)
+            shape = step_shape(sched_out, engine.kv_manager.page_size)
             if shape.num_tokens:
                 points.append(CalibrationPoint.from_shape(shape, dt))
     stats = engine.get_stats()

@@ -101,3 +101,35 @@ def test_calibrated_timer_reproduces_roofline_sim(llama3_8b):
     b = summarize(simulate(work, _sim(max_num_seqs=128), fit))
     assert b.output_tokens_per_s == pytest.approx(a.output_tokens_per_s, rel=0.15)
     assert b.tpot_s[50] == pytest.approx(a.tpot_s[50], rel=0.15)
+
+
+def test_shared_prefix_pages_are_read_once_by_the_floor(small_model):
+    """Decodes holding the same cached prefix pages: the step shape counts those tokens as
+    shared, the roofline reads them once, and a calibration file keeps the count."""
+    shapes: list[StepShape] = []
+
+    def timer(shape: StepShape) -> float:
+        shapes.append(shape)
+        return RooflineStepTimer(small_model, get_gpu("h100"))(shape)
+
+    work = _workload(8, None, "160", "4", prefix_len=128, prefix_fraction=1.0)
+    simulate(work, _sim(), timer)
+    decodes = [s for s in shapes if s.num_decode_tokens == 8 and not s.prefill_chunks]
+    assert decodes
+    # 128 prefix tokens = 8 full pages, held by 8 decodes: 7 of each page's holders are shared
+    assert all(s.decode_shared_tokens == 7 * 128 for s in decodes)
+    gpu = get_gpu("h100")
+    s = decodes[0]
+    alone = StepShape(s.num_decode_tokens, s.decode_context_len_sum, s.prefill_chunks)
+    from roofline.planner.roofline import step_cost
+
+    shared_cost = step_cost(small_model, gpu, 8, s.decode_context_len_sum, decode_shared_tokens=896)
+    plain_cost = step_cost(small_model, gpu, 8, s.decode_context_len_sum)
+    kv_tok = (plain_cost.kv_read_bytes - shared_cost.kv_read_bytes) / 896
+    assert kv_tok > 0 and shared_cost.attention_flops == plain_cost.attention_flops
+    timer_plain = RooflineStepTimer(small_model, gpu)
+    assert timer_plain(s) < timer_plain(alone)
+    point = CalibrationPoint.from_shape(s, 1e-3)
+    assert point.shape() == s
+    with pytest.raises(ValueError, match="decode_shared_tokens"):
+        step_cost(small_model, gpu, 2, 10, decode_shared_tokens=9)

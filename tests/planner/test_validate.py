@@ -27,7 +27,7 @@ class _Engine:
 
     def __init__(self) -> None:
         self.runner = _Runner()
-        self.kv = KVCacheManager(256, 16, True)
+        self.kv = self.kv_manager = KVCacheManager(256, 16, True)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), self.kv, 16)
         self.on_schedule = None
 
