@@ -3,12 +3,12 @@
 The engine builds the step's :class:`~roofline.worker.host_batch.HostBatch` itself (it owns the
 block-table row assignment, ``BlockTables`` used host-side only), so every worker receives the
 same finished host lists and only uploads them. A :class:`StepMessage` carries those lists as
-one packed int64 buffer, the ids of pending rows, the finished and preempted request ids, and one
-:class:`SampleSpec` per sampling row. Rank 0 samples from mirrors of the sampling requests: a
-mirror is created from the request's sampling parameters the first time it samples, and is sent
-the request's new output tokens only when its sampling reads them (penalties, ``min_tokens``),
-so a plain decode step costs a few bytes per request. It is pickled once and the same bytes go
-to every worker.
+one packed int64 buffer, the ids of pending rows, the finished and preempted request ids, and the
+request id of each sampling row. Rank 0 samples from mirrors of the sampling requests: a mirror
+is created from the request's sampling parameters the first time it samples, and is sent the
+request's new output tokens only when its sampling reads them (penalties, ``min_tokens``), so a
+plain decode step costs its id per request: no per-request object is pickled. It is pickled once
+and the same bytes go to every worker.
 """
 
 from __future__ import annotations
@@ -35,22 +35,20 @@ _LISTS = (
 
 
 @dataclass
-class SampleSpec:
-    request_id: str
-    new: tuple[list[int], SamplingParams, frozenset[int]] | None
-    """(prompt ids if the sampler reads them, params, EOS ids) the first time the request
-    samples; None afterwards."""
-    new_output_ids: list[int]
-    """Output tokens the mirror lacks (only for requests whose sampling reads them)."""
-
-
-@dataclass
 class StepMessage:
     packed: bytes
     """``array('q')`` of the lists in ``_LISTS`` order, then the table updates (index, page)."""
     lengths: tuple[int, ...]
     pending_requests: list[str]
-    samples: list[SampleSpec]
+    sample_ids: list[str]
+    """The request id of each sampling row, in row order."""
+    new_mirrors: dict[str, tuple[list[int], SamplingParams, frozenset[int]]] = field(
+        default_factory=dict
+    )
+    """(prompt ids if the sampler reads them, params, EOS ids) of requests sampling for the
+    first time."""
+    new_output_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Output tokens a mirror lacks (only for requests whose sampling reads them)."""
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
@@ -76,36 +74,37 @@ class StepPacker:
         for rid in finished:
             self._sent.pop(rid, None)
         lists: list[list[int]] = []
-        samples: list[SampleSpec] = []
-        pending: list[str] = []
+        msg = StepMessage(b"", (), [], [], finished=finished, preempted=preempted)
         if batch is not None:
             lists = [getattr(batch, name) for name in _LISTS]
             lists += [batch.table_updates.flat_index, batch.table_updates.page_ids]
-            pending = batch.pending_requests
-            samples = [self._spec(r) for r in batch.sample_requests]
+            msg.pending_requests = batch.pending_requests
+            msg.sample_ids = [r.request_id for r in batch.sample_requests]
+            sent_of = self._sent
+            for r in batch.sample_requests:  # a plain decode row costs one dict lookup
+                sent = sent_of.get(r.request_id)
+                if sent is None or sent >= 0:
+                    self._describe(r, sent, msg)
         buf = array("q")
         for values in lists:
             buf.extend(values)
-        msg = StepMessage(
-            buf.tobytes(), tuple(len(x) for x in lists), pending, samples, finished, preempted
-        )
+        msg.packed, msg.lengths = buf.tobytes(), tuple(len(x) for x in lists)
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def _spec(self, r: Request) -> SampleSpec:
-        sent = self._sent.get(r.request_id)
+    def _describe(self, r: Request, sent: int | None, msg: StepMessage) -> None:
+        """What a request's mirror needs: created the first time, its new output tokens when
+        its sampling reads them (``sent`` >= 0); nothing for the others (``sent`` == -1)."""
         p = r.sampling_params
         history = needs_history(p)
-        new = None
         if sent is None:
             prompt = r.prompt_token_ids if p.repetition_penalty != 1.0 else []
-            new = (list(prompt), p, r.eos_token_ids)
+            msg.new_mirrors[r.request_id] = (list(prompt), p, r.eos_token_ids)
             sent = 0 if history else -1
-        outputs: list[int] = []
         if history:
-            outputs = r.output_token_ids[sent:]
+            if r.num_output_tokens > sent:
+                msg.new_output_ids[r.request_id] = r.output_token_ids[sent:]
             sent = r.num_output_tokens
         self._sent[r.request_id] = sent
-        return SampleSpec(r.request_id, new, list(outputs))
 
 
 class StepUnpacker:
@@ -136,17 +135,13 @@ class StepUnpacker:
         updates.flat_index, updates.page_ids = parts[len(_LISTS)], parts[len(_LISTS) + 1]
         batch.table_updates = updates
         batch.pending_requests = msg.pending_requests
-        batch.sample_requests = [self._mirror(s) for s in msg.samples]
+        mirrors = self.mirrors
+        for rid, (prompt, params, eos) in msg.new_mirrors.items():
+            mirrors[rid] = Request(rid, prompt or [0], params, eos_token_ids=eos)
+        for rid, ids in msg.new_output_ids.items():
+            mirrors[rid].output_token_ids.extend(ids)
+        try:
+            batch.sample_requests = [mirrors[rid] for rid in msg.sample_ids]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]} samples with no mirror") from None
         return msg, batch
-
-    def _mirror(self, spec: SampleSpec) -> Request:
-        mirror = self.mirrors.get(spec.request_id)
-        if mirror is None:
-            if spec.new is None:
-                raise RuntimeError(f"request {spec.request_id} samples with no mirror")
-            prompt, params, eos = spec.new
-            mirror = Request(spec.request_id, prompt or [0], params, eos_token_ids=eos)
-            self.mirrors[spec.request_id] = mirror
-        if spec.new_output_ids:
-            mirror.output_token_ids.extend(spec.new_output_ids)
-        return mirror
