@@ -41,6 +41,11 @@ SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K) of weight [N, K]
     "qwen3-0.6b.o": (1024, 2048),
     "qwen3-0.6b.gate_up": (6144, 1024),
     "qwen3-0.6b.down": (1024, 3072),
+    "qwen3-0.6b.lm_head": (151936, 1024),
+    "qwen3-30b-a3b.qkv": (5120, 2048),
+    "qwen3-30b-a3b.o": (2048, 4096),
+    "qwen3-30b-a3b.router": (128, 2048),
+    "qwen3-30b-a3b.lm_head": (151936, 2048),
 }
 DTYPE = torch.bfloat16
 
