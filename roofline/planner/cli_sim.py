@@ -31,6 +31,7 @@ from roofline.planner.metrics import (
 )
 from roofline.planner.roofline import step_cost
 from roofline.planner.simulator import SimConfig, simulate
+from roofline.planner.spec_sim import SpecSimConfig
 from roofline.planner.step_model import (
     FlooredStepTimer,
     RegionCheckingTimer,
@@ -82,7 +83,18 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
         policy=args.policy,
         enable_chunked_prefill=not args.no_chunked_prefill,
     )
-    return SimConfig(sched, int(num_pages), page_size, not args.no_prefix_caching)
+    spec = None
+    if args.speculative:
+        try:
+            fields = json.loads(args.speculative)
+            spec = SpecSimConfig(**fields)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(
+                f"--speculative wants a JSON object of SpecSimConfig fields "
+                f"(num_speculative_tokens, acceptance_rate, draft_cost_ratio, max_batch_size, "
+                f"seed): {e}"
+            ) from None
+    return SimConfig(sched, int(num_pages), page_size, not args.no_prefix_caching, spec)
 
 
 def _summary_rows(s: SimSummary) -> list[list[str]]:
@@ -201,6 +213,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     result = simulate(workload, sim, timer)
     summary = summarize(result, slo)
+    if sim.speculative is not None:
+        print(f"speculative: {result.spec_tokens_per_verification:.2f} tokens per verification "
+              f"row (k = {sim.speculative.num_speculative_tokens}, acceptance "
+              f"{sim.speculative.acceptance_rate:g})")  # fmt: skip
     c.print_table(["", "value"], _summary_rows(summary), f"\n{args.num_requests} requests, {rate}")
     _warn_short(args, [(args.rate, summary)])
     _warn_region(timer)
@@ -322,6 +338,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--speculative",
+        default=None,
+        help='speculative decoding, JSON: {"num_speculative_tokens": 4, "acceptance_rate": 0.7, '
+        '"draft_cost_ratio": 0.1, "max_batch_size": 32}',
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=500)
     g.add_argument("--rate", type=float, help="Poisson req/s (default: offline, all at t=0)")

@@ -21,6 +21,7 @@ from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput
 from roofline.core.scheduler import Scheduler
 from roofline.planner.calibration import StepShape, StepTimer
+from roofline.planner.spec_sim import SimSpeculator, SpecSimConfig
 from roofline.planner.workload import SyntheticRequest, Workload
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ class SimConfig:
     """KV pool size in pages (what the engine would allocate on one replica)."""
     page_size: int = 16
     enable_prefix_caching: bool = True
+    speculative: SpecSimConfig | None = None
+    """Speculative decoding at a given acceptance rate (``planner/spec_sim.py``); None: off."""
     max_num_steps: int = 2_000_000
     """Safety stop against a scheduler that never finishes."""
 
@@ -89,6 +92,8 @@ class SimResult:
     num_preemptions: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    spec_tokens_per_verification: float = 0.0
+    """Mean tokens a verification row emitted (speculation on), else 0."""
 
     @property
     def duration_s(self) -> float:
@@ -145,6 +150,9 @@ def simulate(
     timeline: list[TimePoint] = []
     clock = 0.0
     next_i = 0
+    spec = None
+    if sim.speculative is not None:
+        spec = SimSpeculator(sim.speculative, FAKE_TOKEN_ID, sim.scheduler.max_model_len)
     while next_i < len(reqs) or sched.has_unfinished_requests():
         while next_i < len(reqs) and reqs[next_i].arrival_time_s <= clock:
             request = _make_request(next_i, reqs[next_i])
@@ -157,6 +165,8 @@ def simulate(
         if not sched.has_unfinished_requests():
             clock = reqs[next_i].arrival_time_s
             continue
+        if spec is not None:
+            spec.before_schedule(sched.running, sched.num_running)
         out = sched.schedule()
         if out.is_empty:
             if next_i < len(reqs):
@@ -167,10 +177,14 @@ def simulate(
             raise RuntimeError(f"simulation passed {sim.max_num_steps} steps")
         shape = step_shape(out, sim.page_size)
         dt = timer(shape)
+        verified = {}
+        if spec is not None:
+            dt += spec.draft_time_s(out, timer)
+            verified = spec.verify(out)
         during = (sched.num_running, sched.num_waiting, sched.kv_usage)
         sampled = {s.request.request_id: FAKE_TOKEN_ID for s in out.scheduled if s.samples}
         clock += dt
-        for update in sched.update(out, ModelRunnerOutput(sampled)):
+        for update in sched.update(out, ModelRunnerOutput(sampled, verified=verified)):
             m = metrics[update.request.request_id]
             m.num_output_tokens += len(update.new_token_ids)
             if m.first_token_s is None:
@@ -197,4 +211,5 @@ def simulate(
         num_preemptions=sched.num_preemptions_total,
         prefix_hit_tokens=kv.prefix_hits,
         prefix_query_tokens=kv.prefix_queries,
+        spec_tokens_per_verification=spec.decoder.stats.mean_accepted_length if spec else 0.0,
     )

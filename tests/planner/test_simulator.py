@@ -133,3 +133,37 @@ def test_shared_prefix_pages_are_read_once_by_the_floor(small_model):
     assert point.shape() == s
     with pytest.raises(ValueError, match="decode_shared_tokens"):
         step_cost(small_model, gpu, 2, 10, decode_shared_tokens=9)
+
+
+def test_speculation_emits_the_expected_run_per_verification(small_model):
+    """Proposals accepted at rate a: a verification row emits (1 - a^(k+1)) / (1 - a) tokens
+    on average, so at batch 1 the steps shrink by that factor, and each step pays a 1 + k
+    chunk plus the draft's k decode steps."""
+    from roofline.planner.spec_sim import SpecSimConfig
+    from roofline.planner.specdec import expected_tokens_per_step
+
+    gpu = get_gpu("h100")
+    timer = RooflineStepTimer(small_model, gpu)
+    work = _workload(4, 0.001, "64", "400")  # one request at a time: batch 1
+    plain = simulate(work, _sim(), timer)
+    spec_cfg = SpecSimConfig(4, 0.7, draft_cost_ratio=0.1, seed=3)
+    sim = SimConfig(_sim().scheduler, num_pages=4096, page_size=16, speculative=spec_cfg)
+    spec = simulate(work, sim, timer)
+    assert all(r.num_output_tokens == 400 for r in spec.requests)  # max_tokens never exceeded
+    decode_steps = plain.num_steps - 4
+    spec_steps = spec.num_steps - 4
+    per_step = 4 * 399 / spec_steps
+    assert per_step == pytest.approx(expected_tokens_per_step(0.7, 4), rel=0.06)
+    assert decode_steps / spec_steps == pytest.approx(per_step, rel=0.02)
+    # each verification step costs more than a decode step: the 5-token chunk and the draft
+    busy_spec = sum(p.step_time_s for p in spec.timeline)
+    busy_plain = sum(p.step_time_s for p in plain.timeline)
+    ratio = (busy_spec / spec.num_steps) / (busy_plain / plain.num_steps)
+    assert 1.3 < ratio < 1.8
+    assert busy_spec < busy_plain / 1.5
+    off = SpecSimConfig(4, 0.7, max_batch_size=1)
+    busy = simulate(_workload(8, None, "64", "20"), SimConfig(_sim().scheduler, 4096, 16,
+                    speculative=off), timer)  # fmt: skip
+    assert busy.num_steps == simulate(_workload(8, None, "64", "20"), _sim(), timer).num_steps
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        SpecSimConfig(4, 1.5)
