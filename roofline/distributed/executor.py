@@ -37,6 +37,7 @@ from roofline.distributed.worker import SHUTDOWN, WorkerSpec, run_worker
 from roofline.request import Request
 from roofline.worker.block_table import BlockTables
 from roofline.worker.host_batch import HostBatch
+from roofline.worker.prompt_logprobs import prompt_logprob_rows
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,13 @@ class RemoteStep:
     def result(self) -> ModelRunnerOutput:
         if not self._sent:
             return ModelRunnerOutput(sampled_token_ids={})
-        token_ids, logprobs = self._executor.receive()
+        token_ids, logprobs, prompt_lps = self._executor.receive()
         requests = self._requests
         sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
         lps = {r.request_id: lp for r, lp in zip(requests, logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=lps)
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=lps, prompt_logprobs=prompt_lps
+        )
 
 
 class _RemoteExecutor:
@@ -103,11 +106,12 @@ class _RemoteExecutor:
         prompt_logprobs: bool = False,
         mask_logits: Any = None,
     ) -> RemoteStep:
-        """``prompt_logprobs`` and ``mask_logits`` are the single-process runner's options; the
-        engine refuses the requests that need them under tensor parallelism, so here they are
-        always off."""
-        if prompt_logprobs or mask_logits is not None:
-            raise ValueError("prompt logprobs and structured outputs need tensor_parallel_size 1")
+        """``prompt_logprobs``: some request in flight asks for them; the step's rows that
+        predict prompt tokens go to every worker (all ranks take part in the LM head), rank 0
+        replies with them. ``mask_logits`` (structured outputs) is the single-process runner's
+        option: the engine refuses such requests under tensor parallelism."""
+        if mask_logits is not None:
+            raise ValueError("structured outputs need tensor_parallel_size 1")
         self._check()
         finished, preempted = sched_out.finished_request_ids, sched_out.preempted_request_ids
         if finished or preempted:
@@ -117,7 +121,8 @@ class _RemoteExecutor:
         batch = None
         if not sched_out.is_empty:
             batch = HostBatch.build(sched_out, self.spec.cache_config.page_size, self.block_tables)
-        payload = self.packer.pack(batch, list(finished), list(preempted))
+        rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
+        payload = self.packer.pack(batch, list(finished), list(preempted), rows)
         self.send(payload)
         return RemoteStep(self, batch.sample_requests if batch else [], sent=True)
 
@@ -136,7 +141,7 @@ class _RemoteExecutor:
     def send(self, payload: bytes) -> None:
         raise NotImplementedError
 
-    def receive(self) -> tuple[list[int], list]:
+    def receive(self) -> tuple[list[int], list, dict]:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -276,7 +281,7 @@ class MultiprocExecutor(_RemoteExecutor):
             except OSError:
                 self.fail(f"tensor-parallel worker rank {rank} is gone (its pipe is closed)")
 
-    def receive(self) -> tuple[list[int], list]:
+    def receive(self) -> tuple[list[int], list, dict]:
         self._check()
         msg = self._recv_from(0, None)
         if msg[0] == "error":

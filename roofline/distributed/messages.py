@@ -21,6 +21,7 @@ from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.worker.block_table import TableUpdates
 from roofline.worker.host_batch import HostBatch
+from roofline.worker.prompt_logprobs import PromptLogprobRow
 
 _LISTS = (
     "input_ids",
@@ -51,6 +52,8 @@ class StepMessage:
     """Output tokens a mirror lacks (only for requests whose sampling reads them)."""
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    prompt_logprob_rows: list[PromptLogprobRow] = field(default_factory=list)
+    """The step's rows that predict prompt tokens of requests asking for prompt logprobs."""
 
 
 def needs_history(params: SamplingParams) -> bool:
@@ -70,11 +73,18 @@ class StepPacker:
         self._sent: dict[str, int] = {}
         """request id -> output tokens its mirror holds (-1: mirror without history)."""
 
-    def pack(self, batch: HostBatch | None, finished: list[str], preempted: list[str]) -> bytes:
+    def pack(
+        self,
+        batch: HostBatch | None,
+        finished: list[str],
+        preempted: list[str],
+        prompt_logprob_rows: list[PromptLogprobRow] | None = None,
+    ) -> bytes:
         for rid in finished:
             self._sent.pop(rid, None)
         lists: list[list[int]] = []
         msg = StepMessage(b"", (), [], [], finished=finished, preempted=preempted)
+        msg.prompt_logprob_rows = prompt_logprob_rows or []
         if batch is not None:
             lists = [getattr(batch, name) for name in _LISTS]
             lists += [batch.table_updates.flat_index, batch.table_updates.page_ids]

@@ -95,7 +95,7 @@ class RayExecutor(_RemoteExecutor):
         ref = ray.put(payload)
         self._in_flight.append([a.execute.remote(ref) for a in self.actors])
 
-    def receive(self) -> tuple[list[int], list]:
+    def receive(self) -> tuple[list[int], list, dict]:
         self._check()
         refs = self._in_flight.popleft()
         reply = self._wait_all(refs, None)[0]

@@ -106,13 +106,13 @@ class Worker:
         tables = runner.block_tables
         while tables.table.shape[0] <= max(batch.table_rows):  # the engine's rows grew
             tables.table = torch.cat([tables.table, torch.zeros_like(tables.table)])
-        return runner.launch_batch(batch)
+        return runner.launch_batch(batch, msg.prompt_logprob_rows or None)
 
     def reply(self, handle: StepHandle | None) -> bytes:
         """Rank 0's answer to a step: its sampled ids and logprobs, in row order."""
         if handle is None:
-            return pickle.dumps(([], []))
-        return pickle.dumps((handle.token_ids(), handle.logprobs()))
+            return pickle.dumps(([], [], {}))
+        return pickle.dumps((handle.token_ids(), handle.logprobs(), handle.prompt_logprobs()))
 
     def serve(self, conn: Connection) -> None:
         """Execute messages from ``conn`` until SHUTDOWN or EOF (the engine went away).

@@ -327,8 +327,6 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (dummy weights)")
         if self.args.tensor_parallel_size > 1:
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs are not supported with tensor_parallel_size > 1")
             if params.structured_outputs is not None:
                 raise ValueError(
                     "structured outputs are not supported with tensor_parallel_size > 1"

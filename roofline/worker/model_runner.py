@@ -40,7 +40,11 @@ from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
-from roofline.worker.prompt_logprobs import compute_prompt_logprobs
+from roofline.worker.prompt_logprobs import (
+    PromptLogprobRow,
+    compute_prompt_logprobs,
+    prompt_logprob_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -246,17 +250,18 @@ class ModelRunner:
         if sched_out.is_empty:
             return StepHandle([], None, [])
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
-        return self.launch_batch(batch, sched_out if prompt_logprobs else None, mask_logits)
+        rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
+        return self.launch_batch(batch, rows, mask_logits)
 
     def launch_batch(
         self,
         batch: HostBatch,
-        prompt_logprobs_of: SchedulerOutput | None = None,
+        prompt_logprobs_of: list[PromptLogprobRow] | None = None,
         mask_logits: Callable[[torch.Tensor, list[Request]], None] | None = None,
     ) -> StepHandle:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
-        with its block-table rows already assigned). ``prompt_logprobs_of``: the step's
-        ``SchedulerOutput`` when some request in it asks for prompt logprobs."""
+        with its block-table rows already assigned). ``prompt_logprobs_of``: the step's rows
+        that predict prompt tokens, when some request in flight asks for prompt logprobs."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
@@ -283,7 +288,7 @@ class ModelRunner:
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
         prompt_lps = (
             compute_prompt_logprobs(self.model, hidden, prompt_logprobs_of)
-            if prompt_logprobs_of is not None
+            if prompt_logprobs_of
             else {}
         )
         if gather:
@@ -434,6 +439,9 @@ class StepHandle:
 
     def logprobs(self) -> list[TokenLogprobs | None]:
         return self._logprobs
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        return self._prompt_logprobs
 
     def result(self) -> ModelRunnerOutput:
         if self._host is None:

@@ -9,9 +9,14 @@ logprobs never reads the prefix cache (``Scheduler``): the cached tokens' logits
 computed, so it recomputes them, as vLLM does; after a preemption the recomputed positions
 repeat ones already reported and the engine keeps the first. Only requests that ask pay
 anything: the runner calls :func:`compute_prompt_logprobs` only while the engine has one.
+Under tensor parallelism the engine sends each step's :class:`PromptLogprobRows` (from
+:func:`prompt_logprob_rows`) to every worker: all ranks take part in the LM head's gather, rank 0
+replies with the result.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,14 +26,20 @@ ROWS_PER_CHUNK = 256
 """LM-head rows per pass: bounds the fp32 logits to 256 x vocab at a time."""
 
 
-def compute_prompt_logprobs(
-    model: torch.nn.Module,
-    hidden: torch.Tensor,  # [num_tokens, hidden] the step's final hidden states, batch order
-    sched_out: SchedulerOutput,
-) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-    """request id -> (prompt index of the first entry, one entry per prompt token predicted in
-    this step), for the scheduled requests whose params ask for prompt logprobs."""
-    result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+class PromptLogprobRow(NamedTuple):
+    """One request's prompt tokens predicted by a step: hidden rows ``[row0, row0 +
+    len(targets))`` predict prompt positions ``first, first + 1, ...``."""
+
+    request_id: str
+    row0: int
+    first: int
+    targets: list[int]
+    num_top: int
+
+
+def prompt_logprob_rows(sched_out: SchedulerOutput) -> list[PromptLogprobRow]:
+    """The step's rows that predict a prompt token, for requests that ask for prompt logprobs."""
+    rows: list[PromptLogprobRow] = []
     row0 = 0
     for s in sched_out.scheduled:
         req, start, n = s.request, s.start_position, s.num_new_tokens
@@ -36,10 +47,25 @@ def compute_prompt_logprobs(
         end = min(start + n, req.num_prompt_tokens - 1)  # rows that predict a prompt token
         if num_top is not None and end > start:
             targets = req.prompt_token_ids[start + 1 : end + 1]
-            rows = hidden[row0 : row0 + end - start]  # [end - start, hidden]
-            result[req.request_id] = (start + 1, _token_logprobs(model, rows, targets, num_top))
+            rows.append(PromptLogprobRow(req.request_id, row0, start + 1, targets, num_top))
         row0 += n
-    return result
+    return rows
+
+
+def compute_prompt_logprobs(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,  # [num_tokens, hidden] the step's final hidden states, batch order
+    rows: list[PromptLogprobRow],
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """request id -> (prompt index of the first entry, one entry per prompt token predicted in
+    this step), for ``rows`` (see :func:`prompt_logprob_rows`)."""
+    return {
+        r.request_id: (
+            r.first,
+            _token_logprobs(model, hidden[r.row0 : r.row0 + len(r.targets)], r.targets, r.num_top),
+        )
+        for r in rows
+    }
 
 
 def _token_logprobs(

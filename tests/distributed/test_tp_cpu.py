@@ -117,6 +117,30 @@ def test_killed_worker_fails_the_run(tiny):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
 
+def test_prompt_logprobs_match_tp1(tiny):
+    """Prompt logprobs under TP = 2: every rank takes the LM head's gather, rank 0 replies;
+    chunked prefill (16-token budget) spreads the 30-token prompt over steps."""
+    path, _ = tiny("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, logprobs=1)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), **ENGINE, tensor_parallel_size=tp)
+        try:
+            got[tp] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+    for one, two in zip(got[1], got[2], strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert len(one.prompt_logprobs) == len(two.prompt_logprobs) == len(one.prompt_token_ids)
+        assert one.prompt_logprobs[0] is None and two.prompt_logprobs[0] is None
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert a[tok].rank == b[tok].rank
+                assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+
+
 def test_bad_parallel_arguments_are_refused(tiny):
     path, _ = tiny("llama")
     with pytest.raises(ValueError, match="attention heads"):
