@@ -187,8 +187,19 @@ class PackedIntLinearMethod(LinearMethod):
 class CheckpointConfig(QuantizationConfig):
     """One method factory for the quantized layers, 16-bit for the ones the checkpoint left."""
 
-    def __init__(self, name: str, make, skipped: list[str], lm_head: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        make,
+        skipped: list[str],
+        lm_head: bool,
+        precision: tuple[str, str | None, int],
+    ) -> None:
         self.name, self.make, self.skipped, self.lm_head = name, make, skipped, lm_head
+        self.precision = precision
+
+    def planner_precision(self) -> tuple[str, str | None, int]:
+        return self.precision
 
     def get_linear_method(self, prefix: str) -> LinearMethod:
         if prefix == "lm_head":
@@ -221,7 +232,8 @@ def checkpoint_config(
         zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
         _check_group(cfg, group, "gptq")
         make = lambda: PackedIntLinearMethod("gptq", bits, group, zero_offset)  # noqa: E731
-        return CheckpointConfig("gptq", make, skipped, bool(qc.get("lm_head", False)))
+        precision = ("int4" if bits == 4 else "int8", "bf16", group or cfg.hidden_size)
+        return CheckpointConfig("gptq", make, skipped, bool(qc.get("lm_head", False)), precision)
     if method == "awq":
         if int(qc.get("bits", qc.get("w_bit", 4))) != 4:
             raise ValueError("AWQ checkpoints must be 4-bit")
@@ -233,13 +245,13 @@ def checkpoint_config(
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
         _check_group(cfg, group, "awq")
         make = lambda: PackedIntLinearMethod("awq", 4, group, 0)  # noqa: E731
-        return CheckpointConfig("awq", make, skipped, False)
+        return CheckpointConfig("awq", make, skipped, False, ("int4", "bf16", group))
     if method == "fp8":
         if qc.get("weight_block_size") is not None:
             raise ValueError("block-wise fp8 checkpoints (weight_block_size) are not supported")
         check_fp8_device(device)
         make = lambda: Fp8LinearMethod(w8a8=True, prequantized=True)  # noqa: E731
-        return CheckpointConfig("fp8", make, skipped, False)
+        return CheckpointConfig("fp8", make, skipped, False, ("fp8", None, 128))
     raise ValueError(
         f"checkpoint quant_method {method!r} is not supported (supported: gptq, awq, fp8)"
     )

@@ -124,6 +124,7 @@ def test_gguf_kept_quantized_matches_default() -> None:
 
 def test_cli_flags_and_planner_precision() -> None:
     import argparse
+    import json
 
     from roofline.config import ModelConfig
     from roofline.engine.args import EngineArgs
@@ -142,3 +143,16 @@ def test_cli_flags_and_planner_precision() -> None:
     }
     for name, precision in expected.items():
         assert resolve_quantization(name, cfg, "config", cpu).planner_precision() == precision
+    checkpoints = {  # pre-quantized checkpoints: the planner reads their bytes, not 16-bit
+        "gptq4-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64}, ("int4", "bf16", 64)),
+        "gptq8-channel": (
+            {"quant_method": "gptq", "bits": 8, "group_size": -1},
+            ("int8", "bf16", 4096),
+        ),
+        "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128}, ("int4", "bf16", 128)),
+    }
+    raw = json.loads(open("roofline/model_configs/llama-3.1-8b/config.json").read())
+    for name, (qc, precision) in checkpoints.items():
+        qcfg = ModelConfig.from_dict({**raw, "quantization_config": qc})
+        got = resolve_quantization(None, qcfg, "hf", cpu).planner_precision()
+        assert got == precision, name
