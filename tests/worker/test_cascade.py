@@ -1,0 +1,111 @@
+"""Cascade (shared-prefix) decode: the detector's choice of group, and greedy tokens through the
+engine identical with the cascade path on and off (tiny fp32 Llama on the CPU, torch backend:
+the fp32 reference of the cascade kernels).
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from roofline import LLM, SamplingParams
+from roofline.attention.cascade import SharedPrefixDetector
+from roofline.request import Request
+from roofline.sampling_params import SamplingParams as SP
+
+PAGE = 4
+
+
+def _step(tables: list[list[int]], ends: list[int], reqs: list[Request] | None = None, n=1):
+    reqs = reqs or [Request(f"r{i}", [0], SP()) for i in range(len(tables))]
+    rows = [
+        SimpleNamespace(request=r, num_new_tokens=n, block_ids=bt, start_position=e - 1)
+        for r, bt, e in zip(reqs, tables, ends, strict=True)
+    ]
+    return SimpleNamespace(scheduled=rows), reqs
+
+
+def _detector(**kw) -> SharedPrefixDetector:
+    return SharedPrefixDetector(PAGE, 1, **{"min_group": 3, "min_saved_bytes": 1, **kw})
+
+
+def test_finds_the_shared_run_of_a_group() -> None:
+    shared = [7, 3, 9, 12]
+    tables = [shared + [20 + i, 40 + i] for i in range(5)] + [[1, 2, 5, 6, 8, 10]]
+    ends = [4 * PAGE + 5] * 6  # the newest token lies in the row's own fifth page
+    sched, reqs = _step(tables, ends)
+    plan = _detector().plan(sched)
+    assert plan is not None and plan.prefix_pages == shared
+    assert plan.prefix_len == 4 * PAGE and plan.num_members == 5
+    assert plan.suffix_start == [4 * PAGE] * 5 + [0]
+    assert plan.max_suffix_len == ends[-1]  # the non-member attends its whole context
+
+
+def test_partial_last_page_and_newest_token_never_shared() -> None:
+    # Rows share pages 0..2 but the third holds each row's newest token: only 2 can be shared.
+    tables = [[5, 6, 7] for _ in range(4)]
+    sched, _ = _step(tables, [2 * PAGE + 1] * 4)
+    plan = _detector().plan(sched)
+    assert plan is not None and plan.prefix_pages == [5, 6]
+
+
+def test_too_small_a_group_or_saving_is_plain() -> None:
+    tables = [[1, 2, 3 + i] for i in range(4)]
+    sched, _ = _step(tables, [2 * PAGE + 2] * 4)
+    assert _detector(min_group=5).plan(sched) is None
+    assert _detector(min_saved_bytes=10**6).plan(sched) is None
+    sched, _ = _step(tables, [2 * PAGE + 2] * 4, n=2)  # not decode-only
+    assert _detector().plan(sched) is None
+
+
+def test_members_are_incremental_and_dropped() -> None:
+    det = _detector()
+    tables = [[1, 2, 10 + i] for i in range(4)]
+    sched, reqs = _step(tables, [2 * PAGE + 1] * 4)
+    assert det.plan(sched).num_members == 4
+    assert set(det.members) == {r.request_id for r in reqs}
+    det.drop([reqs[0].request_id])
+    # r0 preempted and back under new pages: not a member any more (its last shared page differs)
+    tables[0] = [30, 31, 32]
+    sched, _ = _step(tables, [2 * PAGE + 1] * 4, reqs)
+    plan = det.plan(sched)
+    assert plan.suffix_start == [0] + [2 * PAGE] * 3
+
+
+PREFIX_LEN = 48
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.e2e.hf_reference import tiny_hf_model
+
+    path = tmp_path_factory.mktemp("cascade_llama")
+    tiny_hf_model("llama", path)
+    return path
+
+
+def _generate(path, cascade: bool) -> tuple[list[list[int]], int]:
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 320) for _ in range(PREFIX_LEN)]
+    prompts = [prefix + [rng.randrange(3, 320) for _ in range(n)] for n in range(1, 11)]
+    llm = LLM(str(path), dtype="float32", device="cpu", page_size=PAGE)
+    runner = llm.llm_engine.runner
+    used = []
+    if cascade:  # the torch backend runs the cascade only when given a detector
+        det = SharedPrefixDetector(PAGE, kv_bytes_per_token=1, min_group=4, min_saved_bytes=1)
+        plan = det.plan
+        det.plan = lambda s: used.append(plan(s)) or used[-1]
+        runner.cascade = det
+    llm.generate([prefix + [5]], GREEDY, use_tqdm=False)  # the prefix pages now cached
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], sum(p is not None for p in used)
+
+
+def test_engine_greedy_identical_with_cascade(tiny_llama) -> None:
+    plain, _ = _generate(tiny_llama, cascade=False)
+    got, num_cascade_steps = _generate(tiny_llama, cascade=True)
+    assert num_cascade_steps >= 8  # most decode steps of the batch went through the cascade
+    assert got == plain
