@@ -12,8 +12,9 @@ The check is incremental: a request verified as a member stays one (its leading 
 change while it runs; the runner drops it when it finishes or is preempted), so a steady decode
 step costs one dictionary lookup and one page-id comparison per row. The shared run is searched
 again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL`` steps: for
-every row, the common leading pages with a reference row, then the length that maximises
-the bytes saved over the rows that reach it.
+every row, the common leading pages with each of three reference rows, then the length that
+maximises the bytes saved over the rows that reach it. Between rescans a batch with nothing
+shared costs no per-row work.
 """
 
 from __future__ import annotations
@@ -108,16 +109,21 @@ class SharedPrefixDetector:
         scheduled = sched_out.scheduled
         if len(scheduled) < self.min_group:
             return None
-        plan = self._match(sched_out)
         self._steps_since_scan += 1
+        rescan_due = self._steps_since_scan >= RESCAN_INTERVAL
+        if not self.prefix:  # nothing shared lately: no per-row work until a rescan is due
+            if not rescan_due or not self._rescan(sched_out):
+                return None
+            rescan_due = False
+        plan = self._match(sched_out)
         if plan is None:
             return None
-        if plan.num_members < MIN_MEMBER_FRACTION * len(scheduled):
-            if self._steps_since_scan >= RESCAN_INTERVAL:
-                self._rescan(sched_out)
-                plan = self._match(sched_out)
-                if plan is None:
-                    return None
+        if plan.num_members < MIN_MEMBER_FRACTION * len(scheduled) and rescan_due:
+            if not self._rescan(sched_out):
+                return None
+            plan = self._match(sched_out)
+            if plan is None:
+                return None
         return plan if self.pays(plan.num_members, plan.prefix_len) else None
 
     def _match(self, sched_out: SchedulerOutput) -> CascadePlan | None:
@@ -152,34 +158,45 @@ class SharedPrefixDetector:
         self.members[req.request_id] = req
         return True
 
-    def _rescan(self, sched_out: SchedulerOutput) -> None:
-        """Choose the shared run that saves the most reads among this step's rows."""
-        self._steps_since_scan = 0
+    def _rescan(self, sched_out: SchedulerOutput) -> bool:
+        """Choose the shared run that saves the most reads among this step's rows (decode-only
+        steps only); whether one was found."""
         rows = sched_out.scheduled
+        if any(s.num_new_tokens != 1 for s in rows):
+            return bool(self.prefix)  # try again on a decode-only step
+        self._steps_since_scan = 0
         page = self.page_size
-        ref = rows[self._scan_ref % len(rows)]
-        self._scan_ref += 1  # the next rescan starts from another row
-        # Only full pages before the row's newest token can be shared.
-        ref_pages = ref.block_ids[: ref.start_position // page]
-        common = sorted(
-            (_common_len(ref_pages, s.block_ids, s.start_position // page) for s in rows),
-            reverse=True,
-        )
-        best, best_saved = 0, 0
-        for k, num_pages in enumerate(common, start=1):
-            saved = (k - 1) * num_pages
-            if k >= self.min_group and saved > best_saved:
-                best, best_saved = num_pages, saved
+        n = len(rows)
+        # Reference rows: the first, the middle and the last, then others at each rescan (a
+        # reference outside the group finds nothing; three make that unlikely).
+        refs = {(self._scan_ref + i) % n for i in (0, n // 2, n - 1)}
+        self._scan_ref += 1
+        best, best_saved, ref_pages = 0, 0, []
+        for r in sorted(refs):
+            ref = rows[r]
+            # Only full pages before the row's newest token can be shared.
+            pages = ref.block_ids[: ref.start_position // page]
+            common = sorted(
+                (_common_len(pages, s.block_ids, s.start_position // page) for s in rows),
+                reverse=True,
+            )
+            for k, num_pages in enumerate(common, start=1):
+                saved = (k - 1) * num_pages
+                if k >= self.min_group and saved > best_saved:
+                    best, best_saved, ref_pages = num_pages, saved, pages
         new_prefix = ref_pages[:best]
         if new_prefix != self.prefix:
             self.prefix = new_prefix
             self.members = {}
+        return best > 0
 
 
 def _common_len(ref: list[int], block_ids: list[int], limit: int) -> int:
     """Length of the common leading run of ``ref`` and ``block_ids[:limit]`` (binary search on
     slice comparisons: a few C-speed compares instead of a Python loop over pages)."""
     hi = min(len(ref), limit, len(block_ids))
+    if not hi or block_ids[0] != ref[0]:
+        return 0
     if block_ids[:hi] == ref[:hi]:
         return hi
     lo = 0  # ref[:lo] matches; ref[:hi] does not

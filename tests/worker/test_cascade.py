@@ -109,3 +109,24 @@ def test_engine_greedy_identical_with_cascade(tiny_llama) -> None:
     got, num_cascade_steps = _generate(tiny_llama, cascade=True)
     assert num_cascade_steps >= 8  # most decode steps of the batch went through the cascade
     assert got == plain
+
+
+def test_unshared_batches_cost_no_per_row_work_between_rescans() -> None:
+    det = _detector()
+    tables = [[10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(5)]
+    sched, _ = _step(tables, [2 * PAGE + 1] * 5)
+    assert det.plan(sched) is None and det.prefix == []  # scanned: nothing shared
+    calls = []
+    det._match = lambda s: calls.append(s)
+    for _ in range(15):
+        assert det.plan(sched) is None
+    assert not calls  # no row was looked at until the next rescan is due
+
+
+def test_group_found_when_the_first_and_last_rows_are_outside_it() -> None:
+    shared = [4, 5, 6]
+    tables = [[90, 91, 92, 93]] + [shared + [10 + i] for i in range(5)] + [[80, 81, 82, 83]]
+    sched, _ = _step(tables, [3 * PAGE + 1] * 7)
+    plan = _detector().plan(sched)
+    assert plan is not None and plan.prefix_pages == shared
+    assert plan.suffix_start == [0] + [3 * PAGE] * 5 + [0]
