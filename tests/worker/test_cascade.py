@@ -130,3 +130,40 @@ def test_group_found_when_the_first_and_last_rows_are_outside_it() -> None:
     plan = _detector().plan(sched)
     assert plan is not None and plan.prefix_pages == shared
     assert plan.suffix_start == [0] + [3 * PAGE] * 5 + [0]
+
+
+def test_cascade_graph_inputs_are_staged_with_padding() -> None:
+    """The cascade graphs' static buffers after staging (CPU, no capture): the plan's pages,
+    shared length and suffix starts; padding rows are not members; buckets from min_group."""
+    import torch
+
+    from roofline.attention.cascade import CascadePlan
+    from roofline.worker.block_table import BlockTables, TableUpdates
+    from roofline.worker.cascade_graphs import CascadeDecodeGraphs
+    from roofline.worker.host_batch import upload
+
+    cpu = torch.device("cpu")
+    graphs = CascadeDecodeGraphs(
+        None, [], None, 16, 64, PAGE, cpu, min_group=4, num_kv_heads=2, group=2
+    )
+    assert graphs.buckets == [4, 8, 16]
+    tables, upd = BlockTables(16, 16, cpu), TableUpdates()
+    reqs = [Request(f"r{i}", [0], SP()) for i in range(5)]
+    rows = [tables.row_of(r, [7, 8, 20 + i], upd) for i, r in enumerate(reqs)]
+    tables.apply(*upload([upd.flat_index, upd.page_ids], cpu))
+    plan = CascadePlan([7, 8], 2 * PAGE, [2 * PAGE] * 4 + [0], 2 * PAGE + 1, 4)
+    n = 5
+    ids, pos, slots, seq_lens, table_rows, pages, plen, starts = upload(
+        [[1] * n, [9] * n, [80 + i for i in range(n)], [10] * n, rows, *plan.lists()], cpu
+    )
+    graphs.suffix_start.fill_(7)  # stale values from an earlier step
+    bs = graphs.stage_cascade(
+        plan, pages, starts, plen, ids, pos, slots, seq_lens, tables, table_rows
+    )
+    assert bs == 8
+    assert graphs.prefix_pages[:2].tolist() == [7, 8] and graphs.prefix_len.tolist() == [8]
+    assert graphs.suffix_start[:8].tolist() == [8, 8, 8, 8, 0, 0, 0, 0]
+    assert graphs.block_table[4, :3].tolist() == [7, 8, 24]
+    meta = graphs._meta(8).cascade
+    assert meta.suffix_start.shape == (8,) and meta.prefix_len is graphs.prefix_len
+    assert meta.num_splits >= 1 and meta.prefix_splits >= 1
