@@ -32,6 +32,7 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.bench.ceilings import measure, time_fn
+from roofline.kernels import count_jit_compiles
 from roofline.kernels.cascade_attention import cascade_attention, cascade_attention_ref
 from roofline.kernels.decode_attention import decode_attention, decode_attention_ref
 
@@ -196,9 +197,12 @@ def run_engine(model: str, cascade: bool, prompts, max_tokens: int, **kw):
     used.clear()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    torch.cuda.synchronize()
+    with count_jit_compiles() as compiled:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if compiled:
+        print(f"  JIT compiles during the timed run: {sorted(set(compiled))}")
     tokens = [o.outputs[0].token_ids for o in outs]
     steps = sum(p is not None for p in used)
     members = max((p.num_members for p in used if p is not None), default=0)
