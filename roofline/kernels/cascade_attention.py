@@ -128,7 +128,7 @@ def _shared_prefix_kernel(
     row_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    prefix_len = tl.load(prefix_len_ptr)
+    prefix_len = tl.load(prefix_len_ptr).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)

@@ -144,7 +144,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     start = split * split_len
     if HAS_START:  # cascade: this row's context starts after the shared prefix
-        start += tl.load(ctx_start_ptr + req)
+        start += tl.load(ctx_start_ptr + req).to(tl.int32)
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] rows = query heads of this group
