@@ -93,7 +93,7 @@ def choose_prefix_splits(num_programs: int, max_prefix_len: int, num_sms_: int) 
     return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
 
 
-@triton.jit(do_not_specialize=["num_reqs", "slot0", "num_slots"])
+@triton.jit(do_not_specialize=["num_reqs", "slot0", "num_slots", "num_prefix_splits"])
 def _shared_prefix_kernel(
     q_ptr,
     k_cache_ptr,
@@ -115,11 +115,11 @@ def _shared_prefix_kernel(
     num_reqs,
     slot0,
     num_slots,
+    num_prefix_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -129,7 +129,7 @@ def _shared_prefix_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     prefix_len = tl.load(prefix_len_ptr).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(prefix_len, num_prefix_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
 
@@ -252,11 +252,11 @@ def cascade_attention(
         num_reqs,
         num_splits,
         num_slots,
+        prefix_splits,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        NUM_SPLITS=prefix_splits,
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n,
