@@ -127,29 +127,32 @@ class SharedPrefixDetector:
         return plan if self.pays(plan.num_members, plan.prefix_len) else None
 
     def _match(self, sched_out: SchedulerOutput) -> CascadePlan | None:
-        prefix, members = self.prefix, self.members
+        prefix = self.prefix
         num_pages = len(prefix)
         prefix_len = num_pages * self.page_size
-        last = prefix[-1] if prefix else -1
+        last_index, last = num_pages - 1, prefix[-1]
+        get, admit = self.members.get, self._admit
         starts: list[int] = []
-        num_members = max_suffix = 0
-        for s in sched_out.scheduled:
+        append = starts.append
+        num_members = max_pos_member = max_pos_other = 0
+        for s in sched_out.scheduled:  # the hot loop of a steady step: keep it lean
             if s.num_new_tokens != 1:
                 return None  # prefill or verification rows: the plain kernels
-            req, bt = s.request, s.block_ids
-            end = s.start_position + 1
-            member = (
-                num_pages > 0
-                and end > prefix_len
-                and len(bt) >= num_pages
-                and bt[num_pages - 1] == last
-                and (members.get(req.request_id) is req or self._admit(req, bt))
-            )
-            start = prefix_len if member else 0
-            num_members += member
-            starts.append(start)
-            if end - start > max_suffix:
-                max_suffix = end - start
+            pos, req = s.start_position, s.request  # pos: the row's newest token
+            if (
+                pos >= prefix_len  # (so its table covers the shared pages)
+                and s.block_ids[last_index] == last
+                and (get(req.request_id) is req or admit(req, s.block_ids))
+            ):
+                append(prefix_len)
+                num_members += 1
+                if pos > max_pos_member:
+                    max_pos_member = pos
+            else:
+                append(0)
+                if pos > max_pos_other:
+                    max_pos_other = pos
+        max_suffix = max(max_pos_member + 1 - prefix_len, max_pos_other + 1)
         return CascadePlan(prefix, prefix_len, starts, max_suffix, num_members)
 
     def _admit(self, req: Request, block_ids: list[int]) -> bool:
