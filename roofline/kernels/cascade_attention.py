@@ -37,7 +37,12 @@ from roofline.kernels.decode_attention import (
 
 MAX_PREFIX_SPLITS = 16
 MIN_PREFIX_TOKENS_PER_SPLIT = 256
-PREFIX_TARGET_WAVES = 4
+PREFIX_TARGET_WAVES = 2
+"""Programs per SM the prefix splits aim for: each program is MMA work, and every split adds a
+partial (fp32 [rows, head_dim]) to write and merge."""
+CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) for every prefix launch (``scripts/gpu_cascade.py``
+sweeps configs and runs the engine with the fastest); None: ``_prefix_config``."""
 
 
 def cascade_attention_ref(
@@ -177,11 +182,22 @@ def _shared_prefix_kernel(
     tl.store(part_lse_ptr + row, lse, mask=in_batch)
 
 
-def _prefix_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) of the prefix kernel."""
-    if head_dim <= 128:
-        return 64, 64, 4, 2
-    return 64, 32, 4, 2
+def prefix_block_m(num_rows: int) -> int:
+    """Query rows per prefix program for ``num_rows`` = requests x GQA group: 128 once there
+    are enough rows to fill such tiles (half the K/V tile loads of 64, and a larger MMA)."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE[0]
+    return 128 if num_rows >= 256 else 64
+
+
+def _prefix_config(head_dim: int, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel for ``block_m`` query rows.
+
+    H100, B=256 x G=4, prefix 2,000, eager: BLOCK_M 128 / 8 warps beat 64 / 4 warps."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE[1:]
+    block_n = 64 if head_dim <= 128 else 32
+    return block_n, (8 if block_m >= 128 else 4), 2
 
 
 def cascade_attention(
@@ -216,10 +232,7 @@ def cascade_attention(
     if num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
-    bm, block_n, num_warps, num_stages = _prefix_config(head_dim)
-    if block_m is not None and block_m != bm:  # a tuning override (the GPU script's sweep)
-        num_warps = 4 if block_m <= 64 else 8
-    block_m = block_m or bm
+    block_m = block_m or prefix_block_m(num_reqs * group)
     row_blocks = triton.cdiv(num_reqs * group, block_m)
     sms = num_sms(q.device)
     if prefix_splits is None:
@@ -231,6 +244,48 @@ def cascade_attention(
         num_reqs, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device
     )
     part_lse = torch.empty(num_reqs, num_heads, num_slots, dtype=torch.float32, device=q.device)
+    shared_prefix_partials(
+        q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, scale, part_out, part_lse,
+        num_splits, prefix_splits, block_m,
+    )  # fmt: skip
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        scale,
+        max_seq_len=max_suffix_len,
+        num_splits=num_splits,
+        out=out,
+        ctx_start=suffix_start,
+        partials=(part_out, part_lse),
+    )
+    return merge_partials(part_out, part_lse, out)
+
+
+def shared_prefix_partials(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,  # [max_prefix_pages] int32
+    prefix_len: torch.Tensor,  # [1] int32
+    suffix_start: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+    part_out: torch.Tensor,  # [num_reqs, num_heads, num_slots, head_dim] fp32
+    part_lse: torch.Tensor,  # [num_reqs, num_heads, num_slots] fp32
+    slot0: int,
+    prefix_splits: int,
+    block_m: int,
+) -> None:
+    """The prefix pass alone: slots ``slot0 .. slot0 + prefix_splits - 1`` of the partials."""
+    num_reqs, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_slots = part_out.shape[2]
+    assert slot0 + prefix_splits <= num_slots and part_lse.shape == part_out.shape[:3]
+    block_n, num_warps, num_stages = _prefix_config(head_dim, block_m)
+    row_blocks = triton.cdiv(num_reqs * group, block_m)
     _shared_prefix_kernel[(row_blocks, num_kv_heads, prefix_splits)](
         q,
         k_cache,
@@ -250,7 +305,7 @@ def cascade_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         num_reqs,
-        num_splits,
+        slot0,
         num_slots,
         prefix_splits,
         NUM_HEADS=num_heads,
@@ -264,20 +319,6 @@ def cascade_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        scale,
-        max_seq_len=max_suffix_len,
-        num_splits=num_splits,
-        out=out,
-        ctx_start=suffix_start,
-        partials=(part_out, part_lse),
-    )
-    return merge_partials(part_out, part_lse, out)
 
 
 def choose_suffix_splits(num_reqs: int, num_kv_heads: int, max_suffix_len: int, sms: int) -> int:
@@ -289,5 +330,7 @@ __all__ = [
     "cascade_attention",
     "cascade_attention_ref",
     "choose_prefix_splits",
+    "prefix_block_m",
+    "shared_prefix_partials",
     "choose_suffix_splits",
 ]

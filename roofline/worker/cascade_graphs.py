@@ -16,13 +16,15 @@ import torch
 from roofline.attention.cascade import CascadeMetadata, CascadePlan
 from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels import num_sms
-from roofline.kernels.cascade_attention import choose_prefix_splits, choose_suffix_splits
+from roofline.kernels.cascade_attention import (
+    choose_prefix_splits,
+    choose_suffix_splits,
+    prefix_block_m,
+)
 from roofline.layers.attention import ForwardContext
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.pending import PendingInputs
-
-PREFIX_BLOCK_M = 64
 
 
 class CascadeDecodeGraphs(DecodeGraphs):
@@ -39,7 +41,7 @@ class CascadeDecodeGraphs(DecodeGraphs):
     def _meta(self, bs: int) -> AttentionMetadata:
         meta = super()._meta(bs)
         sms = num_sms(self.device)
-        row_blocks = -(-bs * self.group // PREFIX_BLOCK_M)
+        row_blocks = -(-bs * self.group // prefix_block_m(bs * self.group))
         meta.cascade = CascadeMetadata(
             prefix_pages=self.prefix_pages,
             prefix_len=self.prefix_len,
