@@ -105,6 +105,15 @@ def test_forced_splits(splits: tuple[int, int]) -> None:
     assert_close(out, _plain(batch, scale), torch.float32)
 
 
+def test_block_m_128_rows_span_many_requests() -> None:
+    """128-row tiles (the large-batch config): 40 requests x 4 heads leave a partial block."""
+    n = 40
+    members = [i % 9 != 0 for i in range(n)]
+    batch = shared_batch(n, 2, [1 + (7 * i) % 23 for i in range(n)], members, 4, torch.float32)
+    scale = HEAD_DIM**-0.5
+    assert_close(_cascade(batch, scale, block_m=128), _plain(batch, scale), torch.float32)
+
+
 def test_no_member_rows_is_plain_decode() -> None:
     batch = shared_batch(3, 2, [5, 30, 1], [False] * 3, 4, torch.float32)
     scale = HEAD_DIM**-0.5
