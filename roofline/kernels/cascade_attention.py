@@ -239,14 +239,17 @@ def cascade_attention(
         prefix_splits = choose_prefix_splits(row_blocks * num_kv_heads, max_prefix_len, sms)
     if num_splits is None:
         num_splits = choose_suffix_splits(num_reqs, num_kv_heads, max_suffix_len, sms)
-    num_slots = num_splits + prefix_splits
+    # One suffix split (large batches): the suffix kernel merges the prefix's partials itself.
+    fused = num_splits == 1
+    slot0 = 0 if fused else num_splits
+    num_slots = slot0 + prefix_splits
     part_out = torch.empty(
         num_reqs, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device
     )
     part_lse = torch.empty(num_reqs, num_heads, num_slots, dtype=torch.float32, device=q.device)
     shared_prefix_partials(
         q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, scale, part_out, part_lse,
-        num_splits, prefix_splits, block_m,
+        slot0, prefix_splits, block_m,
     )  # fmt: skip
     decode_attention(
         q,
@@ -260,8 +263,9 @@ def cascade_attention(
         out=out,
         ctx_start=suffix_start,
         partials=(part_out, part_lse),
+        merge_prefix=fused,
     )
-    return merge_partials(part_out, part_lse, out)
+    return out if fused else merge_partials(part_out, part_lse, out)
 
 
 def shared_prefix_partials(

@@ -96,7 +96,7 @@ def choose_num_splits(
 
 # Eager decode steps (batches beyond the captured graphs) change these every step: not
 # specialized, so they never compile the kernel again in the middle of serving.
-@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits", "num_slots"])
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits", "num_slots", "merge_count"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -126,6 +126,7 @@ def _decode_split_kernel(
     split_len,
     num_splits,
     num_slots,
+    merge_count,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -137,6 +138,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
     HAS_START: tl.constexpr,
+    MERGE_PREFIX: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,6 +196,27 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
     o_mask = h_mask[:, None] & d_mask[None, :]
+    if MERGE_PREFIX:  # cascade, one suffix split: merge the prefix's partials (slots
+        # 0 .. merge_count - 1) with this result by log-sum-exp, then store the output
+        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots  # [BLOCK_H]
+        lse_s = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        m = lse_s
+        for j in range(merge_count):
+            m = tl.maximum(m, tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse_s - m)  # [BLOCK_H]
+        num = o * w[:, None]
+        den = w
+        for j in range(merge_count):
+            w_j = tl.exp2(tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")) - m)
+            o_j = tl.load(
+                part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=o_mask,
+                other=0.0,
+            )  # [BLOCK_H, BLOCK_D]
+            num += o_j * w_j[:, None]
+            den += w_j
+        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
     if SINGLE_SPLIT:
         o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -254,6 +277,7 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     ctx_start: torch.Tensor | None = None,  # [num_reqs] int32: first context position to attend
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    merge_prefix: bool = False,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attend one query token per request over its paged K/V; returns ``out``.
 
@@ -264,6 +288,8 @@ def decode_attention(
     positions ``ctx_start[r] .. seq_lens[r] - 1`` only) and ``partials = (part_out, part_lse)``,
     ``[num_reqs, num_heads, num_slots(, head_dim)]`` fp32: the splits then write their partials
     to slots ``0 .. num_splits - 1`` and nothing is merged (the caller merges all the slots).
+    With ``merge_prefix`` (one split only) the partials hold the prefix's slots instead: the
+    kernel merges them with its own result and writes ``out`` (no merge kernel, no partial).
     """
     check_device(q, k_cache, v_cache)
     num_reqs, num_heads, head_dim = q.shape
@@ -288,7 +314,8 @@ def decode_attention(
         )
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    single = num_splits == 1 and partials is None
+    single = num_splits == 1 and (partials is None or merge_prefix)
+    assert not merge_prefix or (num_splits == 1 and partials is not None)
     if partials is not None:
         part_out, part_lse = partials
         assert part_out.shape[2] >= num_splits and part_lse.shape == part_out.shape[:3]
@@ -330,7 +357,8 @@ def decode_attention(
         out.stride(1),
         split_len,
         num_splits,
-        part_lse.shape[2] if not single else 1,
+        part_lse.shape[2] if partials is not None or not single else 1,
+        part_lse.shape[2] if merge_prefix else 0,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -342,6 +370,7 @@ def decode_attention(
         PRECISION=precision,
         KV_QUANT=k_scale is not None,
         HAS_START=ctx_start is not None,
+        MERGE_PREFIX=merge_prefix,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -3,8 +3,9 @@ paged decode over the same block tables.
 
 A batch's member rows begin with the same shared pages and go on with their own pages; other
 rows (``suffix_start = 0``) own all their pages. Covers fp32/fp16/bf16, GQA ratios 1 and 4,
-prefixes of one page and several, forced prefix and suffix split counts (empty splits included),
-row counts that leave a partial row block, and a batch where no row is a member.
+prefixes of one page and several, forced prefix and suffix split counts (empty splits
+included), the merge kernel and the merge fused into a single suffix split, row counts that
+leave a partial row block, and a batch where no row is a member.
 """
 
 from __future__ import annotations
@@ -84,16 +85,18 @@ def test_reference_matches_plain_decode(group: int) -> None:
     torch.testing.assert_close(ref, _plain(batch, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["merge-kernel", "fused-merge"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4])
-def test_kernel_matches_plain_decode(dtype: torch.dtype, group: int) -> None:
+def test_kernel_matches_plain_decode(dtype: torch.dtype, group: int, num_splits) -> None:
     n = 9  # 9 x group rows: a partial row block
     suffix = [1, 33, 16, 7, 50, 2, 64, 19, 3]
     members = [True] * n
     members[4] = False
     batch = shared_batch(n, 4, suffix, members, group, dtype, seed=group)
     scale = HEAD_DIM**-0.5
-    assert_close(_cascade(batch, scale), _plain(batch, scale), dtype)
+    out = _cascade(batch, scale, num_splits=num_splits, prefix_splits=3)
+    assert_close(out, _plain(batch, scale), dtype)
 
 
 @pytest.mark.parametrize("splits", [(1, 1), (3, 2), (2, 7)])
