@@ -181,11 +181,11 @@ BEST: dict[str, object] = {}
 @section("2. decode attention at B=256, prefix 2000: plain vs cascade (CUDA-graph timed)")
 def kernel_bench(ceil, quick: bool) -> None:
     for suffix_len in (64, 192) if quick else (64, 128, 192):
-        _bench_one(ceil, suffix_len)
+        _bench_one(ceil, suffix_len, quick)
         free()
 
 
-def _bench_one(ceil, suffix_len: int) -> None:
+def _bench_one(ceil, suffix_len: int, quick: bool) -> None:
     prefix = 2000 - 2000 % PAGE
     scale = DIM**-0.5
     kv_tok = KV_HEADS * DIM * 2 * 2
@@ -242,15 +242,15 @@ def _bench_one(ceil, suffix_len: int) -> None:
         f"{t_prefix * 1e6:.1f}/{t_suffix * 1e6:.1f}/{t_merge * 1e6:.1f}"
     )
     if suffix_len == 64:
-        _sweep(b, args, t_cas)
+        _sweep(b, args, t_cas, PREFIX_CONFIGS[:4] if quick else PREFIX_CONFIGS)
 
 
-def _sweep(b: dict, args: tuple, t_default: float) -> None:
+def _sweep(b: dict, args: tuple, t_default: float, configs: list) -> None:
     """The prefix pass over configs (FLOPs: 2 MMAs of [B*G, d] x [d, prefix] per KV head)."""
     flops = 2 * 2 * 256 * HEADS * int(b["prefix_len"]) * DIM
     best = (t_default, None)
     ref = run_plain(b).float()
-    for cfg in PREFIX_CONFIGS:
+    for cfg in configs:
         ca.CONFIG_OVERRIDE = cfg
         try:
             sp = ca.choose_prefix_splits(-(-256 * 4 // cfg[0]) * KV_HEADS, 8192, 132)
