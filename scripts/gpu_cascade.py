@@ -1,20 +1,23 @@
 """Cascade (shared-prefix) decode attention on the GPU, in one process (< 4 min on one H100;
-``--quick`` < 2 min):
+``--quick`` ~2.5 min). Sections, in the order they run (the engine figures first):
 
 1. parity of ``cascade_attention`` against the plain decode kernel and the torch reference
    (Llama-3.1-8B head shapes: 32 q / 8 kv heads, head_dim 128; bf16 and fp32), with the split
    counts chosen per step and fixed as under CUDA-graph capture;
-2. the decode attention alone at B=256, prefix 2,000, suffix 64..192, each call replayed from a
-   CUDA graph: plain vs cascade, the cascade split into its prefix pass, suffix pass and merge
-   (against the K/V bytes each must read over the copy bandwidth measured here); then a sweep
-   of prefix-kernel configs (BLOCK_M, BLOCK_N, warps, stages) at suffix 64;
-3. fp32 token identity on the Qwen3-0.6B config: 64 x (512 shared + 32), 32 out, on vs off;
-4. issue 13's workload on the Llama-3.1-8B config (random bf16 weights): 256 requests = a 2,000-
-   token shared prefix + 64 unique random tokens, 128 output tokens (ignore_eos), cascade off,
-   on, and on with the sweep's best config when it beats the default by 5%: wall time, output
-   tok/s, prefill time (same shape, another prefix, 1 token) and so the decode step, start-up
-   and the cascade graphs' capture time, decode steps that took the cascade, bf16 greedy
-   identity and the first decode step's logprob differences (on vs off).
+3. issue 13's workload on the Llama-3.1-8B config (random bf16 weights): 256 requests = a 2,000-
+   token shared prefix + 64 unique random tokens, 128 output tokens (ignore_eos), cascade off
+   and on: wall time, output tok/s, prefill time (same shape, another prefix, 1 token) and so
+   the decode step, start-up and the cascade graphs' capture time, decode steps that took the
+   cascade, bf16 greedy identity and the first decode step's logprob differences;
+4. fp32 token identity on the Qwen3-0.6B config: 64 x (512 shared + 32), 32 out, on vs off;
+5. the decode attention alone at B=256, prefix 2,000, suffix 64..192, each call replayed from a
+   CUDA graph: plain vs cascade, the cascade split into its prefix pass and its suffix pass
+   (which merges the prefix's partials itself), against the K/V bytes each must read over the
+   copy bandwidth measured here; then a sweep of prefix-kernel configs at suffix 64;
+6. the 8B workload again with the sweep's best config, when it beats the default by 5%.
+
+Every engine gets an explicit KV budget and is freed before the next; nothing timed inside a
+CUDA graph may sync (checked before capture).
 
     python scripts/gpu_cascade.py [--quick]
 
@@ -97,27 +100,29 @@ def shared_batch(num_reqs: int, prefix_len: int, suffix_lens: list[int], members
         prefix_pages=torch.tensor(shared, dtype=torch.int32, device=DEV),
         prefix_len=torch.tensor([prefix_len], dtype=torch.int32, device=DEV),
         suffix_start=starts.to(DEV),
+        # host values, so no call below syncs (they run inside CUDA-graph capture)
+        max_suffix=max((s - t) for s, t in zip(seq_lens.tolist(), starts.tolist())),
+        prefix_host=prefix_len,
+        max_seq=int(seq_lens.max()),
     )  # fmt: skip
 
 
 def run_cascade(b: dict, graph_like: bool = False, block_m: int | None = None) -> torch.Tensor:
-    max_suffix = int((b["seq_lens"] - b["suffix_start"]).max())
-    kw = {}
+    """No host sync (safe inside CUDA-graph capture): bounds come from the batch's host ints."""
+    max_suffix, max_prefix = b["max_suffix"], b["prefix_host"]
     if graph_like:  # as the captured graphs call it: bounds from max_model_len
-        max_suffix = 8192
-        kw = dict(max_prefix_len=8192)
+        max_suffix = max_prefix = 8192
     return cascade_attention(
         b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["seq_lens"],
         b["prefix_pages"], b["prefix_len"], b["suffix_start"], DIM**-0.5,
-        max_suffix_len=max_suffix, max_prefix_len=kw.get("max_prefix_len", int(b["prefix_len"])),
-        block_m=block_m,
+        max_suffix_len=max_suffix, max_prefix_len=max_prefix, block_m=block_m,
     )  # fmt: skip
 
 
 def run_plain(b: dict) -> torch.Tensor:
     return decode_attention(
         b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["seq_lens"], DIM**-0.5,
-        max_seq_len=int(b["seq_lens"].max()),
+        max_seq_len=b["max_seq"],
     )  # fmt: skip
 
 
@@ -132,7 +137,7 @@ def parity(quick: bool) -> None:
         b = shared_batch(n, 2000 - 2000 % PAGE, suffix, members, dtype, seed=1)
         ref = cascade_attention_ref(
             b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["seq_lens"],
-            b["prefix_pages"], int(b["prefix_len"]), b["suffix_start"], DIM**-0.5,
+            b["prefix_pages"], b["prefix_host"], b["suffix_start"], DIM**-0.5,
         )  # fmt: skip
         plain_ref = decode_attention_ref(
             b["q"], b["k_cache"], b["v_cache"], b["block_table"], b["seq_lens"], DIM**-0.5
@@ -155,14 +160,23 @@ def parity(quick: bool) -> None:
 
 
 def graph_time(fn, iters: int = 30) -> float:
-    """Median seconds of ``fn`` replayed from a CUDA graph (no host launch overhead)."""
-    for _ in range(2):
+    """Median seconds of ``fn`` replayed from a CUDA graph (no host launch overhead). A warm-up
+    call runs with sync debugging set to error first: a function that syncs raises there,
+    before any capture could leave the device in a failed-capture state."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
         fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_fn(graph.replay, DEV, iters=iters)
+    t = time_fn(graph.replay, DEV, iters=iters)
+    del graph
+    return t
 
 
 PREFIX_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -178,7 +192,7 @@ PREFIX_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 BEST: dict[str, object] = {}
 
 
-@section("2. decode attention at B=256, prefix 2000: plain vs cascade (CUDA-graph timed)")
+@section("5. decode attention at B=256, prefix 2000: plain vs cascade (CUDA-graph timed)")
 def kernel_bench(ceil, quick: bool) -> None:
     for suffix_len in (64, 192) if quick else (64, 128, 192):
         _bench_one(ceil, suffix_len, quick)
@@ -247,7 +261,7 @@ def _bench_one(ceil, suffix_len: int, quick: bool) -> None:
 
 def _sweep(b: dict, args: tuple, t_default: float, configs: list) -> None:
     """The prefix pass over configs (FLOPs: 2 MMAs of [B*G, d] x [d, prefix] per KV head)."""
-    flops = 2 * 2 * 256 * HEADS * int(b["prefix_len"]) * DIM
+    flops = 2 * 2 * 256 * HEADS * b["prefix_host"] * DIM
     best = (t_default, None)
     ref = run_plain(b).float()
     for cfg in configs:
@@ -282,7 +296,10 @@ def workload(num_reqs: int, prefix_len: int, unique: int, vocab: int, seed: int 
 
 
 def run_engine(model: str, cascade: bool, prompts, max_tokens: int, prefill_probe=None, **kw):
-    """(tokens, wall s, start-up s, cascade steps, members, extras) of one engine's run."""
+    """(tokens, wall s, start-up s, cascade steps, members, extras) of one engine's run. The
+    engine gets an explicit KV budget (``kv_cache_memory_bytes`` in ``kw``) and is shut down
+    and freed before returning, so the next one finds the memory."""
+    free()
     from roofline.worker import cascade_graphs
 
     capture_s = []
@@ -330,7 +347,8 @@ def run_engine(model: str, cascade: bool, prompts, max_tokens: int, prefill_prob
         lp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], lp, use_tqdm=False)
         extras["logprobs"] = [o.outputs[0].logprobs for o in outs]
-    del llm, runner
+    llm.llm_engine.shutdown()
+    del llm, runner, outs
     free()
     return tokens, wall, startup, steps, members, extras
 
@@ -349,54 +367,64 @@ def _first_decode_logprob_diff(a, b) -> tuple[float, int]:
     return worst, flips
 
 
-@section("3. issue 13 workload: Llama-3.1-8B, 256 x (2000 shared + 64), 128 out")
-def e2e(quick: bool) -> None:
-    prompts = workload(256, 2000, 64, 128000)
-    probe = workload(256, 2000, 64, 128000, seed=7)
-    res, extras = {}, {}
-    runs = [("off", False, None), ("on", True, None)]
-    if BEST.get("config") is not None:
-        runs.append(("on, tuned", True, BEST["config"]))
-    for tag, cascade, cfg in runs:
-        ca.CONFIG_OVERRIDE = cfg
-        try:
-            tokens, wall, startup, steps, members, ext = run_engine(
-                "llama-3.1-8b", cascade, prompts, 128, prefill_probe=probe,
-                max_model_len=2304, max_num_seqs=256,
-            )  # fmt: skip
-        finally:
-            ca.CONFIG_OVERRIDE = None
-        out_tps = 256 * 128 / wall
-        res[tag], extras[tag] = tokens, ext
-        decode_ms = (wall - ext["prefill_s"]) / 127 * 1e3
-        print(f"  cascade {tag:9s}: wall {wall:.2f} s, {out_tps:,.0f} output tok/s; prefill + 1 "
-              f"token {ext['prefill_s']:.2f} s, so ~{decode_ms:.1f} ms per decode step; start-up "
-              f"{startup:.1f} s (cascade graph capture {ext['capture_s']:.1f} s); cascade steps "
-              f"{steps} (members up to {members})")  # fmt: skip
-        SUMMARY[f"8B shared-prefix wall s (cascade {tag})"] = round(wall, 3)
-        SUMMARY[f"8B shared-prefix output tok/s (cascade {tag})"] = round(out_tps)
-        SUMMARY[f"8B decode step ms (cascade {tag})"] = round(decode_ms, 2)
-        SUMMARY[f"8B start-up s (cascade {tag})"] = round(startup, 1)
-        if cascade:
-            SUMMARY[f"8B cascade decode steps ({tag})"] = steps
-            SUMMARY[f"8B cascade graph capture s ({tag})"] = round(ext["capture_s"], 2)
-    off = SUMMARY["8B shared-prefix wall s (cascade off)"]
-    for tag in res:
-        if tag != "off":
-            SUMMARY[f"8B speed-up off/{tag}"] = round(
-                off / SUMMARY[f"8B shared-prefix wall s (cascade {tag})"], 3
-            )
-    same = sum(a == b for a, b in zip(res["off"], res["on"]))
+E2E: dict[str, tuple] = {}
+PROMPTS_8B = workload(256, 2000, 64, 128000)
+PROBE_8B = workload(256, 2000, 64, 128000, seed=7)
+KV_8B = 16 << 30  # 131k tokens: the shared prefix, 256 suffixes, the probe's prefix and more
+
+
+def e2e_run(tag: str, cascade: bool, cfg=None) -> None:
+    ca.CONFIG_OVERRIDE = cfg
+    try:
+        tokens, wall, startup, steps, members, ext = run_engine(
+            "llama-3.1-8b", cascade, PROMPTS_8B, 128, prefill_probe=PROBE_8B,
+            max_model_len=2304, max_num_seqs=256, kv_cache_memory_bytes=KV_8B,
+        )  # fmt: skip
+    finally:
+        ca.CONFIG_OVERRIDE = None
+    out_tps = 256 * 128 / wall
+    E2E[tag] = (tokens, ext)
+    decode_ms = (wall - ext["prefill_s"]) / 127 * 1e3
+    print(f"  cascade {tag:9s}: wall {wall:.2f} s, {out_tps:,.0f} output tok/s; prefill + 1 "
+          f"token {ext['prefill_s']:.2f} s, so ~{decode_ms:.1f} ms per decode step; start-up "
+          f"{startup:.1f} s (cascade graph capture {ext['capture_s']:.1f} s); cascade steps "
+          f"{steps} (members up to {members})", flush=True)  # fmt: skip
+    SUMMARY[f"8B shared-prefix wall s (cascade {tag})"] = round(wall, 3)
+    SUMMARY[f"8B shared-prefix output tok/s (cascade {tag})"] = round(out_tps)
+    SUMMARY[f"8B decode step ms (cascade {tag})"] = round(decode_ms, 2)
+    SUMMARY[f"8B start-up s (cascade {tag})"] = round(startup, 1)
+    if cascade:
+        SUMMARY[f"8B cascade decode steps ({tag})"] = steps
+        SUMMARY[f"8B cascade graph capture s ({tag})"] = round(ext["capture_s"], 2)
+    off = SUMMARY.get("8B shared-prefix wall s (cascade off)")
+    if cascade and off:
+        SUMMARY[f"8B speed-up off/{tag}"] = round(off / wall, 3)
+
+
+@section("3. issue 13 workload: Llama-3.1-8B, 256 x (2000 shared + 64), 128 out: off, on")
+def e2e() -> None:
+    e2e_run("off", False)
+    e2e_run("on", True)
+    (off, ext_off), (on, ext_on) = E2E["off"], E2E["on"]
+    same = sum(a == b for a, b in zip(off, on))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                  for a, b in zip(res["off"], res["on"])]  # fmt: skip
+                  for a, b in zip(off, on)]  # fmt: skip
     SUMMARY["8B bf16 greedy identical requests"] = f"{same}/256"
     SUMMARY["8B bf16 mean first differing token"] = round(sum(first_diff) / len(first_diff), 1)
-    worst, flips = _first_decode_logprob_diff(extras["off"]["logprobs"], extras["on"]["logprobs"])
+    worst, flips = _first_decode_logprob_diff(ext_off["logprobs"], ext_on["logprobs"])
     SUMMARY["8B bf16 first decode step: max |logprob diff| on/off"] = round(worst, 4)
     SUMMARY["8B bf16 first decode step: top token differs"] = f"{flips}/32"
     print(f"  bf16 greedy identical: {same}/256 (mean first difference at token "
           f"{SUMMARY['8B bf16 mean first differing token']}); first decode step: max |logprob "
           f"diff| {worst:.4f}, top token differs in {flips}/32")  # fmt: skip
+
+
+@section("6. the 8B workload again with the sweep's best prefix config")
+def e2e_tuned() -> None:
+    if BEST.get("config") is None:
+        print("  the default config was within 5% of the best: nothing to rerun")
+        return
+    e2e_run("on, tuned", True, BEST["config"])
 
 
 @section("4. fp32 token identity: Qwen3-0.6B config, 64 x (512 shared + 32), 32 out")
@@ -406,7 +434,7 @@ def fp32_identity() -> None:
     for cascade in (False, True):
         tokens, wall, _, steps, _, _ = run_engine(
             "qwen3-0.6b", cascade, prompts, 32, dtype="float32", max_model_len=640,
-            max_num_seqs=64,
+            max_num_seqs=64, kv_cache_memory_bytes=8 << 30,
         )  # fmt: skip
         res[cascade] = tokens
         print(f"  cascade {cascade}: wall {wall:.2f} s, cascade steps {steps}")
@@ -426,9 +454,10 @@ def main() -> None:
     print(f"{ceil.device_name}: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy TB/s"] = round(ceil.bandwidth_bytes_per_s / 1e12, 2)
     parity(args.quick)
-    kernel_bench(ceil, args.quick)
+    e2e()
     fp32_identity()
-    e2e(args.quick)
+    kernel_bench(ceil, args.quick)
+    e2e_tuned()
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s)")
     for key, value in SUMMARY.items():
         print(f"  {key:48s} {value}")
