@@ -167,3 +167,14 @@ def test_cascade_graph_inputs_are_staged_with_padding() -> None:
     meta = graphs._meta(8).cascade
     assert meta.suffix_start.shape == (8,) and meta.prefix_len is graphs.prefix_len
     assert meta.num_splits >= 1 and meta.prefix_splits >= 1
+
+
+def test_cli_flag_turns_cascade_off() -> None:
+    import argparse
+
+    from roofline.engine.args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args([]).cascade_attention is True
+    assert parser.parse_args(["--no-cascade-attention"]).cascade_attention is False
