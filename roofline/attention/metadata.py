@@ -18,8 +18,12 @@ The ragged batch lays requests one after another: request ``i`` owns query rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from roofline.attention.cascade import CascadeMetadata
 
 
 @dataclass
@@ -43,6 +47,9 @@ class AttentionMetadata:
     """Host copies of the above, so reference backends can loop without syncing."""
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    cascade: CascadeMetadata | None = None
+    """A decode-only step's shared prefix (``attention/cascade.py``): attend it once for the
+    group, then each row's own suffix. None: the plain path."""
 
     @property
     def is_decode_only(self) -> bool:

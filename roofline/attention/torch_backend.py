@@ -76,6 +76,15 @@ class TorchAttentionBackend:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             store_quantized_ref(k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping)
+        if meta.is_decode_only and meta.cascade is not None:  # the fp32 reference (tests)
+            from roofline.kernels.cascade_attention import cascade_attention_ref
+
+            c = meta.cascade
+            assert k_scale is None, "cascade attention reads 16/32-bit caches only"
+            return cascade_attention_ref(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, c.prefix_pages,
+                int(c.prefix_len[0]), c.suffix_start, scale,
+            )  # fmt: skip
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         out = torch.empty_like(q)

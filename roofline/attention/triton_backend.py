@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
 from roofline.kernels.prefill_attention import prefill_attention
@@ -25,6 +26,8 @@ class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True
     kv_cache_dtypes = ("auto", "fp8", "int8")
+    supports_cascade = True
+    """Shared-prefix decode (``meta.cascade``) runs its kernels; 16/32-bit caches only."""
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
@@ -50,6 +53,15 @@ class TritonAttentionBackend:
             rotary_kv_store(
                 q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
                 k_scale, v_scale,
+            )  # fmt: skip
+        if meta.is_decode_only and meta.cascade is not None:
+            c = meta.cascade
+            assert k_scale is None, "cascade attention reads 16/32-bit caches only"
+            return cascade_attention(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, c.prefix_pages,
+                c.prefix_len, c.suffix_start, scale, max_suffix_len=c.max_suffix_len,
+                max_prefix_len=c.max_prefix_len, num_splits=c.num_splits,
+                prefix_splits=c.prefix_splits,
             )  # fmt: skip
         if meta.is_decode_only:
             return decode_attention(

@@ -56,6 +56,9 @@ _HELP = {
     "fp8, fp8-w8a8, or gguf (keep a GGUF's Q8_0/Q4_0/Q4_1 quantized); default: the checkpoint's "
     "own quantization_config (gptq, awq, fp8) or none",
     "quantize_lm_head": "quantize the LM head too (16-bit by default)",
+    "cascade_attention": "decode steps whose rows share a long cached prefix attend it once for "
+    "the group, merged with each row's own suffix (chosen when it saves enough reads; "
+    "--no-cascade-attention: always the plain decode kernel)",
     "gguf_keep_quantized": "GGUF on the CPU: multiply Q4_0/Q4_1/Q8_0 blocks as stored (fused "
     "integer kernels); --no-gguf-keep-quantized dequantizes them at load (the fp32 reference)",
 }
@@ -98,6 +101,7 @@ class EngineArgs:
     quantization: str | None = None
     quantize_lm_head: bool = False
     gguf_keep_quantized: bool = True
+    cascade_attention: bool = True
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

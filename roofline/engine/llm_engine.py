@@ -192,6 +192,7 @@ class LLMEngine:
                 seed=args.seed,
                 attention_backend=_make_backend(args.attention_backend, device),
                 quant_config=quant_config,
+                cascade_attention=args.cascade_attention,
             )
             if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
                 self.runner.warmup()

@@ -96,7 +96,7 @@ def choose_num_splits(
 
 # Eager decode steps (batches beyond the captured graphs) change these every step: not
 # specialized, so they never compile the kernel again in the middle of serving.
-@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits", "num_slots", "merge_count"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -105,6 +105,7 @@ def _decode_split_kernel(
     v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
+    ctx_start_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -124,6 +125,8 @@ def _decode_split_kernel(
     stride_oh,
     split_len,
     num_splits,
+    num_slots,
+    merge_count,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -134,12 +137,16 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    HAS_START: tl.constexpr,
+    MERGE_PREFIX: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     start = split * split_len
+    if HAS_START:  # cascade: this row's context starts after the shared prefix
+        start += tl.load(ctx_start_ptr + req).to(tl.int32)
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] rows = query heads of this group
@@ -189,13 +196,35 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
     o_mask = h_mask[:, None] & d_mask[None, :]
+    if MERGE_PREFIX:  # cascade, one suffix split: merge the prefix's partials (slots
+        # 0 .. merge_count - 1) with this result by log-sum-exp, then store the output
+        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots  # [BLOCK_H]
+        lse_s = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        m = lse_s
+        for j in range(merge_count):
+            m = tl.maximum(m, tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse_s - m)  # [BLOCK_H]
+        num = o * w[:, None]
+        den = w
+        for j in range(merge_count):
+            w_j = tl.exp2(tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")) - m)
+            o_j = tl.load(
+                part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=o_mask,
+                other=0.0,
+            )  # [BLOCK_H, BLOCK_D]
+            num += o_j * w_j[:, None]
+            den += w_j
+        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
     if SINGLE_SPLIT:
         o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        # part_out: [num_reqs, num_heads, num_splits, HEAD_DIM]; part_lse: [num_reqs, num_heads,
-        # num_splits]. An empty split leaves lse = -inf so the merge gives it weight 0.
-        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
+        # part_out: [num_reqs, num_heads, num_slots, HEAD_DIM]; part_lse: [num_reqs, num_heads,
+        # num_slots] (num_slots = num_splits, or more when a cascade adds its prefix splits).
+        # An empty split leaves lse = -inf so the merge gives it weight 0.
+        row = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots + split  # [BLOCK_H]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
@@ -246,11 +275,21 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim]
     k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (quantized)
     v_scale: torch.Tensor | None = None,
+    ctx_start: torch.Tensor | None = None,  # [num_reqs] int32: first context position to attend
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    merge_prefix: bool = False,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attend one query token per request over its paged K/V; returns ``out``.
 
     ``max_seq_len`` (a host int, to avoid a device sync) sizes the split; pass ``num_splits`` to
     fix the grid instead (e.g. under CUDA-graph capture, where it must not depend on the step).
+
+    Cascade attention (``kernels/cascade_attention.py``) passes ``ctx_start`` (row ``r`` attends
+    positions ``ctx_start[r] .. seq_lens[r] - 1`` only) and ``partials = (part_out, part_lse)``,
+    ``[num_reqs, num_heads, num_slots(, head_dim)]`` fp32: the splits then write their partials
+    to slots ``0 .. num_splits - 1`` and nothing is merged (the caller merges all the slots).
+    With ``merge_prefix`` (one split only) the partials hold the prefix's slots instead: the
+    kernel merges them with its own result and writes ``out`` (no merge kernel, no partial).
     """
     check_device(q, k_cache, v_cache)
     num_reqs, num_heads, head_dim = q.shape
@@ -275,8 +314,12 @@ def decode_attention(
         )
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    single = num_splits == 1
-    if single:
+    single = num_splits == 1 and (partials is None or merge_prefix)
+    assert not merge_prefix or (num_splits == 1 and partials is not None)
+    if partials is not None:
+        part_out, part_lse = partials
+        assert part_out.shape[2] >= num_splits and part_lse.shape == part_out.shape[:3]
+    elif single:
         part_out = part_lse = out  # unused by the kernel
     else:
         part_out = torch.empty(
@@ -294,6 +337,7 @@ def decode_attention(
         v_s,
         block_table,
         seq_lens,
+        seq_lens if ctx_start is None else ctx_start,
         out,
         part_out,
         part_lse,
@@ -313,6 +357,8 @@ def decode_attention(
         out.stride(1),
         split_len,
         num_splits,
+        part_lse.shape[2] if partials is not None or not single else 1,
+        part_lse.shape[2] if merge_prefix else 0,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -323,23 +369,36 @@ def decode_attention(
         SINGLE_SPLIT=single,
         PRECISION=precision,
         KV_QUANT=k_scale is not None,
+        HAS_START=ctx_start is not None,
+        MERGE_PREFIX=merge_prefix,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if not single:
-        _decode_merge_kernel[(num_reqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+    if not single and partials is None:
+        merge_partials(part_out, part_lse, out)
+    return out
+
+
+def merge_partials(
+    part_out: torch.Tensor,  # [num_reqs, num_heads, num_slots, head_dim] fp32
+    part_lse: torch.Tensor,  # [num_reqs, num_heads, num_slots] fp32, base 2 (-inf: empty)
+    out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+) -> torch.Tensor:
+    """Merge normalised partial outputs by their log-sum-exp (base 2) into ``out``."""
+    num_reqs, num_heads, num_slots, head_dim = part_out.shape
+    _decode_merge_kernel[(num_reqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_slots,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_slots)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=4,
+    )
     return out
 
 
@@ -373,4 +432,5 @@ __all__ = [
     "decode_attention",
     "decode_attention_bytes",
     "decode_attention_ref",
+    "merge_partials",
 ]

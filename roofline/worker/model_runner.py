@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from roofline.attention.cascade import CascadeMetadata, CascadePlan, SharedPrefixDetector
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -64,6 +65,7 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         quant_config: QuantizationConfig | None = None,
         parallel: ParallelContext = SINGLE,
+        cascade_attention: bool = True,
     ) -> None:
         self.parallel = parallel
         """This rank's tensor-parallel context (weights, KV heads and sampling follow it)."""
@@ -104,6 +106,13 @@ class ModelRunner:
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
         self._prev_rows: dict[str, int] = {}
         """request id -> its row in ``_prev_sampled``."""
+        self.cascade: SharedPrefixDetector | None = None
+        """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
+        if cascade_attention and getattr(self.backend, "supports_cascade", False):
+            if not self.kv_spec.quantized:
+                kv_bytes = self.kv_spec.bytes_per_token(1, self.num_kv_heads, cfg.head_dim)
+                self.cascade = SharedPrefixDetector(self.page_size, kv_bytes)
+        self.cascade_graphs = None
 
     def _build_model(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int
@@ -225,6 +234,23 @@ class ModelRunner:
             self.device,
         )
         self.graphs.capture()
+        if self.cascade is not None and self.graphs.graphs:
+            from roofline.worker.cascade_graphs import CascadeDecodeGraphs
+
+            cfg = self.model_config
+            self.cascade_graphs = CascadeDecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                self.scheduler_config.max_num_seqs,
+                self.scheduler_config.max_model_len,
+                self.page_size,
+                self.device,
+                min_group=self.cascade.min_group,
+                num_kv_heads=self.num_kv_heads,
+                group=cfg.num_attention_heads // cfg.num_key_value_heads,
+            )
+            self.cascade_graphs.capture(next(iter(self.graphs.graphs.values())).pool())
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
@@ -247,29 +273,44 @@ class ModelRunner:
             self.block_tables.drop(sched_out.finished_request_ids)
         if sched_out.preempted_request_ids:  # recomputed later under new pages
             self.block_tables.drop(sched_out.preempted_request_ids)
+        cascade = None
+        if self.cascade is not None:
+            self.cascade.drop(sched_out.finished_request_ids)
+            self.cascade.drop(sched_out.preempted_request_ids)
+            cascade = self.cascade.plan(sched_out)
         if sched_out.is_empty:
             return StepHandle([], None, [])
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
-        return self.launch_batch(batch, rows, mask_logits)
+        return self.launch_batch(batch, rows, mask_logits, cascade=cascade)
 
     def launch_batch(
         self,
         batch: HostBatch,
         prompt_logprobs_of: list[PromptLogprobRow] | None = None,
         mask_logits: Callable[[torch.Tensor, list[Request]], None] | None = None,
+        cascade: CascadePlan | None = None,
     ) -> StepHandle:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
         with its block-table rows already assigned). ``prompt_logprobs_of``: the step's rows
-        that predict prompt tokens, when some request in flight asks for prompt logprobs."""
+        that predict prompt tokens, when some request in flight asks for prompt logprobs.
+        ``cascade``: a decode-only step's shared prefix (``attention/cascade.py``)."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
-        dev = self._upload(batch, gather, src, dst)
-        sample_rows, src_t, dst_t = dev.extra
+        dev = self._upload(batch, gather, src, dst, *(cascade.lists() if cascade else []))
+        sample_rows, src_t, dst_t, *cascade_t = dev.extra
         pending = self._pending_inputs(batch, src_t, dst_t)
         graphs = self.graphs
-        if graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
+        cgraphs = self.cascade_graphs
+        if cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
+            pages_t, len_t, starts_t = cascade_t
+            bucket = cgraphs.stage_cascade(
+                cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
+                dev.seq_lens, self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = cgraphs.replay(bucket, batch.num_reqs)
+        elif graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
             bucket = graphs.stage_inputs(
                 dev.input_ids,
                 dev.positions,
@@ -284,6 +325,11 @@ class ModelRunner:
             if pending is not None:
                 fill_pending(dev.input_ids, pending)
             meta = self._metadata(batch, dev)
+            if cascade is not None:
+                pages_t, len_t, starts_t = cascade_t
+                meta.cascade = CascadeMetadata(
+                    pages_t, len_t, starts_t, cascade.max_suffix_len, cascade.prefix_len
+                )
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
         prompt_lps = (
