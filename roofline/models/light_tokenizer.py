@@ -20,7 +20,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class Encoding(NamedTuple):
@@ -121,7 +129,10 @@ class LightTokenizer:
         )
         if not plain:
             return self.hf.apply_chat_template(
-                conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
+                conversation,
+                tokenize=tokenize,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         assert template is not None
         text = self._template(template).render(

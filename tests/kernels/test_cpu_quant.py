@@ -123,8 +123,8 @@ def test_library_cache_key_follows_source(tmp_path, monkeypatch: pytest.MonkeyPa
     first = build.library_path(compiler)
     assert first.is_file()  # built by load_library() above
     src = tmp_path / "quant_gemm.c"
-    src.write_text(build.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(build, "SOURCE", src)
+    src.write_text(build.SOURCES[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(build, "SOURCES", (src, *build.SOURCES[1:]))
     assert build.library_path(compiler) != first
 
 

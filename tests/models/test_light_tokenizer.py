@@ -77,7 +77,7 @@ def test_chat_template_matches_hf(
             {"role": "system", "content": "You are terse."},
             {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "4"},
-            {"role": "user", "content": "and 3+3? \"quoted\" <b>html</b>"},
+            {"role": "user", "content": 'and 3+3? "quoted" <b>html</b>'},
         ],
     ]
     for chat in chats:

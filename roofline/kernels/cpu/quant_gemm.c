@@ -485,6 +485,7 @@ int rl_best_isa(void) {
 }
 
 typedef void (*rows_fn)(const rl_job *, int64_t, int64_t);
+typedef void (*task_fn)(const void *, int64_t, int64_t); /* rows [n0, n1) of a job */
 
 static rows_fn pick(int isa, int act16) {
 #ifdef RL_X86
@@ -516,9 +517,9 @@ static struct {
     atomic_int sleepers;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    const rl_job *job;
-    rows_fn fn;
-    int64_t num_chunks, chunk_rows;
+    const void *job;
+    task_fn fn;
+    int64_t num_rows, num_chunks, chunk_rows;
     unsigned long long generation;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .num_threads = 1};
 
@@ -535,10 +536,9 @@ static void work(unsigned long long gen) {
         unsigned long long t = atomic_load(&pool.ticket);
         if ((t >> 32) != gen || (int64_t)(t & 0xffffffffu) >= pool.num_chunks) return;
         if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
-        const rl_job *j = pool.job;
         int64_t n0 = (int64_t)(t & 0xffffffffu) * pool.chunk_rows;
-        int64_t n1 = n0 + pool.chunk_rows < j->N ? n0 + pool.chunk_rows : j->N;
-        pool.fn(j, n0, n1);
+        int64_t n1 = n0 + pool.chunk_rows < pool.num_rows ? n0 + pool.chunk_rows : pool.num_rows;
+        pool.fn(pool.job, n0, n1);
         atomic_fetch_add(&pool.finished, 1);
     }
 }
@@ -579,21 +579,19 @@ int rl_set_threads(int n) {
 
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static void run(const rl_job *j, int isa) {
-    rows_fn fn = pick(isa, j->act16);
-    /* Small problems stay on the caller: waking a worker costs more than it saves. */
-    if (pool.num_threads == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
-        fn(j, 0, j->N);
+/* Runs fn(job, n0, n1) over [0, num_rows) in chunks of chunk_rows (a multiple of 8 rows) on the
+ * pool, the caller included. Which thread computes a chunk never changes its result. */
+void rl_parallel_for(task_fn fn, const void *job, int64_t num_rows, int64_t chunk_rows) {
+    if (pool.num_threads == 1 || num_rows <= chunk_rows) {
+        fn(job, 0, num_rows);
         return;
     }
     pthread_mutex_lock(&run_mu); /* one job at a time (several Python threads may call) */
-    int64_t chunks = 4 * pool.num_threads;
-    int64_t rows = (j->N + chunks - 1) / chunks;
-    rows = (rows + 7) / 8 * 8;
-    pool.job = j;
+    pool.job = job;
     pool.fn = fn;
-    pool.chunk_rows = rows;
-    pool.num_chunks = (j->N + rows - 1) / rows;
+    pool.num_rows = num_rows;
+    pool.chunk_rows = chunk_rows;
+    pool.num_chunks = (num_rows + chunk_rows - 1) / chunk_rows;
     atomic_store(&pool.finished, 0);
     unsigned long long gen = ++pool.generation;
     atomic_store(&pool.ticket, gen << 32);
@@ -605,6 +603,30 @@ static void run(const rl_job *j, int isa) {
     work(gen);
     for (long i = 0; atomic_load(&pool.finished) < pool.num_chunks; i++) relax(i);
     pthread_mutex_unlock(&run_mu);
+}
+
+int rl_num_threads(void) { return pool.num_threads; }
+
+typedef struct {
+    const rl_job *job;
+    rows_fn fn;
+} gemm_task;
+
+static void gemm_rows(const void *p, int64_t n0, int64_t n1) {
+    const gemm_task *t = p;
+    t->fn(t->job, n0, n1);
+}
+
+static void run(const rl_job *j, int isa) {
+    gemm_task task = {j, pick(isa, j->act16)};
+    /* Small problems stay on the caller: waking a worker costs more than it saves. */
+    if (pool.num_threads == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
+        task.fn(j, 0, j->N);
+        return;
+    }
+    int64_t chunks = 4 * pool.num_threads;
+    int64_t rows = (j->N + chunks - 1) / chunks;
+    rl_parallel_for(gemm_rows, &task, j->N, (rows + 7) / 8 * 8);
 }
 
 /* ---------------------------------------------------------------- entry points */
