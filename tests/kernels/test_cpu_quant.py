@@ -151,3 +151,21 @@ def test_silu_mul_fused_into_the_input() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = ops.gguf_gemm((torch.nn.functional.silu(gate) * up).contiguous(), w)
     torch.testing.assert_close(ops.gguf_gemm(gate_up, w, silu_mul=True), want)
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_gguf_gemm_rows_are_batch_invariant(fmt: str, isa: str, act_bits: int) -> None:
+    """Each output row is bit-identical whether its activation row is multiplied alone or in a
+    batch of any size (tile position and thread pool chunks included: 600 rows take the pool)."""
+    gen = torch.Generator().manual_seed(11)
+    k = 96 if fmt == "Q8_0" else 160  # an odd number of blocks: the pair path's tail block
+    w = ops.GGUFRows.from_tensors(fmt, k, [(random_blocks(fmt, 600, k, gen), None)])
+    x = torch.randn(11, k, generator=gen)
+    batched = ops.gguf_gemm(x, w, isa=isa, act_bits=act_bits)
+    for size in (1, 2, 5):
+        for start in range(0, 11 - size + 1, 3):
+            part = ops.gguf_gemm(x[start : start + size], w, isa=isa, act_bits=act_bits)
+            assert torch.equal(part, batched[start : start + size]), (size, start)

@@ -1,5 +1,6 @@
-"""Compile-at-first-use loader for the CPU kernels (``quant_gemm.c``: quantized GEMMs and the
-thread pool; ``decoder.c``: a whole decode step of a Llama-family model).
+"""Compile-at-first-use loader for the CPU kernels (``quant_gemm.c``: quantized GEMMs, with
+``rows16.inc``; ``pool.c``: their thread pool; ``decoder.c``: a whole decode step of a
+Llama-family model).
 
 The C source is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
 shared library cached under ``~/.cache/roofline/kernels/`` (``ROOFLINE_CACHE_DIR`` moves it),
@@ -25,7 +26,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("quant_gemm.c"), Path(__file__).with_name("decoder.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_gemm.c", "pool.c", "decoder.c"))
+INCLUDES = (Path(__file__).with_name("rows16.inc"),)
+"""Files the sources include (part of the cache key, not compiled on their own)."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno")
 ISA_NAMES = ("generic", "avx2", "avx512vnni")
 
@@ -45,7 +48,7 @@ def library_path(compiler: str) -> Path:
     """Where the library built by ``compiler`` from the current source is cached."""
     st = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *INCLUDES):
         key.update(source.read_bytes())
     key.update(f"{Path(compiler).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     key.update(" ".join(FLAGS).encode())
