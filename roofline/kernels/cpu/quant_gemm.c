@@ -42,6 +42,9 @@ typedef struct {
     float *y;          /* [M, ldy] */
     int64_t ldy;
     const float *bias; /* [N] or NULL */
+    int64_t m_lo;      /* the int16 row loop starts at this activation row (0 unless tiled) */
+    const int32_t *xt; /* int16 tiles: [M / 16, K / 32, 16 pairs, 16 rows] int16 pairs */
+    const float *dxt, *dsxt; /* [M / 16, K / 32, 16 rows] */
 } rl_job;
 
 /* ---------------------------------------------------------------- scalar helpers */
@@ -350,9 +353,8 @@ RL_DISPATCH(rows_vnni512)
 #define rl_vi __m512i
 #define rl_vf __m512
 #define RL_SFX vnni512
-#define RL_V 16
 #define RL_WPB 1
-static inline __attribute__((always_inline)) void widen_avx512(const uint8_t *qs, int eight,
+static inline __attribute__((always_inline)) void widen_vnni512(const uint8_t *qs, int eight,
                                                                 __m512i *w) {
     if (eight) {
         w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
@@ -363,19 +365,26 @@ static inline __attribute__((always_inline)) void widen_avx512(const uint8_t *qs
         w[0] = _mm512_cvtepu8_epi16(pp);
     }
 }
-#define RL_WIDEN(qs, eight, w) widen_avx512(qs, eight, w)
+#define RL_WIDEN(qs, eight, w) widen_vnni512(qs, eight, w)
+/* Lanes summed as (l, l + 8), then (+4), (+2), (+1): the order tiles_vnni512 repeats. */
+static inline __attribute__((always_inline)) float hsum_vnni512(__m512 a) {
+    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
 #define RL_DOT(w, x) \
     _mm512_dpwssd_epi32(_mm512_setzero_si512(), (w)[0], _mm512_loadu_si512((const void *)(x)))
 #define RL_CVT _mm512_cvtepi32_ps
 #define RL_SET1F _mm512_set1_ps
 #define RL_FMADD _mm512_fmadd_ps
 #define RL_ZEROF _mm512_setzero_ps
-#define RL_HSUM _mm512_reduce_add_ps
+#define RL_HSUM hsum_vnni512
 #include "rows16.inc"
 #undef rl_vi
-#undef rl_vf
 #undef RL_SFX
-#undef RL_V
+#undef rl_vf
 #undef RL_WPB
 #undef RL_WIDEN
 #undef RL_DOT
@@ -384,14 +393,66 @@ static inline __attribute__((always_inline)) void widen_avx512(const uint8_t *qs
 #undef RL_FMADD
 #undef RL_ZEROF
 #undef RL_HSUM
+/* 16 activation rows at a time (M >= 16 on AVX-512): lane m of a vector is activation row
+ * m0 + m. rows16's lane l of a block (pair l's two products, exact) is here one vpdpwssd of
+ * weight pair l, broadcast, with the 16 rows' pairs l (the tiles prepare_tiles lays out); each
+ * of the 16 lanes keeps its own accumulator as in rows16, and they are summed in hsum_vnni512's
+ * order at the end. So every output equals rows16's bit for bit, while the scale FMAs and
+ * converts serve 16 rows at once. */
+static inline __attribute__((always_inline)) void tiles_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                     int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32, tiles = j->m_lo / 16;
+    const int eight = is8(fmt);
+    rl_job jj = *j;
+    jj.fmt = fmt;
+    int32_t wb[16] __attribute__((aligned(64)));
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        for (int64_t n = n0; n < n1; n++) {
+            __m512 acc[16], oacc = _mm512_setzero_ps();
+            for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                float s, o;
+                __m512i w;
+                widen_vnni512(block_of(&jj, n, b, &s, &o), eight, &w);
+                _mm512_store_si512((void *)wb, w);
+                const int32_t *xt = j->xt + (tile * nb + b) * 256;
+                const __m512 sdx = _mm512_mul_ps(_mm512_set1_ps(s),
+                                                 _mm512_loadu_ps(j->dxt + (tile * nb + b) * 16));
+                for (int l = 0; l < 16; l++) {
+                    const __m512i isum = _mm512_dpwssd_epi32(
+                        _mm512_setzero_si512(), _mm512_set1_epi32(wb[l]),
+                        _mm512_loadu_si512((const void *)(xt + l * 16)));
+                    acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sdx, acc[l]);
+                }
+                if (!eight)
+                    oacc = _mm512_fmadd_ps(_mm512_set1_ps(o),
+                                           _mm512_loadu_ps(j->dsxt + (tile * nb + b) * 16), oacc);
+            }
+            for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
+            for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
+            for (int l = 0; l < 2; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 2]);
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), oacc));
+            for (int m = 0; m < 16; m++) {
+                float v = out[m];
+                if (j->bias) v += j->bias[n];
+                j->y[(tile * 16 + m) * j->ldy + n] = v;
+            }
+        }
+    }
+}
+RL_DISPATCH(tiles_vnni512)
+
+static void rows16_tiled_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
+    tiles_vnni512(j, n0, n1); /* rows [0, m_lo) */
+    rows16_vnni512(j, n0, n1); /* rows [m_lo, M) */
+}
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define rl_vi __m256i
-#define rl_vf __m256
 #define RL_SFX avx2
-#define RL_V 8
 #define RL_WPB 2
 static inline __attribute__((always_inline)) void widen_avx2(const uint8_t *qs, int eight,
                                                               __m256i *w) {
@@ -417,6 +478,7 @@ static inline __attribute__((always_inline)) float hsum_avx2(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 #define RL_WIDEN(qs, eight, w) widen_avx2(qs, eight, w)
+#define rl_vf __m256
 #define RL_DOT(w, x) dot16_avx2(w, x)
 #define RL_CVT _mm256_cvtepi32_ps
 #define RL_SET1F _mm256_set1_ps
@@ -472,8 +534,51 @@ static void gemm_rows(const void *p, int64_t n0, int64_t n1) {
     t->fn(t->job, n0, n1);
 }
 
-static void run(const rl_job *j, int isa) {
+/* The 16-row tiles of int16 activations for rows16_tiled_vnni512: pairs (2p, 2p + 1) of each
+ * block of rows m0 .. m0 + 15 side by side, and their scales (per-thread scratch). */
+static __thread int32_t *tile_x;
+static __thread float *tile_f;
+static __thread int64_t tile_elems;
+
+static int prepare_tiles(rl_job *j) {
+    const int64_t nb = j->K / 32, tiles = j->M / 16, pairs = tiles * 16 * j->K / 2;
+    if (pairs > tile_elems) {
+        free(tile_x);
+        free(tile_f);
+        tile_x = malloc(sizeof(int32_t) * (size_t)pairs);
+        tile_f = malloc(sizeof(float) * (size_t)(2 * tiles * 16 * nb));
+        tile_elems = tile_x && tile_f ? pairs : 0;
+        if (!tile_elems) return 0;
+    }
+    const int32_t *x = j->xq; /* int16 pairs: [M, K / 2] */
+    float *dxt = tile_f, *dsxt = tile_f + tiles * 16 * nb;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t m = 0; m < 16; m++) {
+                const int64_t row = t * 16 + m;
+                const int32_t *src = x + row * (j->K / 2) + b * 16;
+                int32_t *dst = tile_x + (t * nb + b) * 256 + m;
+                for (int p = 0; p < 16; p++) dst[p * 16] = src[p];
+                dxt[(t * nb + b) * 16 + m] = j->dx[row * nb + b];
+                dsxt[(t * nb + b) * 16 + m] = j->dsx[row * nb + b];
+            }
+    j->xt = tile_x;
+    j->dxt = dxt;
+    j->dsxt = dsxt;
+    j->m_lo = tiles * 16;
+    return 1;
+}
+
+static void run(const rl_job *job, int isa) {
+    rl_job tiled = *job;
+    const rl_job *j = job;
     gemm_task task = {j, pick(isa, j->act16)};
+#ifdef RL_X86
+    if (task.fn == rows16_vnni512 && j->M >= 16 && prepare_tiles(&tiled)) {
+        j = task.job = &tiled;
+        task.fn = rows16_tiled_vnni512;
+    }
+#endif
     /* Small problems stay on the caller: waking a worker costs more than it saves. */
     if (rl_num_threads() == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
         task.fn(j, 0, j->N);
