@@ -89,11 +89,15 @@ def test_canonical_gemm_parity(
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         offsets = None
     scales = (torch.rand(n, k // group, generator=gen) * 0.02).to(scale_dtype)
-    x = torch.randn(5, k, generator=gen)
+    x = torch.randn(21, k, generator=gen)  # a 16-row tile and 5 rows
     weight = ops.dequantize_canonical(q, scales, offsets, bits)
     y = ops.canonical_gemm(x, q, scales, offsets, bits, isa=isa, act_bits=act_bits)
     tight = torch.nn.functional.linear(quantized_activations_ref(x, act_bits), weight)
     torch.testing.assert_close(y, tight, rtol=1e-4, atol=1e-4)
+    alone = ops.canonical_gemm(x[17:18], q, scales, offsets, bits, isa=isa, act_bits=act_bits)
+    assert torch.equal(alone[0], y[17]) and torch.equal(
+        ops.canonical_gemm(x[3:4], q, scales, offsets, bits, isa=isa, act_bits=act_bits)[0], y[3]
+    )
 
 
 def test_canonical_int4_nibble_order() -> None:
