@@ -21,6 +21,7 @@ import torch
 from roofline import LLM, SamplingParams
 from roofline.bench import peers, throughput, workloads
 from roofline.bench.ceilings import measure
+from roofline.engine.heap import frozen_heap
 from roofline.models.weights import gguf_path
 
 
@@ -28,9 +29,10 @@ def decode_tok_s(llm: LLM, prompt: list[int], n: int) -> float:
     engine = llm.llm_engine
     engine.add_request("bs1", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     stamps = []
-    while engine.has_unfinished_requests():
-        if engine.step():
-            stamps.append(time.perf_counter())
+    with frozen_heap():  # as LLM.generate steps
+        while engine.has_unfinished_requests():
+            if engine.step():
+                stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 

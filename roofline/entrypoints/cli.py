@@ -154,18 +154,21 @@ def _engine(ns: argparse.Namespace):
 
 def _stream(engine, request_id: str, prompt, params: SamplingParams, out=sys.stdout) -> str:
     """Run one request to completion, writing its text to ``out`` as it is generated."""
+    from roofline.engine.heap import frozen_heap
+
     engine.add_request(request_id, prompt, params)
     shown, text, start, first, num_tokens = 0, "", time.perf_counter(), None, 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id != request_id:
-                continue
-            first = first or time.perf_counter()
-            text = o.outputs[0].text
-            num_tokens = len(o.outputs[0].token_ids)
-            out.write(text[shown:])
-            out.flush()
-            shown = len(text)
+    with frozen_heap():  # no full-heap GC pauses between steps, as in LLM.generate
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != request_id:
+                    continue
+                first = first or time.perf_counter()
+                text = o.outputs[0].text
+                num_tokens = len(o.outputs[0].token_ids)
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
     out.write("\n")
     if first is not None and num_tokens > 1:
         elapsed = time.perf_counter() - first
