@@ -157,6 +157,9 @@ class LightTokenizer:
             self._hf = AutoTokenizer.from_pretrained(str(self.folder))
         return self._hf
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable: compiled template and HF dropped
+        return {**self.__dict__, "_hf": None, "_compiled": None}
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

@@ -106,3 +106,15 @@ def test_cli_path_imports_no_transformers(folder: Path) -> None:
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pickles_without_its_caches(pair: tuple[LightTokenizer, object]) -> None:
+    import pickle
+
+    light, _ = pair
+    light.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    copy = pickle.loads(pickle.dumps(light))
+    assert copy("hello world").input_ids == light("hello world").input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    kw = {"tokenize": False, "add_generation_prompt": True}
+    assert copy.apply_chat_template(chat, **kw) == light.apply_chat_template(chat, **kw)
