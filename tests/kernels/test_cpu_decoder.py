@@ -168,3 +168,11 @@ def test_not_built_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> N
     meta = inputs[2]
     meta.max_query_len = 2  # a prefill / verify step keeps the module path
     assert not model.cpu_decoder.applies(ForwardContext(meta, inputs[3], TorchAttentionBackend()))
+
+
+def test_out_of_range_token_is_refused() -> None:
+    model = tiny_model()
+    ids, positions, meta, caches = decode_inputs([3, 5])
+    ids[1] = 96  # the vocabulary is 96 rows
+    with pytest.raises(IndexError, match="out of range"):
+        run(model, True, ids, positions, meta, caches)

@@ -31,7 +31,7 @@ enum {
 };
 /* Model words. */
 enum { C_LAYERS, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_PAGE, C_ACT_BITS, C_ISA,
-       CONFIG_FIELDS };
+       C_VOCAB, CONFIG_FIELDS };
 
 int rl_layer_field(int i) { return i < 0 ? LAYER_FIELDS : i; }
 int rl_config_fields(void) { return CONFIG_FIELDS; }
@@ -155,7 +155,8 @@ static float *grow(int64_t floats) {
 
 /* One decode row per request: ids, positions, slots [M] int64; seq_lens [M] int32 (after this
  * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H]; out [M, H] fp32 (the final
- * RMSNorm's output). Returns 0, or -1 when scratch memory could not be had. */
+ * RMSNorm's output). Returns 0; -1 when scratch memory could not be had, -2 for a token id
+ * outside the embedding (nothing computed). */
 int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed,
                    const float *final_norm, const float *cos_sin, float eps, int64_t M,
                    const int64_t *ids, const int64_t *positions, const int64_t *slots,
@@ -166,7 +167,10 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed
     const int act_bits = (int)cfg[C_ACT_BITS], isa = (int)cfg[C_ISA];
     const int64_t W = (NH + 2 * NKV) * D;
     int64_t max_len = 1;
-    for (int64_t r = 0; r < M; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    for (int64_t r = 0; r < M; r++) {
+        if (ids[r] < 0 || ids[r] >= cfg[C_VOCAB]) return -2;
+        max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    }
     /* residual, normed x, qkv, attention out, gate|up, a GEMM's output, scores */
     const int64_t need = M * (H + H + W + NH * D + 2 * I + H) + M * NKV * max_len;
     float *base = grow(need);

@@ -30,7 +30,7 @@ LAYER_FIELDS = (
     "in_norm post_norm qkv_rows qkv_fmt qkv_bias o_rows o_fmt gu_rows gu_fmt down_rows down_fmt "
     "q_norm k_norm k_cache v_cache"
 ).split()
-CONFIG_FIELDS = "layers hidden heads kv_heads head_dim inter page act_bits isa".split()
+CONFIG_FIELDS = "layers hidden heads kv_heads head_dim inter page act_bits isa vocab".split()
 
 
 class CPUDecoder:
@@ -58,6 +58,7 @@ class CPUDecoder:
             0,  # page size: filled from the KV pages
             ops.ACT_BITS,
             len(ops.ISA_NAMES) - 1,
+            model.embed_tokens.weight.shape[0],
         ]
         self._kv_key: tuple[int, ...] | None = None
         self._config = torch.empty(0, dtype=torch.int64)
@@ -135,6 +136,8 @@ class CPUDecoder:
             table.stride(0),
             out.data_ptr(),
         )
+        if status == -2:
+            raise IndexError(f"token id out of range of the embedding: {input_ids.tolist()}")
         if status != 0:
             raise MemoryError("the CPU decoder could not allocate its scratch buffers")
         return out
