@@ -1,7 +1,8 @@
 """CPU benchmark in one process: roofline (the GGUF's Q4_1/Q8_0 blocks kept, the CPU kernels)
 vs HF transformers (the same weights dequantized, fp32) vs llama.cpp (same GGUF, as many
 threads as torch uses) on SmolLM2-135M-Instruct: batch-1 decode and offline throughput of 32
-chat prompts x 128 new tokens, beside the copy bandwidth measured in the run. Prints the load
+chat prompts x 128 new tokens, beside the copy bandwidth measured in the run. Batch-1 decode
+alternates between roofline and llama.cpp ``--repeat`` times (medians reported). Prints the load
 average (the dev machine is shared) and a table last.
 
     python scripts/cpu_bench.py [--json out.json]
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from roofline import LLM, SamplingParams
 from roofline.bench import peers, throughput, workloads
 from roofline.bench.ceilings import measure
+from roofline.engine.heap import frozen_heap
 from roofline.models.weights import gguf_path
 
 
@@ -26,9 +29,10 @@ def decode_tok_s(llm: LLM, prompt: list[int], n: int) -> float:
     engine = llm.llm_engine
     engine.add_request("bs1", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     stamps = []
-    while engine.has_unfinished_requests():
-        if engine.step():
-            stamps.append(time.perf_counter())
+    with frozen_heap():  # as LLM.generate steps
+        while engine.has_unfinished_requests():
+            if engine.step():
+                stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
@@ -39,6 +43,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="batch-1 runs (medians reported)")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     ceil = measure(torch.device("cpu"), torch.float32)
@@ -66,18 +71,25 @@ def main() -> None:
     else:
         del ref
     path = str(gguf_path())
-    if not args.skip_llamacpp:
-        rows["llama.cpp bs1 decode"] = peers.llamacpp_decode_tok_s(
-            path, wl.prompts[0], args.output_len, threads=threads
-        )
-        print(f"llama.cpp batch-1 decode: {rows['llama.cpp bs1 decode']:.1f} tok/s", flush=True)
+    # roofline: the Q4_1 / Q8_0 blocks as stored (the CPU default); its kernels take the cores.
+    # Batch-1 decode alternates with llama.cpp's, --repeat times; medians are reported.
+    llm = LLM("smollm2", dtype="float32", device="cpu")
+    ours, theirs = [], []
+    for i in range(args.repeat):
+        ours.append(decode_tok_s(llm, wl.prompts[0], args.output_len))
+        line = f"run {i}: roofline batch-1 decode {ours[-1]:.1f} tok/s"
+        if not args.skip_llamacpp:
+            theirs.append(
+                peers.llamacpp_decode_tok_s(path, wl.prompts[0], args.output_len, threads=threads)
+            )
+            line += f", llama.cpp {theirs[-1]:.1f} tok/s ({ours[-1] / theirs[-1]:.2f}x)"
+        print(line, flush=True)
+    rows["roofline bs1 decode"] = statistics.median(ours)
+    if theirs:
+        rows["llama.cpp bs1 decode"] = statistics.median(theirs)
         pr = peers.llamacpp(path, wl, threads=threads)
         rows["llama.cpp sequential"] = pr.output_tok_s
         print(f"{pr.name}: {pr.output_tok_s:.1f} out tok/s", flush=True)
-    # roofline: the Q4_1 / Q8_0 blocks as stored (the CPU default); its kernels take the cores
-    llm = LLM("smollm2", dtype="float32", device="cpu")
-    rows["roofline bs1 decode"] = decode_tok_s(llm, wl.prompts[0], args.output_len)
-    print(f"roofline batch-1 decode: {rows['roofline bs1 decode']:.1f} tok/s", flush=True)
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
     rows["roofline throughput"] = res.output_tok_s
     print(f"roofline throughput: {res.output_tok_s:.1f} out tok/s ({res.elapsed_s:.1f} s)")

@@ -1,4 +1,4 @@
-"""Greedy tokens of the embedded SmolLM2 GGUF with its Q4_1 blocks kept (the CPU kernels, int8
+"""Greedy tokens of the embedded SmolLM2 GGUF with its Q4_1 blocks kept (the CPU kernels, int16
 activations) against the same weights dequantized to fp32 (the reference path): 10 chat
 prompts x 32 new tokens; prints per prompt whether the token ids are equal, and where the first
 difference is.

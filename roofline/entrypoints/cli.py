@@ -7,12 +7,21 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
 
-from roofline.engine.args import EngineArgs
-from roofline.sampling_params import SamplingParams
+# Start-up (torch's imports, the engine) allocates some 300k objects that live as long as the
+# process, and CPython's collector walked them again and again: a quarter of `roofline
+# generate`'s CPU time on the 2-core dev machine. When this module is the program, collections
+# wait until a command has set itself up (_resume_gc), then skip those objects (frozen).
+_GC_PAUSED = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "roofline"
+if _GC_PAUSED:
+    gc.disable()
+
+from roofline.engine.args import EngineArgs  # noqa: E402 (after the collector is paused)
+from roofline.sampling_params import SamplingParams  # noqa: E402
 
 # Defaults per command where the model's generation_config.json says nothing: generate keeps
 # plain greedy decoding; chat adds a repetition penalty (small models loop when greedy) and a
@@ -149,23 +158,37 @@ def _engine(ns: argparse.Namespace):
     from roofline.engine.llm_engine import LLMEngine
 
     with loading_notice(ns.model or "SmolLM2-135M-Instruct (embedded)"):
-        return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+        engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    _resume_gc()
+    return engine
+
+
+def _resume_gc() -> None:
+    """Collections back on, with everything made so far frozen (see _GC_PAUSED)."""
+    global _GC_PAUSED
+    if _GC_PAUSED:
+        _GC_PAUSED = False
+        gc.freeze()
+        gc.enable()
 
 
 def _stream(engine, request_id: str, prompt, params: SamplingParams, out=sys.stdout) -> str:
     """Run one request to completion, writing its text to ``out`` as it is generated."""
+    from roofline.engine.heap import frozen_heap
+
     engine.add_request(request_id, prompt, params)
     shown, text, start, first, num_tokens = 0, "", time.perf_counter(), None, 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id != request_id:
-                continue
-            first = first or time.perf_counter()
-            text = o.outputs[0].text
-            num_tokens = len(o.outputs[0].token_ids)
-            out.write(text[shown:])
-            out.flush()
-            shown = len(text)
+    with frozen_heap():  # no full-heap GC pauses between steps, as in LLM.generate
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != request_id:
+                    continue
+                first = first or time.perf_counter()
+                text = o.outputs[0].text
+                num_tokens = len(o.outputs[0].token_ids)
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
     out.write("\n")
     if first is not None and num_tokens > 1:
         elapsed = time.perf_counter() - first
@@ -294,6 +317,8 @@ def _add_optional_commands(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     ns = build_parser(args[0] if args else None).parse_args(args)
+    if getattr(ns, "func", None) not in (cmd_generate, cmd_chat):
+        _resume_gc()  # generate and chat resume once their engine is built
     try:
         return int(ns.func(ns) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -13,6 +13,7 @@ vocab-parallel embedding are all-reduced; logits are gathered over the vocabular
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
 from roofline.layers.norm import RMSNorm
 from roofline.layers.rotary import RotaryEmbedding
 from roofline.quantization.base import LinearMethod, QuantizationConfig
+
+if TYPE_CHECKING:
+    from roofline.kernels.cpu.decoder import CPUDecoder
 
 # checkpoint module name -> (packed module name, shard index)
 PACKED_MODULES = {
@@ -208,11 +212,16 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self._tied_head_packed: torch.Tensor | None = None
+        self.cpu_decoder: CPUDecoder | None = None
+        """Runs decode-only steps in one C call where the model qualifies (GGUF blocks on the
+        CPU: ``kernels/cpu/decoder.py``); None elsewhere."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
+        if self.cpu_decoder is not None and self.cpu_decoder.applies(ctx):
+            return self.cpu_decoder(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -238,6 +247,12 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.lm_head is None:
             self._tied_head_packed = mkl_prepack(self.embed_tokens.weight)
+        if self.embed_tokens.weight.device.type == "cpu" and type(self).forward is (
+            LlamaForCausalLM.forward
+        ):
+            from roofline.kernels.cpu.decoder import build_cpu_decoder
+
+            self.cpu_decoder = build_cpu_decoder(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises if any parameter stays unloaded. A tensor of a linear

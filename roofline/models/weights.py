@@ -207,6 +207,12 @@ def load_tokenizer(source: ModelSource) -> Any | None:
     """
     if source.kind == "config":
         return None
+    if source.kind == "gguf" and os.environ.get("ROOFLINE_HF_TOKENIZER") != "1":
+        cache = _tokenizer_cache_dir(source.path)
+        if cache is not None and (cache / "tokenizer.json").is_file():
+            from roofline.models.light_tokenizer import LightTokenizer
+
+            return LightTokenizer(cache)  # no transformers import (see light_tokenizer.py)
     from transformers import AutoTokenizer  # slow import, only when a tokenizer is wanted
 
     if source.kind == "hf":

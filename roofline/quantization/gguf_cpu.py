@@ -220,10 +220,14 @@ def cpu_gguf_checkpoint(
 
 
 def take_cores() -> None:
-    """Give the CPU to the kernels' thread pool: it runs every GEMM on all cores, and torch's
-    intra-op pool drops to one thread. Two pools on the same cores fight: torch's OpenMP
-    workers spin after each op while ours spin between GEMMs, and on the 2-core dev machine
-    that turned a 0.1 ms decode attention into 22 ms (1.5 tok/s instead of 13 under load)."""
+    """Give the CPU to the kernels' thread pool: it runs every GEMM and decode step on all
+    cores, and torch's intra-op pool drops to one thread. Two pools on the same cores fight:
+    torch's OpenMP workers spin after each op while ours spin between GEMMs, and on the 2-core
+    dev machine that turned a 0.1 ms decode attention into 22 ms (1.5 tok/s instead of 13 under
+    load). The setting is process-wide because torch's is (there is no per-op or per-thread
+    scope for its intra-op pool); what torch still runs on this path is sampling and the
+    prefill's attention and norms. An application embedding the engine that wants torch's
+    threads for its own work calls ``torch.set_num_threads`` after building it."""
     from roofline.kernels.cpu.build import load_library
 
     lib = load_library()

@@ -56,8 +56,10 @@ class XGrammarBackend(StructuredOutputBackend):
     ) -> XGrammarBackend:
         """For a Hugging Face tokenizer; ``vocab_size`` is the logits' width (may exceed the
         tokenizer's: padded rows are never allowed)."""
+        from roofline.models.light_tokenizer import hf_tokenizer
+
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            hf_tokenizer(tokenizer), vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         return cls(info)
 

@@ -53,7 +53,7 @@ def test_reference_dequant_matches_gguf_package(fmt: str) -> None:
 @needs_lib
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 17])
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_gguf_gemm_parity(fmt: str, isa: str, m: int, act_bits: int) -> None:
     gen = torch.Generator().manual_seed(2)
@@ -89,11 +89,15 @@ def test_canonical_gemm_parity(
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         offsets = None
     scales = (torch.rand(n, k // group, generator=gen) * 0.02).to(scale_dtype)
-    x = torch.randn(5, k, generator=gen)
+    x = torch.randn(21, k, generator=gen)  # a 16-row tile and 5 rows
     weight = ops.dequantize_canonical(q, scales, offsets, bits)
     y = ops.canonical_gemm(x, q, scales, offsets, bits, isa=isa, act_bits=act_bits)
     tight = torch.nn.functional.linear(quantized_activations_ref(x, act_bits), weight)
     torch.testing.assert_close(y, tight, rtol=1e-4, atol=1e-4)
+    alone = ops.canonical_gemm(x[17:18], q, scales, offsets, bits, isa=isa, act_bits=act_bits)
+    assert torch.equal(alone[0], y[17]) and torch.equal(
+        ops.canonical_gemm(x[3:4], q, scales, offsets, bits, isa=isa, act_bits=act_bits)[0], y[3]
+    )
 
 
 def test_canonical_int4_nibble_order() -> None:
@@ -123,8 +127,8 @@ def test_library_cache_key_follows_source(tmp_path, monkeypatch: pytest.MonkeyPa
     first = build.library_path(compiler)
     assert first.is_file()  # built by load_library() above
     src = tmp_path / "quant_gemm.c"
-    src.write_text(build.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(build, "SOURCE", src)
+    src.write_text(build.SOURCES[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(build, "SOURCES", (src, *build.SOURCES[1:]))
     assert build.library_path(compiler) != first
 
 
@@ -151,3 +155,22 @@ def test_silu_mul_fused_into_the_input() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = ops.gguf_gemm((torch.nn.functional.silu(gate) * up).contiguous(), w)
     torch.testing.assert_close(ops.gguf_gemm(gate_up, w, silu_mul=True), want)
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_gguf_gemm_rows_are_batch_invariant(fmt: str, isa: str, act_bits: int) -> None:
+    """Each output row is bit-identical whether its activation row is multiplied alone or in a
+    batch of any size: tile position, the 16-row tiles of the AVX-512 int16 path (37 rows: two
+    tiles and 5 rows on the row loop) and the thread pool's chunks (600 weight rows)."""
+    gen = torch.Generator().manual_seed(11)
+    k = 96 if fmt == "Q8_0" else 160  # an odd number of blocks: the pair path's tail block
+    w = ops.GGUFRows.from_tensors(fmt, k, [(random_blocks(fmt, 600, k, gen), None)])
+    x = torch.randn(37, k, generator=gen)
+    batched = ops.gguf_gemm(x, w, isa=isa, act_bits=act_bits)
+    for size in (1, 2, 5, 16, 17):
+        for start in range(0, 37 - size + 1, 7):
+            part = ops.gguf_gemm(x[start : start + size], w, isa=isa, act_bits=act_bits)
+            assert torch.equal(part, batched[start : start + size]), (size, start)

@@ -1,4 +1,6 @@
-"""Compile-at-first-use loader for the CPU quantized GEMM (``quant_gemm.c``).
+"""Compile-at-first-use loader for the CPU kernels (``quant_gemm.c``: quantized GEMMs, with
+``rows16.inc``; ``pool.c``: their thread pool; ``decoder.c``: a whole decode step of a
+Llama-family model).
 
 The C source is compiled once with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
 shared library cached under ``~/.cache/roofline/kernels/`` (``ROOFLINE_CACHE_DIR`` moves it),
@@ -24,7 +26,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("quant_gemm.c")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_gemm.c", "pool.c", "decoder.c"))
+INCLUDES = (Path(__file__).with_name("rows16.inc"),)
+"""Files the sources include (part of the cache key, not compiled on their own)."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno")
 ISA_NAMES = ("generic", "avx2", "avx512vnni")
 
@@ -44,7 +48,8 @@ def library_path(compiler: str) -> Path:
     """Where the library built by ``compiler`` from the current source is cached."""
     st = Path(compiler).resolve().stat()
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in (*SOURCES, *INCLUDES):
+        key.update(source.read_bytes())
     key.update(f"{Path(compiler).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     key.update(" ".join(FLAGS).encode())
     return cache_root() / "kernels" / f"quant_gemm-{key.hexdigest()[:16]}.so"
@@ -54,7 +59,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [compiler, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -78,6 +83,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rl_linear_gguf.argtypes = [i32, p, i64, i64, p, i64, i64, i32, i32, p, i64, p, i32]
     lib.rl_dequant_gguf_rows.restype = None
     lib.rl_dequant_gguf_rows.argtypes = [i32, p, i64, i64, p]
+    lib.rl_layer_field.restype = i32
+    lib.rl_layer_field.argtypes = [i32]
+    lib.rl_config_fields.restype = i32
+    lib.rl_config_fields.argtypes = []
+    lib.rl_decode_step.restype = i32
+    lib.rl_decode_step.argtypes = [p, p, p, p, p, ctypes.c_float, i64, p, p, p, p, p, i64, p]
 
 
 @functools.lru_cache(maxsize=1)

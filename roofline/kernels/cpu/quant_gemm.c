@@ -10,12 +10,10 @@
  * (vpmaddubsw + vpmaddwd), or plain C. Each path lives in a function compiled for its ISA with
  * a target pragma; the caller picks one (rl_best_isa() says what this CPU supports), so an
  * older CPU never executes an instruction it lacks. Output rows are split over a small
- * persistent pthread pool (spin briefly, then sleep on a condition variable).
+ * persistent thread pool (pool.c). The int16-activation row loop is one body, rows16.inc,
+ * compiled once per vector width.
  */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +42,9 @@ typedef struct {
     float *y;          /* [M, ldy] */
     int64_t ldy;
     const float *bias; /* [N] or NULL */
+    int64_t m_lo;      /* the int16 row loop starts at this activation row (0 unless tiled) */
+    const int32_t *xt; /* int16 tiles: [M / 16, K / 32, 16 pairs, 16 rows] int16 pairs */
+    const float *dxt, *dsxt; /* [M / 16, K / 32, 16 rows] */
 } rl_job;
 
 /* ---------------------------------------------------------------- scalar helpers */
@@ -229,15 +230,7 @@ static void rows_generic(const rl_job *j, int64_t n0, int64_t n1) {
             }                                                                              \
         }                                                                                  \
     }                                                                                      \
-    static void NAME(const rl_job *j, int64_t n0, int64_t n1) {                            \
-        switch (j->fmt) {                                                                  \
-        case FMT_Q4_0: NAME##_fmt(j, n0, n1, FMT_Q4_0); break;                             \
-        case FMT_Q4_1: NAME##_fmt(j, n0, n1, FMT_Q4_1); break;                             \
-        case FMT_Q8_0: NAME##_fmt(j, n0, n1, FMT_Q8_0); break;                             \
-        case FMT_I4: NAME##_fmt(j, n0, n1, FMT_I4); break;                                 \
-        default: NAME##_fmt(j, n0, n1, FMT_I8); break;                                     \
-        }                                                                                  \
-    }
+    RL_DISPATCH(NAME)
 
 /* ---------------------------------------------------------------- AVX2 path */
 #pragma GCC push_options
@@ -344,129 +337,155 @@ static inline __attribute__((always_inline)) void rows_vnni512_fmt(const rl_job 
     }
 }
 
-static void rows_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
-    switch (j->fmt) {
-    case FMT_Q4_0: rows_vnni512_fmt(j, n0, n1, FMT_Q4_0); break;
-    case FMT_Q4_1: rows_vnni512_fmt(j, n0, n1, FMT_Q4_1); break;
-    case FMT_Q8_0: rows_vnni512_fmt(j, n0, n1, FMT_Q8_0); break;
-    case FMT_I4: rows_vnni512_fmt(j, n0, n1, FMT_I4); break;
-    default: rows_vnni512_fmt(j, n0, n1, FMT_I8); break;
-    }
-}
+RL_DISPATCH(rows_vnni512)
 #pragma GCC pop_options
 #endif
 
 #ifdef RL_X86
 /* ---------------------------------------------------------------- int16 activations */
-/* Activations with 15 bits per block of 32: each weight block is widened to 16-bit once and
- * multiplied with vpdpwssd (AVX-512 VNNI) or vpmaddwd (AVX2); results stay within ~1e-5 of
- * the fp32 reference, where int8 activations (above) are 2x cheaper in compute but move
- * greedy tokens on small models. */
+/* Activations with 15 bits per block of 32, multiplied by the widened weights with vpdpwssd
+ * (AVX-512 VNNI) or vpmaddwd (AVX2), exact int32 pair sums; results stay within ~1e-5 of
+ * the fp32 reference, where int8
+ * activations (above) are 2x cheaper in compute but move greedy tokens on small models. One
+ * row loop (rows16.inc) is compiled for each vector width. */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-static inline __attribute__((always_inline)) void rows16_vnni512_fmt(const rl_job *j, int64_t n0,
-                                                                      int64_t n1, const int fmt) {
-    const int64_t nb = j->K / 32;
+#define rl_vi __m512i
+#define rl_vf __m512
+#define RL_SFX vnni512
+#define RL_WPB 1
+static inline __attribute__((always_inline)) void widen_vnni512(const uint8_t *qs, int eight,
+                                                                __m512i *w) {
+    if (eight) {
+        w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
+    } else {
+        __m128i p = _mm_loadu_si128((const __m128i *)qs);
+        __m256i pp = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p),
+                                      _mm256_set1_epi8(15));
+        w[0] = _mm512_cvtepu8_epi16(pp);
+    }
+}
+#define RL_WIDEN(qs, eight, w) widen_vnni512(qs, eight, w)
+/* Lanes summed as (l, l + 8), then (+4), (+2), (+1): the order tiles_vnni512 repeats. */
+static inline __attribute__((always_inline)) float hsum_vnni512(__m512 a) {
+    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+#define RL_DOT(w, x) \
+    _mm512_dpwssd_epi32(_mm512_setzero_si512(), (w)[0], _mm512_loadu_si512((const void *)(x)))
+#define RL_CVT _mm512_cvtepi32_ps
+#define RL_SET1F _mm512_set1_ps
+#define RL_FMADD _mm512_fmadd_ps
+#define RL_ZEROF _mm512_setzero_ps
+#define RL_HSUM hsum_vnni512
+#include "rows16.inc"
+#undef rl_vi
+#undef RL_SFX
+#undef rl_vf
+#undef RL_WPB
+#undef RL_WIDEN
+#undef RL_DOT
+#undef RL_CVT
+#undef RL_SET1F
+#undef RL_FMADD
+#undef RL_ZEROF
+#undef RL_HSUM
+/* 16 activation rows at a time (M >= 16 on AVX-512): lane m of a vector is activation row
+ * m0 + m. rows16's lane l of a block (pair l's two products, exact) is here one vpdpwssd of
+ * weight pair l, broadcast, with the 16 rows' pairs l (the tiles prepare_tiles lays out); each
+ * of the 16 lanes keeps its own accumulator as in rows16, and they are summed in hsum_vnni512's
+ * order at the end. So every output equals rows16's bit for bit, while the scale FMAs and
+ * converts serve 16 rows at once. */
+static inline __attribute__((always_inline)) void tiles_vnni512_fmt(const rl_job *j, int64_t n0,
+                                                                     int64_t n1, const int fmt) {
+    const int64_t nb = j->K / 32, tiles = j->m_lo / 16;
     const int eight = is8(fmt);
-    const __m256i low = _mm256_set1_epi8(15);
-    const int16_t *x16 = (const int16_t *)j->xq;
     rl_job jj = *j;
     jj.fmt = fmt;
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
-            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
-            __m512 acc[RL_MT];
-            float oacc[RL_MT];
-            for (int t = 0; t < RL_MT; t++) {
-                acc[t] = _mm512_setzero_ps();
-                oacc[t] = 0.0f;
-            }
+    int32_t wb[16] __attribute__((aligned(64)));
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        for (int64_t n = n0; n < n1; n++) {
+            __m512 acc[16], oacc = _mm512_setzero_ps();
+            for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 float s, o;
-                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
                 __m512i w;
-                if (eight) {
-                    w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
-                } else {
-                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
-                    __m256i pp = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low);
-                    w = _mm512_cvtepu8_epi16(pp);
+                widen_vnni512(block_of(&jj, n, b, &s, &o), eight, &w);
+                _mm512_store_si512((void *)wb, w);
+                const int32_t *xt = j->xt + (tile * nb + b) * 256;
+                const __m512 sdx = _mm512_mul_ps(_mm512_set1_ps(s),
+                                                 _mm512_loadu_ps(j->dxt + (tile * nb + b) * 16));
+                for (int l = 0; l < 16; l++) {
+                    const __m512i isum = _mm512_dpwssd_epi32(
+                        _mm512_setzero_si512(), _mm512_set1_epi32(wb[l]),
+                        _mm512_loadu_si512((const void *)(xt + l * 16)));
+                    acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sdx, acc[l]);
                 }
-                for (int t = 0; t < mt; t++) {
-                    const int64_t m = m0 + t;
-                    __m512i xv = _mm512_loadu_si512((const void *)(x16 + m * j->K + b * 32));
-                    __m512 isum = _mm512_cvtepi32_ps(
-                        _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv));
-                    acc[t] = _mm512_fmadd_ps(isum, _mm512_set1_ps(s * j->dx[m * nb + b]), acc[t]);
-                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
-                }
+                if (!eight)
+                    oacc = _mm512_fmadd_ps(_mm512_set1_ps(o),
+                                           _mm512_loadu_ps(j->dsxt + (tile * nb + b) * 16), oacc);
             }
-            for (int t = 0; t < mt; t++) {
-                float v = _mm512_reduce_add_ps(acc[t]) + oacc[t];
+            for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
+            for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
+            for (int l = 0; l < 2; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 2]);
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), oacc));
+            for (int m = 0; m < 16; m++) {
+                float v = out[m];
                 if (j->bias) v += j->bias[n];
-                j->y[(m0 + t) * j->ldy + n] = v;
+                j->y[(tile * 16 + m) * j->ldy + n] = v;
             }
         }
     }
 }
-RL_DISPATCH(rows16_vnni512)
+RL_DISPATCH(tiles_vnni512)
+
+static void rows16_tiled_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
+    tiles_vnni512(j, n0, n1); /* rows [0, m_lo) */
+    rows16_vnni512(j, n0, n1); /* rows [m_lo, M) */
+}
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-static inline __attribute__((always_inline)) void rows16_avx2_fmt(const rl_job *j, int64_t n0,
-                                                                   int64_t n1, const int fmt) {
-    const int64_t nb = j->K / 32;
-    const int eight = is8(fmt);
-    const __m128i low = _mm_set1_epi8(15);
-    const int16_t *x16 = (const int16_t *)j->xq;
-    rl_job jj = *j;
-    jj.fmt = fmt;
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t m0 = 0; m0 < j->M; m0 += RL_MT) {
-            const int mt = (int)(j->M - m0 < RL_MT ? j->M - m0 : RL_MT);
-            __m256 acc[RL_MT];
-            float oacc[RL_MT];
-            for (int t = 0; t < RL_MT; t++) {
-                acc[t] = _mm256_setzero_ps();
-                oacc[t] = 0.0f;
-            }
-            for (int64_t b = 0; b < nb; b++) {
-                float s, o;
-                const uint8_t *qs = block_of(&jj, n, b, &s, &o);
-                __m256i w0, w1;
-                if (eight) {
-                    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
-                    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
-                } else {
-                    __m128i p = _mm_loadu_si128((const __m128i *)qs);
-                    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
-                    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
-                }
-                for (int t = 0; t < mt; t++) {
-                    const int64_t m = m0 + t;
-                    const int16_t *xb = x16 + m * j->K + b * 32;
-                    __m256i d0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb));
-                    __m256i d1 =
-                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16)));
-                    __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
-                    acc[t] = _mm256_fmadd_ps(isum, _mm256_set1_ps(s * j->dx[m * nb + b]), acc[t]);
-                    if (!eight) oacc[t] += o * j->dsx[m * nb + b];
-                }
-            }
-            for (int t = 0; t < mt; t++) {
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]),
-                                      _mm256_extractf128_ps(acc[t], 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                float v = _mm_cvtss_f32(h) + oacc[t];
-                if (j->bias) v += j->bias[n];
-                j->y[(m0 + t) * j->ldy + n] = v;
-            }
-        }
+#define rl_vi __m256i
+#define RL_SFX avx2
+#define RL_WPB 2
+static inline __attribute__((always_inline)) void widen_avx2(const uint8_t *qs, int eight,
+                                                              __m256i *w) {
+    __m128i p = _mm_loadu_si128((const __m128i *)qs);
+    if (eight) {
+        w[0] = _mm256_cvtepi8_epi16(p);
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    } else {
+        const __m128i low = _mm_set1_epi8(15);
+        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
+        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
     }
 }
-RL_DISPATCH(rows16_avx2)
+static inline __attribute__((always_inline)) __m256i dot16_avx2(const __m256i *w,
+                                                                 const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(w[1],
+                                              _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+static inline __attribute__((always_inline)) float hsum_avx2(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#define RL_WIDEN(qs, eight, w) widen_avx2(qs, eight, w)
+#define rl_vf __m256
+#define RL_DOT(w, x) dot16_avx2(w, x)
+#define RL_CVT _mm256_cvtepi32_ps
+#define RL_SET1F _mm256_set1_ps
+#define RL_FMADD _mm256_fmadd_ps
+#define RL_ZEROF _mm256_setzero_ps
+#define RL_HSUM hsum_avx2
+#include "rows16.inc"
 #pragma GCC pop_options
 #endif
 
@@ -500,111 +519,74 @@ static rows_fn pick(int isa, int act16) {
     return rows_generic;
 }
 
-/* ---------------------------------------------------------------- thread pool */
-/* Rows are cut into chunks that every participant (the caller included) claims from one
- * atomic ticket word (generation << 32 | next chunk), so on an oversubscribed machine the
- * caller never waits for a worker that has not been scheduled: it takes the chunks itself and
- * waits only for chunks already being computed. */
-#define RL_MAX_THREADS 64
-#define RL_SPIN 20000
+/* ---------------------------------------------------------------- threads (pool.c) */
+typedef void (*task_fn)(const void *, int64_t, int64_t); /* rows [n0, n1) of a job */
+void rl_parallel_for(task_fn fn, const void *job, int64_t num_rows, int64_t chunk_rows);
+int rl_num_threads(void);
 
-static struct {
-    pthread_t threads[RL_MAX_THREADS];
-    int num_threads; /* including the caller */
-    atomic_ullong ticket;
-    atomic_long finished;
-    atomic_int sleepers;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
+typedef struct {
     const rl_job *job;
     rows_fn fn;
-    int64_t num_chunks, chunk_rows;
-    unsigned long long generation;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .num_threads = 1};
+} gemm_task;
 
-static void relax(long i) {
+static void gemm_rows(const void *p, int64_t n0, int64_t n1) {
+    const gemm_task *t = p;
+    t->fn(t->job, n0, n1);
+}
+
+/* The 16-row tiles of int16 activations for rows16_tiled_vnni512: pairs (2p, 2p + 1) of each
+ * block of rows m0 .. m0 + 15 side by side, and their scales (per-thread scratch). */
+static __thread int32_t *tile_x;
+static __thread float *tile_f;
+static __thread int64_t tile_elems;
+
+static int prepare_tiles(rl_job *j) {
+    const int64_t nb = j->K / 32, tiles = j->M / 16, pairs = tiles * 16 * j->K / 2;
+    if (pairs > tile_elems) {
+        free(tile_x);
+        free(tile_f);
+        tile_x = malloc(sizeof(int32_t) * (size_t)pairs);
+        tile_f = malloc(sizeof(float) * (size_t)(2 * tiles * 16 * nb));
+        tile_elems = tile_x && tile_f ? pairs : 0;
+        if (!tile_elems) return 0;
+    }
+    const int32_t *x = j->xq; /* int16 pairs: [M, K / 2] */
+    float *dxt = tile_f, *dsxt = tile_f + tiles * 16 * nb;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t m = 0; m < 16; m++) {
+                const int64_t row = t * 16 + m;
+                const int32_t *src = x + row * (j->K / 2) + b * 16;
+                int32_t *dst = tile_x + (t * nb + b) * 256 + m;
+                for (int p = 0; p < 16; p++) dst[p * 16] = src[p];
+                dxt[(t * nb + b) * 16 + m] = j->dx[row * nb + b];
+                dsxt[(t * nb + b) * 16 + m] = j->dsx[row * nb + b];
+            }
+    j->xt = tile_x;
+    j->dxt = dxt;
+    j->dsxt = dsxt;
+    j->m_lo = tiles * 16;
+    return 1;
+}
+
+static void run(const rl_job *job, int isa) {
+    rl_job tiled = *job;
+    const rl_job *j = job;
+    gemm_task task = {j, pick(isa, j->act16)};
 #ifdef RL_X86
-    _mm_pause();
+    if (task.fn == rows16_vnni512 && j->M >= 16 && prepare_tiles(&tiled)) {
+        j = task.job = &tiled;
+        task.fn = rows16_tiled_vnni512;
+    }
 #endif
-    if ((i & 1023) == 1023) sched_yield();
-}
-
-/* Claim and compute chunks of generation ``gen`` until none is left. */
-static void work(unsigned long long gen) {
-    for (;;) {
-        unsigned long long t = atomic_load(&pool.ticket);
-        if ((t >> 32) != gen || (int64_t)(t & 0xffffffffu) >= pool.num_chunks) return;
-        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
-        const rl_job *j = pool.job;
-        int64_t n0 = (int64_t)(t & 0xffffffffu) * pool.chunk_rows;
-        int64_t n1 = n0 + pool.chunk_rows < j->N ? n0 + pool.chunk_rows : j->N;
-        pool.fn(j, n0, n1);
-        atomic_fetch_add(&pool.finished, 1);
-    }
-}
-
-static void *worker(void *arg) {
-    (void)arg;
-    unsigned long long seen = 0;
-    for (;;) {
-        unsigned long long gen = atomic_load(&pool.ticket) >> 32;
-        for (long spin = 0; gen == seen && spin < RL_SPIN; spin++) {
-            relax(spin);
-            gen = atomic_load(&pool.ticket) >> 32;
-        }
-        if (gen == seen) {
-            pthread_mutex_lock(&pool.mu);
-            atomic_fetch_add(&pool.sleepers, 1);
-            while ((gen = atomic_load(&pool.ticket) >> 32) == seen)
-                pthread_cond_wait(&pool.cv, &pool.mu);
-            atomic_fetch_sub(&pool.sleepers, 1);
-            pthread_mutex_unlock(&pool.mu);
-        }
-        seen = gen;
-        work(gen);
-    }
-    return NULL;
-}
-
-int rl_set_threads(int n) {
-    if (n < 1) n = 1;
-    if (n > RL_MAX_THREADS) n = RL_MAX_THREADS;
-    for (int t = pool.num_threads; t < n; t++) {
-        if (pthread_create(&pool.threads[t], NULL, worker, NULL) != 0) break;
-        pthread_detach(pool.threads[t]);
-        pool.num_threads = t + 1;
-    }
-    return pool.num_threads; /* workers are never torn down */
-}
-
-static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static void run(const rl_job *j, int isa) {
-    rows_fn fn = pick(isa, j->act16);
     /* Small problems stay on the caller: waking a worker costs more than it saves. */
-    if (pool.num_threads == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
-        fn(j, 0, j->N);
+    if (rl_num_threads() == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
+        task.fn(j, 0, j->N);
         return;
     }
-    pthread_mutex_lock(&run_mu); /* one job at a time (several Python threads may call) */
-    int64_t chunks = 4 * pool.num_threads;
+    int64_t chunks = 4 * rl_num_threads();
     int64_t rows = (j->N + chunks - 1) / chunks;
-    rows = (rows + 7) / 8 * 8;
-    pool.job = j;
-    pool.fn = fn;
-    pool.chunk_rows = rows;
-    pool.num_chunks = (j->N + rows - 1) / rows;
-    atomic_store(&pool.finished, 0);
-    unsigned long long gen = ++pool.generation;
-    atomic_store(&pool.ticket, gen << 32);
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_broadcast(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
-    work(gen);
-    for (long i = 0; atomic_load(&pool.finished) < pool.num_chunks; i++) relax(i);
-    pthread_mutex_unlock(&run_mu);
+    rl_parallel_for(gemm_rows, &task, j->N, (rows + 7) / 8 * 8);
 }
 
 /* ---------------------------------------------------------------- entry points */

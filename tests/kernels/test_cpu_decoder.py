@@ -1,0 +1,178 @@
+"""The C decode step (``kernels/cpu/decoder.c``) against the model's own modules on the same tiny
+GGUF-block model: hidden states, the K/V it stores, for Llama, Qwen2 (q/k/v bias) and Qwen3
+(q/k norm) layers; and batch invariance: a request's row is bit-identical alone or in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import make_paged
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.attention.torch_backend import TorchAttentionBackend
+from roofline.config import ModelConfig
+from roofline.kernels.cpu.build import load_library
+from roofline.kernels.cpu.decoder import CPUDecoder, build_cpu_decoder
+from roofline.layers.attention import ForwardContext
+from roofline.models.llama import LlamaForCausalLM
+from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.gguf_cpu import GGUFBlocksLinearMethod
+
+pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler")
+
+PAGE_SIZE = 8
+
+
+class AllBlocks(QuantizationConfig):
+    """Every linear layer keeps Q8_0 (or Q4_0) blocks, quantized from random floats."""
+
+    name = "test-blocks"
+
+    def __init__(self, fmt: str = "Q8_0") -> None:
+        self.fmt = fmt
+
+    def get_linear_method(self, prefix: str) -> GGUFBlocksLinearMethod:
+        return GGUFBlocksLinearMethod(self.fmt)
+
+
+def tiny_model(bias: bool = False, qk_norm: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attention_bias=bias,
+        qk_norm=qk_norm,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg, 64, quant_config=AllBlocks())
+    weights = []
+    for name, param in model.named_parameters():
+        if name.endswith("qkv_proj.bias"):
+            layer = name.removesuffix("qkv_proj.bias")
+            for part, size in (("q", 64), ("k", 32), ("v", 32)):
+                weights.append((f"{layer}{part}_proj.bias", torch.randn(size, generator=gen)))
+            continue
+        weights.append((name, torch.rand(param.shape, generator=gen) + 0.5 if "norm" in name else
+                        torch.randn(param.shape, generator=gen) * 0.3))  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, rows, cols in [
+            ("self_attn.q_proj", 64, 64),
+            ("self_attn.k_proj", 32, 64),
+            ("self_attn.v_proj", 32, 64),
+            ("self_attn.o_proj", 64, 64),
+            ("mlp.gate_proj", 96, 64),
+            ("mlp.up_proj", 96, 64),
+            ("mlp.down_proj", 64, 96),
+        ]:
+            weights.append((p + name + ".weight", torch.randn(rows, cols, generator=gen) * 0.2))
+    model.load_weights(weights)
+    model.process_weights_after_loading()
+    assert isinstance(model.cpu_decoder, CPUDecoder)
+    return model.eval()
+
+
+def decode_inputs(context_lens: list[int], seed: int = 1):
+    """A decode step of len(context_lens) requests over random cached K/V (2 layers)."""
+    layers = []
+    for layer in range(2):
+        b = make_paged([1] * len(context_lens), context_lens, 4, 2, 16, PAGE_SIZE,
+                       torch.float32, seed=seed + layer)  # fmt: skip
+        layers.append(b)
+    b = layers[0]
+    meta = AttentionMetadata(
+        num_reqs=len(context_lens),
+        num_tokens=len(context_lens),
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+        block_table=b.block_table,
+        slot_mapping=b.slot_mapping,
+        max_query_len=1,
+        max_seq_len=max(b.seq_lens_list),
+        page_size=PAGE_SIZE,
+        query_start_loc_cpu=b.query_start_loc.tolist(),
+        query_lens_cpu=[1] * len(context_lens),
+        seq_lens_cpu=list(b.seq_lens_list),
+    )
+    caches = [(layers[0].k_cache, layers[0].v_cache), (layers[1].k_cache.clone(),
+              layers[1].v_cache.clone())]  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 7)
+    ids = torch.randint(0, 96, (len(context_lens),), generator=gen)
+    positions = torch.tensor(context_lens, dtype=torch.int64)
+    return ids, positions, meta, caches
+
+
+def run(model: LlamaForCausalLM, fused: bool, ids, positions, meta, caches):
+    caches = [tuple(t.clone() for t in kv) for kv in caches]
+    ctx = ForwardContext(meta, caches, TorchAttentionBackend())
+    decoder = model.cpu_decoder
+    model.cpu_decoder = decoder if fused else None
+    try:
+        with torch.inference_mode():
+            hidden = model(ids, positions, ctx)
+    finally:
+        model.cpu_decoder = decoder
+    return hidden, caches
+
+
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
+def test_decoder_matches_modules(bias: bool, qk_norm: bool) -> None:
+    model = tiny_model(bias, qk_norm)
+    inputs = decode_inputs([0, 5, 17, 30])
+    want, want_caches = run(model, False, *inputs)
+    got, got_caches = run(model, True, *inputs)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, rtol=5e-4, atol=5e-4)
+        torch.testing.assert_close(gv, wv, rtol=5e-4, atol=5e-4)
+
+
+def test_decoder_rows_are_batch_invariant() -> None:
+    model = tiny_model()
+    context_lens = [3, 40, 11, 0, 25, 7]
+    ids, positions, meta, caches = decode_inputs(context_lens)
+    batched, _ = run(model, True, ids, positions, meta, caches)
+    for i in range(len(context_lens)):
+        one = AttentionMetadata(
+            num_reqs=1,
+            num_tokens=1,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=meta.seq_lens[i : i + 1],
+            block_table=meta.block_table[i : i + 1],
+            slot_mapping=meta.slot_mapping[i : i + 1],
+            max_query_len=1,
+            max_seq_len=meta.seq_lens_cpu[i],
+            page_size=PAGE_SIZE,
+            query_start_loc_cpu=[0, 1],
+            query_lens_cpu=[1],
+            seq_lens_cpu=[meta.seq_lens_cpu[i]],
+        )
+        alone, _ = run(model, True, ids[i : i + 1], positions[i : i + 1], one, caches)
+        assert torch.equal(alone[0], batched[i]), f"request {i} differs alone"
+
+
+def test_not_built_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model()
+    monkeypatch.setenv("ROOFLINE_CPU_DECODER", "0")
+    assert build_cpu_decoder(model) is None
+    monkeypatch.delenv("ROOFLINE_CPU_DECODER")
+    assert build_cpu_decoder(model) is not None
+    inputs = decode_inputs([4, 9])
+    meta = inputs[2]
+    meta.max_query_len = 2  # a prefill / verify step keeps the module path
+    assert not model.cpu_decoder.applies(ForwardContext(meta, inputs[3], TorchAttentionBackend()))
+
+
+def test_out_of_range_token_is_refused() -> None:
+    model = tiny_model()
+    ids, positions, meta, caches = decode_inputs([3, 5])
+    ids[1] = 96  # the vocabulary is 96 rows
+    with pytest.raises(IndexError, match="out of range"):
+        run(model, True, ids, positions, meta, caches)
