@@ -30,6 +30,11 @@ from roofline.kernels.decode_attention import scale_args
 from roofline.quantization.kv_cache import dequantize
 
 LOG2E = 1.4426950408889634
+# "base": every key gathered from the pages; "tma" / "tma_ws": the step's own keys through
+# tensor descriptors (prefill_attention_tma.py; "_ws" warp-specialised), when the caller passes
+# them. Chosen from the H100 sweep of scripts/gpu_kernels.py.
+VARIANTS = ("base", "tma", "tma_ws")
+DEFAULT_VARIANT = "base"
 
 
 def prefill_attention_ref(
@@ -288,9 +293,14 @@ def prefill_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (quantized)
     v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the step's keys
+    v_new: torch.Tensor | None = None,  # (already in the cache too), for the "tma" variants
+    variant: str | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
-    The tile/launch overrides exist for tuning sweeps."""
+    With ``k_new``/``v_new`` (this step's rows, as stored) and a "tma" variant (default
+    ``DEFAULT_VARIANT``), the step's own keys are read from them through tensor descriptors
+    and only the cached prefix from the pages. The tile/launch overrides exist for sweeps."""
     check_device(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -307,6 +317,18 @@ def prefill_attention(
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_warps
     num_stages = num_stages or cfg_stages
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
+    if variant != "base" and k_scale is None and max_query_len >= 64:
+        from roofline.kernels import prefill_attention_tma as tma
+
+        if tma.tma_applies(q, k_new, v_new):
+            return tma.prefill_attention_tma(
+                q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                scale * LOG2E, out, block_m, block_n, num_warps, num_stages,
+                warp_spec=variant == "tma_ws",
+            )  # fmt: skip
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)
     k_s, v_s, stride_sp, stride_ss = scale_args(k_cache, v_cache, k_scale, v_scale)

@@ -1,0 +1,450 @@
+"""Issue 13's kernel work on one GPU: parity of the new kernels, the prefill attention sweep beside
+torch SDPA, the whole-model 8192-token prefill against the matmul rate, and batch-1 decode of
+Qwen3-0.6B and Llama-3.1-8B with the fused decode layer and PDL launches on and off (tok/s and
+kernels per step). Every section runs in try/except and the summary table comes last.
+
+    python scripts/gpu_kernels.py --quick   # ~90 s: 4k/8k sweep, Qwen3-0.6B and 8B decode
+    python scripts/gpu_kernels.py           # < 4 min: 1k-16k sweep, chunked prefill, 8B prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import itertools
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from roofline.bench.ceilings import measure, time_fn
+from roofline.kernels import gemv
+from roofline.kernels import prefill_attention as pa
+from roofline.kernels.prefill_attention import causal_attention_flops, prefill_attention
+from roofline.layers import fused_decode
+
+SUMMARY: list[tuple[str, str]] = []
+DEV = torch.device("cuda")
+
+
+def section(name: str):
+    def wrap(fn):
+        def run(*a, **kw):
+            print(f"\n=== {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            except Exception:  # noqa: BLE001 - report and go on to the next section
+                traceback.print_exc()
+                SUMMARY.append((name, "FAILED"))
+            finally:
+                print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        return run
+
+    return wrap
+
+
+# ---------------------------------------------------------------- parity
+@section("parity: skinny GEMM norm prologue / residual epilogue / PDL")
+def parity_gemv(shapes: list[tuple[int, int]]) -> None:
+    from roofline.kernels.gemv import skinny_gemm
+    from roofline.kernels.rmsnorm import rms_norm
+
+    ok = True
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(n + k)
+            x = 3 * torch.randn(1, k, device=DEV, generator=gen).to(dtype)
+            w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(dtype)
+            nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(dtype)
+            res = torch.randn(1, n, device=DEV, generator=gen).to(dtype)
+            unfused = skinny_gemm(rms_norm(x, nw, 1e-6), w)
+            for pdl in (False, True):
+                gemv.set_pdl(pdl)
+                fused = skinny_gemm(x, w, norm=(nw, 1e-6))
+                added = skinny_gemm(x, w, residual=res)
+                plain = skinny_gemm(x, w)
+                diff = (fused.float() - unfused.float()).abs().max().item()
+                scale = unfused.float().abs().max().item()
+                exact = torch.equal(fused, unfused)
+                add_exact = torch.equal(added, plain + res)
+                good = diff <= 2e-2 * scale and add_exact
+                ok &= good
+                print(f"  {str(dtype)[6:]:>8} N={n:>5} K={k:>5} pdl={int(pdl)}: norm-fused vs "
+                      f"rms_norm+gemm max|d| {diff:.3g} (bit-exact {exact}), residual add "
+                      f"bit-exact {add_exact}")  # fmt: skip
+    gemv.set_pdl(False)
+    SUMMARY.append(("skinny GEMM fused parity", "ok" if ok else "MISMATCH"))
+
+
+@section("parity: prefill attention (paged, chunked, GQA) vs torch reference")
+def parity_prefill(configs: list[tuple]) -> None:
+    from roofline.kernels.prefill_attention import prefill_attention_ref
+
+    ok = True
+    for dtype in (torch.bfloat16, torch.float32):
+        q_lens, ctx_lens, h, hk, d, ps = [300, 1, 77, 512], [0, 40, 1000, 257], 32, 8, 128, 16
+        seq = [c + q for c, q in zip(ctx_lens, q_lens)]
+        pages_per = [(s + ps - 1) // ps for s in seq]
+        num_pages = sum(pages_per) + 3
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        kc = torch.randn(num_pages, ps, hk, d, device=DEV, generator=gen).to(dtype)
+        vc = torch.randn(num_pages, ps, hk, d, device=DEV, generator=gen).to(dtype)
+        perm = torch.randperm(num_pages, device=DEV, generator=gen).to(torch.int32)
+        bt = torch.zeros(len(seq), max(pages_per), dtype=torch.int32, device=DEV)
+        off = 0
+        for i, np_ in enumerate(pages_per):
+            bt[i, :np_] = perm[off : off + np_]
+            off += np_
+        q = torch.randn(sum(q_lens), h, d, device=DEV, generator=gen).to(dtype)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq, dtype=torch.int32, device=DEV)
+        ref = prefill_attention_ref(q, kc, vc, bt, qsl, sl, d**-0.5)
+        # this step's own K/V rows, as the backend passes them to the "tma" variants
+        k_new = torch.cat([kc[bt[i].long()].flatten(0, 1)[c : c + ql]
+                           for i, (c, ql) in enumerate(zip(ctx_lens, q_lens))])  # fmt: skip
+        v_new = torch.cat([vc[bt[i].long()].flatten(0, 1)[c : c + ql]
+                           for i, (c, ql) in enumerate(zip(ctx_lens, q_lens))])  # fmt: skip
+        new = dict(k_new=k_new, v_new=v_new)
+        runs = [("default", {}), ("default config, tma", dict(new, variant="tma"))]
+        if dtype == torch.bfloat16:  # fp32 takes its own (smaller) default tiles only
+            runs += [(cfg_name(cfg), dict(cfg_kwargs(cfg), **new)) for cfg in configs]
+        for name, kw in runs:
+            out = prefill_attention(q, kc, vc, bt, qsl, sl, d**-0.5, max(q_lens), **kw)
+            err = (out.float() - ref.float()).abs().max().item()
+            good = err < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+            ok &= good
+            print(f"  {str(dtype)[6:]:>8} {name}: max err {err:.3g} {'' if good else 'BAD'}")
+    SUMMARY.append(("prefill attention parity", "ok" if ok else "MISMATCH"))
+
+
+# ---------------------------------------------------------------- prefill attention sweep
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, variant); variant: see prefill_attention VARIANTS.
+CONFIGS = [
+    (128, 128, 8, 3, "base"), (128, 64, 8, 3, "base"), (128, 64, 4, 3, "base"),
+    (128, 128, 8, 2, "base"), (128, 128, 8, 4, "base"), (128, 64, 8, 4, "base"),
+    (64, 64, 4, 3, "base"),
+    (128, 128, 8, 3, "tma"), (128, 64, 8, 3, "tma"), (128, 64, 4, 3, "tma"),
+    (128, 128, 8, 2, "tma"), (128, 128, 8, 4, "tma"), (128, 64, 8, 4, "tma"),
+    (128, 128, 8, 3, "tma_ws"), (128, 64, 4, 3, "tma_ws"), (128, 128, 8, 2, "tma_ws"),
+]  # fmt: skip
+
+
+QUICK = [
+    (128, 128, 8, 3, "base"), (128, 64, 4, 3, "base"), (128, 128, 8, 3, "tma"),
+    (128, 64, 8, 3, "tma"), (128, 64, 4, 3, "tma"), (128, 128, 8, 3, "tma_ws"),
+]  # fmt: skip
+
+
+def cfg_kwargs(cfg: tuple) -> dict:
+    bm, bn, w, st, variant = cfg
+    kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+    if variant != "base":
+        kw["variant"] = variant
+    return kw
+
+
+def cfg_name(cfg: tuple | None) -> str:
+    if cfg is None:
+        return "default config"
+    bm, bn, w, st, variant = cfg
+    return f"{bm}x{bn} w{w} s{st} {variant}"
+
+
+def paged(n: int, h: int, hk: int, d: int, ps: int, dtype: torch.dtype):
+    q = torch.randn(n, h, d, device=DEV, dtype=dtype)
+    k = torch.randn(n, hk, d, device=DEV, dtype=dtype)
+    v = torch.randn(n, hk, d, device=DEV, dtype=dtype)
+    pages = torch.randperm(n // ps, device=DEV, dtype=torch.int32)
+    kc = torch.empty(n // ps, ps, hk, d, device=DEV, dtype=dtype)
+    vc = torch.empty_like(kc)
+    kc[pages.long()] = k.view(n // ps, ps, hk, d)
+    vc[pages.long()] = v.view(n // ps, ps, hk, d)
+    return q, k, v, kc, vc, pages[None]
+
+
+def tflops_of(fn, flops: int) -> float:
+    return flops / time_fn(fn, DEV, iters=5) / 1e12
+
+
+def sdpa_tflops(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: int, flash: bool
+) -> float:
+    qh, kh, vh = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))  # [1, H, N, D]
+
+    def run() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+
+    if not flash:
+        return tflops_of(run, flops)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return tflops_of(run, flops)
+
+
+def ours_tflops(args: tuple, kw: dict, flops: int) -> float:
+    return tflops_of(lambda: prefill_attention(*args, **kw), flops)
+
+
+@section("prefill attention: configs x lengths beside SDPA (bf16, 32/8 heads, d 128, page 16)")
+def sweep_prefill(lengths: list[int], configs: list[tuple]) -> None:
+    h, hk, d, ps = 32, 8, 128, 16
+    table: dict[str, list[str]] = collections.defaultdict(list)
+    best_at_8k: tuple[float, str] = (0.0, "")
+    for n in lengths:
+        q, k, v, kc, vc, bt = paged(n, h, hk, d, ps, torch.bfloat16)
+        qsl = torch.tensor([0, n], device=DEV, dtype=torch.int32)
+        sl = torch.tensor([n], device=DEV, dtype=torch.int32)
+        flops = causal_attention_flops([n], [n], h, d)
+        for name, flash in (
+            ("SDPA flash (contiguous)", True),
+            ("SDPA default (contiguous)", False),
+        ):
+            try:
+                table[name].append(f"{sdpa_tflops(q, k, v, flops, flash):.0f}")
+            except Exception as e:  # noqa: BLE001
+                table[name].append("err")
+                print(f"  {name} at {n}: {type(e).__name__}: {e}"[:200])
+        args = (q, kc, vc, bt, qsl, sl, d**-0.5, n)
+        table["shipped default"].append(f"{ours_tflops(args, {}, flops):.0f}")
+        for cfg in configs:
+            kw = dict(cfg_kwargs(cfg), k_new=k, v_new=v)
+            try:
+                tf = ours_tflops(args, kw, flops)
+                table[cfg_name(cfg)].append(f"{tf:.0f}")
+                if n == 8192 and tf > best_at_8k[0]:
+                    best_at_8k = (tf, cfg_name(cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                table[cfg_name(cfg)].append("err")
+                print(f"  {cfg_name(cfg)} at {n}: {type(e).__name__}: {e}"[:300])
+        del q, k, v, kc, vc
+    print(f"  TFLOP/s (causal, useful FLOPs) at {lengths} tokens:")
+    for name, cols in table.items():
+        print(f"  {name:>28}: " + " ".join(f"{c:>6}" for c in cols))
+    if best_at_8k[0]:
+        SUMMARY.append(("best prefill config at 8k", f"{best_at_8k[1]}: {best_at_8k[0]:.0f} TF/s"))
+    for name in ("SDPA flash (contiguous)", "shipped default"):
+        if name in table and 8192 in lengths:
+            SUMMARY.append((f"{name} at 8k", f"{table[name][lengths.index(8192)]} TF/s"))
+
+
+@section("chunked prefill over a cached prefix (paged): 2 x 4096-token chunks of an 8k prompt")
+def chunked_prefill(configs: list[tuple]) -> None:
+    h, hk, d, ps, n, chunk = 32, 8, 128, 16, 8192, 4096
+    q, k, v, kc, vc, bt = paged(n, h, hk, d, ps, torch.bfloat16)
+    for ctx in (0, 4096):
+        qsl = torch.tensor([0, chunk], device=DEV, dtype=torch.int32)
+        sl = torch.tensor([ctx + chunk], device=DEV, dtype=torch.int32)
+        flops = causal_attention_flops([ctx + chunk], [chunk], h, d)
+        args = (q[ctx : ctx + chunk], kc, vc, bt, qsl, sl, d**-0.5, chunk)
+        new = dict(k_new=k[ctx : ctx + chunk], v_new=v[ctx : ctx + chunk])
+        row = []
+        for cfg in [None, *configs]:
+            kw = {} if cfg is None else dict(cfg_kwargs(cfg), **new)
+            try:
+                row.append(f"{cfg_name(cfg)} {ours_tflops(args, kw, flops):.0f}")
+            except Exception as e:  # noqa: BLE001
+                row.append(f"{cfg_name(cfg)} err {type(e).__name__}")
+        print(f"  chunk at context {ctx}: TFLOP/s " + " | ".join(row))
+
+
+# ---------------------------------------------------------------- engine measurements
+def load(model: str, **kw):
+    from roofline import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="dummy", device="cuda", **kw)
+    torch.cuda.synchronize()
+    return llm, time.perf_counter() - t0
+
+
+def kernels_per_step(engine, steps: int = 10) -> tuple[float, float, list[str]]:
+    """(kernels per step, kernel-busy ms per step, top kernels) of decode steps, torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name].append(e.device_time)
+    count = sum(len(v) for v in per_name.values()) / steps
+    busy = sum(sum(v) for v in per_name.values()) / steps / 1e3
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    lines = [f"{sum(t) / steps:8.1f} us/step {len(t) / steps:5.0f}x  {n[:80]}" for n, t in top]
+    return count, busy, lines
+
+
+MODES = {  # name -> (fused decode layer, PDL launches)
+    "baseline": (False, False),
+    "fused": (True, False),
+    "fused+pdl": (True, True),
+}
+
+
+def set_mode(engine, mode: str) -> None:
+    fused, pdl = MODES[mode]
+    fused_decode.set_enabled(fused)
+    gemv.set_pdl(pdl)
+    engine.runner.capture_cuda_graphs()  # the graphs hold the kernels of the mode
+
+
+def load_8b():
+    return load("llama-3.1-8b", max_model_len=8448, max_num_seqs=8, max_num_batched_tokens=8192,
+                gpu_memory_utilization=0.6)  # fmt: skip
+
+
+@section("batch-1 decode: fused decode layer and PDL on/off")
+def decode(model: str, ceil, out_len: int, loaded=None):
+    from roofline import SamplingParams
+    from roofline.bench import latency
+
+    if loaded is None:
+        loaded = load(model, max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.6)
+    llm, t_load = loaded
+    engine = llm.llm_engine
+    print(f"  {model}: start-up {t_load:.1f} s (dummy weights, graphs captured)")
+    for mode in MODES:
+        try:
+            set_mode(engine, mode)
+            rows = latency.run(engine, ceil, [1], 128, out_len)
+            r = rows[0]
+            engine.add_request(f"prof-{mode}", list(range(10, 138)),
+                               SamplingParams(max_tokens=40, temperature=0.0,
+                                              ignore_eos=True))  # fmt: skip
+            engine.step()  # prefill
+            count, busy, top = kernels_per_step(engine)
+            while engine.has_unfinished_requests():
+                engine.step()
+            print(f"  {model} {mode:>10}: {r.step_ms_p50:.3f} ms/step p50, "
+                  f"{r.output_tok_s:.1f} tok/s, {r.roofline_pct:.1f}% of roofline "
+                  f"({r.roofline_step_ms:.3f} ms), {count:.0f} kernels/step, "
+                  f"{busy:.3f} ms kernel-busy/step")  # fmt: skip
+            for line in top:
+                print("      " + line)
+            SUMMARY.append((f"{model} bs1 {mode}", f"{r.output_tok_s:.1f} tok/s, "
+                            f"{count:.0f} kernels/step"))  # fmt: skip
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            SUMMARY.append((f"{model} bs1 {mode}", "FAILED"))
+    # greedy tokens of the modes against each other (same weights)
+    try:
+        outs = {}
+        for mode in MODES:
+            set_mode(engine, mode)
+            res = llm.generate([list(range(20, 84))], SamplingParams(max_tokens=32,
+                               temperature=0.0), use_tqdm=False)  # fmt: skip
+            outs[mode] = res[0].outputs[0].token_ids
+        same = {m: outs[m] == outs["baseline"] for m in MODES}
+        print(f"  {model} greedy 32 tokens equal to baseline: {same}")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    fused_decode.set_enabled(True)
+    gemv.set_pdl(False)
+    engine.runner.capture_cuda_graphs()
+
+
+@section("whole-model prefill: Llama-3.1-8B, one 8192-token prompt, % of matmul rate")
+def model_prefill(ceil, configs: list[tuple], llm) -> None:
+    from roofline import SamplingParams
+    from roofline.planner.roofline import step_cost
+
+    engine = llm.llm_engine
+    prompt = list(range(100, 100 + 8192))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([prompt[:512]], params, use_tqdm=False)
+    cost = step_cost(engine.model_config, ceil.as_gpu_spec(), num_prefill_tokens=8192)
+    original = pa._pick_config
+    for cfg in [None, *configs]:
+        if cfg is not None:
+            bm, bn, w, st, variant = cfg
+
+            def pick(dtype, head_dim, max_query_len, _c=(bm, bn, w, st)):  # noqa: ANN001
+                return _c if max_query_len >= 128 else original(dtype, head_dim, max_query_len)
+
+            pa._pick_config = pick
+            pa.DEFAULT_VARIANT = variant
+        try:
+            llm.generate([prompt[:1024]], params, use_tqdm=False)  # compiles this config
+            times = []
+            for i in range(3):
+                engine.kv_manager.reset_prefix_cache()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.generate([[5 + i] + prompt[1:]], params, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            t = sorted(times)[1]
+            pct = 100 * cost.flops / t / ceil.matmul_flops_per_s
+            print(f"  {cfg_name(cfg)}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} TFLOP/s "
+                  f"= {pct:.1f}% of matmul")  # fmt: skip
+            SUMMARY.append((f"8B prefill 8192, {cfg_name(cfg)}", f"{t * 1e3:.0f} ms, {pct:.1f}%"))
+        finally:
+            pa._pick_config = original
+            pa.DEFAULT_VARIANT = "base"
+
+
+@section("parity tests on the GPU (pytest)")
+def gpu_tests(files: list[str]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *files], capture_output=True, text=True, timeout=150)  # fmt: skip
+    print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:]))
+    SUMMARY.append(("pytest " + " ".join(f.rsplit("/", 1)[-1] for f in files),
+                    "passed" if proc.returncode == 0 else f"rc {proc.returncode}"))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    ceil = measure(DEV, torch.bfloat16)
+    bw, mm = ceil.bandwidth_bytes_per_s / 1e12, ceil.matmul_flops_per_s / 1e12
+    print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s, "
+          f"torch {torch.__version__}")  # fmt: skip
+    SUMMARY.append(("matmul ceiling", f"{ceil.matmul_flops_per_s / 1e12:.0f} TF/s"))
+    quick = args.quick
+    shapes = [(4096, 1024), (6144, 4096)]
+    parity_gemv(shapes if quick else [*shapes, (6144, 1024), (28672, 4096), (1000, 4100)])
+    parity_prefill([] if quick else CONFIGS)
+    sweep_prefill([8192] if quick else [1024, 4096, 8192, 16384], QUICK if quick else CONFIGS)
+    if not quick:
+        chunked_prefill(QUICK)
+    decode("qwen3-0.6b", ceil, 128 if quick else 256)
+    gc.collect()
+    torch.cuda.empty_cache()
+    loaded = None
+    try:
+        loaded = load_8b()
+        print(f"llama-3.1-8b start-up {loaded[1]:.1f} s (dummy weights, graphs captured)")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    if loaded is not None:
+        decode("llama-3.1-8b", ceil, 128 if quick else 256, loaded)
+        model_prefill(ceil, QUICK[2:4] if quick else QUICK, loaded[0])
+        del loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+    tests = ["tests/kernels/test_gemv_fused.py", "tests/kernels/test_prefill_attention_tma.py"]
+    if not quick:
+        tests += ["tests/kernels/test_prefill_attention.py", "tests/kernels/test_gemv.py",
+                  "tests/e2e/test_gpu_parity.py"]  # fmt: skip
+    gpu_tests(tests)
+    print(f"\n=== summary ({time.perf_counter() - t_start:.0f} s)")
+    for name, value in SUMMARY:
+        print(f"  {name:<48} {value}")
+
+
+if __name__ == "__main__":
+    main()
