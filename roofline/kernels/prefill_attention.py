@@ -32,8 +32,10 @@ from roofline.quantization.kv_cache import dequantize
 LOG2E = 1.4426950408889634
 # "base": every key gathered from the pages; "tma" / "tma_ws": the step's own keys through
 # tensor descriptors (prefill_attention_tma.py; "_ws" warp-specialised), when the caller passes
-# them. Chosen from the H100 sweep of scripts/gpu_kernels.py.
-VARIANTS = ("base", "tma", "tma_ws")
+# them. "_hf": heads fastest in the launch order (all heads' longest tiles first, the query heads
+# of one KV head side by side in L2) instead of tiles fastest. Chosen from the H100 sweep of
+# scripts/gpu_kernels.py.
+VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws")
 DEFAULT_VARIANT = "base"
 
 
@@ -189,9 +191,14 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    HEADS_FAST: tl.constexpr,  # grid (heads, tiles) rather than (tiles, heads)
 ):
-    tile = num_tiles - 1 - tl.program_id(0)  # last tiles (longest causal rows) first
-    head = tl.program_id(1)
+    if HEADS_FAST:
+        tile = num_tiles - 1 - tl.program_id(1)  # last tiles (longest causal rows) first
+        head = tl.program_id(0)
+    else:
+        tile = num_tiles - 1 - tl.program_id(0)
+        head = tl.program_id(1)
 
     # Binary search: the request whose first tile index (qsl[i] // BLOCK_M + i) is the last <= tile.
     lo = num_reqs * 0
@@ -320,19 +327,21 @@ def prefill_attention(
     variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
-    if variant != "base" and k_scale is None and max_query_len >= 64:
+    heads_fast = variant.endswith("_hf")
+    if variant.startswith("tma") and k_scale is None and max_query_len >= 64:
         from roofline.kernels import prefill_attention_tma as tma
 
         if tma.tma_applies(q, k_new, v_new):
             return tma.prefill_attention_tma(
                 q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 scale * LOG2E, out, block_m, block_n, num_warps, num_stages,
-                warp_spec=variant == "tma_ws",
+                warp_spec=variant == "tma_ws", heads_fast=heads_fast,
             )  # fmt: skip
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)
     k_s, v_s, stride_sp, stride_ss = scale_args(k_cache, v_cache, k_scale, v_scale)
-    _prefill_kernel[(num_tiles, num_heads)](
+    grid = (num_heads, num_tiles) if heads_fast else (num_tiles, num_heads)
+    _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -367,6 +376,7 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_QUANT=k_scale is not None,
+        HEADS_FAST=heads_fast,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -56,9 +56,14 @@ def _prefill_tma_kernel(
     stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEADS_FAST: tl.constexpr,
 ):  # fmt: skip
-    tile = num_tiles - 1 - tl.program_id(0)  # last tiles (longest causal rows) first
-    head = tl.program_id(1)
+    if HEADS_FAST:  # grid (heads, tiles)
+        tile = num_tiles - 1 - tl.program_id(1)  # last tiles (longest causal rows) first
+        head = tl.program_id(0)
+    else:  # grid (tiles, heads)
+        tile = num_tiles - 1 - tl.program_id(0)
+        head = tl.program_id(1)
     lo = num_reqs * 0
     hi = num_reqs
     for _ in range(search_steps):
@@ -153,6 +158,7 @@ def prefill_attention_tma(
     num_warps: int,
     num_stages: int,
     warp_spec: bool = False,
+    heads_fast: bool = False,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -166,7 +172,8 @@ def prefill_attention_tma(
         for t in (k_new, v_new)
     )
     num_tiles = num_tokens // block_m + num_reqs
-    _prefill_tma_kernel[(num_tiles, num_heads)](
+    grid = (num_heads, num_tiles) if heads_fast else (num_tiles, num_heads)
+    _prefill_tma_kernel[grid](
         q2, k2, v2, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, scale_log2e,
         num_reqs, num_tiles, max(1, (num_reqs - 1).bit_length() + 1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -175,6 +182,6 @@ def prefill_attention_tma(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WARP_SPEC=warp_spec,
-        num_warps=num_warps, num_stages=num_stages,
+        HEADS_FAST=heads_fast, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

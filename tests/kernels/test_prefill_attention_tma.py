@@ -31,8 +31,8 @@ def _qkv_views(batch, num_heads: int, num_kv_heads: int):
 
 @pytest.mark.parametrize(
     "dtype,group,variant",
-    [(torch.float32, 4, "tma"), (torch.bfloat16, 1, "tma_ws")],
-    ids=["fp32-gqa4-tma", "bf16-mha-tma_ws"],
+    [(torch.float32, 4, "tma"), (torch.bfloat16, 1, "tma_ws"), (torch.bfloat16, 4, "tma_hf")],
+    ids=["fp32-gqa4-tma", "bf16-mha-tma_ws", "bf16-gqa4-tma_hf"],
 )
 def test_tma_matches_reference(dtype: torch.dtype, group: int, variant: str) -> None:
     num_kv_heads = 2
@@ -61,6 +61,9 @@ def test_falls_back_to_paged() -> None:
             batch.seq_lens, 0.2)  # fmt: skip
     # No k_new: the paged kernel runs whatever the variant.
     out = prefill_attention(*args, 20, variant="tma")
+    assert_close(out, prefill_attention_ref(*args), torch.bfloat16)
+    # The paged kernel in heads-fastest launch order.
+    out = prefill_attention(*args, 20, variant="base_hf")
     assert_close(out, prefill_attention_ref(*args), torch.bfloat16)
     with pytest.raises(ValueError, match="variant"):
         prefill_attention(*args, 20, variant="nope")
