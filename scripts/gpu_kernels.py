@@ -439,8 +439,8 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     if not quick:
-        gpu_tests(["tests/kernels/test_gemv_fused.py", "tests/kernels/test_prefill_attention_tma.py",
-                   "tests/e2e/test_gpu_parity.py"])  # fmt: skip
+        kernel_tests = ["test_gemv_fused.py", "test_prefill_attention_tma.py"]
+        gpu_tests([f"tests/kernels/{f}" for f in kernel_tests] + ["tests/e2e/test_gpu_parity.py"])
     print(f"\n=== summary ({time.perf_counter() - t_start:.0f} s)")
     for name, value in SUMMARY:
         print(f"  {name:<48} {value}")
