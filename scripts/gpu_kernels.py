@@ -265,7 +265,7 @@ def load(model: str, **kw):
     return llm, time.perf_counter() - t0
 
 
-def kernels_per_step(engine, steps: int = 10) -> tuple[float, float, list[str]]:
+def kernels_per_step(engine, steps: int = 10, top_n: int = 8) -> tuple[float, float, list[str]]:
     """(kernels per step, kernel-busy ms per step, top kernels) of decode steps, torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -282,8 +282,9 @@ def kernels_per_step(engine, steps: int = 10) -> tuple[float, float, list[str]]:
             per_name[e.name].append(e.device_time)
     count = sum(len(v) for v in per_name.values()) / steps
     busy = sum(sum(v) for v in per_name.values()) / steps / 1e3
-    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
-    lines = [f"{sum(t) / steps:8.1f} us/step {len(t) / steps:5.0f}x  {n[:80]}" for n, t in top]
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top_n]
+    lines = [f"{sum(t) / steps:8.1f} us/step {len(t) / steps:5.0f}x {sum(t) / len(t):6.1f} us  "
+             f"{n[:90]}" for n, t in top]  # fmt: skip
     return count, busy, lines
 
 
@@ -325,7 +326,7 @@ def decode(model: str, ceil, out_len: int, modes: list[str], loaded=None):
                                SamplingParams(max_tokens=40, temperature=0.0,
                                               ignore_eos=True))  # fmt: skip
             engine.step()  # prefill
-            count, busy, top = kernels_per_step(engine)
+            count, busy, top = kernels_per_step(engine, top_n=30 if "qwen3" in model else 10)
             while engine.has_unfinished_requests():
                 engine.step()
             print(f"  {model} {mode:>10}: {r.step_ms_p50:.3f} ms/step p50, "
