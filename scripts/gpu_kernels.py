@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import importlib
 import itertools
 import time
 import traceback
@@ -154,6 +155,8 @@ def cfg_kwargs(cfg: tuple) -> dict:
 def cfg_name(cfg: tuple | None) -> str:
     if cfg is None:
         return "default config"
+    if cfg[0] == 0:
+        return cfg[4]
     bm, bn, w, st, variant = cfg
     return f"{bm}x{bn} w{w} s{st} {variant}"
 
@@ -368,8 +371,23 @@ def model_prefill(ceil, configs: list[tuple], llm) -> None:
     llm.generate([prompt[:512]], params, use_tqdm=False)
     cost = step_cost(engine.model_config, ceil.as_gpu_spec(), num_prefill_tokens=8192)
     original = pa._pick_config
-    for cfg in [None, *configs]:
-        if cfg is not None:
+    backend_mod = importlib.import_module("roofline.attention.triton_backend")
+    backend_fn = backend_mod.prefill_attention
+
+    def sdpa_prefill(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, max_query_len, **kw):  # noqa: ANN001, ANN003 - measuring stick: torch SDPA on one fresh prompt
+        k_new, v_new = kw.get("k_new"), kw.get("v_new")
+        if qsl.shape[0] != 2 or max_query_len != q.shape[0] or k_new is None:
+            return backend_fn(q, k_cache, v_cache, block_table, qsl, seq_lens, scale,
+                              max_query_len, **kw)  # fmt: skip
+        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k_new, v_new))  # [1, H, N, D] views
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                           enable_gqa=True)  # fmt: skip
+        return o[0].transpose(0, 1)
+
+    for cfg in [None, *configs, (0, 0, 0, 0, "torch SDPA (reference point, not shipped)")]:
+        if cfg is not None and cfg[0] == 0:
+            backend_mod.prefill_attention = sdpa_prefill
+        elif cfg is not None:
             bm, bn, w, st, variant = cfg
 
             def pick(dtype, head_dim, max_query_len, _c=(bm, bn, w, st)):  # noqa: ANN001
@@ -394,6 +412,7 @@ def model_prefill(ceil, configs: list[tuple], llm) -> None:
         finally:
             pa._pick_config = original
             pa.DEFAULT_VARIANT = "base"
+            backend_mod.prefill_attention = backend_fn
 
 
 @section("parity tests on the GPU (pytest)")
