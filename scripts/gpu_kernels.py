@@ -52,7 +52,7 @@ def section(name: str):
 
 # ---------------------------------------------------------------- parity
 @section("parity: skinny GEMM norm prologue / residual epilogue / PDL")
-def parity_gemv(shapes: list[tuple[int, int]]) -> None:
+def parity_gemv(shapes: list[tuple[int, int]], pdl_modes: tuple[bool, ...]) -> None:
     from roofline.kernels.gemv import skinny_gemm
     from roofline.kernels.rmsnorm import rms_norm
 
@@ -65,7 +65,7 @@ def parity_gemv(shapes: list[tuple[int, int]]) -> None:
             nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(dtype)
             res = torch.randn(1, n, device=DEV, generator=gen).to(dtype)
             unfused = skinny_gemm(rms_norm(x, nw, 1e-6), w)
-            for pdl in (False, True):
+            for pdl in pdl_modes:
                 gemv.set_pdl(pdl)
                 fused = skinny_gemm(x, w, norm=(nw, 1e-6))
                 added = skinny_gemm(x, w, residual=res)
@@ -80,7 +80,7 @@ def parity_gemv(shapes: list[tuple[int, int]]) -> None:
                       f"rms_norm+gemm max|d| {diff:.3g} (bit-exact {exact}), residual add "
                       f"bit-exact {add_exact}")  # fmt: skip
     gemv.set_pdl(False)
-    SUMMARY.append(("skinny GEMM fused parity", "ok" if ok else "MISMATCH"))
+    SUMMARY.append((f"skinny GEMM fused parity, pdl {pdl_modes}", "ok" if ok else "MISMATCH"))
 
 
 @section("parity: prefill attention (paged, chunked, GQA) vs torch reference")
@@ -439,7 +439,8 @@ def main() -> None:
     SUMMARY.append(("matmul ceiling", f"{ceil.matmul_flops_per_s / 1e12:.0f} TF/s"))
     quick = args.quick
     shapes = [(4096, 1024), (6144, 4096)]
-    parity_gemv(shapes if quick else [*shapes, (6144, 1024), (28672, 4096), (1000, 4100)])
+    shapes = shapes if quick else [*shapes, (6144, 1024), (28672, 4096), (1000, 4100)]
+    parity_gemv(shapes, (False,))
     parity_prefill([] if quick else CONFIGS)
     sweep_prefill([8192] if quick else [1024, 4096, 8192, 16384], QUICK if quick else CONFIGS)
     if not quick:
@@ -458,6 +459,7 @@ def main() -> None:
         decode("llama-3.1-8b", ceil, out_len, ["baseline", "fused"], loaded)
         model_prefill(ceil, MODEL_QUICK if quick else QUICK[1:], loaded[0])
         # PDL last: a launch problem there cannot cost the figures above
+        parity_gemv(shapes, (True,))
         decode("llama-3.1-8b", ceil, out_len, ["fused+pdl"], loaded)
         del loaded
     gc.collect()
