@@ -149,7 +149,8 @@ def _attend_block(
     if KV_QUANT:  # V's per-token scale on the probabilities (after the softmax sum)
         p = p * tl.load(vs_head + s_off, mask=n_mask, other=0.0)[None, :]
         v = v.to(tl.float32).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # Rescale, then accumulate into acc inside the MMA (no second [BLOCK_M, BLOCK_D] tile).
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 

@@ -35,16 +35,17 @@ def _attend_new(
 ):  # fmt: skip
     """Fold the chunk's keys ``j0 .. j0 + BLOCK_N`` (descriptor rows ``row0 + j``) in."""
     k = k_desc.load([row0 + j0, col])  # [BLOCK_N, BLOCK_D]
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] unscaled
     if CAUSAL_MASK:
         offs_j = j0 + tl.arange(0, BLOCK_N)
         s = tl.where(offs_j[None, :] <= offs_m[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # The scale folded into the max and the exponent (one FMA per score, as FA does).
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = v_desc.load([row0 + j0, col])  # [BLOCK_N, BLOCK_D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
 
