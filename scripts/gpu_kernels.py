@@ -124,6 +124,72 @@ def parity_prefill(configs: list[tuple]) -> None:
     SUMMARY.append(("prefill attention parity", "ok" if ok else "MISMATCH"))
 
 
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of ``fn`` replayed ``reps`` times back to back in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return time_fn(g.replay, DEV, iters=10) / reps * 1e6
+
+
+def _shape_us(n: int, k: int, kind: str) -> tuple[float, float, float]:
+    """(plain, unfused, fused) us per call; 8 weights in rotation, so each call reads HBM."""
+    from roofline.kernels.gemv import skinny_gemm
+    from roofline.kernels.rmsnorm import fused_add_rms_norm
+
+    dt = torch.bfloat16
+    ws = [torch.randn(n, k, device=DEV, dtype=dt) / k**0.5 for _ in range(8)]
+    x = torch.randn(1, k, device=DEV, dtype=dt)
+    nw = torch.ones(k, device=DEV, dtype=dt)
+    res = torch.randn(1, n, device=DEV, dtype=dt)
+    it = itertools.cycle(ws)  # advanced at capture: the graph's calls rotate over the weights
+    if kind == "norm":
+        unfused = graph_us(lambda: skinny_gemm(fused_add_rms_norm(x, x, nw, 1e-6)[0], next(it)))
+        fused = graph_us(lambda: skinny_gemm(x, next(it), norm=(nw, 1e-6)))
+    else:
+        unfused = graph_us(lambda: skinny_gemm(x, next(it)) + res)
+        fused = graph_us(lambda: skinny_gemm(x, next(it), residual=res))
+    return graph_us(lambda: skinny_gemm(x, next(it))), unfused, fused
+
+
+@section("skinny GEMM micro-timings in CUDA graphs (us per call, bf16, M = 1)")
+def gemv_timings(pdl_modes: tuple[bool, ...]) -> None:
+    from roofline.kernels.gemv import TUNED_CONFIGS, skinny_gemm
+
+    dt = torch.bfloat16
+    # (N, K, kind): qkv / gate_up read a normed input, o / down produce a residual add
+    shapes = [(4096, 1024, "norm"), (6144, 1024, "norm"), (1024, 2048, "add"),
+              (1024, 3072, "add"), (6144, 4096, "norm"), (28672, 4096, "norm"),
+              (4096, 4096, "add"), (4096, 14336, "add")]  # fmt: skip
+    for pdl in pdl_modes:
+        gemv.set_pdl(pdl)
+        for n, k, kind in shapes:
+            plain, unfused, fused = _shape_us(n, k, kind)
+            tuned = (n, k, 1) in TUNED_CONFIGS
+            other = "rmsnorm" if kind == "norm" else "add"
+            print(f"  pdl={int(pdl)} N={n:>5} K={k:>5} {kind:>4}: plain {plain:6.2f}, unfused "
+                  f"(+{other}) {unfused:6.2f}, fused {fused:6.2f} us "
+                  f"({n * k * 2 / plain / 1e3:.0f} GB/s plain; tuned {tuned})")  # fmt: skip
+    gemv.set_pdl(False)
+    if True in pdl_modes:
+        return
+    # Qwen3-0.6B's LM head (no tuned config: cuBLAS today) against the skinny GEMM
+    n, k = 151936, 1024
+    w = torch.randn(n, k, device=DEV, dtype=dt) / k**0.5
+    x = torch.randn(1, k, device=DEV, dtype=dt)
+    row = [f"cuBLAS {graph_us(lambda: F.linear(x, w), reps=5):.1f}"]
+    for bn, bk, nw_, st, dot in [(32, 512, 4, 5, False), (64, 256, 4, 4, True),
+                                 (32, 256, 4, 4, True), (16, 512, 4, 4, False)]:  # fmt: skip
+        t = graph_us(lambda c=(bn, bk, nw_, st, dot): skinny_gemm(
+            x, w, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3], use_dot=c[4]),
+            reps=5)  # fmt: skip
+        row.append(f"{bn}/{bk}/{nw_}/{st}/{'dot' if dot else 'fma'} {t:.1f}")
+    print(f"  LM head 151936 x 1024, us ({n * k * 2 / 1e6:.0f} MB): " + " | ".join(row))
+
+
 # ---------------------------------------------------------------- prefill attention sweep
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, variant); variant: see prefill_attention VARIANTS.
 CONFIGS = [
@@ -441,6 +507,7 @@ def main() -> None:
     shapes = [(4096, 1024), (6144, 4096)]
     shapes = shapes if quick else [*shapes, (6144, 1024), (28672, 4096), (1000, 4100)]
     parity_gemv(shapes, (False,))
+    gemv_timings((False,))
     parity_prefill([] if quick else CONFIGS)
     sweep_prefill([8192] if quick else [1024, 4096, 8192, 16384], QUICK if quick else CONFIGS)
     if not quick:
@@ -460,6 +527,7 @@ def main() -> None:
         model_prefill(ceil, MODEL_QUICK if quick else QUICK[1:], loaded[0])
         # PDL last: a launch problem there cannot cost the figures above
         parity_gemv(shapes, (True,))
+        gemv_timings((True,))
         decode("llama-3.1-8b", ceil, out_len, ["fused+pdl"], loaded)
         del loaded
     gc.collect()
