@@ -272,12 +272,14 @@ def sweep_prefill(lengths: list[int], configs: list[tuple]) -> None:
         qsl = torch.tensor([0, n], device=DEV, dtype=torch.int32)
         sl = torch.tensor([n], device=DEV, dtype=torch.int32)
         flops = causal_attention_flops([n], [n], h, d)
-        for name, flash in (
-            ("SDPA flash (contiguous)", True),
-            ("SDPA default (contiguous)", False),
+        backends = torch.nn.attention.SDPBackend
+        for name, backend in (
+            ("SDPA default (contiguous)", None),
+            ("SDPA flash (contiguous)", backends.FLASH_ATTENTION),
+            ("SDPA cudnn (contiguous)", backends.CUDNN_ATTENTION),
         ):
             try:
-                table[name].append(f"{sdpa_tflops(q, k, v, flops, flash):.0f}")
+                table[name].append(f"{sdpa_tflops(q, k, v, flops, backend):.0f}")
             except Exception as e:  # noqa: BLE001
                 table[name].append("err")
                 print(f"  {name} at {n}: {type(e).__name__}: {e}"[:200])
@@ -287,7 +289,7 @@ def sweep_prefill(lengths: list[int], configs: list[tuple]) -> None:
             kw = dict(cfg_kwargs(cfg), k_new=k, v_new=v)
             try:
                 tf = ours_tflops(args, kw, flops)
-                table[cfg_name(cfg)].append(f"{tf:.0f}")
+                table[cfg_name(cfg)].append(f"{tf:.0f}" if tf >= 1 else f"{tf:.2g}")
                 if n == 8192 and tf > best_at_8k[0]:
                     best_at_8k = (tf, cfg_name(cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
