@@ -54,19 +54,29 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.activation import _expf, silu_and_mul_ref
 
-_PDL = os.environ.get("ROOFLINE_PDL", "0") == "1"
+# "1" on, "0" off, "auto": on where the GPU has PDL (compute capability 9.0+).
+_PDL_SETTING = os.environ.get("ROOFLINE_PDL", "0")
+_PDL: bool | None = None  # resolved at the first launch (needs the CUDA device)
 
 
 def pdl_enabled() -> bool:
-    """Whether skinny GEMMs launch as programmatic dependents (Hopper+): the launch and a
-    weight prefetch overlap the previous kernel's tail. ``ROOFLINE_PDL=1`` or ``set_pdl``."""
+    """Whether skinny GEMMs (and ``rotary_kv_store``) launch as programmatic dependents: the
+    launch and a weight prefetch overlap the previous kernel's tail. ``ROOFLINE_PDL`` or
+    ``set_pdl``."""
+    global _PDL
+    if _PDL is None:
+        _PDL = _PDL_SETTING == "1" or (_PDL_SETTING == "auto" and _has_pdl())
     return _PDL
+
+
+def _has_pdl() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def set_pdl(enabled: bool) -> None:
     """Turn PDL launches on or off for kernels launched from now on (benchmarks compare both)."""
     global _PDL
-    _PDL = enabled and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    _PDL = enabled and _has_pdl()
 
 
 MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
