@@ -527,6 +527,16 @@ def prefill_profile(llm) -> None:
         for g, t in sorted(totals.items(), key=lambda kv: -kv[1])))  # fmt: skip
     for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:14]:
         print(f"    {us / 1e3:7.2f} ms {calls[name]:4d}x  {name[:100]}")
+    # the prefill's GEMM shapes on their own (cuBLAS through torch), against the ceiling's square
+    dt, rows = torch.bfloat16, 8192
+    for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                       ("down", 4096, 14336)]:  # fmt: skip
+        a = torch.randn(rows, k, device=DEV, dtype=dt)
+        w = torch.randn(n, k, device=DEV, dtype=dt)
+        t = time_fn(lambda a=a, w=w: F.linear(a, w), DEV, iters=10)
+        print(f"    GEMM {name:>7} [{rows} x {k}] x [{k} x {n}]: {t * 1e3:.3f} ms, "
+              f"{2 * rows * n * k / t / 1e12:.0f} TFLOP/s")  # fmt: skip
+        del a, w
     by_op = sorted(totals.items(), key=lambda kv: -kv[1])
     SUMMARY.append(
         ("8B prefill kernel time by op", ", ".join(f"{g} {t / 1e3:.0f} ms" for g, t in by_op))
