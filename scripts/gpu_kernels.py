@@ -447,6 +447,7 @@ def model_prefill(ceil, configs: list[tuple], llm) -> None:
     llm.generate([prompt[:512]], params, use_tqdm=False)
     cost = step_cost(engine.model_config, ceil.as_gpu_spec(), num_prefill_tokens=8192)
     original = pa._pick_config
+    default_variant = pa.DEFAULT_VARIANT
     backend_mod = importlib.import_module("roofline.attention.triton_backend")
     backend_fn = backend_mod.prefill_attention
 
@@ -460,6 +461,8 @@ def model_prefill(ceil, configs: list[tuple], llm) -> None:
                                            enable_gqa=True)  # fmt: skip
         return o[0].transpose(0, 1)
 
+    print(f"  default variant: {default_variant}, default bf16 tiles: "
+          f"{original(torch.bfloat16, 128, 8192)}")  # fmt: skip
     for cfg in [None, *configs, (0, 0, 0, 0, "torch SDPA (reference point, not shipped)")]:
         if cfg is not None and cfg[0] == 0:
             backend_mod.prefill_attention = sdpa_prefill
@@ -487,7 +490,7 @@ def model_prefill(ceil, configs: list[tuple], llm) -> None:
             SUMMARY.append((f"8B prefill 8192, {cfg_name(cfg)}", f"{t * 1e3:.0f} ms, {pct:.1f}%"))
         finally:
             pa._pick_config = original
-            pa.DEFAULT_VARIANT = "base"
+            pa.DEFAULT_VARIANT = default_variant
             backend_mod.prefill_attention = backend_fn
 
 
