@@ -44,7 +44,6 @@ else ``heuristic_config``: at least 1.5 programs per SM, 4 to 32 KiB weight tile
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -53,31 +52,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.activation import _expf, silu_and_mul_ref
-
-# "1" on, "0" off, "auto": on where the GPU has PDL (compute capability 9.0+).
-_PDL_SETTING = os.environ.get("ROOFLINE_PDL", "0")
-_PDL: bool | None = None  # resolved at the first launch (needs the CUDA device)
-
-
-def pdl_enabled() -> bool:
-    """Whether skinny GEMMs (and ``rotary_kv_store``) launch as programmatic dependents: the
-    launch and a weight prefetch overlap the previous kernel's tail. ``ROOFLINE_PDL`` or
-    ``set_pdl``."""
-    global _PDL
-    if _PDL is None:
-        _PDL = _PDL_SETTING == "1" or (_PDL_SETTING == "auto" and _has_pdl())
-    return _PDL
-
-
-def _has_pdl() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def set_pdl(enabled: bool) -> None:
-    """Turn PDL launches on or off for kernels launched from now on (benchmarks compare both)."""
-    global _PDL
-    _PDL = enabled and _has_pdl()
-
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
 MIN_PROGRAMS_PER_SM = 1.5  # the heuristic's BLOCK_N keeps at least this many programs per SM
@@ -255,19 +230,6 @@ def _rms_norm_tile(x, w_ptrs, rstd, mask_k, MASKED: tl.constexpr):
     return (normed * w).to(x.dtype)
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the lines at ``ptrs`` in L2 (PTX ``prefetch.global.L2``; nothing is returned)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up if SILU_MUL), rows stride_xm apart, contiguous
@@ -312,7 +274,7 @@ def _skinny_gemm_kernel(
         # rows into L2 while that kernel finishes, let the next kernel's programs launch, and
         # only then wait for the previous kernel's writes (x, residual).
         offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)  # [LINES]
-        _prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])  # [BN, LINES]
+        prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])  # [BN, LINES]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if RMS_NORM:  # the rows' fp32 statistic, as rms_norm: sum of rounded squares * (1 / K)

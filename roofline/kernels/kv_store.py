@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.gemv import pdl_enabled
+from roofline.kernels.pdl import pdl_enabled
 from roofline.kernels.rotary import _rotate_heads, _round, rotary_ref
 from roofline.quantization.kv_cache import qmax_of, store_quantized_ref
 
