@@ -10,7 +10,7 @@ prefetches its weight rows into L2 there). Every kernel that launches this way w
 waiting kernel's predecessor has itself waited for its own: completion is transitive down the
 chain, and an early trigger anywhere is safe.
 
-``ROOFLINE_PDL``: ``1`` on, ``0`` off (the default), ``auto`` on from compute capability 9.0.
+``ROOFLINE_PDL``: ``1`` on, ``0`` off, ``auto`` (the default) on from compute capability 9.0.
 ``set_pdl`` switches it for kernels launched from then on (benchmarks compare both). The
 kernels that take part are ``kernels.gemv`` (skinny GEMMs) and ``kernels.kv_store``
 (``rotary_kv_store``).
@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-_PDL_SETTING = os.environ.get("ROOFLINE_PDL", "0")
+# On by default where the GPU has it. H100 (scripts/gpu_kernels.py): batch-1 decode Qwen3-0.6B
+# 893 -> 922 tok/s, Llama-3.1-8B 170.7 -> 172.1 tok/s, logprobs bit-equal to the launches without.
+_PDL_SETTING = os.environ.get("ROOFLINE_PDL", "auto")
 _PDL: bool | None = None  # resolved at the first launch (needs the CUDA device)
 
 
