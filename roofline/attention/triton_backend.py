@@ -87,4 +87,6 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             k_scale=k_scale,
             v_scale=v_scale,
+            k_new=k,  # this step's keys (rotated in place) and values, for the "tma" variants
+            v_new=v,
         )

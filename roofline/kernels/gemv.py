@@ -52,6 +52,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.activation import _expf, silu_and_mul_ref
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
 MIN_PROGRAMS_PER_SM = 1.5  # the heuristic's BLOCK_N keeps at least this many programs per SM
@@ -206,18 +207,46 @@ def _accumulate(acc, x, w, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _mul_rn(a, b, LIBDEVICE: tl.constexpr):
+    """fp32 ``a * b`` rounded on its own (PTX ``mul.rn.f32``: never contracted into an FMA with
+    the add that follows, as the RMSNorm kernel, compiled without FP fusion, computes squares)."""
+    if LIBDEVICE:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def _rms_norm_tile(x, w_ptrs, rstd, mask_k, MASKED: tl.constexpr):
+    """``weight * (x * rstd).to(dtype)`` for one [BM, BK] tile, rounded as ``rms_norm`` does."""
+    if MASKED:
+        w = tl.load(w_ptrs, mask=mask_k, other=0.0).to(tl.float32)  # [1, BK]
+    else:
+        w = tl.load(w_ptrs).to(tl.float32)
+    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+    return (normed * w).to(x.dtype)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up if SILU_MUL), rows stride_xm apart, contiguous
     w_ptr,  # [N, K], rows stride_wn apart, contiguous
     bias_ptr,  # [N] (read only if HAS_BIAS)
     out_ptr,  # [M, N], rows stride_om apart, contiguous
+    norm_w_ptr,  # [K] RMSNorm weight (read only if RMS_NORM)
+    residual_ptr,  # [M, N] added to the result (read only if ADD_RESIDUAL)
     M,  # not specialized: M = 1 and M = 3 share a compiled kernel of the same BLOCK_M
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    inv_k,  # fp32(1 / K): RMSNorm's mean factor
+    eps,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -227,6 +256,11 @@ def _skinny_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no tail step (and fewer registers)
     SILU_MUL: tl.constexpr,  # x holds [gate | up]; the GEMM's x is silu(gate) * up
     LIBDEVICE: tl.constexpr,  # compiled SILU_MUL: libdevice expf, PTX add (not interpreted)
+    RMS_NORM: tl.constexpr,  # x is the residual stream; the GEMM's x is rms_norm(x) * norm_w
+    ADD_RESIDUAL: tl.constexpr,  # out = residual + (x @ w^T) rounded, as a separate add stores
+    PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
+    PREFETCH_LINES: tl.constexpr,  # 128-byte weight lines per row prefetched before the wait
+    LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -235,6 +269,21 @@ def _skinny_gemm_kernel(
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    if PDL:
+        # The weight does not depend on the previous kernel: pull the start of this program's
+        # rows into L2 while that kernel finishes, let the next kernel's programs launch, and
+        # only then wait for the previous kernel's writes (x, residual).
+        offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)  # [LINES]
+        prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])  # [BN, LINES]
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if RMS_NORM:  # the rows' fp32 statistic, as rms_norm: sum of rounded squares * (1 / K)
+        sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
+            sq += _mul_rn(xk, xk, LIBDEVICE)
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) * inv_k + eps)  # [BM]
+        nw_ptrs = norm_w_ptr + offs_k[None, :]  # [1, BK]
 
     if USE_DOT or BLOCK_M > 1:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -245,6 +294,9 @@ def _skinny_gemm_kernel(
         w = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BK]
         if SILU_MUL:
             x = _silu_mul(tl.load(x_ptrs), tl.load(x_ptrs + K), LIBDEVICE, USE_DOT)  # [BM, BK]
+        elif RMS_NORM:
+            x = _rms_norm_tile(tl.load(x_ptrs), nw_ptrs, rstd, None, False)
+            nw_ptrs += BLOCK_K
         else:
             x = tl.load(x_ptrs)  # [BM, BK]
         acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
@@ -257,6 +309,8 @@ def _skinny_gemm_kernel(
             gate = tl.load(x_ptrs, mask=mask_k, other=0.0)
             up = tl.load(x_ptrs + K, mask=mask_k, other=0.0)
             x = _silu_mul(gate, up, LIBDEVICE, USE_DOT)
+        elif RMS_NORM:  # weight 0 past K: normed x 0 there
+            x = _rms_norm_tile(tl.load(x_ptrs, mask=mask_k, other=0.0), nw_ptrs, rstd, mask_k, True)
         else:
             x = tl.load(x_ptrs, mask=mask_k, other=0.0)
         acc = _accumulate(acc, x, w, BLOCK_M, USE_DOT)
@@ -269,7 +323,12 @@ def _skinny_gemm_kernel(
         result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+    result = result.to(out_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:  # the GEMM's output rounded, then the add rounded: two eager ops' bits
+        r_ptrs = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, result, mask=mask)
 
 
 def m_bucket(m: int) -> int:
@@ -323,6 +382,8 @@ def _prepare(
     out: torch.Tensor,
     overrides: dict[str, int | bool | None],
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> _Launch:
     """Config (picked, then any non-None override applied), grid and kernel arguments."""
     m = x.shape[0]
@@ -332,13 +393,26 @@ def _prepare(
     use_dot = cfg.use_dot and x.dtype != torch.float32  # fp32 must not round through TF32
     block_m = m_bucket(m)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
-    args = (x, weight, bias if bias is not None else weight, out, m, n, k,
-            x.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+    norm_w, eps = norm if norm is not None else (weight, 0.0)
+    res = residual if residual is not None else out
+    args = (x, weight, bias if bias is not None else weight, out, norm_w, res, m, n, k,
+            x.stride(0), weight.stride(0), out.stride(0), res.stride(0), 1.0 / max(k, 1),
+            eps)  # fmt: skip
+    compiled = not is_interpret()
+    pdl = compiled and pdl_enabled()
+    line_elems = 128 // weight.element_size()
+    # Prefetch at most ~16 KiB of each program's weight rows before waiting.
+    lines = min(triton.cdiv(k, line_elems), max(1, 16384 // (128 * cfg.block_n)))
     meta = dict(
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, USE_DOT=use_dot, EVEN_K=k % cfg.block_k == 0,
-        SILU_MUL=silu_mul, LIBDEVICE=silu_mul and not is_interpret(), num_warps=cfg.num_warps,
+        SILU_MUL=silu_mul, LIBDEVICE=(silu_mul or norm is not None) and compiled,
+        RMS_NORM=norm is not None, ADD_RESIDUAL=residual is not None, PDL=pdl,
+        PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1, LINE_ELEMS=line_elems,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
+    if pdl:
+        meta["launch_pdl"] = True
     return _Launch(grid, args, meta)
 
 
@@ -384,6 +458,8 @@ def skinny_gemm(
     out: torch.Tensor | None = None,  # [M, N] in x's dtype, rows contiguous
     *,
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -397,23 +473,41 @@ def skinny_gemm(
     followed by ``skinny_gemm`` (same config) but without the intermediate ``[M, K]`` tensor or
     its launch.
 
+    With ``norm = (norm_weight [K], eps)``, x is a residual stream and the product is
+    ``rms_norm(x, norm_weight, eps) @ weight.T``: each program takes the rows' fp32 statistic
+    itself (a pre-pass over x, which stays in L2) and normalises every K tile as it loads it,
+    rounding as ``kernels.rmsnorm.rms_norm`` does (only the fp32 sum's order differs). With
+    ``residual [M, N]``, the result is ``residual + (x @ weight.T)``, the GEMM's output rounded
+    to x's dtype and the sum rounded again, the bits of the separate add: a decoder layer's
+    o_proj / down_proj writes the next residual stream.
+
     Meant for M <= 16 (larger M works, re-reading the weight once per 16 rows). The keyword
     arguments override single fields of the picked config (sweeps); block sizes must be powers
     of two, block_k >= 16. Bad shapes, dtypes or layouts raise ValueError."""
     _check_args(x, weight, bias, out, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
+    if norm is not None and (silu_mul or norm[0].shape != (k,) or norm[0].dtype != x.dtype):
+        raise ValueError(f"skinny_gemm: norm weight must be [{k}] {x.dtype}, without silu_mul")
+    if residual is not None and (
+        residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1
+    ):
+        raise ValueError(f"skinny_gemm: residual must be [{m}, {n}] {x.dtype}, rows contiguous")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+        if bias is not None:
+            out.copy_(bias.expand(m, n))
+        else:
+            out.zero_()
+        return out if residual is None else out.copy_(out + residual)
     overrides = dict(
         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
         use_dot=use_dot,
     )  # fmt: skip
-    launch = _prepare(x, weight, bias, out, overrides, silu_mul)
+    launch = _prepare(x, weight, bias, out, overrides, silu_mul, norm, residual)
     _skinny_gemm_kernel[launch.grid](*launch.args, **launch.meta)
     return out
 

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.pdl import pdl_enabled
 from roofline.kernels.rotary import _rotate_heads, _round, rotary_ref
 from roofline.quantization.kv_cache import qmax_of, store_quantized_ref
 
@@ -289,7 +290,11 @@ def _rotary_kv_store_kernel(
     QUANT: tl.constexpr,
     QMAX: tl.constexpr,
     IS_INT: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (see kernels/gemv.py)
 ):
+    if PDL:  # q/k/v come from the previous kernel: wait for it, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
@@ -403,6 +408,9 @@ def rotary_kv_store(
         q_norm_w = k_norm_w = cos_sin_cache  # unused
         eps = 0.0
     k_s, v_s, stride_sp, stride_ss, quant = _scale_args(k_cache, k_scale, v_scale)
+    pdl = pdl_enabled() and not is_interpret()
+    if pdl:
+        quant = dict(quant, launch_pdl=True)
     _rotary_kv_store_kernel[(num_tokens,)](
         q,
         k,
@@ -440,6 +448,7 @@ def rotary_kv_store(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_R=triton.next_power_of_2(half),
         QK_NORM=qk_norm is not None,
+        PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # keep each rounded product and sum (no fma), as HF
         **quant,

@@ -22,6 +22,7 @@ from roofline.config import ModelConfig
 from roofline.distributed.layers import VocabParallelEmbedding
 from roofline.distributed.parallel_state import SINGLE, ParallelContext
 from roofline.distributed.sharding import ShardLayout
+from roofline.layers import fused_decode
 from roofline.layers.activation import SiluAndMul
 from roofline.layers.attention import Attention, ForwardContext
 from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
@@ -81,10 +82,20 @@ class LlamaAttention(nn.Module):
         self.reduce = parallel.all_reduce if parallel.is_parallel else None
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        input_norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # With input_norm and residual (layers/fused_decode.py), x is the residual stream: the
+        # norm runs inside the qkv GEMM and the result is residual + o_proj(attention).
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        if input_norm is not None:
+            qkv = fused_decode.norm_linear(self.qkv_proj, input_norm, x)
+        else:
+            qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,6 +107,8 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, ctx, positions, self.rotary, qk_norm)  # RoPE, store, attention
+        if residual is not None:
+            return fused_decode.linear_add(self.o_proj, out, residual)  # [num_tokens, hidden]
         out = self.o_proj(out)  # [num_tokens, hidden] (this rank's partial sum under TP)
         return out if self.reduce is None else self.reduce(out)
 
@@ -120,7 +133,15 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.reduce = parallel.all_reduce if parallel.is_parallel else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if norm is not None and residual is not None:  # fused decode: x is the residual stream
+            gate_up = fused_decode.norm_linear(self.gate_up_proj, norm, x)
+            return fused_decode.linear_add(self.down_proj, gate_up, residual, silu_mul=True)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
             out = self.down_proj.forward_silu_mul(gate_up)
@@ -147,6 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}mlp.", shard, parallel)
+        self._fusable: bool | None = None  # fused_decode.layer_supports, decided at first use
 
     def forward(
         self,
@@ -154,7 +176,14 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # residual None: x is the whole residual stream (after the embedding or a fused layer)
+        if residual is None and x.shape[0] <= fused_decode.MAX_ROWS:
+            if self._fusable is None:
+                self._fusable = fused_decode.layer_supports(self)
+            if self._fusable and fused_decode.applies(self, x):
+                h = self.self_attn(positions, x, ctx, self.input_layernorm, residual=x)
+                return self.mlp(h, self.post_attention_layernorm, residual=h), None
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -226,6 +255,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
+        if residual is None:  # the last layer ran fused: x is the whole stream
+            return self.norm(x)
         x, _ = self.norm(x, residual)
         return x
 

@@ -70,18 +70,25 @@ def test_backend(query_lens: list[int], context_lens: list[int], dtype: torch.dt
     torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_with_fused_rope(dtype: torch.dtype, qk_norm: bool) -> None:
+@pytest.mark.parametrize(
+    "dtype,qk_norm,first_len",
+    [(torch.float32, False, 9), (torch.bfloat16, False, 9), (torch.float32, True, 9),
+     (torch.bfloat16, True, 9), (torch.bfloat16, True, 70)],
+    ids=["fp32-rope", "bf16-rope", "fp32-qk-norm+rope", "bf16-qk-norm+rope",
+         "bf16-qk-norm+rope-long"],
+)  # fmt: skip
+def test_backend_with_fused_rope(dtype: torch.dtype, qk_norm: bool, first_len: int) -> None:
     """Given ``rope``, the backend rotates q/k inside its KV store (after Qwen3's per-head q/k
     RMSNorm when asked): the same output and cache as the RMSNorm and RotaryEmbedding modules
-    applied first and the torch backend given the result."""
+    applied first and the torch backend given the result. A query of 70 rows takes the default
+    prefill variant, which reads the step's keys from ``k`` as the store left them (rotated)."""
     from roofline.attention.torch_backend import TorchAttentionBackend
     from roofline.layers.norm import RMSNorm
     from roofline.layers.rotary import RotaryEmbedding
 
     page_size = 16
-    batch = make_paged([9, 1, 23, 1], [0, 35, 10, 3], 8, 2, HEAD_DIM, page_size, dtype, seed=5)
+    batch = make_paged([first_len, 1, 23, 1], [0, 35, 10, 3], 8, 2, HEAD_DIM, page_size, dtype,
+                       seed=5)  # fmt: skip
     meta = _metadata(batch, page_size)
     k, v = _new_kv(batch)
     lens = zip(batch.seq_lens_list, batch.query_lens, strict=True)
