@@ -43,7 +43,10 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "attention_backend": "auto, torch or triton",
     "num_pages": "exact number of KV pages (testing)",
-    "enforce_eager": "never capture CUDA graphs for decode steps",
+    "enforce_eager": "never capture CUDA graphs (cuda_graph_mode none)",
+    "cuda_graph_mode": "full (graphs for decode-only steps and, per token-count bucket, for mixed "
+    "steps, whose decode rows take the decode kernel), full_decode_only (decode graphs; mixed "
+    "steps eager) or none",
     "async_scheduling": "schedule step N+1 while the GPU runs step N (default: on with CUDA)",
     "speculative_config": "speculative decoding as JSON, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, draft_model)',
@@ -93,6 +96,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     num_pages: int | None = None
     enforce_eager: bool = False
+    cuda_graph_mode: str = "full"
     async_scheduling: bool | None = None
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1

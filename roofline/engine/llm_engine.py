@@ -46,6 +46,7 @@ from roofline.spec_decode.build import build_spec_decoder
 from roofline.spec_decode.config import SpeculativeConfig
 from roofline.spec_decode.decoder import SpecDecoder
 from roofline.structured_output.engine_hooks import GrammarWaits
+from roofline.worker.graph_mode import CUDA_GRAPH_MODES
 from roofline.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,11 @@ class LLMEngine:
         dummy = args.load_format == "dummy" or source.kind == "config"
         if args.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {args.load_format!r}")
+        if args.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"cuda_graph_mode must be one of {', '.join(CUDA_GRAPH_MODES)}, "
+                f"got {args.cuda_graph_mode!r}"
+            )
         if spec_config is not None and (
             args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None
         ):
@@ -193,10 +199,11 @@ class LLMEngine:
                 attention_backend=_make_backend(args.attention_backend, device),
                 quant_config=quant_config,
                 cascade_attention=args.cascade_attention,
+                cuda_graph_mode="none" if args.enforce_eager else args.cuda_graph_mode,
             )
             if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
                 self.runner.warmup()
-            if device.type == "cuda" and not args.enforce_eager:
+            if device.type == "cuda" and not args.enforce_eager and args.cuda_graph_mode != "none":
                 self.runner.capture_cuda_graphs()
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, args.page_size, args.enable_prefix_caching

@@ -39,6 +39,7 @@ from roofline.spec_decode.runner_step import verify_step
 from roofline.spec_decode.verifier import Verifier
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
+from roofline.worker.graph_mode import CUDA_GRAPH_MODES, MixedStepPath
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
 from roofline.worker.prompt_logprobs import (
@@ -66,7 +67,10 @@ class ModelRunner:
         quant_config: QuantizationConfig | None = None,
         parallel: ParallelContext = SINGLE,
         cascade_attention: bool = True,
+        cuda_graph_mode: str = "full_decode_only",
     ) -> None:
+        if cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graph_mode must be one of {CUDA_GRAPH_MODES}")
         self.parallel = parallel
         """This rank's tensor-parallel context (weights, KV heads and sampling follow it)."""
         self.model_config = model_config
@@ -79,6 +83,8 @@ class ModelRunner:
         self.backend = attention_backend or TorchAttentionBackend()
         self.kv_spec = KVCacheSpec.create(cache_config.kv_cache_dtype, dtype)
         self.kv_spec.check_backend(self.backend, device)  # before any weight is loaded
+        self.mixed = MixedStepPath.create(cuda_graph_mode, self.backend, device)
+        """Mixed steps: decode-first, split attention, graphs per token bucket (None: off)."""
         torch.manual_seed(seed)
         self.model = self._build_model(weights, seed)
         self.num_kv_heads = self.model.shard.num_kv_heads
@@ -97,6 +103,8 @@ class ModelRunner:
             device,
         )
         self.kv_caches = self.kv_spec.layer_views(self.kv_cache, self.kv_scales)
+        if self.mixed is not None:
+            self.mixed.bind(self.model, self.kv_caches)
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self.sampler = Sampler()
@@ -167,6 +175,8 @@ class ModelRunner:
         tokens = self.scheduler_config.max_num_batched_tokens
         act = tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
         logits = self.scheduler_config.max_num_seqs * cfg.vocab_size * 4 * 3
+        if self.mixed is not None:  # the mixed graphs' memory pool
+            act += self.mixed.pool_bytes(self.scheduler_config, cfg, self.dtype)
         budget = int(total * self.cache_config.gpu_memory_utilization) - used_by_others
         budget -= torch.cuda.memory_allocated(self.device) + act + logits + (512 << 20)
         if budget <= 0:
@@ -188,11 +198,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             # (start, num_new) per request: 16 cached tokens before most chunks
             mixed = [[(16, q), (40, 1), (0, 3), (20, 1)] for q in (16, 32, 64, 128)]
+            if self.mixed is not None:  # decode rows first: the split path's kernels too
+                mixed += [[(40, 1), (20, 1), (16, q), (0, 3)] for q in (16, 32, 64, 128)]
             pages = sum(-(-(a + n) // self.page_size) for a, n in mixed[-1])
             if pages <= self.num_pages and 16 + 128 <= limit:
                 shapes = [[(0, max(1, min(num_tokens, limit)))], *mixed]
         for shape in shapes:
             self._warmup_forward(shape)
+        if self.device.type == "cuda":
+            # The LM head once per skinny-GEMM row block: graphs end at the hidden states, so
+            # a step sampling 2 or 5-8 rows compiled it mid-run (seen on the H100).
+            hidden = torch.zeros(8, self.model_config.hidden_size, dtype=self.dtype)
+            hidden = hidden.to(self.device)  # [8, hidden]
+            for m in (1, 2, 4, 8):
+                self.model.compute_logits(hidden[:m])
 
     @torch.inference_mode()
     def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:
@@ -213,10 +232,15 @@ class ModelRunner:
             batch.table_rows.append(self.block_tables.row_of(request, row, batch.table_updates))
             batch.sample_rows.append(batch.query_start[-1] - 1)
         try:
+            plan = None if self.mixed is None else self.mixed.plan(batch)
             dev = self._upload(batch, batch.sample_rows)
-            meta = self._metadata(batch, dev)
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            hidden = self.model(dev.input_ids, dev.positions, ctx)
+            if plan is not None:  # eager split attention, never a graph
+                plan.bucket = None
+                hidden = self.mixed.forward(plan, [], batch, dev, self.block_tables, None)
+            else:
+                meta = self._metadata(batch, dev)
+                ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+                hidden = self.model(dev.input_ids, dev.positions, ctx)
             rows = dev.extra[0]
             self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
         finally:
@@ -251,6 +275,8 @@ class ModelRunner:
                 group=cfg.num_attention_heads // cfg.num_key_value_heads,
             )
             self.cascade_graphs.capture(next(iter(self.graphs.graphs.values())).pool())
+        if self.mixed is not None:
+            self.mixed.capture(self.model, self.kv_caches, self.scheduler_config, self.page_size)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
@@ -280,6 +306,8 @@ class ModelRunner:
             cascade = self.cascade.plan(sched_out)
         if sched_out.is_empty:
             return StepHandle([], None, [])
+        if self.mixed is not None:
+            sched_out = self.mixed.decode_first(sched_out)
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         return self.launch_batch(batch, rows, mask_logits, cascade=cascade)
@@ -298,13 +326,20 @@ class ModelRunner:
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
-        dev = self._upload(batch, gather, src, dst, *(cascade.lists() if cascade else []))
-        sample_rows, src_t, dst_t, *cascade_t = dev.extra
+        plan = None if self.mixed is None else self.mixed.plan(batch)  # None: decode-only
+        if plan is not None:
+            extra = plan.lists
+        else:
+            extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
+        dev = self._upload(batch, gather, src, dst, *extra)
+        sample_rows, src_t, dst_t, *extra_t = dev.extra
         pending = self._pending_inputs(batch, src_t, dst_t)
         graphs = self.graphs
         cgraphs = self.cascade_graphs
-        if cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
-            pages_t, len_t, starts_t = cascade_t
+        if plan is not None:  # a mixed step: its bucket's graph, else eager split attention
+            hidden = self.mixed.forward(plan, extra_t, batch, dev, self.block_tables, pending)
+        elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
+            pages_t, len_t, starts_t = extra_t
             bucket = cgraphs.stage_cascade(
                 cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
                 dev.seq_lens, self.block_tables, dev.table_rows, pending,
@@ -326,7 +361,7 @@ class ModelRunner:
                 fill_pending(dev.input_ids, pending)
             meta = self._metadata(batch, dev)
             if cascade is not None:
-                pages_t, len_t, starts_t = cascade_t
+                pages_t, len_t, starts_t = extra_t
                 meta.cascade = CascadeMetadata(
                     pages_t, len_t, starts_t, cascade.max_suffix_len, cascade.prefix_len
                 )

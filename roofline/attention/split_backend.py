@@ -1,0 +1,133 @@
+"""Mixed-step attention split by row kind: decode rows to the decode kernel, the rest to prefill.
+
+A mixed step (prefill chunks beside decode rows) sent whole to ``kernels.prefill_attention``
+gives every decode row its own query tile of ``BLOCK_M`` rows (128 beside a long chunk): 1 useful
+row in 128 on the tensor cores, and one K/V read per query head instead of one per KV-head group.
+Here the batch is laid out decode-first (requests ``0 .. D - 1`` bring one query row each, rows
+``0 .. D - 1``), and attention runs as two launches over the step's paged cache after the usual
+store (RoPE fused):
+
+* ``decode_attention`` over ``q[:decode_slots]`` with the decode part's own context lengths and
+  block table (slots past the real decodes have length 0: the kernel writes zeros there);
+* ``prefill_attention`` over all of ``q`` with the metadata's base fields, which describe only
+  the requests after the decodes (their query ranges are absolute rows, starting at ``D``); it
+  runs second, so it overwrites whatever the decode launch wrote on prefill rows.
+
+Every per-request value is read on the device and the grids depend only on the slot counts, the
+token count and the tile size: the same metadata serves an eager step (exact sizes, views of the
+step's tensors) and a CUDA graph over a token-count bucket (``worker/mixed_graph.py``: padded
+slots, padding rows owned by one padding request whose K/V go to slot -1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roofline.attention.metadata import AttentionMetadata
+from roofline.kernels.decode_attention import decode_attention
+from roofline.kernels.kv_store import rotary_kv_store, store_kv
+from roofline.kernels.prefill_attention import prefill_attention
+
+
+@dataclass(kw_only=True)  # keyword fields: the base may gain defaulted ones
+class SplitMetadata(AttentionMetadata):
+    """Attention metadata of a decode-first mixed step. The base fields describe the prefill
+    part only: ``num_reqs`` requests after the decodes, ``query_start_loc`` their absolute
+    query rows (``[num_reqs + 1]``, from the first prefill row), ``seq_lens``, ``block_table``
+    and ``max_query_len`` theirs; ``slot_mapping`` and ``num_tokens`` cover every row."""
+
+    decode_slots: int
+    """Rows given to the decode kernel (its grid): the decode count in an eager step, the
+    bucket's capacity in a graph."""
+    decode_seq_lens: torch.Tensor
+    """[decode_slots] int32 on device: context length of each decode request, 0 past them."""
+    decode_block_table: torch.Tensor
+    """[decode_slots, max_num_blocks] int32 on device: the decode requests' page ids."""
+    decode_max_seq_len: int
+    """Host bound on ``decode_seq_lens`` (sizes the decode split)."""
+    decode_num_splits: int | None
+    """Fixed split count of the decode launch (graphs), or None: chosen per step."""
+
+
+class SplitAttentionBackend:
+    """Wraps a ``TritonAttentionBackend``: steps with ``SplitMetadata`` take the two launches
+    above, any other step goes to the wrapped backend unchanged."""
+
+    name = "triton-split"
+    fuses_rope = True
+
+    def __init__(self, base) -> None:
+        self.base = base
+        self.kv_cache_dtypes = base.kv_cache_dtypes
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        rope: tuple | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if not isinstance(meta, SplitMetadata):
+            extra: dict = {} if rope is None else {"rope": rope}
+            if kv_scales is not None:
+                extra["kv_scales"] = kv_scales
+            return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        else:  # q and k rotated in place, k and v stored: one kernel
+            positions, cos_sin, qk_norm = rope
+            rotary_kv_store(
+                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
+                k_scale, v_scale,
+            )  # fmt: skip
+        return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+
+def split_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], K/V already stored
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    meta: SplitMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q)
+    d = meta.decode_slots
+    if d:
+        decode_attention(
+            q[:d],
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+            max_seq_len=meta.decode_max_seq_len,
+            num_splits=meta.decode_num_splits,
+            out=out[:d],
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    if meta.num_reqs:
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    return out
