@@ -2,6 +2,8 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
+* CUDA, at most ``DECODE_MAX_ROWS`` rows: ``kernels.quant_gemv`` (magic-number unpacking,
+  tuned per shape) where it takes the weight;
 * CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
   (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
   rows beyond);
@@ -26,6 +28,9 @@ from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
 FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
+# Decode batches (<= DECODE_MAX_ROWS rows) take kernels.quant_gemv where it supports the weight;
+# ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
+USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -91,6 +96,12 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
+    if x.shape[0] <= DECODE_MAX_ROWS and USE_QUANT_GEMV:
+        from roofline.kernels import quant_gemv
+
+        x = x.contiguous()
+        if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
+            return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
     if x.shape[0] <= FUSED_MAX_ROWS:
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
@@ -116,6 +127,13 @@ def silu_mul_linear(
     from roofline.kernels.dequant_gemm import dequant_gemm
 
     offsets = getattr(layer, "offsets", None)
+    if USE_QUANT_GEMV:
+        from roofline.kernels import quant_gemv
+
+        if quant_gemv.supports(kind, gate_up, layer.qweight, layer.scales, silu_mul=True):
+            return quant_gemv.quant_gemv(
+                kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True
+            )
     return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)
 
 
