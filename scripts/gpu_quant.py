@@ -12,7 +12,8 @@
    fp8 W8A8 ``_scaled_mm`` (with the Triton per-token quantization);
 4. per method (bf16, int8, int4 g128, fp8, fp8-w8a8): start-up, batch-1 decode tok/s beside
    its roofline (quantized weight bytes + scales + 16-bit LM head over the copy bandwidth),
-   and (full run) decode step time at batch 8 / 32 / 128; int4 also with ``quant_gemv`` off;
+   and (full run) decode step time at batch 8 / 32 / 128; int4 also with ``quant_gemv`` off
+   (``int4/generic``) and with it up to 256 rows (``int4/gemv256``);
 5. (full run) final-logits error vs bf16 per method; offline throughput fp8 W8A8 vs bf16.
 
 Each section prints its error and goes on; a short table comes last.
@@ -119,7 +120,7 @@ def parity(quick: bool) -> None:
                 ref = exact_ref(kind, x, qw, s, o)
                 errs = {"generic": rel_err(dequant_gemm(kind, x, qw, s, o), ref)}
                 picked = quant_gemv.pick_config(kind, m, n, k, x.device)
-                unpacks = (0, 1, 2) if kind == "fp8" else (0, 1)
+                unpacks = (0, 1) if kind == "int8" else (0, 1, 2)
                 for unpack in (picked.unpack,) if quick else unpacks:
                     cfg = picked._replace(unpack=unpack)
                     got = quant_gemv.quant_gemv(kind, x, qw, s, o, config=cfg)
@@ -181,14 +182,14 @@ def ring(kind: str, n: int, k: int) -> list[tuple]:
 
 
 def candidates(kind: str, m: int, quick: bool) -> list[QuantGemvConfig]:
-    unpacks = (0, 1, 2) if kind == "fp8" else (0, 1)
+    unpacks = (0, 1, 2) if kind != "int8" else (0, 1)
     if m == 1:
         bns, bks = ((8, 16), (512,)) if quick else ((4, 8, 16, 32), (256, 512, 1024))
         warps, stages = ((4,), (3, 5)) if quick else ((4, 8), (3, 4, 6))
     else:
         bns, bks = ((16, 32), (256,)) if quick else ((16, 32, 64), (256, 512))
         warps, stages = ((4,), (3,)) if quick else ((4, 8), (3, 4))
-        unpacks = (1,) if kind != "fp8" else (0, 1)
+        unpacks = {"int8": (0, 1), "int4": (1, 2), "fp8": (0, 1)}[kind]
     return [
         QuantGemvConfig(bn, bk, w, st, u)
         for bn in bns for bk in bks for w in warps for st in stages for u in unpacks
@@ -308,28 +309,58 @@ def sweep(copy_bw: float, quick: bool) -> None:
     SUMMARY["tuned"] = {repr(k): v for k, v in tuned.items()}
 
 
+def large_candidates(kind: str, quick: bool) -> list[QuantGemvConfig]:
+    unpacks = {"int8": (0, 1), "int4": (1, 2), "fp8": (0,)}[kind]
+    bms, bns = ((64,), (64, 128)) if quick else ((64, 128), (64, 128))
+    bks, warps, stages = ((128,), (4,), (3,)) if quick else ((128, 256), (4, 8), (3, 4))
+    return [
+        QuantGemvConfig(bn, bk, w, st, u, bm)
+        for bm in bms for bn in bns for bk in bks for w in warps for st in stages for u in unpacks
+    ]  # fmt: skip
+
+
 @section("large M")
 def large_m(copy_bw: float, quick: bool) -> None:
+    """bf16 cuBLAS vs the generic fused GEMM, dequantize + cuBLAS, quant_gemv (best config)
+    and fp8 W8A8, weights cycling through a ring (no L2 hits)."""
     for layer, (n, k) in SHAPES.items():
-        if quick and layer != "gate_up":
+        if quick and layer not in ("gate_up", "o"):
             continue
-        w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
-        qs = {kind: quantized(kind, n, k) for kind in METHODS}
+        copies = max(2, math.ceil(RING_BYTES / (2 * n * k)))
+        w16 = [(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16),) for _ in range(copies)]
+        rings = {kind: ring(kind, n, k) for kind in METHODS}
         for m in (128, 256) if quick else (32, 64, 128, 256, 1024):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            t_bf16 = time_cuda(partial(F.linear, x, w16), 3, 10)
-            parts = [f"{layer:8} M={m:4}: bf16 {t_bf16 * 1e6:6.1f} us"]
-            for kind, (qw, s, o) in qs.items():
-                t_f = time_cuda(partial(dequant_gemm, kind, x, qw, s, o), 3, 10)
-                t_d = time_cuda(partial(dequant_cublas_gemm, kind, x, qw, s, o), 3, 10)
-                parts.append(f"{kind} fused {t_f * 1e6:6.1f} deq+cuBLAS {t_d * 1e6:6.1f}")
-            qw, s, _ = qs["fp8"]
-            t_w8a8 = time_cuda(partial(_scaled_mm, x, qw, s, None), 3, 10)
+            t_bf16 = time_ring(partial(F.linear, x), w16)
+            parts = [f"{layer:7} M={m:4}: bf16 {t_bf16 * 1e6:6.1f} us"]
+            for kind, weights in rings.items():
+                t_f = time_ring(partial(dequant_gemm, kind, x), weights)
+                t_d = time_ring(partial(dequant_cublas_gemm, kind, x), weights)
+                part = f"{kind} generic {t_f * 1e6:6.1f} deq+cuBLAS {t_d * 1e6:6.1f}"
+                if m <= quant_gemv.MAX_ROWS:
+                    gemv = partial(quant_gemv.quant_gemv, kind, x)
+                    cfgs = large_candidates(kind, quick)
+                    qw0, s0, o0 = weights[0]
+                    precompile([partial(gemv, qw0, s0, o0, config=c, warmup=True) for c in cfgs])
+                    res = []
+                    for cfg in cfgs:
+                        try:
+                            res.append((time_ring(partial(gemv_with, gemv, cfg), weights), cfg))
+                        except Exception as e:  # noqa: BLE001
+                            print(f"  {kind} M={m} {tuple(cfg)}: {type(e).__name__}: {e}")
+                    if res:
+                        t_g, best = min(res)
+                        err = rel_err(
+                            gemv(qw0, s0, o0, config=best), exact_ref(kind, x, qw0, s0, o0)
+                        )
+                        part += f" gemv {t_g * 1e6:6.1f} {tuple(best)} err {err:.1e}"
+                parts.append(part)
+            t_w8a8 = time_ring(partial(_scaled_mm, x), [(q, s, None) for q, s, _ in rings["fp8"]])
             t_q = time_cuda(partial(quantize_fp8_per_token, x), 3, 10)
-            parts.append(f"w8a8 {t_w8a8 * 1e6:6.1f} (quant {t_q * 1e6:.1f})")
-            print(" | ".join(parts), flush=True)
+            parts.append(f"w8a8 {t_w8a8 * 1e6:6.1f} (act quant {t_q * 1e6:.1f})")
+            print("\n    ".join(parts), flush=True)
             SUMMARY[f"large_{layer}_{m}"] = parts
-        del w16, qs
+        del w16, rings
         torch.cuda.empty_cache()
 
 
@@ -351,6 +382,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
         try:
             quant, _, variant = method.partition("/")
             common.USE_QUANT_GEMV = variant != "generic"
+            common.GEMV_MAX_ROWS = 256 if variant == "gemv256" else common.DECODE_MAX_ROWS
             t0 = time.perf_counter()
             llm = LLM(
                 "llama-3.1-8b", load_format="dummy", device=DEVICE, max_model_len=1024,
@@ -379,7 +411,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
             print(f"decode {method} FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
         finally:
-            common.USE_QUANT_GEMV = True
+            common.USE_QUANT_GEMV, common.GEMV_MAX_ROWS = True, common.DECODE_MAX_ROWS
             llm = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -473,6 +505,7 @@ def main() -> None:
     sweep(bw, args.quick)
     if args.quick:
         decode(ceil, ["int4", "int8"], [1], 32)
+        large_m(bw, True)
     else:
         decode(
             ceil, ["bf16", "int8", "int4", "int4/generic", "fp8", "fp8-w8a8"], [1, 8, 32, 128], 32

@@ -30,7 +30,7 @@ One row of x (``BLOCK_M == 1``) reduces on CUDA cores (an fp32 ``[BLOCK_N, words
 products, summed over K once per group or once at the end); more rows use tensor cores
 (``tl.dot`` of x against the widened weight rounded to bf16/fp16, exact for these small
 integers) and need at least 16 words per group tile. Configs: ``TUNED_CONFIGS[(kind, N, K,
-m_bucket(M))]`` (H100, from the sweep), else ``heuristic_config``. ``supports`` says whether a
+row_bucket(M))]`` (H100, from the sweep), else ``heuristic_config``. ``supports`` says whether a
 weight can take this kernel at all (words must be 4-byte aligned); ``common.quantized_linear``
 falls back to ``dequant_gemm`` where it cannot.
 """
@@ -46,7 +46,7 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.gemv import _silu_mul, m_bucket
 
-MAX_ROWS = 16
+MAX_ROWS = 256  # decode batches up to 16 rows; larger M (tensor cores, BLOCK_M rows a program)
 MAGIC = 0x4B000000  # fp32 bits of 2^23: OR-ing u < 2^23 into the mantissa gives 2^23 + u
 BIAS8 = -2139062144  # 0x80808080 as int32: XOR turns four signed bytes into q + 128
 ELEMS_PER_WORD = {"int4": 8, "int8": 4, "fp8": 4}
@@ -58,16 +58,26 @@ class QuantGemvConfig(NamedTuple):
     block_k: int  # K elements per loop step: a multiple of the group, or a divisor of it
     num_warps: int
     num_stages: int  # tiles in flight (cp.async pipelining of the K loop)
-    unpack: int  # int4/int8: 1 magic-number words, 0 Triton conversions; fp8: FP8_VIA route
+    unpack: int  # 0 Triton conversions; int4/int8 1: fp32 magic; int4 2: 16-bit pairs on tensor
+    # cores at every M; fp8 1/2: widened through fp16/bf16
+    block_m: int = 0  # rows of x per program; 0: M's power-of-two bucket (16 at most), 64 above
 
 
-# (kind, N, K, m_bucket) -> config, measured on an H100 by scripts/gpu_quant.py (Llama-3.1-8B).
+# (kind, N, K, row_bucket(M)) -> config, measured on an H100 by scripts/gpu_quant.py (Llama-3.1-8B).
 TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] = {}
 
 
+def row_bucket(m: int) -> int:
+    """The TUNED_CONFIGS key for M rows: the next power of two (at most MAX_ROWS)."""
+    return min(MAX_ROWS, triton.next_power_of_2(max(m, 1)))
+
+
 def heuristic_config(kind: str, n: int, k: int, m: int, sms: int) -> QuantGemvConfig:
-    """At least two programs per SM (BLOCK_N from 32 down to 4); 512 elements per step (256
-    bytes of int4 per row), four warps, four stages; the magic unpack."""
+    """Decode (M <= 16): at least two programs per SM (BLOCK_N from 32 down to 4); 512
+    elements per step (256 bytes of int4 per row), four warps, four stages; the magic unpack.
+    Larger M: 64 x 64 output tiles, 128 elements per step, three stages."""
+    if m > 16:
+        return QuantGemvConfig(64, 128, 4, 3, 1 if kind != "fp8" else 0, 64)
     block_n = 32 if m > 1 else 16
     while block_n > 4 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
@@ -78,10 +88,10 @@ def heuristic_config(kind: str, n: int, k: int, m: int, sms: int) -> QuantGemvCo
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> QuantGemvConfig:
-    """The tuned config of M's bucket, else of the largest smaller bucket measured, else the
-    heuristic's."""
-    bucket = m_bucket(m)
-    while bucket >= 1:
+    """The tuned config of M's bucket, else of the largest smaller bucket measured (decode
+    buckets for decode, buckets above 16 for larger M), else the heuristic's."""
+    bucket = row_bucket(m)
+    while bucket >= (32 if m > 16 else 1):
         tuned = TUNED_CONFIGS.get((kind, n, k, bucket))
         if tuned is not None:
             return QuantGemvConfig(*tuned)
@@ -110,6 +120,41 @@ def _load_x(x_ptrs, K, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr, USE_DOT:
     if SILU_MUL:
         return _silu_mul(tl.load(x_ptrs), tl.load(x_ptrs + K), LIBDEVICE, USE_DOT)
     return tl.load(x_ptrs)
+
+
+@triton.jit
+def _int4_pairs(
+    words,
+    x_ptrs,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """int4 ``UNPACK == 2``: two nibbles widened per 32-bit op. ``((w >> 4i) & 0x000F000F) |
+    0x43004300`` holds bf16 ``128 + q`` for nibbles i (low half) and i + 4 (high half) (fp16:
+    ``0x64006400``, ``1024 + q``); each half feeds a tensor-core dot against x's elements of
+    that nibble position, and ``128 * sum x`` (1024) comes off the group's dot product."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for i in tl.static_range(4):
+        x_lo = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, True)  # [BM, SW]
+        x_hi = _load_x(x_ptrs + i + 4, K, SILU_MUL, LIBDEVICE, True)
+        if x_lo.dtype == tl.float16:
+            v = ((words >> (4 * i)) & 0x000F000F) | 0x64006400
+        else:
+            v = ((words >> (4 * i)) & 0x000F000F) | 0x43004300
+        lo = v.to(tl.int16).to(x_lo.dtype, bitcast=True)  # [BN, SW]
+        hi = (v >> 16).to(tl.int16).to(x_lo.dtype, bitcast=True)
+        acc = tl.dot(x_lo, tl.trans(lo), acc)
+        acc = tl.dot(x_hi, tl.trans(hi), acc)
+        xsum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+    if x_lo.dtype == tl.float16:
+        acc -= 1024.0 * xsum[:, None]
+    else:
+        acc -= 128.0 * xsum[:, None]
+    return acc, xsum
 
 
 @triton.jit
@@ -147,6 +192,8 @@ def _sub_tile(
             acc += w.to(tl.float32) * x.to(tl.float32)
         return acc, xsum
     words = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SW] int32
+    if KIND == 1 and UNPACK == 2:  # 16-bit pairs for tensor cores (see _int4_pairs)
+        return _int4_pairs(words, x_ptrs, K, BLOCK_M, BLOCK_N, SILU_MUL, LIBDEVICE)
     if KIND == 0 and UNPACK == 1:
         words = words ^ -2139062144  # BIAS8: each byte becomes q + 128
     high = words >> 16
@@ -292,7 +339,10 @@ def _resolve(
         bk //= 2
     if k % bk or (not lay.row_scale and lay.group % bk and bk % lay.group) or bk < 4 * epw:
         return None
-    use_dot = m > 1 and x_dtype != torch.float32
+    pairs = kind == "int4" and cfg.unpack == 2  # tensor cores at every M (16-bit pairs)
+    if pairs and x_dtype not in (torch.bfloat16, torch.float16):
+        return None
+    use_dot = (m > 1 or pairs) and x_dtype != torch.float32
     sub_k = bk if (lay.row_scale or bk <= lay.group) else lay.group
     if use_dot and sub_k // epw < 16:
         return None
@@ -340,7 +390,7 @@ def quant_gemv(
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x {tuple(x.shape)} does not match weight [{n}, {k}]")
     if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"quant_gemv: M = {m} rows; the decode GEMV takes 1 to {MAX_ROWS}")
+        raise ValueError(f"quant_gemv: M = {m} rows; it takes 1 to {MAX_ROWS}")
     if kind == "int4" and offsets is None:
         raise ValueError("quant_gemv: int4 needs offsets")
     words = _words(kind, qweight)
@@ -354,7 +404,7 @@ def quant_gemv(
     bk, use_dot = resolved
     epw = 1 if kind == "fp8" else ELEMS_PER_WORD[kind]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = m_bucket(m)
+    block_m = cfg.block_m or (m_bucket(m) if m <= 16 else 64)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
     launch = _quant_gemv_kernel.warmup if warmup else _quant_gemv_kernel[grid]
     extra = {"grid": grid} if warmup else {}

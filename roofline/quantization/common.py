@@ -2,8 +2,8 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
-* CUDA, at most ``DECODE_MAX_ROWS`` rows: ``kernels.quant_gemv`` (magic-number unpacking,
-  tuned per shape) where it takes the weight;
+* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``):
+  ``kernels.quant_gemv`` (magic-number unpacking, tuned per shape) where it takes the weight;
 * CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
   (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
   rows beyond);
@@ -31,6 +31,7 @@ FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
 # Decode batches (<= DECODE_MAX_ROWS rows) take kernels.quant_gemv where it supports the weight;
 # ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
 USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
+GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MAX_ROWS)))
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -96,7 +97,7 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
-    if x.shape[0] <= DECODE_MAX_ROWS and USE_QUANT_GEMV:
+    if x.shape[0] <= GEMV_MAX_ROWS and USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
         x = x.contiguous()

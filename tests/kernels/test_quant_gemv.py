@@ -49,6 +49,8 @@ CASES = [
     ("int4", 128, 1, 64),
     ("int4", 128, 1, 256),
     ("int4", 64, 0, 128),
+    ("int4", 128, 2, 256),
+    ("int4", 128, 2, 128),
     ("fp8", K, 0, 128),
     ("fp8", K, 1, 256),
     ("fp8", 0, 2, 64),
@@ -74,14 +76,26 @@ def test_quant_gemv_matches_reference(kind: str, group: int, unpack: int, block_
     assert_close(got, _expected(kind, x, qweight, scales, offsets, bias), torch.bfloat16)
 
 
-@pytest.mark.parametrize("m", [1, 16])
-def test_symmetric_int4_picked_config(m: int) -> None:
+@pytest.mark.parametrize("m,unpack", [(1, None), (16, None), (2, 2)])
+def test_symmetric_int4_fp16(m: int, unpack: int | None) -> None:
     qweight, scales, offsets = _weight("int4", 128, symmetric=True, seed=5)
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     x = x.to(torch.float16)
     assert supports("int4", x, qweight, scales)
-    got = quant_gemv("int4", x, qweight, scales, offsets)
+    cfg = None if unpack is None else QuantGemvConfig(8, 256, 4, 2, unpack)
+    got = quant_gemv("int4", x, qweight, scales, offsets, config=cfg)
     assert_close(got, _expected("int4", x, qweight, scales, offsets), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind,group,unpack", [("int4", 128, 2), ("int8", K, 1), ("fp8", K, 0)])
+def test_large_m_row_blocks(kind: str, group: int, unpack: int) -> None:
+    """M above the decode buckets: several row blocks of BLOCK_M rows, the last one partial."""
+    qweight, scales, offsets = _weight(kind, group, seed=10)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    cfg = QuantGemvConfig(16, 128, 4, 2, unpack, 16)
+    got = quant_gemv(kind, x, qweight, scales, offsets, config=cfg)
+    assert_close(got, _expected(kind, x, qweight, scales, offsets), torch.bfloat16)
 
 
 def test_fp32_activations_one_row() -> None:
@@ -109,7 +123,7 @@ def test_refusals() -> None:
     x = torch.zeros(1, K + 2, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="does not match"):
         quant_gemv("int4", x, qweight, scales, offsets)
-    x = torch.zeros(17, K, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(257, K, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="rows"):
         quant_gemv("int4", x, qweight, scales, offsets)
     unaligned = qweight[:, 1:-1]  # rows not 4-byte aligned
