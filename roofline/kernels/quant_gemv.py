@@ -136,25 +136,21 @@ def _int4_pairs(
     0x43004300`` holds bf16 ``128 + q`` for nibbles i (low half) and i + 4 (high half) (fp16:
     ``0x64006400``, ``1024 + q``); each half feeds a tensor-core dot against x's elements of
     that nibble position, and ``128 * sum x`` (1024) comes off the group's dot product."""
+    X_DTYPE: tl.constexpr = x_ptrs.dtype.element_ty
+    MAGIC16: tl.constexpr = 0x64006400 if X_DTYPE == tl.float16 else 0x43004300
+    BASE: tl.constexpr = 1024.0 if X_DTYPE == tl.float16 else 128.0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i in tl.static_range(4):
         x_lo = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, True)  # [BM, SW]
         x_hi = _load_x(x_ptrs + i + 4, K, SILU_MUL, LIBDEVICE, True)
-        if x_lo.dtype == tl.float16:
-            v = ((words >> (4 * i)) & 0x000F000F) | 0x64006400
-        else:
-            v = ((words >> (4 * i)) & 0x000F000F) | 0x43004300
-        lo = v.to(tl.int16).to(x_lo.dtype, bitcast=True)  # [BN, SW]
-        hi = (v >> 16).to(tl.int16).to(x_lo.dtype, bitcast=True)
+        v = ((words >> (4 * i)) & 0x000F000F) | MAGIC16  # [BN, SW]: two 16-bit floats
+        lo = v.to(tl.int16).to(X_DTYPE, bitcast=True)  # [BN, SW]
+        hi = (v >> 16).to(tl.int16).to(X_DTYPE, bitcast=True)
         acc = tl.dot(x_lo, tl.trans(lo), acc)
         acc = tl.dot(x_hi, tl.trans(hi), acc)
         xsum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-    if x_lo.dtype == tl.float16:
-        acc -= 1024.0 * xsum[:, None]
-    else:
-        acc -= 128.0 * xsum[:, None]
-    return acc, xsum
+    return acc - BASE * xsum[:, None], xsum
 
 
 @triton.jit
