@@ -10,8 +10,9 @@ one of the canonical layouts (``formats``) by device and number of rows:
 * CUDA, more rows (prefill): the weight dequantized by one Triton launch into a 16-bit buffer,
   then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` moves the switch (0: always dequantize +
   cuBLAS); ``scripts/gpu_quant.py`` times both at each M to set it;
-* CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``, the hook for a fast
-  CPU kernel), else dequantize per call (``formats``) and ``F.linear``: correct, not fast.
+* CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``; ``cpu_kernels``
+  registers the compiled int8/int4 kernels on the first CPU call), else dequantize per call
+  (``formats``) and ``F.linear``: correct, not fast.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ CpuKernel = Callable[
 ]
 """``fn(x, qweight, scales, offsets, bias) -> x @ W^T + bias`` for one canonical layout."""
 CPU_KERNELS: dict[str, CpuKernel] = {}
+# False: CPU GEMMs take the plain-torch dequantize path even where a kernel is registered
+# (the reference the CPU kernels are tested against).
+USE_CPU_KERNELS = os.environ.get("ROOFLINE_QUANT_CPU_KERNELS", "1") != "0"
 
 
 def register_cpu_kernel(kind: str, fn: CpuKernel) -> None:
@@ -91,7 +95,12 @@ def quantized_linear(
     """``x @ W^T + bias`` for a weight in canonical layout ``kind`` (see the module doc)."""
     offsets = getattr(layer, "offsets", None)
     if not x.is_cuda:
-        cpu = CPU_KERNELS.get(kind)
+        cpu = None
+        if USE_CPU_KERNELS:
+            from roofline.quantization import cpu_kernels
+
+            cpu_kernels.install()  # once: registers the compiled kernels if they load
+            cpu = CPU_KERNELS.get(kind)
         if cpu is not None:
             return cpu(x, layer.qweight, layer.scales, offsets, bias)
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
