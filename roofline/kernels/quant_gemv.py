@@ -105,21 +105,25 @@ def _widen(src, SH: tl.constexpr, KIND: tl.constexpr, UNPACK: tl.constexpr):
     magic unpack (the caller scales x by ``2^-SH``), ``q`` with Triton's conversions."""
     if KIND == 1:
         if UNPACK == 1:
-            f = ((src & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
-            return f - 8388608.0
-        return ((src >> SH) & 15).to(tl.float32)
-    else:  # int8; src already XOR-ed to q + 128
+            w = ((src & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            w = ((src >> SH) & 15).to(tl.float32)
+    else:  # int8; src already XOR-ed to q + 128 with the magic unpack
         if UNPACK == 1:
-            f = ((src & (255 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
-            return f - (8388608.0 + 128.0 * (1 << SH))
-        return ((src << (24 - SH)) >> 24).to(tl.float32)
+            w = ((src & (255 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = w - (8388608.0 + 128.0 * (1 << SH))
+        else:
+            w = ((src << (24 - SH)) >> 24).to(tl.float32)
+    return w
 
 
 @triton.jit
 def _load_x(x_ptrs, K, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr, USE_DOT: tl.constexpr):
     if SILU_MUL:
-        return _silu_mul(tl.load(x_ptrs), tl.load(x_ptrs + K), LIBDEVICE, USE_DOT)
-    return tl.load(x_ptrs)
+        x = _silu_mul(tl.load(x_ptrs), tl.load(x_ptrs + K), LIBDEVICE, USE_DOT)
+    else:
+        x = tl.load(x_ptrs)
+    return x
 
 
 @triton.jit
@@ -169,43 +173,92 @@ def _sub_tile(
     LIBDEVICE: tl.constexpr,
 ):
     """Unscaled partial dot products of one sub-tile: ``[BM, BN]`` (tensor cores) or the
-    ``[BN, SW]`` fp32 products for one row; and ``sum x`` over the sub-tile, ``[BM]``."""
+    ``[BN, SW]`` fp32 products for one row; and ``sum x`` over the sub-tile, ``[BM]`` (int4).
+    (Static branches only, no early returns: Triton would still compile the code after one.)"""
+    if KIND == 2:
+        acc, xsum = _fp8_tile(
+            q_ptrs, x_ptrs, K, UNPACK, BLOCK_M, BLOCK_N, SW, USE_DOT, SILU_MUL, LIBDEVICE
+        )
+    elif KIND == 1 and UNPACK == 2:  # 16-bit pairs for tensor cores (see _int4_pairs)
+        words = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SW] int32
+        acc, xsum = _int4_pairs(words, x_ptrs, K, BLOCK_M, BLOCK_N, SILU_MUL, LIBDEVICE)
+    else:
+        acc, xsum = _word_tile(
+            q_ptrs, x_ptrs, K, KIND, UNPACK, EPW, BLOCK_M, BLOCK_N, SW, USE_DOT, SILU_MUL,
+            LIBDEVICE,
+        )  # fmt: skip
+    return acc, xsum
+
+
+@triton.jit
+def _fp8_tile(
+    q_ptrs,
+    x_ptrs,
+    K,
+    UNPACK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, SW), dtype=tl.float32)
     xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if KIND == 2:
-        w = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SUB_K] fp8
-        x = _load_x(x_ptrs, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SUB_K]
-        if UNPACK == 1:
-            w = w.to(tl.float16)
-        elif UNPACK == 2:
-            w = w.to(tl.bfloat16)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        else:
-            acc += w.to(tl.float32) * x.to(tl.float32)
-        return acc, xsum
+    w = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SW] fp8
+    x = _load_x(x_ptrs, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW]
+    if UNPACK == 1:
+        w = w.to(tl.float16)
+    elif UNPACK == 2:
+        w = w.to(tl.bfloat16)
+    if USE_DOT:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    else:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    return acc, xsum
+
+
+@triton.jit
+def _word_tile(
+    q_ptrs,
+    x_ptrs,
+    K,
+    KIND: tl.constexpr,
+    UNPACK: tl.constexpr,
+    EPW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """int4 / int8 words widened in fp32 (the magic unpack or Triton's conversions)."""
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, SW), dtype=tl.float32)
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     words = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SW] int32
-    if KIND == 1 and UNPACK == 2:  # 16-bit pairs for tensor cores (see _int4_pairs)
-        return _int4_pairs(words, x_ptrs, K, BLOCK_M, BLOCK_N, SILU_MUL, LIBDEVICE)
     if KIND == 0 and UNPACK == 1:
         words = words ^ -2139062144  # BIAS8: each byte becomes q + 128
     high = words >> 16
+    HALF: tl.constexpr = EPW // 2  # magic: positions HALF.. come from the high half
     for i in tl.static_range(EPW):
-        HALF: tl.constexpr = EPW // 2  # magic: positions HALF.. come from the high half
-        SH: tl.constexpr = (i - (i // HALF) * HALF * UNPACK) * (32 // EPW)
+        sh = (i - (i // HALF) * HALF * UNPACK) * (32 // EPW)  # a constexpr
         if UNPACK == 1 and i >= HALF:
-            w = _widen(high, SH, KIND, UNPACK)  # [BN, SW] fp32
+            w = _widen(high, sh, KIND, UNPACK)  # [BN, SW] fp32
         else:
-            w = _widen(words, SH, KIND, UNPACK)
+            w = _widen(words, sh, KIND, UNPACK)
         x = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW]
         xf = x.to(tl.float32)
         if KIND == 1:
             xsum += tl.sum(xf, axis=1)
         if UNPACK == 1:
-            xf = xf * (1.0 / (1 << SH))
+            xf = xf * (1.0 / (1 << sh))
         if USE_DOT:
             acc = tl.dot(xf.to(x.dtype), tl.trans(w.to(x.dtype)), acc)
         else:
