@@ -173,7 +173,8 @@ def _sub_tile(
     LIBDEVICE: tl.constexpr,
 ):
     """Unscaled partial dot products of one sub-tile: ``[BM, BN]`` (tensor cores) or the
-    ``[BN, SW]`` fp32 products for one row; and ``sum x`` over the sub-tile, ``[BM]`` (int4).
+    ``[BN, SW]`` fp32 products for one row; and ``sum x`` over the sub-tile (int4): ``[BM]``,
+    or per word position ``[1, SW]`` for one row.
     (Static branches only, no early returns: Triton would still compile the code after one.)"""
     if KIND == 2:
         acc, xsum = _fp8_tile(
@@ -239,9 +240,10 @@ def _word_tile(
     """int4 / int8 words widened in fp32 (the magic unpack or Triton's conversions)."""
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
+        xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:  # one row: products and x sums stay per word position (no reduction per group)
         acc = tl.zeros((BLOCK_N, SW), dtype=tl.float32)
-    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xsum = tl.zeros((1, SW), dtype=tl.float32)
     words = tl.load(q_ptrs, eviction_policy="evict_first")  # [BN, SW] int32
     if KIND == 0 and UNPACK == 1:
         words = words ^ -2139062144  # BIAS8: each byte becomes q + 128
@@ -256,7 +258,10 @@ def _word_tile(
         x = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW]
         xf = x.to(tl.float32)
         if KIND == 1:
-            xsum += tl.sum(xf, axis=1)
+            if USE_DOT:
+                xsum += tl.sum(xf, axis=1)
+            else:
+                xsum += xf
         if UNPACK == 1:
             xf = xf * (1.0 / (1 << sh))
         if USE_DOT:
@@ -306,10 +311,10 @@ def _quant_gemv_kernel(
     offs_w = tl.arange(0, SW)
     q_base = q_ptr + rows_n[:, None] * stride_qn + offs_w[None, :]  # [BN, SW]
     x_base = x_ptr + rows_m[:, None] * stride_xm + offs_w[None, :] * EPW  # [BM, SW]
-    if ROW_SCALE and not USE_DOT:
-        acc = tl.zeros((BLOCK_N, SW), dtype=tl.float32)
-    else:
+    if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # one row: [BN, SW] products, reduced over K once after the loop
+        acc = tl.zeros((BLOCK_N, SW), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         for j in tl.static_range(NSUB):
             k = k0 + j * SUB_K
@@ -320,20 +325,22 @@ def _quant_gemv_kernel(
             if ROW_SCALE:
                 acc += part
             else:
-                if USE_DOT:
-                    dot = part  # [BM, BN]
-                else:
-                    dot = tl.sum(part, axis=1)[None, :]  # [1, BN]
                 col = k // GROUP
                 s = tl.load(s_ptr + rows_n * stride_s + col).to(tl.float32)  # [BN]
-                acc += dot * s[None, :]
                 if KIND == 1:
                     o = tl.load(o_ptr + rows_n * stride_s + col).to(tl.float32)  # [BN]
-                    acc += xsum[:, None] * o[None, :]
-    if ROW_SCALE and not USE_DOT:
-        result = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-    else:
+                if USE_DOT:  # part [BM, BN], xsum [BM]
+                    acc += part * s[None, :]
+                    if KIND == 1:
+                        acc += xsum[:, None] * o[None, :]
+                else:  # part [BN, SW], xsum [1, SW]: scaled per word position
+                    acc += part * s[:, None]
+                    if KIND == 1:
+                        acc += o[:, None] * xsum
+    if USE_DOT:
         result = acc
+    else:
+        result = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     if ROW_SCALE:
         if SCALAR_SCALE:
             result *= tl.load(s_ptr).to(tl.float32)
