@@ -1,25 +1,26 @@
 """The quantization GPU session in one process (H100, Llama-3.1-8B config, random weights):
 
-1. parity on the GPU: ``quant_gemv`` (the decode GEMV, picked config and both unpack paths) and
-   the generic fused dequant GEMM against x times the exactly dequantized weight, at the 8B's
-   linear shapes and M = 1, 4, 16 (+ the SiLU-fused down projection); the Triton per-token fp8
-   quantization bit-exact against torch's; fp8 W8A8 on ``torch._scaled_mm``;
-2. the decode config sweep: per method (int8 per channel, int4 g128, fp8) and shape, us per GEMV
-   and % of copy bandwidth for the generic kernel, ``quant_gemv``'s heuristic and every candidate
-   config, the bf16 skinny GEMM beside it; weights cycle through a ring of copies (>= 256 MiB)
-   inside one CUDA graph, so no call is served from L2. Ends with the ``TUNED_CONFIGS`` literal;
-3. large M (128, 256, 1024): bf16 cuBLAS vs the fused dequant GEMM vs dequantize + cuBLAS vs
-   fp8 W8A8 ``_scaled_mm`` (with the Triton per-token quantization);
-4. per method (bf16, int8, int4 g128, fp8, fp8-w8a8): start-up, batch-1 decode tok/s beside
-   its roofline (quantized weight bytes + scales + 16-bit LM head over the copy bandwidth),
-   and (full run) decode step time at batch 8 / 32 / 128; int4 also with ``quant_gemv`` off
-   (``int4/generic``) and with it up to 256 rows (``int4/gemv256``);
-5. (full run) final-logits error vs bf16 per method; offline throughput fp8 W8A8 vs bf16.
+1. parity on the GPU: ``quant_gemv`` (the decode GEMV, its picked config) and the generic fused
+   dequant GEMM against x times the exactly dequantized weight, down projection at M = 1 and 16
+   (+ the SiLU-fused path); the Triton per-token fp8 quantization bit-exact against torch's;
+   fp8 W8A8 on ``torch._scaled_mm``. (The sweep also checks every winning config's result.)
+2. the decode config sweep: per method (int8 per channel, int4 g128, fp8) and 8B shape, at
+   M = 1 (and 16 in the full run): us per GEMV and % of copy bandwidth for the generic kernel,
+   ``quant_gemv``'s heuristic and every candidate config (unpack variants side by side), the
+   bf16 skinny GEMM beside it; weights cycle through a ring of copies (>= 256 MiB) inside one
+   CUDA graph, so no call is served from L2. Prints the ``TUNED_CONFIGS`` literal (also
+   ``$OUT/quant_gemv_tuned.txt``) and installs it for the decode runs below;
+3. per method: start-up, batch-1 decode tok/s beside its roofline (quantized weight bytes +
+   scales + 16-bit LM head over the copy bandwidth); quick: int4, int8; full: bf16, int8, int4,
+   fp8 at batch 1 and 128, fp8-w8a8 and int4 without ``quant_gemv`` at batch 128;
+4. large M (quick: o / gate_up at 128, 256; full: every shape at 64, 128, 256): bf16 cuBLAS vs
+   the generic fused GEMM vs dequantize + cuBLAS vs ``quant_gemv`` row blocks vs fp8 W8A8;
+5. (``--extra``) final-logits error vs bf16 per method; offline throughput fp8 W8A8 vs bf16.
 
 Each section prints its error and goes on; a short table comes last.
 
-    python scripts/gpu_quant.py --quick      # about 90 s: parity, M = 1 sweep, batch-1 decode
-    python scripts/gpu_quant.py              # about 4 min: everything
+    python scripts/gpu_quant.py --quick      # about 90-120 s
+    python scripts/gpu_quant.py              # about 4 min
 """
 
 from __future__ import annotations
@@ -182,14 +183,14 @@ def ring(kind: str, n: int, k: int) -> list[tuple]:
 
 
 def candidates(kind: str, m: int, quick: bool) -> list[QuantGemvConfig]:
-    unpacks = (0, 1, 2) if kind != "int8" else (0, 1)
     if m == 1:
-        bns, bks = ((8, 16), (512,)) if quick else ((4, 8, 16, 32), (256, 512, 1024))
-        warps, stages = ((4,), (3, 5)) if quick else ((4, 8), (3, 4, 6))
+        unpacks = (0, 1, 2) if kind != "int8" else (0, 1)
+        bns, bks = ((8, 16), (512,)) if quick else ((4, 8, 16, 32), (512, 1024))
+        warps, stages = (4,), ((3, 5) if quick else (3, 5))
     else:
-        bns, bks = ((16, 32), (256,)) if quick else ((16, 32, 64), (256, 512))
-        warps, stages = ((4,), (3,)) if quick else ((4, 8), (3, 4))
         unpacks = {"int8": (0, 1), "int4": (1, 2), "fp8": (0, 1)}[kind]
+        bns, bks = ((16, 32), (256,)) if quick else ((16, 32, 64), (256, 512))
+        warps, stages = ((4,), (3,)) if quick else ((4, 8), (3,))
     return [
         QuantGemvConfig(bn, bk, w, st, u)
         for bn in bns for bk in bks for w in warps for st in stages for u in unpacks
@@ -296,7 +297,7 @@ def sweep(copy_bw: float, quick: bool) -> None:
             bf16_ring = [
                 torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(copies)
             ]
-            for m in (1,) if quick else (1, 4, 16):
+            for m in (1,) if quick else (1, 16):
                 best = sweep_one(kind, layer, m, weights, bf16_ring, copy_bw, quick)
                 if best is not None:
                     tuned[(kind, n, k, m)] = tuple(best)
@@ -307,12 +308,13 @@ def sweep(copy_bw: float, quick: bool) -> None:
         print(f"    {key!r}: {cfg!r},")
     print("}")
     SUMMARY["tuned"] = {repr(k): v for k, v in tuned.items()}
+    return tuned
 
 
 def large_candidates(kind: str, quick: bool) -> list[QuantGemvConfig]:
     unpacks = {"int8": (0, 1), "int4": (1, 2), "fp8": (0,)}[kind]
     bms, bns = ((64,), (64, 128)) if quick else ((64, 128), (64, 128))
-    bks, warps, stages = ((128,), (4,), (3,)) if quick else ((128, 256), (4, 8), (3, 4))
+    bks, warps, stages = (128,), ((4,) if quick else (4, 8)), (3,)
     return [
         QuantGemvConfig(bn, bk, w, st, u, bm)
         for bm in bms for bn in bns for bk in bks for w in warps for st in stages for u in unpacks
@@ -325,11 +327,11 @@ def large_m(copy_bw: float, quick: bool) -> None:
     and fp8 W8A8, weights cycling through a ring (no L2 hits)."""
     for layer, (n, k) in SHAPES.items():
         if quick and layer not in ("gate_up", "o"):
-            continue
+            continue  # (the full run: every shape)
         copies = max(2, math.ceil(RING_BYTES / (2 * n * k)))
         w16 = [(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16),) for _ in range(copies)]
         rings = {kind: ring(kind, n, k) for kind in METHODS}
-        for m in (128, 256) if quick else (32, 64, 128, 256, 1024):
+        for m in (128, 256) if quick else (64, 128, 256):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             t_bf16 = time_ring(partial(F.linear, x), w16)
             parts = [f"{layer:7} M={m:4}: bf16 {t_bf16 * 1e6:6.1f} us"]
@@ -491,6 +493,7 @@ def logits_error() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="about 90 s: parity, M = 1, batch 1")
+    ap.add_argument("--extra", action="store_true", help="also logits error and offline W8A8")
     ap.add_argument(
         "--requests", type=int, default=96, help="offline throughput requests (256: full workload)"
     )
@@ -501,21 +504,23 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
-    parity(args.quick)
-    sweep(bw, args.quick)
+    parity(True)
+    tuned = sweep(bw, args.quick) or {}
+    quant_gemv.TUNED_CONFIGS.update(tuned)  # the decode runs below use the measured configs
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "quant_gemv_tuned.txt"), "w") as f:
+        f.write("".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items()))
     if args.quick:
         decode(ceil, ["int4", "int8"], [1], 32)
-        large_m(bw, True)
     else:
-        decode(
-            ceil, ["bf16", "int8", "int4", "int4/generic", "fp8", "fp8-w8a8"], [1, 8, 32, 128], 32
-        )
-        large_m(bw, False)
+        decode(ceil, ["bf16", "int8", "int4", "fp8"], [1, 128], 32)
+        decode(ceil, ["fp8-w8a8", "int4/generic"], [128], 32)
+    large_m(bw, args.quick)
+    if args.extra:
         logits_error()
         offline(ceil, args.requests)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_quant.json"), "w") as f:
         json.dump(SUMMARY, f, indent=1, default=str)
 
