@@ -88,14 +88,19 @@ def heuristic_config(kind: str, n: int, k: int, m: int, sms: int) -> QuantGemvCo
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> QuantGemvConfig:
-    """The tuned config of M's bucket, else of the largest smaller bucket measured (decode
-    buckets for decode, buckets above 16 for larger M), else the heuristic's."""
+    """The tuned config of M's bucket, else of the nearest measured bucket of the same kind
+    (one row: CUDA cores; 2-16 rows: tensor cores; more: row blocks), else the heuristic's."""
     bucket = row_bucket(m)
-    while bucket >= (32 if m > 16 else 1):
-        tuned = TUNED_CONFIGS.get((kind, n, k, bucket))
+    if m == 1:
+        order = [1]
+    elif m <= 16:  # tensor-core buckets only: this one, then the others nearest first
+        order = [bucket] + sorted({2, 4, 8, 16} - {bucket}, key=lambda b: abs(b - bucket))
+    else:
+        order = [bucket] + [b for b in (256, 128, 64, 32) if b != bucket]
+    for b in order:
+        tuned = TUNED_CONFIGS.get((kind, n, k, b))
         if tuned is not None:
             return QuantGemvConfig(*tuned)
-        bucket //= 2
     return heuristic_config(kind, n, k, m, num_sms(device))
 
 

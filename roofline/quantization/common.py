@@ -28,7 +28,9 @@ from roofline.quantization import formats
 from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
-FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
+# H100, 8B shapes: at 128 rows dequantize + cuBLAS beat the generic fused GEMM for every method
+# (o_proj 27-30 vs 34-39 us; scripts/gpu_quant.py), so the fused GEMM stops at 64 rows.
+FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "64"))
 # Decode batches (<= DECODE_MAX_ROWS rows) take kernels.quant_gemv where it supports the weight;
 # ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
 USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
