@@ -185,8 +185,8 @@ def ring(kind: str, n: int, k: int) -> list[tuple]:
 def candidates(kind: str, m: int, quick: bool) -> list[QuantGemvConfig]:
     if m == 1:
         unpacks = (0, 1, 2) if kind != "int8" else (0, 1)
-        bns, bks = ((8, 16), (512,)) if quick else ((8, 16, 32, 64), (512, 1024))
-        warps, stages = ((4,), (3, 5)) if quick else ((2, 4), (4,))
+        bns, bks = ((8, 16, 32), (512,)) if quick else ((8, 16, 32, 64), (512, 1024))
+        warps, stages = ((1, 4), (4,)) if quick else ((1, 2, 4) if kind == "int4" else (2, 4), (4,))
     else:
         unpacks = {"int8": (0, 1), "int4": (1, 2), "fp8": (0, 1)}[kind]
         bns, bks = ((16, 32), (256,)) if quick else ((16, 32, 64), (256, 512))

@@ -74,8 +74,10 @@ def row_bucket(m: int) -> int:
 
 def heuristic_config(kind: str, n: int, k: int, m: int, sms: int) -> QuantGemvConfig:
     """Decode (M <= 16): at least two programs per SM (BLOCK_N from 32 down to 4); 512
-    elements per step (256 bytes of int4 per row), four warps, four stages; the magic unpack.
-    Larger M: 64 x 64 output tiles, 128 elements per step, three stages."""
+    elements per step (256 bytes of int4 per row), four stages; the magic unpack. One row of
+    int4 (a 16-word tile per group of 128, loaded as 4-word vectors): as many warps as that tile
+    fills (BLOCK_N / 8), so no thread holds a replicated copy; otherwise four warps. Larger M:
+    64 x 64 output tiles, 128 elements per step, three stages."""
     if m > 16:
         return QuantGemvConfig(64, 128, 4, 3, 1 if kind != "fp8" else 0, 64)
     block_n = 32 if m > 1 else 16
@@ -84,7 +86,8 @@ def heuristic_config(kind: str, n: int, k: int, m: int, sms: int) -> QuantGemvCo
     block_k = 512
     while block_k > 64 and k % block_k:
         block_k //= 2
-    return QuantGemvConfig(block_n, block_k, 4, 4, 1 if kind != "fp8" else 0)
+    warps = max(1, min(4, block_n // 8)) if kind == "int4" and m == 1 else 4
+    return QuantGemvConfig(block_n, block_k, warps, 4, 1 if kind != "fp8" else 0)
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> QuantGemvConfig:
