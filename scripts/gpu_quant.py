@@ -12,7 +12,8 @@
    ``$OUT/quant_gemv_tuned.txt``) and installs it for the decode runs below;
 3. per method: start-up, batch-1 decode tok/s beside its roofline (quantized weight bytes +
    scales + 16-bit LM head over the copy bandwidth); quick: int4, int8; full: bf16, int8, int4,
-   fp8 at batch 1 and 128, fp8-w8a8 at batch 128;
+   fp8 at batch 1 and 128; fp8-w8a8 and int4 with ``quant_gemv`` up to 256 rows
+   (``int4/gemv256``) at batch 128;
 4. large M (quick: o / gate_up at 128, 256; full: every shape at 64, 128, 256): bf16 cuBLAS vs
    the generic fused GEMM vs dequantize + cuBLAS vs ``quant_gemv`` row blocks vs fp8 W8A8;
 5. (``--extra``) final-logits error vs bf16 per method; offline throughput fp8 W8A8 vs bf16.
@@ -514,7 +515,7 @@ def main() -> None:
         decode(ceil, ["int4", "int8"], [1], 32)
     else:
         decode(ceil, ["bf16", "int8", "int4", "fp8"], [1, 128], 32)
-        decode(ceil, ["fp8-w8a8"], [128], 32)
+        decode(ceil, ["fp8-w8a8", "int4/gemv256"], [128], 32)
     large_m(bw, args.quick)
     if args.extra:
         logits_error()
