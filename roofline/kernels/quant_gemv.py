@@ -12,9 +12,9 @@ words and widened without conversion instructions, by the "magic number" trick: 
 * int4: a word holds 8 nibbles, element ``8j + i`` of the row in bits ``4i .. 4i + 3`` of word
   j (the canonical byte layout read little-endian). Nibble i (i < 4) is taken in place,
   ``(w & (0xF << 4i)) | 0x4B000000`` (one LOP3), which is ``2^23 + q * 2^4i``; nibbles 4..7
-  come from ``w >> 16`` the same way. The factor ``2^4i`` is moved onto x (``x * 2^-4i``,
-  exact), which is loaded per nibble position with stride 8: the dot over K does not care about
-  the order of K. Per element: one logic op, one FADD, one FFMA.
+  come from ``w >> 16`` the same way; one FMA, ``f * 2^-4i - 2^(23 - 4i)``, leaves q exactly.
+  x is loaded per nibble position with stride 8: the dot over K does not care about the order
+  of K. Per element: one logic op and two FMAs (widen, multiply-add).
 * int8: the word XOR ``0x80808080`` turns each signed byte into ``q + 128``; bytes 0, 1 in place
   and 2, 3 from ``w >> 16``, same trick, ``q`` recovered by subtracting ``2^23 + 128 * 2^8i``.
 * fp8: loaded as elements and widened by Triton's conversion (``FP8_VIA`` picks the route:
@@ -109,17 +109,18 @@ def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> Quan
 
 @triton.jit
 def _widen(src, SH: tl.constexpr, KIND: tl.constexpr, UNPACK: tl.constexpr):
-    """The integer held at bits ``SH ..`` of each int32 in src, as fp32: ``q * 2^SH`` with the
-    magic unpack (the caller scales x by ``2^-SH``), ``q`` with Triton's conversions."""
+    """The integer q held at bits ``SH ..`` of each int32 in src, as fp32 (the magic unpack: one
+    logic op and one FMA; or Triton's conversions)."""
     if KIND == 1:
-        if UNPACK == 1:
-            w = ((src & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        if UNPACK == 1:  # (2^23 + q 2^SH) 2^-SH - 2^(23 - SH): one exact FMA
+            f = ((src & (15 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = f * (1.0 / (1 << SH)) - 8388608.0 / (1 << SH)
         else:
             w = ((src >> SH) & 15).to(tl.float32)
     else:  # int8; src already XOR-ed to q + 128 with the magic unpack
         if UNPACK == 1:
-            w = ((src & (255 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
-            w = w - (8388608.0 + 128.0 * (1 << SH))
+            f = ((src & (255 << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = f * (1.0 / (1 << SH)) - (8388608.0 / (1 << SH) + 128.0)
         else:
             w = ((src << (24 - SH)) >> 24).to(tl.float32)
     return w
@@ -270,10 +271,8 @@ def _word_tile(
                 xsum += tl.sum(xf, axis=1)
             else:
                 xsum += xf
-        if UNPACK == 1:
-            xf = xf * (1.0 / (1 << sh))
         if USE_DOT:
-            acc = tl.dot(xf.to(x.dtype), tl.trans(w.to(x.dtype)), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         else:
             acc += w * xf
     return acc, xsum
