@@ -64,7 +64,7 @@ class QuantGemvConfig(NamedTuple):
 
 
 # (kind, N, K, row_bucket(M)) -> config, measured on an H100 by scripts/gpu_quant.py (Llama-3.1-8B).
-TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] = {}
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}  # QuantGemvConfig fields
 
 
 def row_bucket(m: int) -> int:
