@@ -12,9 +12,9 @@
    ``$OUT/quant_gemv_tuned.txt``) and installs it for the decode runs below;
 3. per method: start-up, batch-1 decode tok/s beside its roofline (quantized weight bytes +
    scales + 16-bit LM head over the copy bandwidth); quick: int4, int8; full: bf16, int8, int4,
-   fp8 at batch 1 and 128; fp8-w8a8 and int4 with ``quant_gemv`` up to 256 rows
-   (``int4/gemv256``) at batch 128;
-4. large M (quick: o / gate_up at 128, 256; full: every shape at 64, 128, 256): bf16 cuBLAS vs
+   fp8 at batch 1 and 128; fp8-w8a8 at batch 128 (variants ``int4/generic``: without
+   ``quant_gemv``, ``int4/gemv256``: with it up to 256 rows, for A/B runs);
+4. large M (quick: o / gate_up; full: every shape; M = 128, 256): bf16 cuBLAS vs
    the generic fused GEMM vs dequantize + cuBLAS vs ``quant_gemv`` row blocks vs fp8 W8A8;
 5. (``--extra``) final-logits error vs bf16 per method; offline throughput fp8 W8A8 vs bf16.
 
@@ -332,7 +332,7 @@ def large_m(copy_bw: float, quick: bool) -> None:
         copies = max(2, math.ceil(RING_BYTES / (2 * n * k)))
         w16 = [(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16),) for _ in range(copies)]
         rings = {kind: ring(kind, n, k) for kind in METHODS}
-        for m in (128, 256) if quick else (64, 128, 256):
+        for m in (128, 256):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             t_bf16 = time_ring(partial(F.linear, x), w16)
             parts = [f"{layer:7} M={m:4}: bf16 {t_bf16 * 1e6:6.1f} us"]
@@ -515,7 +515,7 @@ def main() -> None:
         decode(ceil, ["int4", "int8"], [1], 32)
     else:
         decode(ceil, ["bf16", "int8", "int4", "fp8"], [1, 128], 32)
-        decode(ceil, ["fp8-w8a8", "int4/gemv256"], [128], 32)
+        decode(ceil, ["fp8-w8a8"], [128], 32)
     large_m(bw, args.quick)
     if args.extra:
         logits_error()
