@@ -27,6 +27,7 @@ def _fp8_per_token_kernel(
     stride_xm,
     stride_qm,
     FP8_MAX_: tl.constexpr,
+    OUT_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -41,7 +42,9 @@ def _fp8_per_token_kernel(
         mask = k0 + offs < K
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if OUT_FP8:  # round to nearest even, as torch's conversion (not Triton's default)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=mask)
 
 
 def quantize_fp8_per_token(
@@ -60,7 +63,7 @@ def quantize_fp8_per_token(
         return q, scales
     block_k = min(2048, triton.next_power_of_2(max(k, 16)))
     _fp8_per_token_kernel[(m,)](
-        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX, BLOCK_K=block_k,
-        num_warps=4 if block_k <= 1024 else 8,
+        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX,
+        OUT_FP8=out_dtype == FP8_DTYPE, BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
     )  # fmt: skip
     return q, scales

@@ -61,10 +61,26 @@ class QuantGemvConfig(NamedTuple):
     unpack: int  # 0 Triton conversions; int4/int8 1: fp32 magic; int4 2: 16-bit pairs on tensor
     # cores at every M; fp8 1/2: widened through fp16/bf16
     block_m: int = 0  # rows of x per program; 0: M's power-of-two bucket (16 at most), 64 above
+    x_split: int = 0  # int4/int8: 1 loads x contiguously and splits it into element positions
 
 
 # (kind, N, K, row_bucket(M)) -> config, measured on an H100 by scripts/gpu_quant.py (Llama-3.1-8B).
-TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}  # QuantGemvConfig fields
+# Llama-3.1-8B qkv / o / gate_up / down at one row, 2026-11-24 (int8 per channel, int4 g128, fp8):
+# 59-85% / 24-46% / 68-97% of copy bandwidth; the generic kernel measured 58-75 / 10-25 / 56-75%.
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {  # QuantGemvConfig fields
+    ("int8", 6144, 4096, 1): (8, 512, 4, 4, 0, 0),
+    ("int8", 4096, 4096, 1): (8, 512, 4, 4, 0, 0),
+    ("int8", 28672, 4096, 1): (8, 512, 4, 4, 0, 0),
+    ("int8", 4096, 14336, 1): (8, 512, 4, 4, 1, 0),
+    ("int4", 6144, 4096, 1): (8, 512, 4, 4, 1, 0),
+    ("int4", 4096, 4096, 1): (8, 512, 4, 4, 0, 0),
+    ("int4", 28672, 4096, 1): (16, 512, 1, 4, 0, 0),
+    ("int4", 4096, 14336, 1): (8, 512, 4, 4, 0, 0),
+    ("fp8", 6144, 4096, 1): (8, 512, 4, 4, 1, 0),
+    ("fp8", 4096, 4096, 1): (8, 512, 4, 4, 0, 0),
+    ("fp8", 28672, 4096, 1): (8, 512, 4, 4, 1, 0),
+    ("fp8", 4096, 14336, 1): (8, 512, 4, 4, 0, 0),
+}
 
 
 def row_bucket(m: int) -> int:
@@ -170,7 +186,9 @@ def _int4_pairs(
 def _sub_tile(
     q_ptrs,  # [BN, SW] int32 words (or [BN, SUB_K] fp8 elements)
     x_ptrs,  # [BM, SW] x pointers of element 0 of each word (stride EPW)
+    xc_ptrs,  # [BM, SW * EPW] x pointers of the sub-tile, contiguous
     K,
+    X_SPLIT: tl.constexpr,
     KIND: tl.constexpr,
     UNPACK: tl.constexpr,
     EPW: tl.constexpr,
@@ -194,8 +212,8 @@ def _sub_tile(
         acc, xsum = _int4_pairs(words, x_ptrs, K, BLOCK_M, BLOCK_N, SILU_MUL, LIBDEVICE)
     else:
         acc, xsum = _word_tile(
-            q_ptrs, x_ptrs, K, KIND, UNPACK, EPW, BLOCK_M, BLOCK_N, SW, USE_DOT, SILU_MUL,
-            LIBDEVICE,
+            q_ptrs, x_ptrs, xc_ptrs, K, X_SPLIT, KIND, UNPACK, EPW, BLOCK_M, BLOCK_N, SW,
+            USE_DOT, SILU_MUL, LIBDEVICE,
         )  # fmt: skip
     return acc, xsum
 
@@ -232,10 +250,45 @@ def _fp8_tile(
 
 
 @triton.jit
+def _word_step(
+    acc,
+    xsum,
+    words,
+    high,
+    x,
+    POS: tl.constexpr,
+    KIND: tl.constexpr,
+    UNPACK: tl.constexpr,
+    EPW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """Element position POS of every word against x's elements of that position ([BM, SW])."""
+    HALF: tl.constexpr = EPW // 2  # magic: positions HALF.. come from the high half
+    sh = (POS - (POS // HALF) * HALF * UNPACK) * (32 // EPW)  # a constexpr
+    if UNPACK == 1 and POS >= HALF:
+        w = _widen(high, sh, KIND, UNPACK)  # [BN, SW] fp32
+    else:
+        w = _widen(words, sh, KIND, UNPACK)
+    xf = x.to(tl.float32)
+    if KIND == 1:
+        if USE_DOT:
+            xsum += tl.sum(xf, axis=1)
+        else:
+            xsum += xf
+    if USE_DOT:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    else:
+        acc += w * xf
+    return acc, xsum
+
+
+@triton.jit
 def _word_tile(
     q_ptrs,
-    x_ptrs,
+    x_ptrs,  # [BM, SW] x of element 0 of each word (stride EPW)
+    xc_ptrs,  # [BM, SW * EPW] contiguous x of the sub-tile
     K,
+    X_SPLIT: tl.constexpr,
     KIND: tl.constexpr,
     UNPACK: tl.constexpr,
     EPW: tl.constexpr,
@@ -246,7 +299,9 @@ def _word_tile(
     SILU_MUL: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """int4 / int8 words widened in fp32 (the magic unpack or Triton's conversions)."""
+    """int4 / int8 words widened in fp32 (the magic unpack or Triton's conversions). x is
+    loaded once, contiguously (vector loads), and split in registers into its EPW element
+    positions (``tl.split`` of a [BM, SW, 2, 2(, 2)] view), each [BM, SW]."""
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -257,24 +312,38 @@ def _word_tile(
     if KIND == 0 and UNPACK == 1:
         words = words ^ -2139062144  # BIAS8: each byte becomes q + 128
     high = words >> 16
-    HALF: tl.constexpr = EPW // 2  # magic: positions HALF.. come from the high half
-    for i in tl.static_range(EPW):
-        sh = (i - (i // HALF) * HALF * UNPACK) * (32 // EPW)  # a constexpr
-        if UNPACK == 1 and i >= HALF:
-            w = _widen(high, sh, KIND, UNPACK)  # [BN, SW] fp32
-        else:
-            w = _widen(words, sh, KIND, UNPACK)
-        x = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW]
-        xf = x.to(tl.float32)
-        if KIND == 1:
-            if USE_DOT:
-                xsum += tl.sum(xf, axis=1)
-            else:
-                xsum += xf
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        else:
-            acc += w * xf
+    if not X_SPLIT:  # each position's x loaded on its own, stride EPW
+        for i in tl.static_range(EPW):
+            x = _load_x(x_ptrs + i, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW]
+            acc, xsum = _word_step(acc, xsum, words, high, x, i, KIND, UNPACK, EPW, USE_DOT)
+    elif EPW == 8:
+        xt = _load_x(
+            xc_ptrs, K, SILU_MUL, LIBDEVICE, USE_DOT
+        )  # [BM, SW * EPW]  # element i = 4a + 2b + c of a word: split c, then b, then a
+        xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, SW, 2, 2, 2)))
+        xe0, xe1 = tl.split(xe)
+        xo0, xo1 = tl.split(xo)
+        p0, p4 = tl.split(xe0)
+        p2, p6 = tl.split(xe1)
+        p1, p5 = tl.split(xo0)
+        p3, p7 = tl.split(xo1)
+        acc, xsum = _word_step(acc, xsum, words, high, p0, 0, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p1, 1, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p2, 2, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p3, 3, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p4, 4, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p5, 5, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p6, 6, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p7, 7, KIND, UNPACK, EPW, USE_DOT)
+    else:  # element i = 2b + c
+        xt = _load_x(xc_ptrs, K, SILU_MUL, LIBDEVICE, USE_DOT)  # [BM, SW * EPW]
+        xe, xo = tl.split(tl.reshape(xt, (BLOCK_M, SW, 2, 2)))
+        p0, p2 = tl.split(xe)
+        p1, p3 = tl.split(xo)
+        acc, xsum = _word_step(acc, xsum, words, high, p0, 0, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p1, 1, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p2, 2, KIND, UNPACK, EPW, USE_DOT)
+        acc, xsum = _word_step(acc, xsum, words, high, p3, 3, KIND, UNPACK, EPW, USE_DOT)
     return acc, xsum
 
 
@@ -295,6 +364,7 @@ def _quant_gemv_kernel(
     stride_om,
     KIND: tl.constexpr,
     UNPACK: tl.constexpr,
+    X_SPLIT: tl.constexpr,  # x loaded contiguously and split into positions in registers
     EPW: tl.constexpr,  # elements per word (fp8: 1, elements are loaded as they are)
     GROUP: tl.constexpr,
     ROW_SCALE: tl.constexpr,
@@ -317,7 +387,9 @@ def _quant_gemv_kernel(
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
     offs_w = tl.arange(0, SW)
     q_base = q_ptr + rows_n[:, None] * stride_qn + offs_w[None, :]  # [BN, SW]
-    x_base = x_ptr + rows_m[:, None] * stride_xm + offs_w[None, :] * EPW  # [BM, SW]
+    x_rows = x_ptr + rows_m[:, None] * stride_xm  # [BM, 1]
+    x_base = x_rows + offs_w[None, :] * EPW  # [BM, SW]: element 0 of each word
+    xc_base = x_rows + tl.arange(0, SW * EPW)[None, :]  # [BM, SUB_K]: the sub-tile
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:  # one row: [BN, SW] products, reduced over K once after the loop
@@ -326,8 +398,8 @@ def _quant_gemv_kernel(
         for j in tl.static_range(NSUB):
             k = k0 + j * SUB_K
             part, xsum = _sub_tile(
-                q_base + k // EPW, x_base + k, K, KIND, UNPACK, EPW, BLOCK_M, BLOCK_N, SW,
-                USE_DOT, SILU_MUL, LIBDEVICE,
+                q_base + k // EPW, x_base + k, xc_base + k, K, X_SPLIT, KIND, UNPACK, EPW,
+                BLOCK_M, BLOCK_N, SW, USE_DOT, SILU_MUL, LIBDEVICE,
             )  # fmt: skip
             if ROW_SCALE:
                 acc += part
@@ -475,7 +547,7 @@ def quant_gemv(
         x, words, scales, offsets if offsets is not None else scales,
         bias if bias is not None else scales, out, m, n, k,
         x.stride(0), words.stride(0), lay.stride_s, out.stride(0),
-        KIND=_KINDS[kind], UNPACK=cfg.unpack, EPW=epw, GROUP=lay.group,
+        KIND=_KINDS[kind], UNPACK=cfg.unpack, X_SPLIT=cfg.x_split, EPW=epw, GROUP=lay.group,
         ROW_SCALE=lay.row_scale, SCALAR_SCALE=lay.scalar_scale, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, NUM_STAGES=cfg.num_stages,
         USE_DOT=use_dot, SILU_MUL=silu_mul, LIBDEVICE=silu_mul and not is_interpret(),

@@ -4,11 +4,12 @@ one of the canonical layouts (``formats``) by device and number of rows:
 
 * CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``):
   ``kernels.quant_gemv`` (magic-number unpacking, tuned per shape) where it takes the weight;
-* CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
+* CUDA, at most ``fused_max_rows`` rows (64, 128 for large weights; measured): the fused
+  dequant GEMM
   (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
   rows beyond);
 * CUDA, more rows (prefill): the weight dequantized by one Triton launch into a 16-bit buffer,
-  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` moves the switch (0: always dequantize +
+  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` fixes the switch (0: always dequantize +
   cuBLAS); ``scripts/gpu_quant.py`` times both at each M to set it;
 * CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``; ``cpu_kernels``
   registers the compiled int8/int4 kernels on the first CPU call), else dequantize per call
@@ -28,9 +29,21 @@ from roofline.quantization import formats
 from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
-# H100, 8B shapes: at 128 rows dequantize + cuBLAS beat the generic fused GEMM for every method
-# (o_proj 27-30 vs 34-39 us; scripts/gpu_quant.py), so the fused GEMM stops at 64 rows.
-FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "64"))
+# Rows up to which the generic fused GEMM beats dequantize + cuBLAS (H100, 8B shapes,
+# scripts/gpu_quant.py): at 128 rows dequantize + cuBLAS wins on o_proj (16.8M weights: 27-30 vs
+# 33-37 us) and the fused GEMM on gate_up (117M: 129-143 vs 214-224 us, the dequantized copy
+# costs more than the second weight read). ROOFLINE_QUANT_FUSED_MAX_ROWS fixes one switch.
+_FUSED_MAX_ROWS_ENV = os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS")
+FUSED_LARGE_WEIGHT = 32 << 20  # weights of at least this many elements keep the fused GEMM longer
+
+
+def fused_max_rows(num_weights: int) -> int:
+    """The largest M that takes the fused dequant GEMM for a weight of ``num_weights``."""
+    if _FUSED_MAX_ROWS_ENV is not None:
+        return int(_FUSED_MAX_ROWS_ENV)
+    return 128 if num_weights >= FUSED_LARGE_WEIGHT else 64
+
+
 # Decode batches (<= DECODE_MAX_ROWS rows) take kernels.quant_gemv where it supports the weight;
 # ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
 USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
@@ -114,7 +127,8 @@ def quantized_linear(
         x = x.contiguous()
         if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
             return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
-    if x.shape[0] <= FUSED_MAX_ROWS:
+    n, k = layer.qweight.shape[0], x.shape[-1]
+    if x.shape[0] <= fused_max_rows(n * k):
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
         )

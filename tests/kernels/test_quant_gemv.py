@@ -58,8 +58,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,group,unpack,block_k", CASES)
-@pytest.mark.parametrize("m", [1, 3])
-def test_quant_gemv_matches_reference(kind: str, group: int, unpack: int, block_k: int, m: int):
+@pytest.mark.parametrize("m,x_split", [(1, 0), (3, 0), (1, 1), (3, 1)])
+def test_quant_gemv_matches_reference(
+    kind: str, group: int, unpack: int, block_k: int, m: int, x_split: int
+):
     qweight, scales, offsets = _weight(kind, group)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -82,7 +84,7 @@ def test_symmetric_int4_fp16(m: int, unpack: int | None) -> None:
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     x = x.to(torch.float16)
     assert supports("int4", x, qweight, scales)
-    cfg = None if unpack is None else QuantGemvConfig(8, 256, 4, 2, unpack)
+    cfg = None if unpack is None else QuantGemvConfig(8, 256, 4, 2, unpack, 0, 1)
     got = quant_gemv("int4", x, qweight, scales, offsets, config=cfg)
     assert_close(got, _expected("int4", x, qweight, scales, offsets), torch.bfloat16)
 
