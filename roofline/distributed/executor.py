@@ -362,6 +362,9 @@ def build_executor(
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
     check_shardable(model_config, world_size)
+    from roofline.quantization.registry import check_tensor_parallel
+
+    check_tensor_parallel(quant_config, model_config, world_size)
     if source.kind == "gguf" and not dummy:
         logger.warning("GGUF under tensor parallelism: each rank dequantizes whole tensors")
     spec = WorkerSpec(

@@ -60,8 +60,8 @@ def _own_slicer(quant_config: QuantizationConfig | None, name: str) -> LinearMet
     if quant_config is None:
         return None
     parts = name.removeprefix("model.").split(".")
-    if len(parts) < 2:
-        return None
+    if len(parts) < 2 or parts[0] not in ("layers", "lm_head"):
+        return None  # embeddings and final norm: never a quantized linear's tensors
     module = PACKED.get(parts[-2], parts[-2])
     prefix = ".".join(["model", *parts[:-2], module] if parts[0] == "layers" else parts[:-1])
     method = quant_config.get_linear_method(prefix)

@@ -175,12 +175,9 @@ class LLMEngine:
         if args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None:
             from roofline.distributed.executor import build_executor  # workers per rank
 
-            if quant_config is not None:
-                raise ValueError(
-                    "quantization under tensor parallelism is not wired into the workers yet"
-                )
-
-            self.runner = build_executor(args, source, self.model_config, device, dtype, dummy)
+            self.runner = build_executor(
+                args, source, self.model_config, device, dtype, dummy, quant_config
+            )
         else:
             weights = None if dummy else iter_weights(source, quant_config)
             cpu_gguf = source.kind == "gguf" and device.type == "cpu" and args.gguf_keep_quantized

@@ -2,14 +2,18 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
-* CUDA, at most ``FUSED_MAX_ROWS`` rows (decode batches): the fused dequant GEMM
+* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``):
+  ``kernels.quant_gemv`` (magic-number unpacking, tuned per shape) where it takes the weight;
+* CUDA, at most ``fused_max_rows`` rows (64, 128 for large weights; measured): the fused
+  dequant GEMM
   (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
   rows beyond);
 * CUDA, more rows (prefill): the weight dequantized by one Triton launch into a 16-bit buffer,
-  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` moves the switch (0: always dequantize +
+  then cuBLAS. ``ROOFLINE_QUANT_FUSED_MAX_ROWS`` fixes the switch (0: always dequantize +
   cuBLAS); ``scripts/gpu_quant.py`` times both at each M to set it;
-* CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``, the hook for a fast
-  CPU kernel), else dequantize per call (``formats``) and ``F.linear``: correct, not fast.
+* CPU: ``CPU_KERNELS[kind]`` if one is registered (``register_cpu_kernel``; ``cpu_kernels``
+  registers the compiled int8/int4 kernels on the first CPU call), else dequantize per call
+  (``formats``) and ``F.linear``: correct, not fast.
 """
 
 from __future__ import annotations
@@ -25,7 +29,25 @@ from roofline.quantization import formats
 from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
-FUSED_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS", "128"))
+# Rows up to which the generic fused GEMM beats dequantize + cuBLAS (H100, 8B shapes,
+# scripts/gpu_quant.py): at 128 rows dequantize + cuBLAS wins on o_proj (16.8M weights: 27-30 vs
+# 33-37 us) and the fused GEMM on gate_up (117M: 129-143 vs 214-224 us, the dequantized copy
+# costs more than the second weight read). ROOFLINE_QUANT_FUSED_MAX_ROWS fixes one switch.
+_FUSED_MAX_ROWS_ENV = os.environ.get("ROOFLINE_QUANT_FUSED_MAX_ROWS")
+FUSED_LARGE_WEIGHT = 32 << 20  # weights of at least this many elements keep the fused GEMM longer
+
+
+def fused_max_rows(num_weights: int) -> int:
+    """The largest M that takes the fused dequant GEMM for a weight of ``num_weights``."""
+    if _FUSED_MAX_ROWS_ENV is not None:
+        return int(_FUSED_MAX_ROWS_ENV)
+    return 128 if num_weights >= FUSED_LARGE_WEIGHT else 64
+
+
+# Decode batches (<= DECODE_MAX_ROWS rows) take kernels.quant_gemv where it supports the weight;
+# ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
+USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
+GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MAX_ROWS)))
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -33,6 +55,9 @@ CpuKernel = Callable[
 ]
 """``fn(x, qweight, scales, offsets, bias) -> x @ W^T + bias`` for one canonical layout."""
 CPU_KERNELS: dict[str, CpuKernel] = {}
+# False: CPU GEMMs take the plain-torch dequantize path even where a kernel is registered
+# (the reference the CPU kernels are tested against).
+USE_CPU_KERNELS = os.environ.get("ROOFLINE_QUANT_CPU_KERNELS", "1") != "0"
 
 
 def register_cpu_kernel(kind: str, fn: CpuKernel) -> None:
@@ -85,13 +110,25 @@ def quantized_linear(
     """``x @ W^T + bias`` for a weight in canonical layout ``kind`` (see the module doc)."""
     offsets = getattr(layer, "offsets", None)
     if not x.is_cuda:
-        cpu = CPU_KERNELS.get(kind)
+        cpu = None
+        if USE_CPU_KERNELS:
+            from roofline.quantization import cpu_kernels
+
+            cpu_kernels.install()  # once: registers the compiled kernels if they load
+            cpu = CPU_KERNELS.get(kind)
         if cpu is not None:
             return cpu(x, layer.qweight, layer.scales, offsets, bias)
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
-    if x.shape[0] <= FUSED_MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS and USE_QUANT_GEMV:
+        from roofline.kernels import quant_gemv
+
+        x = x.contiguous()
+        if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
+            return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
+    n, k = layer.qweight.shape[0], x.shape[-1]
+    if x.shape[0] <= fused_max_rows(n * k):
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias
         )
@@ -116,6 +153,13 @@ def silu_mul_linear(
     from roofline.kernels.dequant_gemm import dequant_gemm
 
     offsets = getattr(layer, "offsets", None)
+    if USE_QUANT_GEMV:
+        from roofline.kernels import quant_gemv
+
+        if quant_gemv.supports(kind, gate_up, layer.qweight, layer.scales, silu_mul=True):
+            return quant_gemv.quant_gemv(
+                kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True
+            )
     return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)
 
 

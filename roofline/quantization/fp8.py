@@ -4,7 +4,8 @@ output channel; a per-tensor checkpoint scale is spread over its shard's rows), 
 * weight-only (``fp8``): activations stay 16-bit; the fused dequant GEMM at every M on CUDA
   (``common.quantized_linear``).
 * W8A8 (``fp8-w8a8``): above ``common.DECODE_MAX_ROWS`` rows on CUDA the activations are
-  quantized per token (dynamic scales ``max|x_row| / 448``) and multiplied on fp8 tensor cores by
+  quantized per token (dynamic scales ``max|x_row| / 448``, one Triton launch:
+  ``kernels.fp8_quant``) and multiplied on fp8 tensor cores by
   ``torch._scaled_mm`` with the per-channel weight scales; decode-sized batches take the
   weight-only kernel (a weight read, where quantizing x buys nothing). On the CPU W8A8 computes
   exactly what the tensor-core path does: x rounded to fp8 per token, both operands widened, an
@@ -111,7 +112,9 @@ def w8a8_ref(
 def _scaled_mm(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    xq, x_scales = formats.quantize_fp8_per_token(x)  # [M, K] fp8, [M, 1] fp32
+    from roofline.kernels.fp8_quant import quantize_fp8_per_token
+
+    xq, x_scales = quantize_fp8_per_token(x.contiguous())  # [M, K] fp8, [M, 1] fp32 (one launch)
     out = torch._scaled_mm(
         xq, qweight.T, scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype
     )  # [M, N]

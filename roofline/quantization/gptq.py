@@ -19,6 +19,7 @@ Zero points and scales arrive as separate tensors; the offsets are made once bot
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -231,7 +232,7 @@ def checkpoint_config(
         group = None if group == -1 else group
         zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
         _check_group(cfg, group, "gptq")
-        make = lambda: PackedIntLinearMethod("gptq", bits, group, zero_offset)  # noqa: E731
+        make = functools.partial(PackedIntLinearMethod, "gptq", bits, group, zero_offset)
         precision = ("int4" if bits == 4 else "int8", "bf16", group or cfg.hidden_size)
         return CheckpointConfig("gptq", make, skipped, bool(qc.get("lm_head", False)), precision)
     if method == "awq":
@@ -244,13 +245,13 @@ def checkpoint_config(
             raise ValueError("AWQ checkpoints without zero points are not supported")
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
         _check_group(cfg, group, "awq")
-        make = lambda: PackedIntLinearMethod("awq", 4, group, 0)  # noqa: E731
+        make = functools.partial(PackedIntLinearMethod, "awq", 4, group, 0)
         return CheckpointConfig("awq", make, skipped, False, ("int4", "bf16", group))
     if method == "fp8":
         if qc.get("weight_block_size") is not None:
             raise ValueError("block-wise fp8 checkpoints (weight_block_size) are not supported")
         check_fp8_device(device)
-        make = lambda: Fp8LinearMethod(w8a8=True, prequantized=True)  # noqa: E731
+        make = functools.partial(Fp8LinearMethod, w8a8=True, prequantized=True)
         return CheckpointConfig("fp8", make, skipped, False, ("fp8", None, 128))
     raise ValueError(
         f"checkpoint quant_method {method!r} is not supported (supported: gptq, awq, fp8)"

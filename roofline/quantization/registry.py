@@ -17,6 +17,7 @@ as before. ``quantize_lm_head`` gives the LM head the same method (16-bit by def
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -84,7 +85,7 @@ def _on_the_fly(
     if name in ("fp8", "fp8-w8a8"):
         check_fp8_device(device)
         w8a8 = name == "fp8-w8a8"
-        return OnTheFlyConfig(name, lambda: Fp8LinearMethod(w8a8=w8a8), lm_head)
+        return OnTheFlyConfig(name, functools.partial(Fp8LinearMethod, w8a8=w8a8), lm_head)
     match = _INT4.match(name)
     if match is None:
         raise ValueError(
@@ -96,7 +97,7 @@ def _on_the_fly(
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
     _check_groups(cfg, group, name)
     symmetric = match["asym"] is None
-    return OnTheFlyConfig(name, lambda: Int4LinearMethod(group, symmetric), lm_head)
+    return OnTheFlyConfig(name, functools.partial(Int4LinearMethod, group, symmetric), lm_head)
 
 
 def checkpoint_quantization(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -143,3 +144,27 @@ def resolve_quantization(
     if name in ("gptq", "awq"):
         raise ValueError(f"quantization={name!r} needs a checkpoint whose config.json says so")
     return _on_the_fly(name, cfg, device, quantize_lm_head)
+
+
+def check_tensor_parallel(
+    quant_config: QuantizationConfig | None, cfg: ModelConfig, world_size: int
+) -> None:
+    """Refuse, before any worker starts, a quantization whose groups a rank's K slice of a
+    row-parallel layer (``o_proj``: the heads, ``down_proj``: the intermediate size) would
+    cut: each rank quantizes (or copies) whole groups of its own slice."""
+    if quant_config is None or world_size == 1:
+        return
+    row_parallel = {
+        "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
+        "mlp.down_proj": cfg.intermediate_size,
+    }
+    for module, in_features in row_parallel.items():
+        method = quant_config.get_linear_method(f"model.layers.0.{module}")
+        group = getattr(method, "group_size", None)
+        local = in_features // world_size
+        if group and local % group:
+            raise ValueError(
+                f"{quant_config.name}: {module}'s {in_features} input features split over "
+                f"{world_size} ranks give {local} per rank, which groups of {group} do not "
+                "divide; choose a smaller group or fewer ranks"
+            )

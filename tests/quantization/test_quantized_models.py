@@ -10,6 +10,7 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.layers.linear import MergedLinear
+from roofline.quantization import common
 from roofline.quantization.common import dequantize
 from tests.e2e.hf_reference import tiny_hf_model
 
@@ -29,7 +30,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("method", ["int8", "int4-g32", "int4-asym-g32", "fp8", "fp8-w8a8"])
-def test_quantized_greedy_matches_dequantized_reference(tiny, method: str) -> None:
+def test_quantized_greedy_matches_dequantized_reference(tiny, method: str, monkeypatch) -> None:
+    # the torch dequantize path (the compiled CPU kernels: tests/quantization/test_cpu_kernels.py)
+    monkeypatch.setattr(common, "USE_CPU_KERNELS", False)
     quant = LLM(str(tiny), dtype="float32", device="cpu", quantization=method)
     model = quant.llm_engine.runner.model
     layer = model.layers[0].mlp.gate_up_proj

@@ -1,0 +1,69 @@
+"""Dynamic per-token fp8 (e4m3) activation quantization for W8A8 GEMMs, in one launch.
+
+``quantize_fp8_per_token(x)`` returns ``(q, scales)``: ``scales[m] = max(max|x[m]| / 448,
+1e-12)`` in fp32 and ``q[m] = clamp(x[m] / scales[m], -448, 448)`` rounded to e4m3, the values of
+``formats.quantize_fp8_per_token`` (plain torch: five launches and an fp32 copy of x). One
+program per row walks K twice in ``BLOCK_K`` chunks: the row's absolute maximum, then the
+quantized row (the second read of a row comes from L2). The division is IEEE (``div_rn``), as
+torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device
+from roofline.quantization.formats import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _fp8_per_token_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] fp8
+    s_ptr,  # [M] fp32
+    K,
+    stride_xm,
+    stride_qm,
+    FP8_MAX_: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX_), 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
+        if OUT_FP8:  # round to nearest even, as torch's conversion (not Triton's default)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=mask)
+
+
+def quantize_fp8_per_token(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    out_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fp8 [M, K], fp32 scales [M, 1]
+    """``out_dtype=torch.float32`` stores the clamped quotients before rounding to e4m3 (the
+    tests use it under the interpreter, whose fp8 rounding differs from the hardware's)."""
+    check_device(x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_fp8_per_token: x must be 2-D with contiguous rows: {x.shape}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=out_dtype, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scales
+    block_k = min(2048, triton.next_power_of_2(max(k, 16)))
+    _fp8_per_token_kernel[(m,)](
+        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX,
+        OUT_FP8=out_dtype == FP8_DTYPE, BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
+    )  # fmt: skip
+    return q, scales
