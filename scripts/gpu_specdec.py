@@ -1,16 +1,22 @@
 """Speculative decoding on the GPU, measured against the planner's prediction. One process:
 
-1. Llama-3.1-8B config (random weights), k = 4, oracle proposer (the target's own greedy
-   continuation from a first run, each token kept with probability alpha): batch 1 at
-   alpha 0.5 / 0.7 / 0.9, speedup over no speculation beside the prediction from the measured
-   plain-step and verify-step costs (``tokens(alpha, k) x t_plain / t_verify``) and the pure
-   roofline prediction; then batch 8 / 32 / 128 with the adaptive switch (roofline threshold).
+0. Parity: tiny fp32 models on the GPU with decode and verification CUDA graphs, greedy tokens
+   identical with and without speculation (n-gram, the target as its own draft where every
+   proposal must be accepted, a different draft).
+1. Llama-3.1-8B config (random weights), k = 4, the oracle proposer at alpha 0.5 / 0.7 / 0.9
+   (its reference iterated to the verify path's own output, see ``fixed_point_run``; each row
+   reports the effective acceptance it achieved): the graph step times (plain vs verification
+   per bucket), speedup over no speculation with speculation forced on and with the measured
+   adaptive switch, beside the planner's prediction at the achieved acceptance and the
+   start-up graph costs (``tokens(alpha_eff, k) x t_plain / t_spec``) and the pure roofline
+   prediction; batch 1, 8, 32, 128.
 2. Qwen3-8B config with a Qwen3-0.6B-config draft model (its k draft steps really run; the
    proposals it hands over are the oracle's, so the acceptance is controlled): the draft cost
    ratio and the speedup against ``tokens / (t_verify / t_plain + k x ratio)``.
 3. The n-gram proposer's host time per step at batch 64 (1k-token histories).
 
-    python scripts/gpu_specdec.py [--out DIR]     # about 3-4 minutes on one H100
+    PYTHONPATH=. python scripts/gpu_specdec.py --quick   # parity, batch 1 and 32 (~60 s)
+    PYTHONPATH=. python scripts/gpu_specdec.py           # everything (~3-4 minutes, H100)
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.bench.ceilings import measure
-from roofline.planner.specdec import expected_tokens_per_step
+from roofline.planner.specdec import expected_tokens_per_step as tokens_at
 from roofline.request import Request
-from roofline.spec_decode.adaptive import batch_threshold, predicted_speedup
+from roofline.spec_decode.adaptive import predicted_speedup
 from roofline.spec_decode.ngram import NgramProposer
 from roofline.spec_decode.oracle import OracleProposer
 
 K = 4
+MAX_FIXED_POINT_ITERATIONS = 5
 ALPHAS = (0.5, 0.7, 0.9)
 PROMPT_LEN = 64
 
@@ -48,6 +55,9 @@ def prompts_for(batch: int, seed: int) -> list[list[int]]:
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     """Generate greedily; wall time, steps and the speculative counters of this run."""
     engine = llm.llm_engine
+    stats = engine.spec.stats if engine.spec is not None else None
+    r0 = stats.num_rejections if stats is not None else 0
+    p0 = (stats.propose_s, stats.num_propose_calls) if stats is not None else (0.0, 0)
     timing0 = dataclasses.replace(engine.step_timing)
     s0 = engine.get_stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -61,6 +71,9 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     drafts = s1.spec_decode_num_drafts_total - s0.spec_decode_num_drafts_total
     proposed = s1.spec_decode_num_draft_tokens_total - s0.spec_decode_num_draft_tokens_total
     accepted = s1.spec_decode_num_accepted_tokens_total - s0.spec_decode_num_accepted_tokens_total
+    mean_len = (accepted + drafts) / drafts if drafts else 1.0
+    rejections = (stats.num_rejections - r0) if stats is not None else 0
+    propose = (stats.propose_s - p0[0], stats.num_propose_calls - p0[1]) if stats else (0.0, 0)
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "wall_s": wall,
@@ -68,8 +81,18 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         "step_s": wall / max(steps, 1),
         "tok_s": len(prompts) * max_tokens / wall,
         "acceptance": accepted / proposed if proposed else 0.0,
-        "mean_len": (accepted + drafts) / drafts if drafts else 1.0,
+        "mean_len": mean_len,
+        "propose_s": propose[0],
+        "propose_calls": propose[1],
+        # the per-token alpha of the i.i.d. model: accepted / (accepted + first rejections)
+        # (accepted / proposed is lower: the proposals after a rejection are never tried)
+        "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
     }
+
+
+def speedup_at(alpha: float, k: int, cost_ratio: float) -> float:
+    """tokens(alpha, k) / cost ratio, as ``roofline plan specdec`` computes it."""
+    return tokens_at(min(alpha, 1.0), k) / cost_ratio
 
 
 def free() -> None:
@@ -83,71 +106,124 @@ def spec_of(llm: LLM):
     return spec
 
 
-def section_llama(ceil, summary: dict, rows: list[str]) -> None:
+def forced(spec, on: bool) -> None:
+    """Speculation always on (the switch bypassed) or always off."""
+    spec.max_batch_size = 10**6 if on else 0
+    spec.switch = None if on else spec.switch
+
+
+def adaptive(spec, switch, max_batch: int) -> None:
+    """The engine's own choice: the measured switch."""
+    spec.max_batch_size, spec.switch = max_batch, switch
+    if switch is not None:
+        switch.reset()  # starts cold: the prior, then its own online measurements
+
+
+def fixed_point_run(spec, oracle, llm, prompts, reference, alpha: float, max_tokens: int):
+    """A forced speculative run at ``alpha`` whose oracle reference is the verify path's own
+    output: (run, iterations, reference).
+
+    Random bf16 weights have near-tied argmaxes that a decode step and a verification step (or
+    two verification steps that place a token in different rows or batch buckets) round
+    differently, so a plain run's greedy continuation is not what verification finds, and one
+    flip derails every later proposal. The oracle's corruption of each position is fixed
+    (``OracleProposer``), so a run is a function of its reference: iterate "reference <- the
+    run's output" until the output equals the reference. That run's proposals were then the
+    target's own verify-path argmaxes, kept with probability alpha, and its effective
+    acceptance is alpha up to sampling noise (reported with every row)."""
+    oracle.alpha = alpha
+    forced(spec, True)
+    ref = [list(t) for t in reference]
+    for iteration in range(1, MAX_FIXED_POINT_ITERATIONS + 1):
+        oracle.set_reference(prompts, ref)
+        run = timed(llm, prompts, max_tokens)
+        got = [list(t) for t in run["tokens"]]
+        if got == ref:
+            return run, iteration, ref
+        ref = got
+    return run, -MAX_FIXED_POINT_ITERATIONS, ref  # negative: did not converge
+
+
+def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
+    max_seqs = 32 if quick else 128
     llm = LLM(
         "llama-3.1-8b",
         load_format="dummy",
         device="cuda",
         max_model_len=2048,
-        max_num_seqs=128,
+        max_num_seqs=max_seqs,
         kv_cache_memory_bytes=16 << 30,
         speculative_config={"method": "oracle", "num_speculative_tokens": K},
     )
     spec = spec_of(llm)
+    switch = spec.switch
+    if switch is not None:
+        for b, tp, ts, _ in switch.table():
+            rows.append(
+                f"llama8b graphs b={b:<3} plain step {tp * 1e3:6.2f} ms, verify(1+{K}) step "
+                f"{ts * 1e3:6.2f} ms ({ts / tp:.2f}x), prior gain at a=0.7 "
+                f"{switch.predicted_gain(b, 0.7):.2f}x"
+            )
+            print(rows[-1], flush=True)
     oracle: OracleProposer = spec.proposer  # type: ignore[assignment]
     engine = llm.llm_engine
     hw = ceil.as_gpu_spec()
-    for batch, max_tokens in ((1, 256), (8, 128), (32, 128), (128, 96)):
+    cases = (
+        ((1, 128, (0.5, 0.9)), (32, 64, (0.7,)))
+        if quick
+        else ((1, 256, ALPHAS), (8, 128, ALPHAS), (32, 128, ALPHAS), (128, 96, ALPHAS))
+    )
+    for batch, max_tokens, alphas in cases:
         prompts = prompts_for(batch, batch)
-        spec.max_batch_size = 0  # off: the reference run
+        forced(spec, False)
         timed(llm, prompts[:1], 8)  # warm
         base = timed(llm, prompts, max_tokens)
-        # bf16 verify rows may round differently from decode rows and flip a near-tied argmax
-        # of random weights; re-anchor the reference on a run with every proposal accepted
-        oracle.set_reference(prompts, base["tokens"])
-        oracle.alpha, spec.max_batch_size = 1.0, 10**6
-        ref = timed(llm, prompts, max_tokens)
-        oracle.set_reference(prompts, ref["tokens"])
         res = {"batch": batch, "base_tok_s": base["tok_s"], "base_step_ms": base["step_s"] * 1e3}
-        for alpha in ALPHAS:
-            oracle.alpha = alpha
-            threshold = batch_threshold(
-                engine.model_config, None, torch.device("cuda"), alpha, K, 128, torch.bfloat16
+        rows.append(
+            f"llama8b b={batch:<3} plain {base['tok_s']:.0f} tok/s, "
+            f"{base['step_s'] * 1e3:.2f} ms/step"
+        )
+        print(rows[-1], flush=True)
+        reference = base["tokens"]
+        for alpha in alphas:
+            run, iters, reference = fixed_point_run(
+                spec, oracle, llm, prompts, reference, alpha, max_tokens
             )
-            spec.max_batch_size = 10**6 if batch == 1 else threshold  # batch 1: always on
-            run = timed(llm, prompts, max_tokens)
-            same = sum(a == b for a, b in zip(run["tokens"], ref["tokens"])) / batch
+            adaptive(spec, switch, max_seqs)
+            auto = timed(llm, prompts, max_tokens)
             speedup = base["wall_s"] / run["wall_s"]
-            tokens = expected_tokens_per_step(alpha, K)
-            on = batch <= spec.max_batch_size
-            pred_measured = tokens * base["step_s"] / run["step_s"] if on else 1.0
-            # the same with the acceptance the run achieved instead of the configured alpha
-            pred_achieved = run["mean_len"] * base["step_s"] / run["step_s"] if on else 1.0
-            pred_roofline = predicted_speedup(engine.model_config, None, hw, alpha, K, batch)
+            speedup_auto = base["wall_s"] / auto["wall_s"]
+            eff = run["alpha"]
+            # the planner's speedup (roofline plan specdec: tokens / cost ratio) at the achieved
+            # alpha and the start-up graph costs (plain vs verification step, LM heads included)
+            ratio = switch.t_spec[batch] / switch.t_plain[batch] if switch else float("nan")
+            pred = speedup_at(eff, K, ratio)
+            pred_roofline = predicted_speedup(engine.model_config, None, hw, eff, K, batch)
+            same = sum(a == b for a, b in zip(run["tokens"], base["tokens"])) / batch
             res[f"a{alpha}"] = {
-                "speedup": speedup,
+                "speedup_forced": speedup,
+                "speedup_adaptive": speedup_auto,
                 "tok_s": run["tok_s"],
-                "spec_on": on,
-                "threshold": threshold,
-                "acceptance": run["acceptance"],
+                "tok_s_adaptive": auto["tok_s"],
+                "effective_acceptance": eff,
                 "mean_len": run["mean_len"],
                 "verify_step_ms": run["step_s"] * 1e3,
-                "pred_from_measured_costs": pred_measured,
+                "pred_planner_measured_costs": pred,
                 "pred_roofline": pred_roofline,
-                "pred_at_achieved_acceptance": pred_achieved,
-                "greedy_identical_frac": same,
+                "identical_to_plain_frac": same,
+                "fixed_point_iterations": iters,
             }
-            err = (speedup / pred_measured - 1) * 100 if on else 0.0
             rows.append(
-                f"llama8b b={batch:<3} a={alpha} on={on!s:5} speedup {speedup:5.2f}x "
-                f"pred {pred_measured:5.2f}x ({err:+.0f}%) [at achieved acc {pred_achieved:.2f}x] "
-                f"roofline {pred_roofline:5.2f}x "
-                f"acc {run['acceptance']:.2f} len {run['mean_len']:.2f} "
-                f"{run['tok_s']:.0f} tok/s identical {same:.2f}"
+                f"llama8b b={batch:<3} a={alpha} (eff {eff:.2f}, it {iters}) "
+                f"forced {speedup:5.2f}x "
+                f"{run['tok_s']:6.0f} tok/s len {run['mean_len']:.2f} verify "
+                f"{run['step_s'] * 1e3:.2f} ms/step | planner {pred:5.2f}x "
+                f"({(speedup / pred - 1) * 100:+.0f}%) roofline {pred_roofline:5.2f}x | "
+                f"adaptive {speedup_auto:5.2f}x"
             )
             print(rows[-1], flush=True)
         summary[f"llama8b_b{batch}"] = res
-    del llm, engine, spec, oracle
+    del llm, engine, spec, oracle, switch
     free()
 
 
@@ -188,39 +264,89 @@ def section_qwen_draft(ceil, summary: dict, rows: list[str]) -> None:
     draft = spec.proposer
     spec.proposer = _OracleDraft(draft, oracle)
     prompts = prompts_for(1, 7)
-    spec.max_batch_size = 0
+    forced(spec, False)
     timed(llm, prompts, 8)
     base = timed(llm, prompts, 192)
-    oracle.set_reference(prompts, base["tokens"])
-    oracle.alpha, spec.max_batch_size = 1.0, 8
-    oracle.set_reference(prompts, timed(llm, prompts, 192)["tokens"])  # see section_llama
+    reference = base["tokens"]
     for alpha in ALPHAS:
-        oracle.alpha = alpha
-        p0, c0 = spec.stats.propose_s, spec.stats.num_propose_calls
-        run = timed(llm, prompts, 192)
-        draft_step = (spec.stats.propose_s - p0) / max(spec.stats.num_propose_calls - c0, 1) / K
+        run, iters, reference = fixed_point_run(spec, oracle, llm, prompts, reference, alpha, 192)
+        draft_step = run["propose_s"] / max(run["propose_calls"], 1) / K
         ratio = draft_step / base["step_s"]
         verify_ratio = (run["step_s"] - K * draft_step) / base["step_s"]
-        tokens = expected_tokens_per_step(alpha, K)
-        pred = tokens / (verify_ratio + K * ratio)
+        eff = run["alpha"]
+        pred = speedup_at(eff, K, verify_ratio + K * ratio)
         speedup = base["wall_s"] / run["wall_s"]
         summary[f"qwen3_8b_draft_a{alpha}"] = {
             "speedup": speedup,
             "pred": pred,
             "draft_cost_ratio": ratio,
             "verify_cost_ratio": verify_ratio,
-            "acceptance": run["acceptance"],
+            "effective_acceptance": eff,
+            "fixed_point_iterations": iters,
             "base_tok_s": base["tok_s"],
             "tok_s": run["tok_s"],
         }
         rows.append(
-            f"qwen3-8b+0.6b a={alpha} speedup {speedup:5.2f}x pred {pred:5.2f}x "
+            f"qwen3-8b+0.6b a={alpha} (eff {eff:.2f}, it {iters}) "
+            f"speedup {speedup:5.2f}x pred {pred:5.2f}x "
             f"({(speedup / pred - 1) * 100:+.0f}%) draft/target step {ratio:.3f} "
-            f"verify/plain {verify_ratio:.2f} acc {run['acceptance']:.2f}"
+            f"verify/plain {verify_ratio:.2f} {run['tok_s']:.0f} vs {base['tok_s']:.0f} tok/s"
         )
         print(rows[-1], flush=True)
     del llm, engine, spec, draft
     free()
+
+
+def section_parity(summary: dict, rows: list[str], quick: bool) -> None:
+    """Greedy tokens identical with and without speculation: tiny fp32 models on the GPU with
+    decode and verification graphs (n-gram; a different draft; the target as its own draft,
+    where everything must be accepted)."""
+    import tempfile
+
+    from tests.e2e.hf_reference import tiny_hf_model
+
+    tmp = tempfile.mkdtemp()
+    target, other = os.path.join(tmp, "target"), os.path.join(tmp, "draft")
+    tiny_hf_model("llama", target, seed=0)
+    tiny_hf_model("llama", other, seed=1, num_hidden_layers=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (1, 9, 30, 70)]
+    prompts.append([11, 12, 13, 14, 15] * 8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20, max_num_seqs=16)
+    ref_llm = LLM(target, **kw)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    del ref_llm
+    cases = [
+        ("ngram k=3", {"method": "ngram", "num_speculative_tokens": 3}),
+        ("draft=self k=4", {"method": "draft_model", "model": target, "num_speculative_tokens": 4}),
+    ]
+    if not quick:
+        cases.append(
+            (
+                "draft=other k=4",
+                {"method": "draft_model", "model": other, "num_speculative_tokens": 4},
+            )
+        )
+    for name, cfg in cases:
+        cfg["disable_by_batch_size"] = 16
+        llm = LLM(target, speculative_config=cfg, **kw)
+        forced(spec_of(llm), True)  # a tiny model is host-bound: the switch would turn it off
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        st = llm.llm_engine.get_stats()
+        acc = st.spec_decode_num_accepted_tokens_total / max(
+            st.spec_decode_num_draft_tokens_total, 1
+        )
+        graphs = llm.llm_engine.runner.verify_graphs is not None
+        same = sum(a == b for a, b in zip(got, ref))
+        ok = same == len(ref) and (name != "draft=self k=4" or acc == 1.0) and graphs
+        summary[f"parity_{name}"] = {"identical": same, "of": len(ref), "acceptance": acc,
+                                     "verify_graphs": graphs, "ok": ok}  # fmt: skip
+        rows.append(f"parity {name:15} identical {same}/{len(ref)} acceptance {acc:.2f} "
+                    f"verify graphs {graphs} -> {'OK' if ok else 'FAIL'}")  # fmt: skip
+        print(rows[-1], flush=True)
+        del llm
+        free()
 
 
 def section_ngram(summary: dict, rows: list[str]) -> None:
@@ -246,6 +372,7 @@ def section_ngram(summary: dict, rows: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="parity, batch 1 and 32 only (~90 s)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     summary: dict = {}
@@ -254,11 +381,14 @@ def main() -> None:
     ceil = measure(dev, torch.bfloat16)
     summary["ceilings"] = dataclasses.asdict(ceil)
     print(f"ceilings: {ceil}", flush=True)
-    for name, fn in (
-        ("llama", lambda: section_llama(ceil, summary, rows)),
-        ("qwen_draft", lambda: section_qwen_draft(ceil, summary, rows)),
-        ("ngram", lambda: section_ngram(summary, rows)),
-    ):
+    sections = [
+        ("parity", lambda: section_parity(summary, rows, args.quick)),
+        ("llama", lambda: section_llama(ceil, summary, rows, args.quick)),
+    ]
+    if not args.quick:
+        sections.append(("qwen_draft", lambda: section_qwen_draft(ceil, summary, rows)))
+        sections.append(("ngram", lambda: section_ngram(summary, rows)))
+    for name, fn in sections:
         try:
             fn()
         except Exception:

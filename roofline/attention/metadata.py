@@ -50,6 +50,9 @@ class AttentionMetadata:
     cascade: CascadeMetadata | None = None
     """A decode-only step's shared prefix (``attention/cascade.py``): attend it once for the
     group, then each row's own suffix. None: the plain path."""
+    uniform_query_len: int = 0
+    """> 1: every request has exactly this many query rows, causal after its context (padded
+    verification steps, ``spec_decode/verify_graph.py``): multi-query decode attention."""
 
     @property
     def is_decode_only(self) -> bool:

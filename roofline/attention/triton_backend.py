@@ -20,6 +20,7 @@ from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
 from roofline.kernels.prefill_attention import prefill_attention
+from roofline.kernels.verify_attention import verify_attention
 
 
 class TritonAttentionBackend:
@@ -53,6 +54,11 @@ class TritonAttentionBackend:
             rotary_kv_store(
                 q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
                 k_scale, v_scale,
+            )  # fmt: skip
+        if meta.uniform_query_len > 1:  # speculative verification: 1 + k rows per request
+            return verify_attention(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale,
+                meta.uniform_query_len, meta.max_seq_len, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         if meta.is_decode_only and meta.cascade is not None:
             c = meta.cascade

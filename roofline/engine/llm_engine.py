@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from roofline.config import ModelConfig
 from roofline.core.kv_cache_manager import KVCacheManager
-from roofline.core.outputs import SchedulerOutput, TokenLogprobs
+from roofline.core.outputs import RequestUpdate, SchedulerOutput, TokenLogprobs
 from roofline.core.scheduler import Scheduler
 from roofline.engine.args import EngineArgs
-from roofline.engine.detokenizer import IncrementalDetokenizer
+from roofline.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from roofline.engine.prompt import tokenize_prompt
 from roofline.models.weights import (
     iter_weights,
@@ -185,6 +185,11 @@ class LLMEngine:
                 from roofline.quantization.gguf_cpu import cpu_gguf_checkpoint
 
                 quant_config, weights = cpu_gguf_checkpoint(source.path, dummy)
+            sampled_rows = None  # speculative verification samples 1 + k rows per request
+            if self.spec is not None:
+                graphs = device.type == "cuda" and not args.enforce_eager
+                max_seqs = self.scheduler_config.max_num_seqs
+                sampled_rows = self.spec.max_sampled_rows(max_seqs, graphs)
             self.runner = ModelRunner(
                 self.model_config,
                 args.cache_config(),
@@ -197,11 +202,14 @@ class LLMEngine:
                 quant_config=quant_config,
                 cascade_attention=args.cascade_attention,
                 cuda_graph_mode="none" if args.enforce_eager else args.cuda_graph_mode,
+                max_sampled_rows=sampled_rows,
             )
             if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
                 self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager and args.cuda_graph_mode != "none":
                 self.runner.capture_cuda_graphs()
+                if self.spec is not None:  # verification graphs, the measured switch
+                    self.spec.prepare(self.runner)
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, args.page_size, args.enable_prefix_caching
         )
@@ -219,6 +227,11 @@ class LLMEngine:
             device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._deferred: list[RequestUpdate] | None = None
+        """A speculative step's folded updates whose outputs the next step builds (while the
+        device runs it)."""
+        self._num_folded_tokens = 0
+        """Tokens folded into the scheduler so far (the speculative switch's per-step count)."""
         self._num_sync_groups = 0
         """Unfinished user requests whose sampling needs host-side history (no overlap)."""
         self._num_prompt_logprob_groups = 0
@@ -377,19 +390,26 @@ class LLMEngine:
             outputs += self.grammars.admit_ready(idle=not self.scheduler.has_unfinished_requests())
         prev, self._in_flight = self._in_flight, None
         spec = self.spec
-        speculate = spec is not None and spec.active(self.scheduler.num_running)
+        num_running, folded = self.scheduler.num_running, self._num_folded_tokens
+        speculate = spec is not None and spec.active(num_running)
         # Not while grammar matchers run: verification would need one bitmask row per proposed
         # position (GrammarMatcher.count_valid_prefix / rollback are the seam for that).
         speculate = speculate and not self.grammars.has_matchers
         overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
-        if prev is not None and not overlap:
+        drained = prev is not None and not overlap
+        if drained:
             outputs += self._finish_step(*prev)  # drain: this step needs the host up to date
             prev = None
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None and not speculate:
+            outputs += self._emit(deferred)  # a speculative step's outputs, before this step
+            deferred = None
         if speculate:  # proposals need every token on the host: speculative steps are sync
             spec.propose(self.scheduler.running)  # type: ignore[union-attr]
         elif spec is not None:
             spec.withdraw()
         sched_out = self.scheduler.schedule()
+        decode_only = spec is not None and spec.is_decode_step(sched_out)
         if spec is not None and sched_out.finished_request_ids:
             spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
@@ -410,17 +430,29 @@ class LLMEngine:
         )
         if prev is not None:
             outputs += self._finish_step(*prev)  # runs while the device computes sched_out
+        if deferred is not None:  # the previous speculative step's detokenization and
+            outputs += self._emit(deferred)  # stop strings, while the device verifies
         if overlap and not sched_out.is_empty:
             self._in_flight = (sched_out, handle)
+        elif speculate:  # the next proposals need the ids; the outputs can wait a step
+            self._deferred = self._fold(sched_out, handle)
         else:
             outputs += self._finish_step(sched_out, handle)
         timing = self.step_timing
         timing.steps += 1
         timing.total_s += time.perf_counter() - t0
+        if spec is not None and decode_only and not drained:  # the switch's online figures
+            # (tokens folded in by this call; prefill chunks or a drained step would blur them)
+            tokens = self._num_folded_tokens - folded
+            spec.observe(speculate, num_running, time.perf_counter() - t0, tokens)
         return outputs
 
     def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and fold them in; the step's outputs."""
+        return self._emit(self._fold(sched_out, handle))
+
+    def _fold(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestUpdate]:
+        """Wait for a launched step's ids and fold them into the scheduler."""
         t0 = time.perf_counter()
         run_out = handle.result()
         self.step_timing.wait_s += time.perf_counter() - t0
@@ -429,6 +461,12 @@ class LLMEngine:
         updates = self.scheduler.update(sched_out, run_out)
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
+        if self.spec is not None:
+            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates)
+        return updates
+
+    def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """Detokenize folded updates, apply stop strings, build the outputs."""
         changed: dict[str, _Group] = {}
         now = time.monotonic()
         for upd in updates:
@@ -465,7 +503,14 @@ class LLMEngine:
         seq = group.seqs[index]
         detok = group.detoks[index]
         if detok is not None:
-            delta = detok.update(new_ids, finished=finished)
+            if len(new_ids) > 1 and seq.sampling_params.stop:  # a verified run: cut at the stop
+                delta, kept = _update_until_stop(detok, new_ids, finished)
+                if kept < len(new_ids):  # the tokens after the stop string are not output
+                    del seq.output_token_ids[kept - len(new_ids) :]
+                    new_logprobs = new_logprobs[:kept]
+                    self._generation_tokens_total -= len(new_ids) - kept
+            else:
+                delta = detok.update(new_ids, finished=finished)
             if delta.stop_string is not None and not finished:
                 self.scheduler.finish_requests([seq.request_id], RequestStatus.FINISHED_STOPPED)
             if delta.stop_string is not None:
@@ -609,6 +654,18 @@ def _needs_sync(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.min_tokens > 0
     )
+
+
+def _update_until_stop(
+    detok: IncrementalDetokenizer, new_ids: list[int], finished: bool
+) -> tuple[DetokenizerDelta, int]:
+    """Feed a verified run token by token: (the last delta, tokens fed up to a stop string)."""
+    delta = DetokenizerDelta("", None)
+    for i, token in enumerate(new_ids):
+        delta = detok.update([token], finished=finished and i == len(new_ids) - 1)
+        if delta.stop_string is not None:
+            return delta, i + 1
+    return delta, len(new_ids)
 
 
 def _make_backend(name: str, device):

@@ -77,12 +77,14 @@ def build_spec_decoder(
             runner.capture_cuda_graphs()
         proposer = DraftModelProposer(runner, k)
     max_batch = config.disable_by_batch_size
-    if max_batch is None:
+    if max_batch is None and (device.type != "cuda" or args.enforce_eager):
         max_batch = batch_threshold(
             target_config, draft_config, device, alpha, k, scheduler_config.max_num_seqs, dtype
         )
         logger.info("speculative decoding while at most %d requests run (roofline)", max_batch)
-    return SpecDecoder(config, proposer, max_batch, scheduler_config.max_model_len)
+    elif max_batch is None:  # CUDA graphs: the measured switch decides (SpecDecoder.prepare)
+        max_batch = scheduler_config.max_num_seqs
+    return SpecDecoder(config, proposer, max_batch, scheduler_config.max_model_len, alpha)
 
 
 def _backend(name: str, device: torch.device) -> Any:

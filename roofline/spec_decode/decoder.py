@@ -14,11 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from roofline.core.outputs import VerifiedTokens
+from roofline.core.outputs import SchedulerOutput, VerifiedTokens
 from roofline.request import Request, RequestStatus
+from roofline.spec_decode.adaptive import batch_threshold
 from roofline.spec_decode.config import SpeculativeConfig
 from roofline.spec_decode.proposer import Proposer
+from roofline.spec_decode.switch import MAX_GRAPH_BATCH, MeasuredSwitch, calibrate
+
+if TYPE_CHECKING:
+    from roofline.worker.model_runner import ModelRunner
 
 
 @dataclass
@@ -28,6 +34,9 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_rejections: int = 0
+    """Verifications that rejected a proposal (the i.i.d. alpha is accepted / (accepted +
+    rejections): the proposals after a rejection are never tried)."""
     accepted_per_pos: list[int] = field(default_factory=list)
     """[k] how often the proposal at position i was accepted."""
     propose_s: float = 0.0
@@ -68,7 +77,12 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     def __init__(
-        self, config: SpeculativeConfig, proposer: Proposer, max_batch_size: int, max_model_len: int
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        max_batch_size: int,
+        max_model_len: int,
+        alpha_prior: float = 0.6,
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -77,9 +91,52 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._proposed: list[Request] = []
+        self.alpha_prior = alpha_prior
+        """Acceptance rate assumed before any is measured (the oracle's own alpha)."""
+        self.switch: MeasuredSwitch | None = None
+        """The measured switch (CUDA graphs); None: the roofline threshold alone."""
+
+    def prepare(self, runner: ModelRunner) -> None:
+        """After the target's decode graphs exist: capture the verification graphs (target and
+        draft) and measure the step times the switch starts from."""
+        draft = getattr(self.proposer, "runner", None)
+        self.switch = calibrate(self, runner, draft)
+        if self.switch is None and self.config.disable_by_batch_size is None:
+            self.max_batch_size = batch_threshold(  # no graphs to measure: the roofline
+                runner.model_config,
+                None if draft is None else draft.model_config,
+                runner.device,
+                self.alpha_prior,
+                self.config.num_speculative_tokens,
+                runner.scheduler_config.max_num_seqs,
+                runner.dtype,
+            )
+
+    def max_sampled_rows(self, max_num_seqs: int, graphs: bool) -> int:
+        """Logits rows a step may compute (the target's KV budget leaves room for them):
+        1 + k per request up to the largest batch that may speculate (at most the largest
+        verification graph with CUDA graphs), 1 per request beyond."""
+        batch = min(self.max_batch_size, max_num_seqs)
+        if graphs:
+            batch = min(batch, MAX_GRAPH_BATCH)
+        return max(max_num_seqs, batch * (1 + self.config.num_speculative_tokens))
 
     def active(self, num_running: int) -> bool:
-        return 0 < num_running <= self.max_batch_size
+        if not 0 < num_running <= self.max_batch_size:
+            return False
+        return self.switch is None or self.switch.choose(num_running)
+
+    @staticmethod
+    def is_decode_step(sched_out: SchedulerOutput) -> bool:
+        """Every scheduled request decodes (its token, and its proposals if any)."""
+        return all(
+            s.num_new_tokens == 1 + len(s.request.spec_token_ids) for s in sched_out.scheduled
+        )
+
+    def observe(self, speculated: bool, num_running: int, seconds: float, tokens: int) -> None:
+        """One engine step's wall time and emitted tokens (the switch's online measure)."""
+        if self.switch is not None:
+            self.switch.observe(speculated, num_running, seconds, tokens)
 
     def withdraw(self) -> None:
         """Drop proposals that no step verified (a request the token budget did not reach):
@@ -120,11 +177,16 @@ class SpecDecoder:
     def record(self, verified: dict[str, VerifiedTokens]) -> None:
         """Count a step's verification rows (``ModelRunnerOutput.verified``)."""
         s = self.stats
+        if self.switch is not None:
+            accepted = sum(v.num_accepted for v in verified.values())
+            rejected = sum(v.num_accepted < v.num_proposed for v in verified.values())
+            self.switch.record_acceptance(accepted, rejected)
         for v in verified.values():
             s.num_drafts += 1
             s.num_draft_tokens += v.num_proposed
             s.num_accepted_tokens += v.num_accepted
             s.num_emitted_tokens += v.num_accepted + 1
+            s.num_rejections += v.num_accepted < v.num_proposed
             for i in range(v.num_accepted):
                 s.accepted_per_pos[i] += 1
 

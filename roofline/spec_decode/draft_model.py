@@ -7,8 +7,12 @@ draft side whose tokens are the request's known tokens followed by the draft's g
 first rolls the mirror back to the longest prefix it shares with the request (the accepted
 guesses stay; their KV is reused), then runs ``k`` draft steps: the first computes every token
 the draft has not seen (the whole prompt the first time, afterwards the accepted tokens and
-the target's own token), each later one decodes the previous guess. Drafts are greedy, so the
-proposal distribution q is one-hot (the verifier's exact test is then ``u < p(d)``).
+the target's own token), each later one decodes the previous guess. The rounds are queued back
+to back: a round's input token is the one the previous round sampled, copied on the device (the
+runner's pending inputs, as under async scheduling), and the host reads all rounds' ids once at
+the end. On CUDA the catch-up round replays the verification graphs (at most ``1 + k`` rows per
+request) and the others the decode graphs. Drafts are greedy, so the proposal distribution q is
+one-hot (the verifier's exact test is then ``u < p(d)``).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from roofline.core.outputs import ScheduledRequest, SchedulerOutput
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
 from roofline.spec_decode.proposer import Proposals
-from roofline.worker.model_runner import ModelRunner
+from roofline.worker.model_runner import ModelRunner, StepHandle
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+_PLACEHOLDER = -1
+"""A drafted token whose id is still on the device (replaced before ``propose`` returns)."""
 
 
 class _Mirror:
@@ -74,15 +80,19 @@ class DraftModelProposer:
     ) -> Proposals:
         wanted = {r.request_id: min(self.k, n) for r, n in zip(requests, max_lens)}
         mirrors = [self._sync(r) for r in requests if wanted[r.request_id] > 0]
-        drafted: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        num_drafted = {r.request_id: 0 for r in requests}
+        rounds: list[tuple[list[ScheduledRequest], StepHandle]] = []
+        pending: list[Request] = []  # mirrors whose last round's token is still on the device
         active = mirrors
         for _ in range(self.k):
-            active = [m for m in active if len(drafted[m.request_id]) < wanted[m.request_id]]
+            active = [m for m in active if num_drafted[m.request_id] < wanted[m.request_id]]
             scheduled: list[ScheduledRequest] = []
             budget = self.runner.scheduler_config.max_num_batched_tokens
             for m in active:
-                # a long catch-up (a new request's prompt) is chunked over rounds by the budget;
-                # a request still catching up proposes nothing this round
+                # A long catch-up (a new request's prompt) is chunked over rounds by the budget;
+                # a request still catching up proposes nothing this round. After the first
+                # round a mirror's input is the token the previous round sampled, still on the
+                # device (pending: the runner copies it there; no host sync per round).
                 num_new = min(m.num_tokens - m.num_computed_tokens, budget)
                 block_ids = self.kv.allocate(m, num_new) if num_new > 0 else None
                 if block_ids is None:
@@ -96,17 +106,37 @@ class DraftModelProposer:
             for s in scheduled:
                 s.request.num_computed_tokens += s.num_new_tokens
             finished, self._finished = self._finished, []
-            out = self.runner.execute(
+            handle = self.runner.launch(
                 SchedulerOutput(
                     scheduled,
                     sum(s.num_new_tokens for s in scheduled),
                     finished_request_ids=finished,
                 )
             )
+            rounds.append((scheduled, handle))
+            _settle(pending)  # the previous round's tokens were this round's inputs
+            pending = [s.request for s in scheduled if s.samples]
+            for m in pending:
+                m.num_pending_tokens = 1
+                num_drafted[m.request_id] += 1
+            active = pending
+        _settle(pending)
+        drafted: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        for scheduled, handle in rounds:  # the rounds' ids, read once they are all queued
+            out = handle.result()
             for s in scheduled:
+                rid = s.request.request_id
                 if s.samples:
-                    token = out.sampled_token_ids[s.request.request_id]
-                    s.request.output_token_ids.append(token)
-                    drafted[s.request.request_id].append(token)
-            active = [s.request for s in scheduled if s.samples]
+                    drafted[rid].append(out.sampled_token_ids[rid])
+        for m in mirrors:  # the placeholders become the drafted ids
+            ids = drafted[m.request_id]
+            if ids:
+                m.output_token_ids[len(m.output_token_ids) - len(ids) :] = ids
         return Proposals([drafted[r.request_id] for r in requests])
+
+
+def _settle(mirrors: list[Request]) -> None:
+    """A pending drafted token becomes a known one (a placeholder until the ids are read)."""
+    for m in mirrors:
+        m.output_token_ids.append(_PLACEHOLDER)
+        m.num_pending_tokens = 0

@@ -35,8 +35,10 @@ from roofline.quantization.base import QuantizationConfig
 from roofline.quantization.kv_cache import KVCacheSpec
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.device_verify import launch_verification, on_device_ok
 from roofline.spec_decode.runner_step import verify_step
 from roofline.spec_decode.verifier import Verifier
+from roofline.spec_decode.verify_graph import VerifyGraphs, grid_layout
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.graph_mode import CUDA_GRAPH_MODES, MixedStepPath
@@ -68,11 +70,14 @@ class ModelRunner:
         parallel: ParallelContext = SINGLE,
         cascade_attention: bool = True,
         cuda_graph_mode: str = "full_decode_only",
+        max_sampled_rows: int | None = None,
     ) -> None:
         if cuda_graph_mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graph_mode must be one of {CUDA_GRAPH_MODES}")
         self.parallel = parallel
         """This rank's tensor-parallel context (weights, KV heads and sampling follow it)."""
+        self.max_sampled_rows = max_sampled_rows or scheduler_config.max_num_seqs
+        """Logits rows one step may compute (speculative verification: 1 + k per request)."""
         self.model_config = model_config
         self.quant_config = quant_config
         self.cache_config = cache_config
@@ -110,6 +115,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.verifier = Verifier(self.sampler)
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
+        """Graphs for steps of 2..1+k rows per request (verification, a draft's catch-up)."""
         self._prev_sampled: torch.Tensor | None = None
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
         self._prev_rows: dict[str, int] = {}
@@ -174,7 +181,7 @@ class ModelRunner:
         # plus fp32 logits for every sampled row; 512 MiB of slack for the allocator.
         tokens = self.scheduler_config.max_num_batched_tokens
         act = tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
-        logits = self.scheduler_config.max_num_seqs * cfg.vocab_size * 4 * 3
+        logits = self.max_sampled_rows * cfg.vocab_size * 4 * 3
         if self.mixed is not None:  # the mixed graphs' memory pool
             act += self.mixed.pool_bytes(self.scheduler_config, cfg, self.dtype)
         budget = int(total * self.cache_config.gpu_memory_utilization) - used_by_others
@@ -278,6 +285,20 @@ class ModelRunner:
         if self.mixed is not None:
             self.mixed.capture(self.model, self.kv_caches, self.scheduler_config, self.page_size)
 
+    def capture_verify_graphs(self, query_len: int, max_batch: int) -> None:
+        """Capture graphs for steps of up to ``query_len`` rows per request (CUDA only)."""
+        self.verify_graphs = VerifyGraphs(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            min(max_batch, self.scheduler_config.max_num_seqs),
+            query_len,
+            self.scheduler_config.max_model_len,
+            self.page_size,
+            self.device,
+        )
+        self.verify_graphs.capture()
+
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled ids."""
         return self.launch(sched_out).result()
@@ -326,8 +347,13 @@ class ModelRunner:
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
-        plan = None if self.mixed is None else self.mixed.plan(batch)  # None: decode-only
-        if plan is not None:
+        vgraphs = self.verify_graphs  # speculative verification: the padded 1 + k grid
+        use_grid = vgraphs is not None and not prompt_logprobs_of and vgraphs.fits(batch)
+        grid = grid_layout(batch, vgraphs.query_len) if use_grid else ()  # type: ignore[union-attr]
+        plan = None if self.mixed is None or grid else self.mixed.plan(batch)  # None: decode-only
+        if grid:
+            gather, extra = grid[2], list(grid)  # the sampled rows' places in the padded grid
+        elif plan is not None:
             extra = plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
@@ -336,7 +362,13 @@ class ModelRunner:
         pending = self._pending_inputs(batch, src_t, dst_t)
         graphs = self.graphs
         cgraphs = self.cascade_graphs
-        if plan is not None:  # a mixed step: its bucket's graph, else eager split attention
+        if grid:  # 2..1+k rows per request: the padded multi-query graphs
+            bucket = vgraphs.stage(  # type: ignore[union-attr]
+                dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
+                self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
+        elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
             hidden = self.mixed.forward(plan, extra_t, batch, dev, self.block_tables, pending)
         elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
             pages_t, len_t, starts_t = extra_t
@@ -379,8 +411,10 @@ class ModelRunner:
             return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
-        if batch.verifies:  # speculative decoding: synchronous, no pending ids follow it
+        if batch.verifies:  # speculative decoding: no pending ids follow it
             self._prev_sampled, self._prev_rows = None, {}
+            if on_device_ok(requests):  # accept/reject on the device, one copy to the host
+                return launch_verification(logits, requests)  # type: ignore[return-value]
             return verify_step(self.sampler, self.verifier, logits, requests)
         if mask_logits is not None:  # never with verification: the engine does not speculate
             mask_logits(logits, requests)  # while constrained requests run

@@ -19,6 +19,7 @@ import torch
 from roofline.layers.sampler import Sampler
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.device_verify import launch_verification, on_device_ok
 from roofline.spec_decode.verifier import Verifier
 
 V = 6
@@ -131,3 +132,40 @@ def test_seeded_verification_reproduces():
         return Verifier(Sampler()).verify(p.log(), [r])[0].token_ids
 
     assert len({tuple(once()) for _ in range(5)}) == 1
+
+
+class _DevicePath:
+    """``launch_verification`` behind ``Verifier.verify``'s signature (one-hot proposals)."""
+
+    def verify(self, logits, requests, draft_probs=None):
+        assert draft_probs is None
+        out = launch_verification(logits, requests).result()
+        return [out.verified[r.request_id] for r in requests]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_device_path_emitted_tokens_follow_target(top_p):
+    p, q = _rows(3)
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=8)
+    emitted = _run(_DevicePath(), p, q, True, params, seed=13)
+    _check(emitted, [_truncate_top_p(p[j], top_p) for j in range(K + 1)])
+    assert max(len(e) for e in emitted) == K + 1
+
+
+def test_device_path_matches_host_verifier_on_greedy_and_plain_rows():
+    """Greedy rows with different k and a plain request (k = 0) in one step: the same tokens
+    as the host verifier and the sampler."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3 + 1 + 2, V, generator=gen)  # k = 2, k = 0, k = 1
+    argmax = logits.argmax(1).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    a, b, c = (Request(n, [0], greedy) for n in "abc")
+    a.spec_token_ids = [argmax[0], (argmax[1] + 1) % V]
+    c.spec_token_ids = [argmax[4]]
+    out = launch_verification(logits, [a, b, c]).result()
+    host = Verifier(Sampler()).verify(logits[[0, 1, 2, 4, 5]], [a, c])
+    assert out.verified["a"].token_ids == host[0].token_ids == [argmax[0], argmax[1]]
+    assert out.verified["c"].token_ids == host[1].token_ids == [argmax[4], argmax[5]]
+    assert out.sampled_token_ids["b"] == argmax[3] and "b" not in out.verified
+    assert on_device_ok([a, b, c])
+    assert not on_device_ok([Request("s", [0], SamplingParams(seed=1, max_tokens=2))])
