@@ -469,6 +469,12 @@ class LLMEngine:
         """Detokenize folded updates, apply stop strings, build the outputs."""
         changed: dict[str, _Group] = {}
         now = time.monotonic()
+        if self.grammars.has_matchers:  # advance matchers first: their masks fill meanwhile
+            for upd in updates:
+                owner = self._seq_owner.get(upd.request.request_id)
+                if owner is not None and owner[0].constrained:
+                    self.grammars.accept(upd.request.request_id, upd.new_token_ids)
+            self.grammars.start_fill()
         for upd in updates:
             owner = self._seq_owner.get(upd.request.request_id)
             if owner is None:
@@ -478,8 +484,6 @@ class LLMEngine:
                 # first token: the prompt is done (counted once, cached tokens included, as vLLM)
                 self._prompt_tokens_total += upd.request.num_prompt_tokens
             self._generation_tokens_total += len(upd.new_token_ids)
-            if group.constrained:
-                self.grammars.accept(upd.request.request_id, upd.new_token_ids)
             self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
             upd.request.last_token_time = now
             changed[group.request_id] = group

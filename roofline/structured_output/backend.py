@@ -79,9 +79,17 @@ class StructuredOutputBackend(ABC):
     def allocate_bitmask(self, num_rows: int) -> Tensor:
         """A host bitmask for ``num_rows`` rows (every token allowed)."""
 
-    def fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: Tensor) -> None:
-        """Fill row ``i`` of ``bitmask`` from ``matchers[i]`` (a backend may use threads)."""
-        for row, matcher in enumerate(matchers):
+    def fill_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: Tensor,
+        rows: Sequence[int],
+        num_threads: int = 1,
+    ) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` from ``matchers[i]`` (on up to ``num_threads``
+        threads, where the library has them; called off the main thread, so it must not need
+        the GIL for long)."""
+        for row, matcher in zip(rows, matchers):
             matcher.fill_bitmask(bitmask, row)
 
     @abstractmethod

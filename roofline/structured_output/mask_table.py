@@ -1,0 +1,207 @@
+"""The host side of per-step grammar masks: one bitmask slot per live constrained sequence,
+refilled only when its matcher moved, filled off the step's critical path, uploaded once.
+
+* **Slots.** Each matcher owns a row ("slot") of one pinned int32 table for its whole life; the
+  lowest free slot is reused, so the table's used prefix stays about as long as the number of
+  live matchers. A slot is refilled only when its matcher advanced since the last fill (a row
+  in chunked prefill, or whose token the grammar refused, keeps its mask; a terminated matcher
+  is never filled).
+* **Filling.** :meth:`start_fill` runs as soon as a step's tokens are accepted: cheap fills run
+  inline; fills expected to cost more than ``INLINE_FILL_S`` go to a worker thread (the grammar
+  library releases the GIL), so they overlap the engine's detokenizing and output building,
+  and :meth:`finish_fill` joins them just before the masks are needed. Rows whose fill costs
+  more than ``THREADED_ROW_S`` each (long regex repetitions, large vocabularies with many
+  uncertain tokens) are split over ``max_threads`` library threads; cheap rows use one thread
+  (a thread hand-off costs more than a cheap row: 1.4 ms vs 3 us measured on two cores).
+* **Upload.** The table is laid out as ``[pairs | bitmask]`` in one flat buffer: the (logits
+  row, slot) pairs of this step, then the slots. One copy moves ``pairs + used slots`` to the
+  device and one fused kernel (:mod:`roofline.kernels.token_bitmask`) masks the named rows in
+  place. On the CPU the backend's own masking kernel is used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from roofline.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+
+INLINE_FILL_S = 3e-4
+"""Expected fill time under which :meth:`MaskTable.start_fill` fills inline."""
+THREADED_ROW_S = 5e-5
+"""Mean per-row fill time from which rows are filled on several library threads ..."""
+THREADED_STEP_S = 1e-3
+"""... when the step's fill is expected to take at least this long (a hand-off to library
+threads cost ~1.4 ms on the 2-core dev machine)."""
+_EMA = 0.3
+
+
+class MaskTable:
+    def __init__(
+        self, backend: StructuredOutputBackend, initial_slots: int = 16, fused: bool | None = None
+    ) -> None:
+        self.backend = backend
+        self.vocab_size: int = backend.vocab_size  # type: ignore[attr-defined]
+        self.words_per_row = (self.vocab_size + 31) // 32
+        self.max_threads = max(1, min(8, len(os.sched_getaffinity(0))))
+        self._pin = torch.cuda.is_available()
+        self._fused = fused
+        """Mask with the fused kernel (default: when the logits are on a GPU)."""
+        self._capacity = 0
+        self._flat = torch.empty(0, dtype=torch.int32)
+        self._device_flat: Tensor | None = None
+        self._free: set[int] = set()
+        self._next_slot = 0
+        self._dirty: dict[int, GrammarMatcher] = {}
+        self._row_fill_s = 0.0  # EMA of the fill time per row
+        self._pool: ThreadPoolExecutor | None = None
+        self._fill: Future | None = None
+        self.fill_s = 0.0
+        """Seconds spent filling, wherever the fill ran (benchmarks read these three)."""
+        self.apply_s = 0.0
+        """Seconds in :meth:`apply` (waiting for the fill, the upload, the kernel launch): the
+        masks' part of the step's critical path."""
+        self.num_applies = 0
+        self._grow(initial_slots)
+
+    # ----------------------------------------------------------------- layout
+    def _grow(self, capacity: int) -> None:
+        self.finish_fill()
+        old_bitmask = self.bitmask if self._capacity else None
+        flat = torch.empty(2 * capacity + capacity * self.words_per_row, dtype=torch.int32)
+        if self._pin:
+            flat = flat.pin_memory()
+        self._flat, self._capacity = flat, capacity
+        if old_bitmask is not None:
+            self.bitmask[: old_bitmask.shape[0]].copy_(old_bitmask)
+        self._device_flat = None
+
+    @property
+    def bitmask(self) -> Tensor:
+        """The host table, ``[capacity, words]`` (a view of the flat buffer)."""
+        start = 2 * self._capacity
+        return self._flat[start:].view(self._capacity, self.words_per_row)
+
+    @property
+    def num_slots_used(self) -> int:
+        return self._next_slot
+
+    # ----------------------------------------------------------------- slots
+    def acquire(self, matcher: GrammarMatcher) -> int:
+        """A slot for a new matcher (filled before its first masked step)."""
+        if self._free:
+            slot = min(self._free)
+            self._free.remove(slot)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+            if slot >= self._capacity:
+                self._grow(2 * self._capacity)
+        self._dirty[slot] = matcher
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._dirty.pop(slot, None)
+        self._free.add(slot)
+        while self._next_slot - 1 in self._free:  # keep the used prefix short
+            self._next_slot -= 1
+            self._free.remove(self._next_slot)
+
+    def mark_dirty(self, slot: int, matcher: GrammarMatcher) -> None:
+        """The matcher moved: its slot must be refilled before its next masked step."""
+        self._dirty[slot] = matcher
+
+    # ----------------------------------------------------------------- filling
+    def start_fill(self) -> None:
+        """Fill the dirty slots now (cheap) or on the worker thread (expensive)."""
+        if not self._dirty or self._fill is not None:
+            return
+        matchers = [m for m in self._dirty.values() if not m.is_terminated()]
+        slots = [s for s, m in self._dirty.items() if not m.is_terminated()]
+        self._dirty = {}
+        if not slots:
+            return
+        if self._row_fill_s * len(slots) < INLINE_FILL_S:
+            self._run_fill(matchers, slots)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
+        self._fill = self._pool.submit(self._run_fill, matchers, slots)
+
+    def _run_fill(self, matchers: Sequence[GrammarMatcher], slots: list[int]) -> None:
+        per_row = self._row_fill_s
+        expensive = per_row >= THREADED_ROW_S and per_row * len(slots) >= THREADED_STEP_S
+        threads = self.max_threads if expensive else 1
+        t0 = time.perf_counter()
+        if len(slots) == 1:
+            matchers[0].fill_bitmask(self.bitmask, slots[0])
+        else:
+            self.backend.fill_rows(matchers, self.bitmask, slots, min(threads, len(slots)))
+        elapsed = time.perf_counter() - t0
+        self.fill_s += elapsed
+        per_row = elapsed / len(slots)
+        self._row_fill_s = (
+            per_row if not self._row_fill_s else ((1 - _EMA) * self._row_fill_s + _EMA * per_row)
+        )
+
+    def finish_fill(self) -> None:
+        """Every dirty slot is filled when this returns."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill.result()
+        if self._dirty:
+            self.start_fill()
+            if self._fill is not None:
+                fill, self._fill = self._fill, None
+                fill.result()
+
+    # ----------------------------------------------------------------- masking
+    def apply(self, logits: Tensor, rows: Sequence[int], slots: Sequence[int]) -> None:
+        """Mask ``logits[rows[i]]`` ([R, V]) by slot ``slots[i]``, in place."""
+        t0 = time.perf_counter()
+        self._apply(logits, rows, slots)
+        self.apply_s += time.perf_counter() - t0
+        self.num_applies += 1
+
+    def _apply(self, logits: Tensor, rows: Sequence[int], slots: Sequence[int]) -> None:
+        self.finish_fill()
+        num = len(rows)
+        if not (logits.is_cuda if self._fused is None else self._fused):
+            bitmask = self.bitmask
+            sub_mask = bitmask[list(slots)] if list(slots) != list(range(num)) else bitmask[:num]
+            if num == logits.shape[0] and list(rows) == list(range(num)):
+                self.backend.apply_bitmask(logits, sub_mask)
+                return
+            index = torch.tensor(rows)  # [C]
+            sub = logits.index_select(0, index)  # [C, V]
+            self.backend.apply_bitmask(sub, sub_mask)
+            logits.index_copy_(0, index, sub)
+            return
+        from roofline.kernels.token_bitmask import apply_packed_bitmask
+
+        if num > self._capacity:
+            self._grow(max(num, 2 * self._capacity))
+        pairs = self._flat[: 2 * num].view(num, 2)  # [C, 2]
+        pairs[:, 0] = torch.as_tensor(rows, dtype=torch.int32)
+        pairs[:, 1] = torch.as_tensor(slots, dtype=torch.int32)
+        used = 2 * self._capacity + self._next_slot * self.words_per_row
+        if self._device_flat is None or self._device_flat.device != logits.device:
+            self._device_flat = torch.empty_like(self._flat, device=logits.device)
+        self._device_flat[:used].copy_(self._flat[:used], non_blocking=True)
+        apply_packed_bitmask(
+            logits,
+            self._device_flat,
+            num,
+            self._capacity,
+            self.words_per_row,
+            self.vocab_size,
+        )
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
