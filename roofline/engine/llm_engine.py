@@ -392,9 +392,6 @@ class LLMEngine:
         spec = self.spec
         num_running, folded = self.scheduler.num_running, self._num_folded_tokens
         speculate = spec is not None and spec.active(num_running)
-        # Not while grammar matchers run: verification would need one bitmask row per proposed
-        # position (GrammarMatcher.count_valid_prefix / rollback are the seam for that).
-        speculate = speculate and not self.grammars.has_matchers
         overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
         drained = prev is not None and not overlap
         if drained:
@@ -406,6 +403,8 @@ class LLMEngine:
             deferred = None
         if speculate:  # proposals need every token on the host: speculative steps are sync
             spec.propose(self.scheduler.running)  # type: ignore[union-attr]
+            if self.grammars.has_matchers:  # cut proposals at their first forbidden token
+                self.grammars.check_proposals(self.scheduler.running)
         elif spec is not None:
             spec.withdraw()
         sched_out = self.scheduler.schedule()
@@ -463,18 +462,18 @@ class LLMEngine:
             self.spec.record(run_out.verified)
         if self.spec is not None:
             self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates)
+        if self.grammars.has_matchers:  # matchers advance at once (a speculative step's outputs
+            for upd in updates:  # may wait a step; the next proposals and masks may not)
+                owner = self._seq_owner.get(upd.request.request_id)
+                if owner is not None and owner[0].constrained:
+                    self.grammars.accept(upd.request.request_id, upd.new_token_ids)
+            self.grammars.start_fill()  # the masks fill while the outputs are built
         return updates
 
     def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """Detokenize folded updates, apply stop strings, build the outputs."""
         changed: dict[str, _Group] = {}
         now = time.monotonic()
-        if self.grammars.has_matchers:  # advance matchers first: their masks fill meanwhile
-            for upd in updates:
-                owner = self._seq_owner.get(upd.request.request_id)
-                if owner is not None and owner[0].constrained:
-                    self.grammars.accept(upd.request.request_id, upd.new_token_ids)
-            self.grammars.start_fill()
         for upd in updates:
             owner = self._seq_owner.get(upd.request.request_id)
             if owner is None:

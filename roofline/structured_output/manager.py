@@ -120,18 +120,61 @@ class StructuredOutputManager:
                 self.masks.release(self._slots.pop(request_id))
 
     # ----------------------------------------------------------------- masking
+    def check_proposals(self, requests: Iterable[Request]) -> None:
+        """Cut each constrained request's speculative proposal at its first token the grammar
+        forbids (the matcher is left where it was)."""
+        get = self._matchers.get
+        for request in requests:
+            draft = request.spec_token_ids
+            if not draft:
+                continue
+            matcher = get(request.request_id)
+            if matcher is None:
+                continue
+            valid = 0 if matcher.is_terminated() else matcher.count_valid_prefix(draft)
+            del draft[valid:]
+
     def mask_logits(self, logits: Tensor, requests: Sequence[Request]) -> None:
-        """Mask, in place, the rows of ``logits`` ([R, V]) whose request is constrained."""
+        """Mask, in place, the rows of ``logits`` ([R, V]) whose request is constrained. A
+        request verifying a proposal of ``k`` tokens owns ``1 + k`` consecutive rows: row ``j``
+        gets the mask of its grammar after the proposal's first ``j`` tokens (filled here, the
+        matcher rolled back after)."""
         rows: list[int] = []
         slots: list[int] = []
         get = self._matchers.get
-        for i, request in enumerate(requests):
+        row = 0
+        for request in requests:
+            draft = request.spec_token_ids
             matcher = get(request.request_id)
             if matcher is not None and not matcher.is_terminated():
-                rows.append(i)
+                rows.append(row)
                 slots.append(self._slots[request.request_id])
+                if draft:
+                    rows_, slots_ = self._draft_masks(matcher, draft, row)
+                    rows += rows_
+                    slots += slots_
+            row += 1 + len(draft)
         if rows:
             self.masks.apply(logits, rows, slots)
+
+    def _draft_masks(
+        self, matcher: GrammarMatcher, draft: Sequence[int], row: int
+    ) -> tuple[list[int], list[int]]:
+        self.masks.finish_fill()  # the fill may still read this matcher on the worker thread
+        rows: list[int] = []
+        slots: list[int] = []
+        accepted = 0
+        for j, token_id in enumerate(draft):
+            if not matcher.accept_token(token_id):  # check_proposals cut such drafts already
+                break
+            accepted += 1
+            if matcher.is_terminated():  # a stop token: nothing follows it
+                break
+            rows.append(row + j + 1)
+            slots.append(self.masks.fill_scratch(matcher))
+        if accepted:
+            matcher.rollback(accepted)
+        return rows, slots
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -58,6 +58,7 @@ class MaskTable:
         self._free: set[int] = set()
         self._next_slot = 0
         self._dirty: dict[int, GrammarMatcher] = {}
+        self._scratch: list[int] = []  # slots of speculative positions, this step only
         self._row_fill_s = 0.0  # EMA of the fill time per row
         self._pool: ThreadPoolExecutor | None = None
         self._fill: Future | None = None
@@ -112,6 +113,21 @@ class MaskTable:
             self._next_slot -= 1
             self._free.remove(self._next_slot)
 
+    def fill_scratch(self, matcher: GrammarMatcher) -> int:
+        """Fill a temporary slot from ``matcher``'s state now (a speculative position's mask);
+        the slot is released after the next :meth:`apply` has queued its upload."""
+        if self._free:
+            slot = min(self._free)
+            self._free.remove(slot)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+            if slot >= self._capacity:
+                self._grow(2 * self._capacity)
+        matcher.fill_bitmask(self.bitmask, slot)
+        self._scratch.append(slot)
+        return slot
+
     def mark_dirty(self, slot: int, matcher: GrammarMatcher) -> None:
         """The matcher moved: its slot must be refilled before its next masked step."""
         self._dirty[slot] = matcher
@@ -165,6 +181,9 @@ class MaskTable:
         """Mask ``logits[rows[i]]`` ([R, V]) by slot ``slots[i]``, in place."""
         t0 = time.perf_counter()
         self._apply(logits, rows, slots)
+        for slot in self._scratch:
+            self.release(slot)
+        self._scratch = []
         self.apply_s += time.perf_counter() - t0
         self.num_applies += 1
 
