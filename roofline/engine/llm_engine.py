@@ -131,6 +131,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         spec_config = SpeculativeConfig.parse(args.speculative_config)
+        structured_backend = args.resolve_structured_outputs_backend()
         source = resolve_model(args.model)
         self.model_name = source.name
         self.model_config: ModelConfig = load_model_config(source)
@@ -237,7 +238,7 @@ class LLMEngine:
         self._num_prompt_logprob_groups = 0
         """Unfinished user requests that asked for prompt logprobs (the runner computes them
         only while this is > 0)."""
-        self.grammars = GrammarWaits(self)
+        self.grammars = GrammarWaits(self, structured_backend)
         """Structured outputs: requests waiting for their grammar, matchers, masking."""
 
     @classmethod
