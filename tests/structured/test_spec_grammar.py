@@ -75,3 +75,12 @@ def test_greedy_identical_with_speculation(model, reference, method) -> None:
     assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
     if method == "self_draft":
         assert stats.num_accepted_tokens > 0
+
+
+def test_async_scheduling_identical(model, reference) -> None:
+    """The overlapped path (the mask filled after the previous step is folded in, while the
+    next forward is queued) gives the synchronous tokens."""
+    tokens, engine = _run(model, _params(), async_scheduling=True)
+    assert tokens == reference
+    masks = engine.grammars.manager.masks
+    assert masks.num_applies > 0 and masks.num_slots_used == 0  # every slot released
