@@ -14,7 +14,12 @@ import argparse
 import torch
 
 from roofline.structured_output.backend import make_backend
-from roofline.structured_output.bench import format_costs, mask_cost, synthetic_backend
+from roofline.structured_output.bench import (
+    format_costs,
+    mask_cost,
+    synthetic_backend,
+    synthetic_llguidance_backend,
+)
 
 
 def main() -> None:
@@ -22,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2's real tokenizer")
     ap.add_argument("--kinds", default="json,regex,choice")
+    ap.add_argument("--llguidance", action="store_true", help="also llguidance (table path)")
     args = ap.parse_args()
     cpu = torch.device("cpu")
     backends = [("synthetic vocabulary of 128256 tokens", synthetic_backend(128256, 128009))]
@@ -42,15 +48,20 @@ def main() -> None:
                 make_backend("auto", tok, config.vocab_size, config.eos_token_id),
             )
         )
+    if args.llguidance:
+        backends.append(
+            ("llguidance, synthetic 128256", synthetic_llguidance_backend(128256, 128009))
+        )
     print(f"torch threads {torch.get_num_threads()}")
     for name, backend in backends:
         print(name)
         for kind in args.kinds.split(","):
             steps = args.steps if kind != "regex" else max(5, args.steps // 3)
+            modes = ("baseline", "table") if backend.name == "xgrammar" else ("table",)
             costs = [
                 mask_cost(backend, rows, cpu, steps, kind=kind, mode=mode)
                 for rows in (1, 16, 64)
-                for mode in ("baseline", "table")
+                for mode in modes
             ]
             print(format_costs(costs), flush=True)
 

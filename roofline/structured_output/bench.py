@@ -81,6 +81,32 @@ BENCH_CONSTRAINTS: dict[str, StructuredOutputsParams] = {
 repetitions: many tokens stay uncertain, the expensive case) and a label choice."""
 
 
+class _ByteTokenizer:
+    """What llguidance's ``TokenizerWrapper`` reads from a tokenizer, over a synthetic vocabulary
+    whose first 256 ids are the single bytes (so any text encodes byte by byte)."""
+
+    def __init__(self, vocab: list[bytes], stop_token_id: int) -> None:
+        self.tokens = vocab
+        self.eos_token_id = stop_token_id
+        self.bos_token_id = None
+        self.special_token_ids = [stop_token_id]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+def synthetic_llguidance_backend(vocab_size: int, stop_token_id: int) -> StructuredOutputBackend:
+    """An llguidance backend over :func:`synthetic_vocab` (needs llguidance)."""
+    import llguidance
+
+    from roofline.structured_output.llguidance_backend import LLGuidanceBackend
+
+    vocab = synthetic_vocab(vocab_size)
+    vocab[stop_token_id] = b"</s>"
+    wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(vocab, stop_token_id))
+    return LLGuidanceBackend(llguidance.LLTokenizer(wrapper, n_vocab=vocab_size), vocab_size)
+
+
 @dataclass
 class MaskCost:
     num_rows: int
@@ -90,6 +116,7 @@ class MaskCost:
     """Copy to the device and the masking kernel, per step (synchronised)."""
     kind: str = "json"
     mode: str = "table"
+    backend: str = "xgrammar"
 
     @property
     def total_ms(self) -> float:
@@ -163,14 +190,17 @@ def mask_cost(
                 matcher = matchers[i] = backend.matcher(compiled)
             table.mark_dirty(slots[i], matcher)
     table.shutdown()
-    return MaskCost(num_rows, 1e3 * fill_s / num_steps, 1e3 * apply_s / num_steps, kind, mode)
+    fill_ms, apply_ms = 1e3 * fill_s / num_steps, 1e3 * apply_s / num_steps
+    return MaskCost(num_rows, fill_ms, apply_ms, kind, mode, backend.name)
 
 
 def format_costs(costs: list[MaskCost]) -> str:
-    lines = ["grammar | path     | rows | fill ms/step | copy+apply ms/step | total ms/step"]
+    lines = [
+        "backend    | grammar | path     | rows | fill ms/step | copy+apply ms/step | total ms/step"
+    ]
     lines += [
-        f"{c.kind:7s} | {c.mode:8s} | {c.num_rows:4d} | {c.fill_ms:12.3f} | {c.apply_ms:18.3f} | "
-        f"{c.total_ms:13.3f}"
+        f"{c.backend:10s} | {c.kind:7s} | {c.mode:8s} | {c.num_rows:4d} | {c.fill_ms:12.3f} | "
+        f"{c.apply_ms:18.3f} | {c.total_ms:13.3f}"
         for c in costs
     ]
     return "\n".join(lines)

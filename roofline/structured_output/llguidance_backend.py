@@ -19,11 +19,9 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import llguidance.torch
-import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from torch import Tensor
 
-from roofline.kernels.token_bitmask import apply_token_bitmask_ref
 from roofline.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from roofline.structured_output.params import StructuredOutputsParams
 
@@ -156,6 +154,10 @@ class LLGuidanceBackend(StructuredOutputBackend):
         llguidance.torch.fill_next_token_bitmask_par(executor, pairs, bitmask)
 
     def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> None:
-        rows = torch.arange(logits.shape[0], dtype=torch.int32, device=bitmask.device)  # [R]
-        pairs = torch.stack([rows, rows], dim=1)  # [R, 2]
-        apply_token_bitmask_ref(logits, pairs, bitmask, self.vocab_size)
+        # The layout is xgrammar's, and xgrammar (a core dependency) has a C++ CPU kernel for
+        # it; llguidance's own torch.compile'd one would compile on first use. (On the GPU the
+        # mask table's fused kernel is used, not this.)
+        import xgrammar as xgr
+
+        rows = logits.shape[0]
+        xgr.apply_token_bitmask_inplace(logits, bitmask[:rows], vocab_size=self.vocab_size)

@@ -33,11 +33,10 @@ from roofline.structured_output.backend import GrammarMatcher, StructuredOutputB
 
 INLINE_FILL_S = 3e-4
 """Expected fill time under which :meth:`MaskTable.start_fill` fills inline."""
-THREADED_ROW_S = 5e-5
-"""Mean per-row fill time from which rows are filled on several library threads ..."""
-THREADED_STEP_S = 1e-3
-"""... when the step's fill is expected to take at least this long (a hand-off to library
-threads cost ~1.4 ms on the 2-core dev machine)."""
+THREADED_ROW_S = 5e-4
+"""Single-thread fill time per row from which a step's rows are split over library threads
+(a hand-off to them cost ~1.4 ms on the 2-core dev machine: worth it for long regex
+repetitions, at ~1-10 ms a row, not for JSON schemas, at ~3 us)."""
 _EMA = 0.3
 
 
@@ -150,17 +149,16 @@ class MaskTable:
         self._fill = self._pool.submit(self._run_fill, matchers, slots)
 
     def _run_fill(self, matchers: Sequence[GrammarMatcher], slots: list[int]) -> None:
-        per_row = self._row_fill_s
-        expensive = per_row >= THREADED_ROW_S and per_row * len(slots) >= THREADED_STEP_S
-        threads = self.max_threads if expensive else 1
+        expensive = self._row_fill_s >= THREADED_ROW_S and len(slots) > 1
+        threads = min(self.max_threads, len(slots)) if expensive else 1
         t0 = time.perf_counter()
         if len(slots) == 1:
             matchers[0].fill_bitmask(self.bitmask, slots[0])
         else:
-            self.backend.fill_rows(matchers, self.bitmask, slots, min(threads, len(slots)))
+            self.backend.fill_rows(matchers, self.bitmask, slots, threads)
         elapsed = time.perf_counter() - t0
         self.fill_s += elapsed
-        per_row = elapsed / len(slots)
+        per_row = elapsed * threads / len(slots)  # single-thread equivalent, overhead included
         self._row_fill_s = (
             per_row if not self._row_fill_s else ((1 - _EMA) * self._row_fill_s + _EMA * per_row)
         )
