@@ -136,6 +136,25 @@ def mask_costs(backend, quick: bool) -> list:
     return costs
 
 
+@section("llguidance mask cost")
+def llguidance_costs(quick: bool) -> None:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        print("llguidance not installed: skipped (pip install llguidance to compare)")
+        return
+    from roofline.structured_output.bench import synthetic_llguidance_backend
+
+    backend = synthetic_llguidance_backend(VOCAB, STOP)
+    costs = [
+        mask_cost(backend, rows, torch.device("cuda"), 20 if quick else 50, kind=kind)
+        for kind in (("json",) if quick else ("json", "choice"))
+        for rows in ROWS
+    ]
+    print(format_costs(costs), flush=True)
+    summary["llguidance_mask_cost"] = [{**vars(c), "total_ms": c.total_ms} for c in costs]
+
+
 def _run(llm: LLM, num_reqs: int, max_tokens: int | list[int], constrained: bool):
     """(output tokens/s, ms per step, output lengths, mask ms per step on the critical path)."""
     prompts = [[100 + (7 * i + j) % 30000 for j in range(64)] for i in range(num_reqs)]
@@ -209,6 +228,7 @@ def main() -> None:
     parity(backend)
     fill_threads(backend)
     mask_costs(backend, args.quick)
+    llguidance_costs(args.quick)
     engine_runs(backend, args.quick)
     print("\n=== summary")
     print(json.dumps(summary, indent=1, default=str))
