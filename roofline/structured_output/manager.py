@@ -98,6 +98,7 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None or not token_ids:
             return
+        self.masks.wait_fill()  # the worker may still be reading this matcher
         moved = False
         for token_id in token_ids:
             if matcher.is_terminated():
@@ -124,6 +125,7 @@ class StructuredOutputManager:
         """Cut each constrained request's speculative proposal at its first token the grammar
         forbids (the matcher is left where it was)."""
         get = self._matchers.get
+        self.masks.wait_fill()  # the worker may still be reading these matchers
         for request in requests:
             draft = request.spec_token_ids
             if not draft:

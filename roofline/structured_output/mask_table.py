@@ -9,10 +9,12 @@ refilled only when its matcher moved, filled off the step's critical path, uploa
 * **Filling.** :meth:`start_fill` runs as soon as a step's tokens are accepted: cheap fills run
   inline; fills expected to cost more than ``INLINE_FILL_S`` go to a worker thread (the grammar
   library releases the GIL), so they overlap the engine's detokenizing and output building,
-  and :meth:`finish_fill` joins them just before the masks are needed. Rows whose fill costs
-  more than ``THREADED_ROW_S`` each (long regex repetitions, large vocabularies with many
-  uncertain tokens) are split over ``max_threads`` library threads; cheap rows use one thread
-  (a thread hand-off costs more than a cheap row: 1.4 ms vs 3 us measured on two cores).
+  and :meth:`finish_fill` joins them just before the masks are needed (anything that moves a
+  matcher joins a running fill first). Rows whose single-thread fill costs more than
+  ``THREADED_ROW_S`` (long regex repetitions, where most tokens stay uncertain) are split over
+  ``max_threads`` library threads; cheap rows use one thread (a hand-off to library threads
+  costs more than a cheap row: ~1.4 ms vs ~3 us measured on two cores, and xgrammar's "auto"
+  thread count cost 3-4 ms a step on a 16-core GPU host).
 * **Upload.** The table is laid out as ``[pairs | bitmask]`` in one flat buffer: the (logits
   row, slot) pairs of this step, then the slots. One copy moves ``pairs + used slots`` to the
   device and one fused kernel (:mod:`roofline.kernels.token_bitmask`) masks the named rows in
@@ -162,6 +164,12 @@ class MaskTable:
         self._row_fill_s = (
             per_row if not self._row_fill_s else ((1 - _EMA) * self._row_fill_s + _EMA * per_row)
         )
+
+    def wait_fill(self) -> None:
+        """Join a fill running on the worker thread (before a matcher it reads may change)."""
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill.result()
 
     def finish_fill(self) -> None:
         """Every dirty slot is filled when this returns."""
