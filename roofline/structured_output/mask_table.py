@@ -138,8 +138,12 @@ class MaskTable:
         """Fill the dirty slots now (cheap) or on the worker thread (expensive)."""
         if not self._dirty or self._fill is not None:
             return
-        matchers = [m for m in self._dirty.values() if not m.is_terminated()]
-        slots = [s for s, m in self._dirty.items() if not m.is_terminated()]
+        slots: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        for slot, matcher in self._dirty.items():
+            if not matcher.is_terminated():  # a finished grammar's row is never masked
+                slots.append(slot)
+                matchers.append(matcher)
         self._dirty = {}
         if not slots:
             return
