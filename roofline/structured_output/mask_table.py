@@ -33,7 +33,7 @@ from torch import Tensor
 
 from roofline.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 
-INLINE_FILL_S = 3e-4
+INLINE_FILL_S = 1e-3
 """Expected fill time under which :meth:`MaskTable.start_fill` fills inline."""
 THREADED_ROW_S = 5e-4
 """Single-thread fill time per row from which a step's rows are split over library threads
