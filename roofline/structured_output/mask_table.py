@@ -16,9 +16,10 @@ refilled only when its matcher moved, filled off the step's critical path, uploa
   costs more than a cheap row: ~1.4 ms vs ~3 us measured on two cores, and xgrammar's "auto"
   thread count cost 3-4 ms a step on a 16-core GPU host).
 * **Upload.** The table is laid out as ``[pairs | bitmask]`` in one flat buffer: the (logits
-  row, slot) pairs of this step, then the slots. One copy moves ``pairs + used slots`` to the
-  device and one fused kernel (:mod:`roofline.kernels.token_bitmask`) masks the named rows in
-  place. On the CPU the backend's own masking kernel is used.
+  row, slot) pairs of this step, then the slots. One copy on a side stream (overlapping the
+  forward) moves ``pairs + used slots`` to the device and one fused kernel
+  (:mod:`roofline.kernels.token_bitmask`) masks the named rows in place. On the CPU the
+  backend's own masking kernel is used.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,6 +58,9 @@ class MaskTable:
         self._capacity = 0
         self._flat = torch.empty(0, dtype=torch.int32)
         self._device_flat: Tensor | None = None
+        self._copy_stream: Any = None  # torch.cuda.Stream of the uploads
+        self._copied: Any = None  # torch.cuda.Event: the step's upload landed
+        self._masked: Any = None  # torch.cuda.Event: the last masking kernel is queued/done
         self._free: set[int] = set()
         self._next_slot = 0
         self._dirty: dict[int, GrammarMatcher] = {}
@@ -221,7 +226,24 @@ class MaskTable:
         used = 2 * self._capacity + self._next_slot * self.words_per_row
         if self._device_flat is None or self._device_flat.device != logits.device:
             self._device_flat = torch.empty_like(self._flat, device=logits.device)
-        self._device_flat[:used].copy_(self._flat[:used], non_blocking=True)
+            if logits.is_cuda:
+                self._copy_stream = torch.cuda.Stream(device=logits.device)
+                self._copied = torch.cuda.Event()
+        if not logits.is_cuda:  # the Triton interpreter (tests)
+            self._device_flat[:used].copy_(self._flat[:used])
+        else:
+            # The upload runs on a side stream, so it overlaps the forward still running on the
+            # main stream (whose work it would otherwise queue behind); the main stream waits
+            # for it only before the masking kernel. The host buffer is next written after the
+            # step's sampled ids reached the host, so after this copy completed.
+            main = torch.cuda.current_stream(logits.device)
+            with torch.cuda.stream(self._copy_stream):
+                if self._masked is not None:  # the last kernel read this buffer: after it
+                    self._copy_stream.wait_event(self._masked)
+                self._device_flat[:used].copy_(self._flat[:used], non_blocking=True)
+                self._copied.record(self._copy_stream)
+            self._device_flat.record_stream(self._copy_stream)  # freed only after the copy
+            main.wait_event(self._copied)
         apply_packed_bitmask(
             logits,
             self._device_flat,
@@ -230,6 +252,10 @@ class MaskTable:
             self.words_per_row,
             self.vocab_size,
         )
+        if logits.is_cuda:
+            if self._masked is None:
+                self._masked = torch.cuda.Event()
+            self._masked.record(torch.cuda.current_stream(logits.device))
 
     def shutdown(self) -> None:
         if self._pool is not None:
