@@ -95,8 +95,12 @@ class LLGuidanceBackend(StructuredOutputBackend):
     def from_tokenizer(
         cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
     ) -> LLGuidanceBackend:
+        from roofline.models.light_tokenizer import hf_tokenizer
+
         stops = list(stop_token_ids) or None
-        info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+        info = llguidance.hf.from_tokenizer(
+            hf_tokenizer(tokenizer), n_vocab=vocab_size, eos_token=stops
+        )
         return cls(info, vocab_size)
 
     @staticmethod
