@@ -29,7 +29,8 @@ class CompletionOutput:
     """The stop string or stop token id that ended it, if any."""
     tool_calls: list[dict[str, Any]] | None = None
     """``LLM.chat(tools=...)``: the calls parsed from ``text`` (OpenAI-shaped: ``id``,
-    ``type``, ``function`` with ``name`` and ``arguments`` JSON); None without tools."""
+    ``type``, ``function`` with ``name`` and ``arguments`` JSON); None without tools. Set after
+    generation in the caller's process (the core's wire form does not carry it)."""
     content: str | None = None
     """``LLM.chat(tools=...)``: the text outside the tool calls."""
 
