@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Logprob(NamedTuple):
@@ -27,6 +27,12 @@ class CompletionOutput:
     None while running."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended it, if any."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """``LLM.chat(tools=...)``: the calls parsed from ``text`` (OpenAI-shaped: ``id``,
+    ``type``, ``function`` with ``name`` and ``arguments`` JSON); None without tools. Set after
+    generation in the caller's process (the core's wire form does not carry it)."""
+    content: str | None = None
+    """``LLM.chat(tools=...)``: the text outside the tool calls."""
 
     @property
     def finished(self) -> bool:

@@ -62,6 +62,10 @@ _HELP = {
     "cascade_attention": "decode steps whose rows share a long cached prefix attend it once for "
     "the group, merged with each row's own suffix (chosen when it saves enough reads; "
     "--no-cascade-attention: always the plain decode kernel)",
+    "structured_outputs_backend": "grammar library for structured outputs: auto (xgrammar), "
+    "xgrammar or llguidance (pip install 'roofline[llguidance]')",
+    "structured_outputs_config": "structured outputs as JSON, vLLM's name: '{\"backend\": "
+    '"llguidance"}\' (overrides --structured-outputs-backend)',
     "gguf_keep_quantized": "GGUF on the CPU: multiply Q4_0/Q4_1/Q8_0 blocks as stored (fused "
     "integer kernels); --no-gguf-keep-quantized dequantizes them at load (the fp32 reference)",
 }
@@ -106,6 +110,14 @@ class EngineArgs:
     quantize_lm_head: bool = False
     gguf_keep_quantized: bool = True
     cascade_attention: bool = True
+    structured_outputs_backend: str = "auto"
+    structured_outputs_config: dict | str | None = None
+
+    def resolve_structured_outputs_backend(self) -> str:
+        """The grammar library for structured outputs (checked before anything loads)."""
+        from roofline.structured_output.backend import resolve_backend_name
+
+        return resolve_backend_name(self.structured_outputs_backend, self.structured_outputs_config)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

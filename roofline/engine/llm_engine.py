@@ -131,6 +131,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         spec_config = SpeculativeConfig.parse(args.speculative_config)
+        structured_backend = args.resolve_structured_outputs_backend()
         source = resolve_model(args.model)
         self.model_name = source.name
         self.model_config: ModelConfig = load_model_config(source)
@@ -237,7 +238,7 @@ class LLMEngine:
         self._num_prompt_logprob_groups = 0
         """Unfinished user requests that asked for prompt logprobs (the runner computes them
         only while this is > 0)."""
-        self.grammars = GrammarWaits(self)
+        self.grammars = GrammarWaits(self, structured_backend)
         """Structured outputs: requests waiting for their grammar, matchers, masking."""
 
     @classmethod
@@ -392,9 +393,6 @@ class LLMEngine:
         spec = self.spec
         num_running, folded = self.scheduler.num_running, self._num_folded_tokens
         speculate = spec is not None and spec.active(num_running)
-        # Not while grammar matchers run: verification would need one bitmask row per proposed
-        # position (GrammarMatcher.count_valid_prefix / rollback are the seam for that).
-        speculate = speculate and not self.grammars.has_matchers
         overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
         drained = prev is not None and not overlap
         if drained:
@@ -406,6 +404,8 @@ class LLMEngine:
             deferred = None
         if speculate:  # proposals need every token on the host: speculative steps are sync
             spec.propose(self.scheduler.running)  # type: ignore[union-attr]
+            if self.grammars.has_matchers:  # cut proposals at their first forbidden token
+                self.grammars.check_proposals(self.scheduler.running)
         elif spec is not None:
             spec.withdraw()
         sched_out = self.scheduler.schedule()
@@ -463,6 +463,12 @@ class LLMEngine:
             self.spec.record(run_out.verified)
         if self.spec is not None:
             self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates)
+        if self.grammars.has_matchers:  # matchers advance at once (a speculative step's outputs
+            for upd in updates:  # may wait a step; the next proposals and masks may not)
+                owner = self._seq_owner.get(upd.request.request_id)
+                if owner is not None and owner[0].constrained:
+                    self.grammars.accept(upd.request.request_id, upd.new_token_ids)
+            self.grammars.start_fill()  # the masks fill while the outputs are built
         return updates
 
     def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
@@ -478,8 +484,6 @@ class LLMEngine:
                 # first token: the prompt is done (counted once, cached tokens included, as vLLM)
                 self._prompt_tokens_total += upd.request.num_prompt_tokens
             self._generation_tokens_total += len(upd.new_token_ids)
-            if group.constrained:
-                self.grammars.accept(upd.request.request_id, upd.new_token_ids)
             self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
             upd.request.last_token_time = now
             changed[group.request_id] = group

@@ -52,20 +52,61 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        tool_call_parser: str = "auto",
     ) -> list[RequestOutput]:
+        """Generate replies to conversations. With ``tools`` (OpenAI's function definitions)
+        and ``tool_choice`` (``none``, ``auto``, ``required`` or a named function) the tools
+        are rendered into the prompt as the server does, ``required`` / a named function
+        constrain the output to parseable calls, and each completion carries the parsed
+        ``tool_calls`` and its ``content`` (``roofline.entrypoints.chat_tools``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
         prompts: list[PromptType] = []
+        plans = []
         for conv in convs:
-            text = engine.apply_chat_template(list(conv), add_generation_prompt)
+            if tools is None and tool_choice is None:
+                text = engine.apply_chat_template(list(conv), add_generation_prompt)
+                plans.append(None)
+            else:
+                from roofline.entrypoints.chat_tools import prepare_chat
+
+                text, plan = prepare_chat(
+                    engine,
+                    list(conv),
+                    tools,
+                    tool_choice,
+                    parallel_tool_calls,
+                    add_generation_prompt,
+                )
+                plans.append(plan)
             ids = list(engine.tokenizer(text, add_special_tokens=False).input_ids)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if not any(p is not None for p in plans):
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        from roofline.entrypoints.chat_tools import attach_tool_calls, tool_sampling_params
+
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            given = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            given = list(sampling_params)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        pairs = [
+            tool_sampling_params(
+                plan, p, tool_call_parser, template if isinstance(template, str) else None
+            )
+            for plan, p in zip(plans, given)
+        ]
+        outputs = self.generate(prompts, [p for p, _ in pairs], use_tqdm=use_tqdm)
+        attach_tool_calls(outputs, [m for _, m in pairs])
+        return outputs
 
     def _add(
         self,

@@ -3,9 +3,9 @@
 A backend turns :class:`StructuredOutputsParams` into a compiled grammar for one tokenizer,
 makes per-sequence :class:`GrammarMatcher`\\ s from it, and owns the token bitmask's layout
 (how it is allocated on the host, filled by a matcher, and applied to logits on the device).
-xgrammar is the default (:mod:`roofline.structured_output.xgrammar_backend`); another library
-(llguidance) is added by implementing these two classes and registering it in
-:func:`make_backend`. Nothing outside this package imports a grammar library.
+xgrammar is the default (:mod:`roofline.structured_output.xgrammar_backend`), llguidance the
+optional second (:mod:`roofline.structured_output.llguidance_backend`); :func:`make_backend`
+picks one by name. Nothing outside this package imports a grammar library.
 
 Matchers are what speculative decoding checks proposals against: ``accept_token`` advances on
 one token (False, state unchanged, if the grammar forbids it), ``rollback(k)`` undoes the last
@@ -16,6 +16,8 @@ back again, returning its length: the verifier may accept at most that many draf
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -79,9 +81,17 @@ class StructuredOutputBackend(ABC):
     def allocate_bitmask(self, num_rows: int) -> Tensor:
         """A host bitmask for ``num_rows`` rows (every token allowed)."""
 
-    def fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: Tensor) -> None:
-        """Fill row ``i`` of ``bitmask`` from ``matchers[i]`` (a backend may use threads)."""
-        for row, matcher in enumerate(matchers):
+    def fill_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: Tensor,
+        rows: Sequence[int],
+        num_threads: int = 1,
+    ) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` from ``matchers[i]`` (on up to ``num_threads``
+        threads, where the library has them; called off the main thread, so it must not need
+        the GIL for long)."""
+        for row, matcher in zip(rows, matchers):
             matcher.fill_bitmask(bitmask, row)
 
     @abstractmethod
@@ -90,12 +100,46 @@ class StructuredOutputBackend(ABC):
         device, one row per logits row)."""
 
 
+BACKENDS = ("auto", "xgrammar", "llguidance")
+
+
+def resolve_backend_name(name: str, config: dict | str | None = None) -> str:
+    """The backend asked for by ``--structured-outputs-backend`` or vLLM's
+    ``structured_outputs_config`` (``{"backend": ...}``, a dict or its JSON); ``ValueError`` for
+    an unknown name, another key, or llguidance when it is not installed."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from e
+    if config is not None:
+        if not isinstance(config, dict) or set(config) - {"backend"}:
+            raise ValueError('structured_outputs_config must be {"backend": <name>}')
+        name = config.get("backend", name)
+    if name not in BACKENDS:
+        raise ValueError(f"structured outputs backend must be one of {BACKENDS}, got {name!r}")
+    if name == "llguidance" and importlib.util.find_spec("llguidance") is None:
+        raise ValueError("the llguidance backend needs llguidance: pip install llguidance")
+    return name
+
+
 def make_backend(
     name: str, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
 ) -> StructuredOutputBackend:
-    """The backend called ``name`` for this tokenizer ("auto" and "xgrammar": xgrammar)."""
+    """The backend called ``name`` for this tokenizer ("auto" and "xgrammar": xgrammar;
+    "llguidance" when installed)."""
     if name in ("auto", "xgrammar"):
         from roofline.structured_output.xgrammar_backend import XGrammarBackend
 
         return XGrammarBackend.from_tokenizer(tokenizer, vocab_size, stop_token_ids)
-    raise ValueError(f"structured output backend must be auto or xgrammar, got {name!r}")
+    if name == "llguidance":
+        try:
+            from roofline.structured_output.llguidance_backend import LLGuidanceBackend
+        except ImportError as e:
+            raise ValueError(
+                "the llguidance backend needs llguidance: pip install 'roofline[llguidance]'"
+            ) from e
+        return LLGuidanceBackend.from_tokenizer(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(
+        f"structured output backend must be auto, xgrammar or llguidance, got {name!r}"
+    )

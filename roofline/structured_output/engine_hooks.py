@@ -120,6 +120,14 @@ class GrammarWaits:
         if self._manager is not None:
             self._manager.accept(request_id, token_ids)
 
+    def check_proposals(self, requests: list[Request]) -> None:
+        if self._manager is not None:
+            self._manager.check_proposals(requests)
+
+    def start_fill(self) -> None:
+        if self._manager is not None:
+            self._manager.start_fill()
+
     def mask_logits(self, logits: Tensor, requests: list[Request]) -> None:
         if self._manager is not None:
             self._manager.mask_logits(logits, requests)

@@ -25,11 +25,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from roofline.request import Request
 from roofline.structured_output.backend import GrammarMatcher, StructuredOutputBackend, make_backend
+from roofline.structured_output.mask_table import MaskTable
 from roofline.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,16 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._matchers: dict[str, GrammarMatcher] = {}
-        self._bitmask: Tensor | None = None  # host [rows, words], grown on demand
+        self._slots: dict[str, int] = {}  # request id -> its row of the mask table
+        self.masks = MaskTable(self.backend)
 
     # ----------------------------------------------------------------- compiling
     def validate(self, params: StructuredOutputsParams) -> None:
+        """``ValueError`` for a constraint the backend refuses; skipped when an equal one is
+        compiled or compiling already (it was validated then: ~0.3 ms a request saved)."""
+        future = self._futures.get(params.key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            return
         self.backend.validate(params)
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -83,55 +89,100 @@ class StructuredOutputManager:
 
     def start(self, request_ids: Iterable[str], compiled: Any) -> None:
         for request_id in request_ids:
-            self._matchers[request_id] = self.backend.matcher(compiled, self.max_rollback_tokens)
+            matcher = self.backend.matcher(compiled, self.max_rollback_tokens)
+            self._matchers[request_id] = matcher
+            self._slots[request_id] = self.masks.acquire(matcher)
 
     def matcher(self, request_id: str) -> GrammarMatcher | None:
         """The sequence's matcher (speculative decoding checks proposals against it)."""
         return self._matchers.get(request_id)
 
     def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Advance the sequence's matcher over its confirmed tokens (its mask slot is refilled
+        at the next :meth:`start_fill`)."""
         matcher = self._matchers.get(request_id)
-        if matcher is None:
+        if matcher is None or not token_ids:
             return
+        self.masks.wait_fill()  # the worker may still be reading this matcher
+        moved = False
         for token_id in token_ids:
             if matcher.is_terminated():
-                return
+                break
             if not matcher.accept_token(token_id):
                 logger.warning("request %s: token %d rejected by its grammar", request_id, token_id)
-                return
+                break
+            moved = True
+        if moved:
+            self.masks.mark_dirty(self._slots[request_id], matcher)
+
+    def start_fill(self) -> None:
+        """Begin filling the masks of the matchers that moved (after a step's tokens were all
+        accepted; the fill overlaps whatever the host does until :meth:`mask_logits`)."""
+        self.masks.start_fill()
 
     def remove(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            self._matchers.pop(request_id, None)
+            if self._matchers.pop(request_id, None) is not None:
+                self.masks.release(self._slots.pop(request_id))
 
     # ----------------------------------------------------------------- masking
-    def mask_logits(self, logits: Tensor, requests: Sequence[Request]) -> None:
-        """Mask, in place, the rows of ``logits`` ([R, V]) whose request is constrained."""
-        rows: list[int] = []
-        matchers: list[GrammarMatcher] = []
+    def check_proposals(self, requests: Iterable[Request]) -> None:
+        """Cut each constrained request's speculative proposal at its first token the grammar
+        forbids (the matcher is left where it was)."""
         get = self._matchers.get
-        for i, request in enumerate(requests):
+        self.masks.wait_fill()  # the worker may still be reading these matchers
+        for request in requests:
+            draft = request.spec_token_ids
+            if not draft:
+                continue
+            matcher = get(request.request_id)
+            if matcher is None:
+                continue
+            valid = 0 if matcher.is_terminated() else matcher.count_valid_prefix(draft)
+            del draft[valid:]
+
+    def mask_logits(self, logits: Tensor, requests: Sequence[Request]) -> None:
+        """Mask, in place, the rows of ``logits`` ([R, V]) whose request is constrained. A
+        request verifying a proposal of ``k`` tokens owns ``1 + k`` consecutive rows: row ``j``
+        gets the mask of its grammar after the proposal's first ``j`` tokens (filled here, the
+        matcher rolled back after)."""
+        rows: list[int] = []
+        slots: list[int] = []
+        get = self._matchers.get
+        row = 0
+        for request in requests:
+            draft = request.spec_token_ids
             matcher = get(request.request_id)
             if matcher is not None and not matcher.is_terminated():
-                rows.append(i)
-                matchers.append(matcher)
-        if not rows:
-            return
-        bitmask = self._host_bitmask(len(rows))  # [C, words]
-        self.backend.fill_rows(matchers, bitmask)
-        device_mask = bitmask.to(logits.device, non_blocking=True)  # [C, words]
-        if len(rows) == logits.shape[0]:
-            self.backend.apply_bitmask(logits, device_mask)
-            return
-        index = torch.tensor(rows, device=logits.device)  # [C]
-        sub = logits.index_select(0, index)  # [C, V]
-        self.backend.apply_bitmask(sub, device_mask)
-        logits.index_copy_(0, index, sub)
+                rows.append(row)
+                slots.append(self._slots[request.request_id])
+                if draft:
+                    rows_, slots_ = self._draft_masks(matcher, draft, row)
+                    rows += rows_
+                    slots += slots_
+            row += 1 + len(draft)
+        if rows:
+            self.masks.apply(logits, rows, slots)
 
-    def _host_bitmask(self, num_rows: int) -> Tensor:
-        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = self.backend.allocate_bitmask(max(num_rows, 16))
-        return self._bitmask[:num_rows]
+    def _draft_masks(
+        self, matcher: GrammarMatcher, draft: Sequence[int], row: int
+    ) -> tuple[list[int], list[int]]:
+        self.masks.finish_fill()  # the fill may still read this matcher on the worker thread
+        rows: list[int] = []
+        slots: list[int] = []
+        accepted = 0
+        for j, token_id in enumerate(draft):
+            if not matcher.accept_token(token_id):  # check_proposals cut such drafts already
+                break
+            accepted += 1
+            if matcher.is_terminated():  # a stop token: nothing follows it
+                break
+            rows.append(row + j + 1)
+            slots.append(self.masks.fill_scratch(matcher))
+        if accepted:
+            matcher.rollback(accepted)
+        return rows, slots
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.masks.shutdown()

@@ -42,13 +42,13 @@ def choice_ebnf(choices: list[str]) -> str:
 
 class XGrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
-    BATCH_FILL_MIN_ROWS = 8
-    """From this many constrained rows on, one call fills them all on xgrammar's threads."""
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, max_threads: int = 2) -> None:
         self.vocab_size = tokenizer_info.vocab_size
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
-        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batches: dict[int, xgr.BatchGrammarMatcher] = {}
+        """By thread count: "auto" spawns one thread per host core, which on a many-core GPU
+        host cost 3-4 ms per step for fills of a few microseconds a row."""
 
     @classmethod
     def from_tokenizer(
@@ -101,19 +101,25 @@ class XGrammarBackend(StructuredOutputBackend):
         self, compiled: xgr.CompiledGrammar, max_rollback_tokens: int = 0
     ) -> XGrammarMatcher:
         return XGrammarMatcher(
-            xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+            xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2.8
         )
 
     def allocate_bitmask(self, num_rows: int) -> Tensor:
         bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # [rows, ceil(V / 32)]
         return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
 
-    def fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: Tensor) -> None:
-        if len(matchers) < self.BATCH_FILL_MIN_ROWS:
-            super().fill_rows(matchers, bitmask)
-            return
+    def fill_rows(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        bitmask: Tensor,
+        rows: Sequence[int],
+        num_threads: int = 1,
+    ) -> None:
+        batch = self._batches.get(num_threads)
+        if batch is None:
+            batch = self._batches[num_threads] = xgr.BatchGrammarMatcher(max_threads=num_threads)
         inner = [m._m for m in matchers]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask)
+        batch.batch_fill_next_token_bitmask(inner, bitmask, list(rows))  # releases the GIL
 
     def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> None:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)

@@ -411,13 +411,13 @@ class ModelRunner:
             return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        if mask_logits is not None:  # with verification: 1 + k rows per speculating request
+            mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it
             self._prev_sampled, self._prev_rows = None, {}
             if on_device_ok(requests):  # accept/reject on the device, one copy to the host
                 return launch_verification(logits, requests)  # type: ignore[return-value]
             return verify_step(self.sampler, self.verifier, logits, requests)
-        if mask_logits is not None:  # never with verification: the engine does not speculate
-            mask_logits(logits, requests)  # while constrained requests run
         out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}

@@ -334,3 +334,52 @@ def test_sampled_n_logprobs_and_preemption(llm: LLM) -> None:
     for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["nested"])
+
+
+def test_offline_chat_tools(llm: LLM, client: openai.OpenAI) -> None:
+    """``LLM.chat(tools=...)``: the server's rendering, constraint and parsing offline; the
+    same greedy call as the server's."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    (out,) = llm.chat(ASK, greedy, tools=[WEATHER], tool_choice="required", use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.finish_reason == "tool_calls" and not completion.content
+    (call,) = completion.tool_calls
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    served = client.chat.completions.create(
+        model=None,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert json.loads(served.choices[0].message.tool_calls[0].function.arguments) == arguments
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (out,) = llm.chat(ASK, greedy, tools=[WEATHER], tool_choice=named, use_tqdm=False)
+    (call,) = out.outputs[0].tool_calls
+    jsonschema.validate(
+        json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"]
+    )
+
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'},
+    ]
+    short = SamplingParams(temperature=0.0, max_tokens=16)
+    (final,) = llm.chat(history, short, tools=[WEATHER], tool_choice="none", use_tqdm=False)
+    assert final.outputs[0].text and final.outputs[0].tool_calls is None
+    (plain,) = llm.chat(ASK, short, use_tqdm=False)  # no tools: untouched outputs
+    assert plain.outputs[0].tool_calls is None and plain.outputs[0].content is None
+
+    with pytest.raises(ValueError, match="not among the tools"):
+        llm.chat(
+            ASK,
+            greedy,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "x"}},
+        )
+    with pytest.raises(ValueError, match="tool_choice needs tools"):
+        llm.chat(ASK, greedy, tool_choice="required")

@@ -127,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from roofline.entrypoints.cli import loading_notice
 
     with loading_notice(args.model or "SmolLM2-135M-Instruct (embedded)"):
-        engine = AsyncLLMEngine.from_engine_args(
-            EngineArgs.from_cli_args(args), in_process=args.engine_in_process
-        )
+        engine_args = EngineArgs.from_cli_args(args)
+        engine = AsyncLLMEngine.from_engine_args(engine_args, in_process=args.engine_in_process)
     app = build_app(
         engine,
         args.served_model_name,
@@ -141,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         public_docs_and_metrics=args.public_docs_and_metrics,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_backend=engine_args.resolve_structured_outputs_backend(),
     )
     run_server(engine, app, args.host, args.port, args.log_level)
     return 0

@@ -19,13 +19,13 @@ COMPILE_TIMEOUT_S = 10.0
 
 
 class GrammarChecker:
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto") -> None:
         from roofline.structured_output.backend import make_backend
 
         if tokenizer is None:
             raise OpenAIError(400, "structured outputs need a tokenizer; this model has none")
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.backend = make_backend("auto", tokenizer, vocab_size, [] if eos is None else [eos])
+        self.backend = make_backend(backend, tokenizer, vocab_size, [] if eos is None else [eos])
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 
     async def check(self, params: StructuredOutputsParams) -> None:
@@ -52,6 +52,9 @@ async def check_constraint(state: Any, params: StructuredOutputsParams | None) -
     if state.grammar_checker is None:
         engine = state.engine
         state.grammar_checker = await asyncio.to_thread(
-            GrammarChecker, engine.tokenizer, engine.vocab_size
+            GrammarChecker,
+            engine.tokenizer,
+            engine.vocab_size,
+            getattr(state, "structured_outputs_backend", "auto"),
         )
     await state.grammar_checker.check(params)

@@ -170,6 +170,7 @@ def build_app(
     public_docs_and_metrics: bool = False,
     tool_call_parser: str = "auto",
     reasoning_parser: str | None = None,
+    structured_outputs_backend: str = "auto",
 ) -> FastAPI:
     """The app for one engine. Attaches a :class:`ServerMetrics` observer to the engine
     unless it already has one. With an ``api_key`` every path but ``/health`` needs it
@@ -187,6 +188,7 @@ def build_app(
         max_seqs_per_request,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        structured_outputs_backend=structured_outputs_backend,
     )
 
     @asynccontextmanager

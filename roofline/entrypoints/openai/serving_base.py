@@ -42,6 +42,8 @@ class ServingState:
     reasoning_parser: str | None = None
     """``--reasoning-parser``: split ``<think>`` reasoning from the content (None: off)."""
     grammar_checker: Any = None
+    structured_outputs_backend: str = "auto"
+    """The engine's grammar library: the API process checks constraints with the same one."""
     """The API process's grammar compiler (:class:`GrammarChecker`), built on first use."""
 
     def check_request(self, model: str | None) -> None:

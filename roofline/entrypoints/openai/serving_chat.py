@@ -43,6 +43,7 @@ from roofline.entrypoints.openai.serving_base import (
 )
 from roofline.entrypoints.openai.tool_parsers import get_tool_parser
 from roofline.entrypoints.openai.tools import (
+    ToolError,
     ToolPlan,
     plan_tools,
     render_messages,
@@ -152,7 +153,10 @@ async def _create_chat_completion(
         params = body.to_sampling_params()
     except ValueError as e:
         raise from_exception(e) from e
-    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolError as e:
+        raise OpenAIError(400, str(e), param=e.param, code="invalid_value") from e
     params, make_parser = _output_parsing(state, plan, params)
     await watch.guard(check_constraint(state, params.structured_outputs))
     prompt = await watch.guard(render_prompt(state, body, plan))

@@ -2,9 +2,10 @@
 ``required`` or a named function puts on the output, and the conversation as the chat template
 sees it.
 
-* **Validation** (400 naming the field): every tool is ``{"type": "function", "function":
-  {"name", "description"?, "parameters"?}}`` with a name of 1-64 letters, digits, ``_`` or
-  ``-``; parameters, when given, a JSON-schema object of type ``object``; names unique;
+* **Validation** (:class:`ToolError`, a 400 naming the field on the server): every tool is
+  ``{"type": "function", "function": {"name", "description"?, "parameters"?}}`` with a name
+  of 1-64 letters, digits, ``_`` or ``-``; parameters, when given, a JSON-schema object of
+  type ``object``; names unique;
   ``tool_choice`` one of ``none``, ``auto``, ``required`` or ``{"type": "function",
   "function": {"name": <a tool's name>}}``, and only with tools.
 * **Constraints.** ``required``: the output is a JSON array (one item unless
@@ -25,15 +26,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from roofline.entrypoints.openai.errors import OpenAIError
 from roofline.structured_output.params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 
 
-def _bad(message: str, param: str) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code="invalid_value")
+class ToolError(ValueError):
+    """Bad ``tools`` / ``tool_choice`` (the server answers 400 naming ``param``; ``LLM.chat``
+    raises it as the ``ValueError`` it is). No web stack needed to raise it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _bad(message: str, param: str) -> ToolError:
+    return ToolError(message, param)
 
 
 @dataclass
