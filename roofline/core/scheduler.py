@@ -46,6 +46,8 @@ class _Step:
     budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    """Sum of the scheduled requests' ``num_new_tokens``."""
 
     def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
         start = request.num_computed_tokens
@@ -54,11 +56,13 @@ class _Step:
             request, num_new_tokens, block_ids, start, samples
         )
         self.budget -= num_new_tokens
+        self.num_tokens += num_new_tokens
 
     def unschedule(self, request: Request) -> None:
         entry = self.scheduled.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry.num_new_tokens
+            self.num_tokens -= entry.num_new_tokens
 
 
 def _fit_proposals(request: Request, num_new: int) -> int:
@@ -150,12 +154,13 @@ class Scheduler:
             self._schedule_waiting(step)
         scheduled = list(step.scheduled.values())
         for entry in scheduled:  # decided: the step's tokens count as computed from now on
-            entry.request.num_computed_tokens += entry.num_new_tokens
+            request = entry.request
+            request.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
-                entry.request.num_pending_tokens += 1
+                request.num_pending_tokens += 1
         out = SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_batched_tokens=step.num_tokens,
             preempted_request_ids=step.preempted_ids,
             finished_request_ids=self._finished_ids,
         )
@@ -163,18 +168,29 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: _Step) -> None:
+        # The body runs once per running request per step: attribute lookups are hoisted and
+        # ``Request.num_tokens`` / ``_finishes_on_pending`` are inlined (same rules).
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        allocate = self.kv.allocate
         for request in list(self.running):
             if step.budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            if self._finishes_on_pending(request):
+            num_pending = request.num_pending_tokens
+            num_output = len(request.output_token_ids)
+            spec = request.spec_token_ids
+            num_tokens = len(request.prompt_token_ids) + num_output + num_pending + len(spec)
+            if num_pending and (
+                num_output + num_pending >= request.max_tokens or num_tokens >= max_model_len
+            ):
                 continue  # its pending token ends it (length): nothing more to compute
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if request.spec_token_ids:
+            num_new = min(num_tokens - request.num_computed_tokens, step.budget)
+            if spec:
                 num_new = _fit_proposals(request, num_new)
             while True:
-                block_ids = self.kv.allocate(request, num_new)
+                block_ids = allocate(request, num_new)
                 if block_ids is not None:
                     step.add(request, num_new, block_ids)
                     break
@@ -333,26 +349,40 @@ class Scheduler:
         now = time.monotonic()
         sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         verified = runner_out.verified
-        for entry in sched_out.scheduled:
+        max_model_len = self.config.max_model_len
+        for entry in sched_out.scheduled:  # once per request per step: kept lean
+            if not entry.samples:
+                continue  # a partial prefill chunk
             request = entry.request
-            if not entry.samples or request.is_finished:
-                continue  # a partial prefill chunk; or finished/aborted mid-step: stay so
+            if request.status.finished:
+                continue  # finished/aborted mid-step: stay so
             request.num_pending_tokens -= 1
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            if verified and request.request_id in verified:
-                updates.append(self._update_verified(request, verified[request.request_id]))
+            rid = request.request_id
+            if verified and rid in verified:
+                updates.append(self._update_verified(request, verified[rid]))
                 continue
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
+            token = sampled[rid]
+            output = request.output_token_ids
+            output.append(token)
             logprobs: list[TokenLogprobs] = []
-            if all_logprobs and request.request_id in all_logprobs:
-                logprobs.append(all_logprobs[request.request_id])
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request, [token], logprobs, status is not None))
+            if all_logprobs and rid in all_logprobs:
+                logprobs.append(all_logprobs[rid])
+            # _check_stop decides only when some rule can fire (the common token skips it)
+            if (
+                token in request.eos_token_ids
+                or request.sampling_params.stop_token_ids
+                or len(output) >= request.max_tokens
+                or len(request.prompt_token_ids) + len(output) >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    updates.append(RequestUpdate(request, [token], logprobs, True))
+                    continue
+            updates.append(RequestUpdate(request, [token], logprobs, False))
         return updates
 
     def _update_verified(self, request: Request, verified: VerifiedTokens) -> RequestUpdate:

@@ -469,20 +469,26 @@ class LLMEngine:
         """Detokenize folded updates, apply stop strings, build the outputs."""
         changed: dict[str, _Group] = {}
         now = time.monotonic()
-        for upd in updates:
-            owner = self._seq_owner.get(upd.request.request_id)
+        seq_owner = self._seq_owner
+        num_generated = 0
+        for upd in updates:  # once per request per step: kept lean
+            request, new_ids = upd.request, upd.new_token_ids
+            owner = seq_owner.get(request.request_id)
             if owner is None:
                 continue
             group, index = owner
-            if upd.new_token_ids and upd.request.num_output_tokens == len(upd.new_token_ids):
+            num_new = len(new_ids)
+            num_generated += num_new
+            if num_new and len(request.output_token_ids) == num_new:
                 # first token: the prompt is done (counted once, cached tokens included, as vLLM)
-                self._prompt_tokens_total += upd.request.num_prompt_tokens
-            self._generation_tokens_total += len(upd.new_token_ids)
+                self._prompt_tokens_total += len(request.prompt_token_ids)
             if group.constrained:
-                self.grammars.accept(upd.request.request_id, upd.new_token_ids)
-            self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
-            upd.request.last_token_time = now
+                self.grammars.accept(request.request_id, new_ids)
+            if group.detoks[index] is not None or group.logprobs[index] is not None:
+                self._apply_update(group, index, new_ids, upd.new_logprobs, upd.finished)
+            request.last_token_time = now
             changed[group.request_id] = group
+        self._generation_tokens_total += num_generated
         outputs = []
         for group in changed.values():
             finished = group.finished

@@ -1,0 +1,201 @@
+"""Host work per step on the GPU: the Llama-3.1-8B config (random bf16 weights), its steady
+decode at 256 running requests, and two offline workloads, each with the engine's measured host
+share of the step time. Prints a short table last.
+
+    python scripts/gpu_hostpath.py [--quick]
+
+1. Parity: 32 greedy requests with async scheduling on and off give the same tokens (the host
+   path's bookkeeping must not change what the device computes); counted, not asserted.
+2. Steady decode at 256 running (prompts 100-1024): milliseconds per step, the engine's host
+   share (``StepTiming``: 1 - waiting-for-the-device / step time; goal < 15%) and the host
+   pieces per step (schedule, launch incl. input building, update + outputs).
+3. ``roofline bench throughput``-style offline runs: 256 requests, in 100-1024, out 512; and
+   1000 short requests, in 20-300, out 20-300: output tok/s, % of the workload roofline and host
+   share. ``--quick`` shortens every section (under 90 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import time
+import traceback
+
+import torch
+
+from roofline import LLM, SamplingParams
+from roofline.bench import throughput, workloads
+from roofline.bench.ceilings import measure
+
+ROWS: list[tuple[str, str]] = []
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"{name}: {value}", flush=True)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def parity(llm: LLM, n: int) -> None:
+    engine = llm.llm_engine
+    wl = workloads.synthetic(n, (20, 200), (32, 32), engine.model_config.vocab_size, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for mode in (True, False):
+        engine.async_scheduling = mode
+        res = llm.generate(wl.prompts, params, use_tqdm=False)
+        outs[mode] = [o.outputs[0].token_ids for o in res]
+    engine.async_scheduling = True
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    row("parity async vs sync (greedy, identical)", f"{same}/{n}")
+
+
+def steady_decode(llm: LLM, num_reqs: int, steps: int) -> None:
+    """Decode steps at ``num_reqs`` running, after every prompt is in: host share and pieces."""
+    engine = llm.llm_engine
+    sched = engine.scheduler
+    wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    for i, prompt in enumerate(wl.prompts):
+        engine.add_request(f"steady-{i}", prompt, params, delta=True)
+    while sched.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
+    ):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    pieces = {"schedule": 0.0, "launch": 0.0, "update+outputs": 0.0}
+    originals = []
+
+    def wrap(obj, name: str, key: str, minus_wait: bool = False) -> None:
+        fn = getattr(obj, name)
+        originals.append((obj, name, fn))
+
+        def timed(*a, **k):
+            t0, w0 = time.perf_counter(), engine.step_timing.wait_s
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                pieces[key] += dt - (engine.step_timing.wait_s - w0 if minus_wait else 0.0)
+
+        setattr(obj, name, timed)
+
+    wrap(sched, "schedule", "schedule")
+    wrap(engine.runner, "launch", "launch")
+    wrap(engine, "_finish_step", "update+outputs", minus_wait=True)
+    _sync()
+    t0 = dataclasses.replace(engine.step_timing)
+    start = time.perf_counter()
+    running = []
+    for _ in range(steps):
+        engine.step()
+        running.append(sched.num_running)
+    elapsed = time.perf_counter() - start
+    for obj, name, _fn in originals:
+        delattr(obj, name)
+    timing = engine.step_timing.since(t0)
+    ms = 1e3 * elapsed / steps
+    row(
+        f"steady decode at {statistics.median(running):.0f} running",
+        f"{ms:.2f} ms/step, host share {100 * timing.host_fraction:.1f}% (goal < 15%)",
+    )
+    row(
+        "  host pieces per step (ms)",
+        ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in pieces.items()),
+    )
+    engine.abort_request([f"steady-{i}" for i in range(num_reqs)])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def offline(llm: LLM, ceil, name: str, wl: workloads.Workload) -> None:
+    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    row(
+        f"throughput {name}",
+        f"{res.output_tok_s:.0f} out tok/s, {res.total_tok_s:.0f} total tok/s, "
+        f"{res.roofline_pct:.1f}% of roofline ({res.elapsed_s:.1f} s vs {res.roofline_s:.1f} s), "
+        f"host share {100 * res.host_fraction:.1f}%, max running {res.max_running}, "
+        f"{res.num_preemptions} preemptions",
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="every section shorter (< 90 s)")
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    dev = torch.device(args.device)
+    ceil = measure(dev, torch.bfloat16)
+    row(
+        "ceilings",
+        f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+    )
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        device=args.device,
+        max_model_len=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9,
+    )
+    _sync()
+    row(f"{args.model} start-up (dummy weights)", f"{time.perf_counter() - t0:.1f} s")
+    for name, fn in _sections(llm, ceil, args.quick):
+        try:
+            fn()
+        except Exception:  # report and go on with the next section
+            print(f"[{name} failed]", flush=True)
+            traceback.print_exc()
+            row(name, "FAILED (see above)")
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"\n=== gpu_hostpath summary ({time.perf_counter() - t_start:.0f} s) ===")
+    width = max(len(n) for n, _ in ROWS)
+    for name, value in ROWS:
+        print(f"{name.ljust(width)}  {value}")
+
+
+def _sections(llm: LLM, ceil, quick: bool) -> list:
+    vocab = llm.llm_engine.model_config.vocab_size
+    return [
+        ("parity", lambda: parity(llm, 16 if quick else 32)),
+        ("steady decode", lambda: steady_decode(llm, 256, 30 if quick else 100)),
+        (
+            "offline 256 x (100-1024 in, 512 out)",
+            lambda: offline(
+                llm,
+                ceil,
+                "256 x in 100-1024, out " + ("128" if quick else "512"),
+                workloads.synthetic(
+                    256, (100, 1024), (128, 128) if quick else (512, 512), vocab, seed=0
+                ),
+            ),
+        ),
+        (
+            "offline short",
+            lambda: offline(
+                llm,
+                ceil,
+                f"{300 if quick else 1000} short (in 20-300, out 20-300)",
+                workloads.synthetic(300 if quick else 1000, (20, 300), (20, 300), vocab, seed=1),
+            ),
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    main()
