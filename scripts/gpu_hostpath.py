@@ -56,9 +56,15 @@ def parity(llm: LLM, n: int) -> None:
     row("parity async vs sync (greedy, identical)", f"{same}/{n}")
 
 
-def steady_decode(llm: LLM, num_reqs: int, steps: int) -> None:
-    """Decode steps at ``num_reqs`` running, after every prompt is in: host share and pieces."""
+def steady_decode(llm: LLM, num_reqs: int, steps: int, wait: str = "sleep") -> None:
+    """Decode steps at ``num_reqs`` running, after every prompt is in: host share, host pieces
+    and the process's CPU use (``wait``: ``sleep`` = the runner's DeviceWaiter, ``spin`` =
+    plain cudaEventSynchronize)."""
     engine = llm.llm_engine
+    runner = engine.runner
+    waiter = runner.device_waiter
+    if wait == "spin":
+        runner.device_waiter = None
     sched = engine.scheduler
     wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
@@ -92,19 +98,21 @@ def steady_decode(llm: LLM, num_reqs: int, steps: int) -> None:
     wrap(engine, "_finish_step", "update+outputs", minus_wait=True)
     _sync()
     t0 = dataclasses.replace(engine.step_timing)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     running = []
     for _ in range(steps):
         engine.step()
         running.append(sched.num_running)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
     for obj, name, _fn in originals:
         delattr(obj, name)
+    runner.device_waiter = waiter
     timing = engine.step_timing.since(t0)
     ms = 1e3 * elapsed / steps
     row(
-        f"steady decode at {statistics.median(running):.0f} running",
-        f"{ms:.2f} ms/step, host share {100 * timing.host_fraction:.1f}% (goal < 15%)",
+        f"steady decode at {statistics.median(running):.0f} running, wait={wait}",
+        f"{ms:.2f} ms/step, host share {100 * timing.host_fraction:.1f}% (goal < 15%), "
+        f"process CPU {100 * cpu / elapsed:.0f}% of a core",
     )
     row(
         "  host pieces per step (ms)",
@@ -113,6 +121,32 @@ def steady_decode(llm: LLM, num_reqs: int, steps: int) -> None:
     engine.abort_request([f"steady-{i}" for i in range(num_reqs)])
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def batch1(llm: LLM, num_out: int) -> None:
+    """Batch-1 decode tok/s (512-token prompt) with the DeviceWaiter and with spinning: what
+    sleeping through the wait costs the latency."""
+    engine = llm.llm_engine
+    runner = engine.runner
+    waiter = runner.device_waiter
+    prompt = workloads.synthetic(1, (512, 512), (1, 1), engine.model_config.vocab_size).prompts[0]
+    params = SamplingParams(temperature=0.0, max_tokens=num_out, ignore_eos=True)
+    result = {}
+    for wait in ("spin", "sleep", "spin", "sleep"):
+        runner.device_waiter = None if wait == "spin" else waiter
+        rid = f"b1-{wait}-{len(result)}"
+        engine.add_request(rid, prompt, params)
+        for _ in range(3):  # the prefill, then two decode steps in flight
+            engine.step()
+        done = engine.scheduler.get_request(rid).num_output_tokens  # type: ignore[union-attr]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        while engine.has_unfinished_requests():
+            engine.step()
+        dt = time.perf_counter() - t0
+        result[wait] = (num_out - done) / dt, 100 * (time.process_time() - cpu0) / dt
+    runner.device_waiter = waiter
+    for wait, (tok_s, cpu) in result.items():
+        row(f"batch-1 decode, wait={wait}", f"{tok_s:.1f} tok/s, process CPU {cpu:.0f}%")
 
 
 def offline(llm: LLM, ceil, name: str, wl: workloads.Workload) -> None:
@@ -174,6 +208,10 @@ def _sections(llm: LLM, ceil, quick: bool) -> list:
     return [
         ("parity", lambda: parity(llm, 16 if quick else 32)),
         ("steady decode", lambda: steady_decode(llm, 256, 30 if quick else 100)),
+        ("steady decode spin", lambda: steady_decode(llm, 256, 30 if quick else 60, "spin")),
+        ("steady decode 64", lambda: steady_decode(llm, 64, 40 if quick else 100)),
+        ("steady decode 64 spin", lambda: steady_decode(llm, 64, 40 if quick else 100, "spin")),
+        ("batch-1 decode", lambda: batch1(llm, 64 if quick else 128)),
         (
             "offline 256 x (100-1024 in, 512 out)",
             lambda: offline(

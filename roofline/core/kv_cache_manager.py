@@ -204,7 +204,9 @@ class KVCacheManager:
             num_known = request.num_computed_tokens + num_new_tokens
             if len(blocks) * self.page_size >= num_known:
                 if self.enable_prefix_caching:
-                    num_known = min(num_known, request.num_known_tokens)
+                    num_known = min(
+                        num_known, len(request.prompt_token_ids) + len(request.output_token_ids)
+                    )
                     if num_known // self.page_size > self._num_checked.get(rid, 0):
                         self._register_full_pages(request, num_known)
                 return list(blocks)

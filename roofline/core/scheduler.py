@@ -49,9 +49,14 @@ class _Step:
     num_tokens: int = 0
     """Sum of the scheduled requests' ``num_new_tokens``."""
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+    def add(
+        self, request: Request, num_new_tokens: int, block_ids: list[int], num_tokens: int = -1
+    ) -> None:
+        """``num_tokens``: the request's ``num_tokens`` if the caller has it at hand."""
         start = request.num_computed_tokens
-        samples = start + num_new_tokens == request.num_tokens
+        if num_tokens < 0:
+            num_tokens = request.num_tokens
+        samples = start + num_new_tokens == num_tokens
         self.scheduled[request.request_id] = ScheduledRequest(
             request, num_new_tokens, block_ids, start, samples
         )
@@ -187,12 +192,14 @@ class Scheduler:
             ):
                 continue  # its pending token ends it (length): nothing more to compute
             num_new = min(num_tokens - request.num_computed_tokens, step.budget)
+            known_num_tokens = num_tokens
             if spec:
                 num_new = _fit_proposals(request, num_new)
+                known_num_tokens = -1  # proposals may have been dropped: recount
             while True:
                 block_ids = allocate(request, num_new)
                 if block_ids is not None:
-                    step.add(request, num_new, block_ids)
+                    step.add(request, num_new, block_ids, known_num_tokens)
                     break
                 if request.spec_token_ids:  # proposals are guesses: drop them, preempt no one
                     request.spec_token_ids = []

@@ -552,28 +552,34 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, group: _Group) -> RequestOutput:
+        # Built once per streaming request per step: positional arguments, no re-reads.
         completions = []
+        delta = group.delta
         for i, seq in enumerate(group.seqs):
             detok = group.detoks[i]
             text = detok.output_text if detok is not None else ""
             lps = group.logprobs[i]
-            if group.delta:
+            output_ids = seq.output_token_ids
+            if delta:
                 n_text, n_tok, n_lp = group.sent[i]
-                group.sent[i] = (len(text), seq.num_output_tokens, len(lps or ()))
-                text, token_ids = text[n_text:], seq.output_token_ids[n_tok:]
+                group.sent[i] = (len(text), len(output_ids), 0 if lps is None else len(lps))
+                if n_text:
+                    text = text[n_text:]
+                token_ids = output_ids[n_tok:]
                 lps = None if lps is None else lps[n_lp:]
             else:
-                token_ids = list(seq.output_token_ids)
+                token_ids = list(output_ids)
                 lps = None if lps is None else list(lps)
+            status = seq.status
             completions.append(
                 CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=group.cumulative_logprob[i] if lps is not None else None,
-                    logprobs=lps,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    i,
+                    text,
+                    token_ids,
+                    group.cumulative_logprob[i] if lps is not None else None,
+                    lps,
+                    status.value if status.finished else None,
+                    seq.stop_reason,
                 )
             )
         seqs = group.seqs
@@ -591,19 +597,20 @@ class LLMEngine:
         prompt_lps = group.prompt_logprobs
         if prompt_lps is not None and len(prompt_lps) < len(group.prompt_token_ids):
             prompt_lps = None  # not all computed yet (an output before the prompt's end)
-        elif prompt_lps is not None and group.delta:
+        elif prompt_lps is not None and delta:
             prompt_lps, group.prompt_logprobs_sent = (
                 (None, True) if group.prompt_logprobs_sent else (prompt_lps, True)
             )
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=prompt_lps,
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            first.num_cached_tokens,
+            None,
+            prompt_lps,
         )
 
     def _drop(self, group: _Group) -> None:
