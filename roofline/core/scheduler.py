@@ -100,6 +100,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_unreported_tokens = 0
+        """Tokens ``update`` appended to quiet requests without reporting them (the engine
+        adds them to its counters and resets this)."""
 
     # ----------------------------------------------------------------- introspection
 
@@ -349,9 +352,10 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Fold a step's results in: each sampling request's oldest pending token becomes the
         sampled id, then the stop rules apply (a finished request's pages are freed). Returns
-        one update per request that got a token; requests finished or aborted since
-        ``schedule()`` are skipped. A request preempted since (async scheduling) still gets its
-        token: it was computed from the right prefix."""
+        one update per request that got a token (a quiet request's only on its first token and
+        when it finishes); requests finished or aborted since ``schedule()`` are skipped. A
+        request preempted since (async scheduling) still gets its token: it was computed from
+        the right prefix."""
         updates: list[RequestUpdate] = []
         now = time.monotonic()
         sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
@@ -389,6 +393,9 @@ class Scheduler:
                     self._finish(request, status)
                     updates.append(RequestUpdate(request, [token], logprobs, True))
                     continue
+            if request.quiet and len(output) > 1:  # nobody reads it before it finishes
+                self.num_unreported_tokens += 1
+                continue
             updates.append(RequestUpdate(request, [token], logprobs, False))
         return updates
 

@@ -306,6 +306,10 @@ class LLMEngine:
             delta,
             [(0, 0, 0)] * len(seqs),
         )
+        if not stream and not params.stop and params.logprobs is None:
+            if params.prompt_logprobs is None and params.structured_outputs is None:
+                for seq in seqs:  # nobody reads its tokens before it finishes
+                    seq.quiet = True
         if params.structured_outputs is not None:
             self.grammars.add(group, params.structured_outputs)  # scheduled once compiled
         else:
@@ -459,10 +463,14 @@ class LLMEngine:
         if run_out.prompt_logprobs:
             self._add_prompt_logprobs(run_out.prompt_logprobs)
         updates = self.scheduler.update(sched_out, run_out)
+        unreported = self.scheduler.num_unreported_tokens  # quiet requests' tokens
+        if unreported:
+            self._generation_tokens_total += unreported
+            self.scheduler.num_unreported_tokens = 0
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
         if self.spec is not None:
-            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates)
+            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates) + unreported
         return updates
 
     def _emit(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
@@ -509,6 +517,10 @@ class LLMEngine:
         seq = group.seqs[index]
         detok = group.detoks[index]
         if detok is not None:
+            if seq.quiet:  # with the tokens Scheduler.update did not report: text is decoded
+                # only when reported (first token, finish), in one window (the text is the same
+                # for any split of the tokens over updates: tests/core/test_detokenizer.py)
+                new_ids = seq.output_token_ids[len(detok.token_ids) :]
             if len(new_ids) > 1 and seq.sampling_params.stop:  # a verified run: cut at the stop
                 delta, kept = _update_until_stop(detok, new_ids, finished)
                 if kept < len(new_ids):  # the tokens after the stop string are not output

@@ -487,7 +487,7 @@ class ModelRunner:
         if not dst:
             return [], []
         try:
-            src = [self._prev_rows[rid] for rid in batch.pending_requests]
+            src = list(map(self._prev_rows.__getitem__, batch.pending_requests))
         except KeyError as e:
             raise RuntimeError(f"request {e} has a pending token no launch sampled") from e
         if src == dst and dst[-1] == len(dst) - 1:
@@ -579,9 +579,11 @@ class StepHandle:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
         self._wait()  # the step's one host sync
         token_ids = self._host.tolist()
-        requests = self._requests
-        sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
+        request_ids = [r.request_id for r in self._requests]
+        sampled = dict(zip(request_ids, token_ids))
+        logprobs = {}
+        if self._logprobs.count(None) != len(self._logprobs):  # some request asked
+            logprobs = {rid: lp for rid, lp in zip(request_ids, self._logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
