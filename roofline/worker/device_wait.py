@@ -29,7 +29,7 @@ class DeviceWaiter:
 
     def __init__(
         self,
-        min_sleep_s: float = 0.0005,
+        min_sleep_s: float = 0.001,
         spin_fraction: float = 0.15,
         min_spin_s: float = 0.0003,
         smoothing: float = 0.2,
