@@ -4,14 +4,18 @@ share of the step time. Prints a short table last.
 
     python scripts/gpu_hostpath.py [--quick]
 
-1. Parity: 32 greedy requests with async scheduling on and off give the same tokens (the host
-   path's bookkeeping must not change what the device computes); counted, not asserted.
-2. Steady decode at 256 running (prompts 100-1024): milliseconds per step, the engine's host
-   share (``StepTiming``: 1 - waiting-for-the-device / step time; goal < 15%) and the host
-   pieces per step (schedule, launch incl. input building, update + outputs).
+1. Parity: a tiny fp32 Llama, async (CUDA graphs) vs sync vs async over cached prefixes on the
+   GPU, and vs the CPU; then 32 greedy requests of the 8B with async scheduling on and off, each
+   from an empty prefix cache (same shapes: identical tokens expected); counted, not asserted.
+2. Steady decode at 256 running (prompts 100-1024), heap frozen as in ``LLM.generate``:
+   milliseconds per step, the engine's host share (``StepTiming``: 1 - waiting-for-the-device
+   / step time; goal < 15%), the host pieces per step (schedule, launch incl. input building,
+   update + outputs) and the process's CPU use, with the DeviceWaiter and with spinning; then
+   streamed (a delta output per request per step, as the server) at 256 and at 64 running.
 3. ``roofline bench throughput``-style offline runs: 256 requests, in 100-1024, out 512; and
    1000 short requests, in 20-300, out 20-300: output tok/s, % of the workload roofline and host
-   share. ``--quick`` shortens every section (under 90 s).
+   share, each from an empty prefix cache (the hit tokens are printed). ``--quick`` shortens
+   every section (under 90 s).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from roofline import LLM, SamplingParams
 from roofline.bench import throughput, workloads
 from roofline.bench.ceilings import measure
+from roofline.engine.heap import frozen_heap
 
 ROWS: list[tuple[str, str]] = []
 
@@ -43,33 +48,91 @@ def _sync() -> None:
 
 
 def parity(llm: LLM, n: int) -> None:
+    """Async vs sync scheduling on the same prompts, each from an empty prefix cache (same
+    batch shapes, so even bf16 random weights must agree)."""
     engine = llm.llm_engine
     wl = workloads.synthetic(n, (20, 200), (32, 32), engine.model_config.vocab_size, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = {}
     for mode in (True, False):
         engine.async_scheduling = mode
+        engine.kv_manager.reset_prefix_cache()
         res = llm.generate(wl.prompts, params, use_tqdm=False)
         outs[mode] = [o.outputs[0].token_ids for o in res]
     engine.async_scheduling = True
+    engine.kv_manager.reset_prefix_cache()
     same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    row("parity async vs sync (greedy, identical)", f"{same}/{n}")
+    row("parity 8B bf16 async vs sync (greedy, identical)", f"{same}/{n}")
 
 
-def steady_decode(llm: LLM, num_reqs: int, steps: int, wait: str = "sleep") -> None:
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "eos_token_id": 2,
+}
+
+
+def tiny_parity(device: str, n: int) -> None:
+    """A tiny random Llama in fp32: async (with CUDA graphs), sync, and async again over a warm
+    prefix cache must give identical greedy tokens on the device; the CPU's are counted."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    wl = workloads.synthetic(n, (5, 300), (40, 40), TINY["vocab_size"], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(TINY))
+        runs = {}
+        for dev in dict.fromkeys([device, "cpu"]):
+            llm = LLM(folder, load_format="dummy", device=dev, dtype="float32", max_num_seqs=32,
+                      max_model_len=512, kv_cache_memory_bytes=256 << 20)  # fmt: skip
+            engine = llm.llm_engine
+            modes = [("async", True), ("sync", False), ("async, cached prefixes", True)]
+            for name, mode in modes if dev == device else modes[:1]:
+                engine.async_scheduling = mode
+                if name != "async, cached prefixes":
+                    engine.kv_manager.reset_prefix_cache()
+                res = llm.generate(wl.prompts, params, use_tqdm=False)
+                runs[(dev, name)] = [o.outputs[0].token_ids for o in res]
+            del llm, engine
+            gc.collect()
+    ref = runs[(device, "async")]
+    for (dev, name), toks in runs.items():
+        if (dev, name) != (device, "async"):
+            same = sum(a == b for a, b in zip(ref, toks))
+            row(f"parity tiny fp32 {device} async vs {dev} {name}", f"{same}/{n} identical")
+
+
+def steady_decode(
+    llm: LLM, num_reqs: int, steps: int, wait: str = "sleep", stream: bool = False
+) -> None:
     """Decode steps at ``num_reqs`` running, after every prompt is in: host share, host pieces
     and the process's CPU use (``wait``: ``sleep`` = the runner's DeviceWaiter, ``spin`` =
-    plain cudaEventSynchronize)."""
+    plain cudaEventSynchronize). ``stream=False`` as ``LLM.generate`` adds requests, True as
+    the server does (a delta output per request per step). The heap is frozen as in
+    ``LLM.generate`` and the server's engine core."""
     engine = llm.llm_engine
+    engine.kv_manager.reset_prefix_cache()
     runner = engine.runner
     waiter = runner.device_waiter
     if wait == "spin":
         runner.device_waiter = None
     sched = engine.scheduler
-    wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), engine.model_config.vocab_size)
+    vocab = engine.model_config.vocab_size
+    wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), vocab, seed=11 + num_reqs)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     for i, prompt in enumerate(wl.prompts):
-        engine.add_request(f"steady-{i}", prompt, params, delta=True)
+        engine.add_request(f"steady-{i}", prompt, params, stream=stream, delta=True)
     while sched.num_waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
     ):
@@ -98,19 +161,21 @@ def steady_decode(llm: LLM, num_reqs: int, steps: int, wait: str = "sleep") -> N
     wrap(engine, "_finish_step", "update+outputs", minus_wait=True)
     _sync()
     t0 = dataclasses.replace(engine.step_timing)
-    start, cpu0 = time.perf_counter(), time.process_time()
     running = []
-    for _ in range(steps):
-        engine.step()
-        running.append(sched.num_running)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    with frozen_heap():
+        start, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            engine.step()
+            running.append(sched.num_running)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
     for obj, name, _fn in originals:
         delattr(obj, name)
     runner.device_waiter = waiter
     timing = engine.step_timing.since(t0)
     ms = 1e3 * elapsed / steps
     row(
-        f"steady decode at {statistics.median(running):.0f} running, wait={wait}",
+        f"steady decode at {statistics.median(running):.0f} running, wait={wait}"
+        + (", streamed" if stream else ""),
         f"{ms:.2f} ms/step, host share {100 * timing.host_fraction:.1f}% (goal < 15%), "
         f"process CPU {100 * cpu / elapsed:.0f}% of a core",
     )
@@ -150,7 +215,11 @@ def batch1(llm: LLM, num_out: int) -> None:
 
 
 def offline(llm: LLM, ceil, name: str, wl: workloads.Workload) -> None:
+    kv = llm.llm_engine.kv_manager
+    kv.reset_prefix_cache()  # nothing an earlier section computed may count here
+    hits0 = kv.prefix_hits
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    row(f"  prefix-cache hit tokens in {name}", f"{kv.prefix_hits - hits0}")
     row(
         f"throughput {name}",
         f"{res.output_tok_s:.0f} out tok/s, {res.total_tok_s:.0f} total tok/s, "
@@ -174,6 +243,11 @@ def main() -> None:
         f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
     )
+    try:
+        tiny_parity(args.device, 16 if args.quick else 32)
+    except Exception:
+        traceback.print_exc()
+        row("parity tiny fp32", "FAILED (see above)")
     t0 = time.perf_counter()
     llm = LLM(
         args.model,
@@ -209,8 +283,12 @@ def _sections(llm: LLM, ceil, quick: bool) -> list:
         ("parity", lambda: parity(llm, 16 if quick else 32)),
         ("steady decode", lambda: steady_decode(llm, 256, 30 if quick else 100)),
         ("steady decode spin", lambda: steady_decode(llm, 256, 30 if quick else 60, "spin")),
-        ("steady decode 64", lambda: steady_decode(llm, 64, 40 if quick else 100)),
-        ("steady decode 64 spin", lambda: steady_decode(llm, 64, 40 if quick else 100, "spin")),
+        ("steady decode streamed", lambda: steady_decode(llm, 256, 30, stream=True)),
+        ("steady decode 64", lambda: steady_decode(llm, 64, 40 if quick else 100, stream=True)),
+        (
+            "steady decode 64 spin",
+            lambda: steady_decode(llm, 64, 40 if quick else 100, "spin", stream=True),
+        ),
         ("batch-1 decode", lambda: batch1(llm, 64 if quick else 128)),
         (
             "offline 256 x (100-1024 in, 512 out)",
