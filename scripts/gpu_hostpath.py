@@ -139,7 +139,13 @@ def steady_decode(
         engine.step()
     for _ in range(5):
         engine.step()
-    pieces = {"schedule": 0.0, "launch": 0.0, "update+outputs": 0.0}
+    pieces = {
+        "schedule": 0.0,
+        "launch": 0.0,
+        "update": 0.0,
+        "fold-in+outputs": 0.0,
+        "gc (within)": 0.0,
+    }
     originals = []
 
     def wrap(obj, name: str, key: str, minus_wait: bool = False) -> None:
@@ -158,7 +164,17 @@ def steady_decode(
 
     wrap(sched, "schedule", "schedule")
     wrap(engine.runner, "launch", "launch")
-    wrap(engine, "_finish_step", "update+outputs", minus_wait=True)
+    wrap(sched, "update", "update")
+    wrap(engine, "_finish_step", "fold-in+outputs", minus_wait=True)
+    gc_t0 = [0.0]
+
+    def gc_pause(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            pieces["gc (within)"] += time.perf_counter() - gc_t0[0]
+
+    gc.callbacks.append(gc_pause)
     _sync()
     t0 = dataclasses.replace(engine.step_timing)
     running = []
@@ -168,6 +184,8 @@ def steady_decode(
             engine.step()
             running.append(sched.num_running)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    gc.callbacks.remove(gc_pause)
+    pieces["fold-in+outputs"] -= pieces["update"]  # update runs inside the fold-in
     for obj, name, _fn in originals:
         delattr(obj, name)
     runner.device_waiter = waiter
