@@ -194,8 +194,7 @@ class KVCacheManager:
         With ``prefix_hit`` (only for a request holding no pages) the hit's pages come first
         and count as computed. Returns the whole block table, or None, with no side effect at
         all, when the free pages are too few (hit pages sitting in the free queue do not count
-        as available for the fresh pages). When no page is added the list returned is the
-        manager's own (read it before the request's next ``allocate`` or ``trim``).
+        as available for the fresh pages).
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
@@ -210,7 +209,7 @@ class KVCacheManager:
                     )
                     if num_known // self.page_size > self._num_checked.get(rid, 0):
                         self._register_full_pages(request, num_known)
-                return blocks  # the live table: copying it per request per step costs more
+                return list(blocks)
         hit_pages = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_pages and blocks:
             raise ValueError(f"request {rid} already holds pages; a prefix hit cannot be added")

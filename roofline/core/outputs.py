@@ -19,9 +19,7 @@ class ScheduledRequest:
     """Tokens computed for this request in this step: positions
     ``[start_position, start_position + num_new_tokens)``."""
     block_ids: list[int]
-    """The request's whole block table after this step's allocation (page ids, in order);
-    possibly the KV manager's live list, so read it before the next ``schedule()``/``update()``
-    (the runner builds the step's inputs right after scheduling it)."""
+    """The request's whole block table after this step's allocation (page ids, in order)."""
     start_position: int
     """The request's ``num_computed_tokens`` when it was scheduled (the scheduler advances the
     request by ``num_new_tokens`` once the step is decided)."""
