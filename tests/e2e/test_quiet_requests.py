@@ -1,8 +1,9 @@
 """Quiet requests (``stream=False``, no logprobs, stop strings or grammar): ``Scheduler.update``
 reports them only on their first token, on verification rows and when they finish, and the
-engine decodes their text only then (all the unreported tokens in one detokenizer update). What the user sees must not change: the same final
-outputs (text through a byte-level tokenizer, whose random bytes split multi-byte characters),
-token ids, finish reasons and engine token counters as streamed requests."""
+engine decodes their text only then (all the unreported tokens in one detokenizer update).
+What the user sees must not change: the same final outputs (text through a byte-level
+tokenizer, whose random bytes split multi-byte characters), token ids, finish reasons and
+engine token counters as streamed requests."""
 
 from __future__ import annotations
 
