@@ -66,6 +66,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    quiet: bool = False
+    """Nobody reads this request's tokens before it finishes (no streaming, logprobs, stop
+    strings or grammar): ``Scheduler.update`` reports it only on its first token, on a
+    verification row and when it finishes, and counts its other tokens in
+    ``Scheduler.num_unreported_tokens`` (no per-step update object)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -5,10 +5,11 @@ Two measurements at ``--num-reqs`` running requests (prompts uniform in ``--inpu
 1. the step's host pieces with no model at all: ``Scheduler.schedule()``, the runner's host
    batch (``HostBatch.build``), its upload with the block-table updates applied and the batch's
    table gathered, and ``Scheduler.update()`` (median over ``--steps`` decode steps);
-2. an ``LLMEngine`` on the CPU with a tiny random 2-layer Llama (async scheduling, delta
-   outputs as the server asks for them): ``step()`` minus the model's forward, logits and
-   sampling, with the GC heap as it is and frozen (``engine.heap.frozen_heap``), and the
-   oldest-generation collections that ran meanwhile.
+2. an ``LLMEngine`` on the CPU with a tiny random 2-layer Llama (async scheduling): ``step()``
+   minus the model's forward, logits and sampling, with delta outputs every step as the server
+   asks for them (the GC heap as it is and frozen, ``engine.heap.frozen_heap``, with the
+   oldest-generation collections that ran meanwhile), and as ``LLM.generate`` adds requests
+   (``stream=False``: quiet requests, no per-step outputs), heap frozen.
 
     python scripts/host_overhead.py --num-reqs 256
 """
@@ -115,8 +116,12 @@ class _GcPauses:
             self.seconds += time.perf_counter() - self._t0
 
 
-def engine_host(num_reqs: int, lens: tuple[int, int], steps: int, frozen: bool) -> dict:
-    """Mean and median host milliseconds per engine decode step (model time subtracted)."""
+def engine_host(
+    num_reqs: int, lens: tuple[int, int], steps: int, frozen: bool, stream: bool = True
+) -> dict:
+    """Mean and median host milliseconds per engine decode step (model time subtracted);
+    ``stream``: a delta output per request per step (the server), else only at the end (as
+    ``LLM.generate``)."""
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(TINY))
         engine = LLMEngine(
@@ -142,7 +147,7 @@ def engine_host(num_reqs: int, lens: tuple[int, int], steps: int, frozen: bool) 
     sampler.sample = timed(sampler.sample)
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps, ignore_eos=True)
     for i, prompt in enumerate(_prompts(num_reqs, lens, TINY["vocab_size"])):
-        engine.add_request(str(i), prompt, params, delta=True)
+        engine.add_request(str(i), prompt, params, delta=True, stream=stream)
     while engine.scheduler.num_waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -178,10 +183,11 @@ def main() -> None:
     pieces = host_pieces(args.num_reqs, args.input_len, args.steps)
     print(f"host pieces per decode step at {args.num_reqs} running (median us):")
     print("  " + ", ".join(f"{k} {v:.0f}" for k, v in pieces.items()))
-    for frozen in (False, True):
-        r = engine_host(args.num_reqs, args.input_len, args.steps, frozen)
+    for frozen, stream in ((False, True), (True, True), (True, False)):
+        r = engine_host(args.num_reqs, args.input_len, args.steps, frozen, stream)
         print(
-            f"engine, heap {'frozen' if frozen else 'as is '}: host per step mean "
+            f"engine ({'streamed' if stream else 'offline '}), heap "
+            f"{'frozen' if frozen else 'as is '}: host per step mean "
             f"{r['host_ms_mean']:.2f} ms, p50 {r['host_ms_p50']:.2f} ms; "
             f"{r['full_collections']} full collections, {r['full_collection_ms']:.0f} ms "
             f"({r['gc_tracked_objects']} tracked objects)"

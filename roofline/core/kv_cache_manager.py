@@ -109,11 +109,10 @@ class KVCacheManager:
         """The request's chain hashes for (at least) its first ``num_pages`` full pages."""
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < num_pages:
-            tokens = request.all_token_ids
             ps = self.page_size
             for i in range(len(hashes), num_pages):
                 parent = hashes[-1] if hashes else None
-                hashes.append(hash_page(parent, tuple(tokens[i * ps : (i + 1) * ps])))
+                hashes.append(hash_page(parent, _token_slice(request, i * ps, (i + 1) * ps)))
         return hashes
 
     def lookup_prefix(self, request: Request, count: bool = True) -> PrefixHit:
@@ -158,7 +157,6 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._chain_hashes(request, num_full)
-        tokens = request.all_token_ids
         blocks = self._blocks[rid]
         ps = self.page_size
         for i in range(start, num_full):
@@ -168,7 +166,7 @@ class KVCacheManager:
             parent = hashes[i - 1] if i > 0 else None
             self._cache[hashes[i]] = page
             self._page_hash[page] = hashes[i]
-            self._page_key[page] = (parent, tuple(tokens[i * ps : (i + 1) * ps]))
+            self._page_key[page] = (parent, _token_slice(request, i * ps, (i + 1) * ps))
         self._num_checked[rid] = num_full
 
     def _uncache(self, page: int) -> None:
@@ -199,12 +197,18 @@ class KVCacheManager:
         as available for the fresh pages).
         """
         rid = request.request_id
-        blocks = self._blocks.get(rid, [])
-        if prefix_hit is None and blocks:  # a running request: most steps need no new page
+        blocks = self._blocks.get(rid)
+        if blocks is None:
+            blocks = []
+        elif prefix_hit is None:  # a running request: most steps need no new page
             num_known = request.num_computed_tokens + num_new_tokens
             if len(blocks) * self.page_size >= num_known:
                 if self.enable_prefix_caching:
-                    self._register_full_pages(request, min(num_known, request.num_known_tokens))
+                    num_known = min(
+                        num_known, len(request.prompt_token_ids) + len(request.output_token_ids)
+                    )
+                    if num_known // self.page_size > self._num_checked.get(rid, 0):
+                        self._register_full_pages(request, num_known)
                 return list(blocks)
         hit_pages = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_pages and blocks:
@@ -301,3 +305,16 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         num_written = request.num_computed_tokens // self.page_size
         return any(self._ref[p] > 1 for p in blocks[num_written:])
+
+
+def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """``tuple(request.all_token_ids[start:end])`` without concatenating the whole sequence
+    (a decode step fills a page every ``page_size`` steps: O(page), not O(context))."""
+    prompt = request.prompt_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return tuple(prompt[start:end])
+    output = request.output_token_ids
+    if start >= num_prompt:
+        return tuple(output[start - num_prompt : end - num_prompt])
+    return tuple(prompt[start:]) + tuple(output[: end - num_prompt])

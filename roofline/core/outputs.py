@@ -12,7 +12,7 @@ from typing import NamedTuple
 from roofline.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -104,7 +104,7 @@ class VerifiedTokens:
         return len(self.token_ids) - 1
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     request: Request
     new_token_ids: list[int]

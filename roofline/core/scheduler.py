@@ -46,19 +46,28 @@ class _Step:
     budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    """Sum of the scheduled requests' ``num_new_tokens``."""
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int]) -> None:
+    def add(
+        self, request: Request, num_new_tokens: int, block_ids: list[int], num_tokens: int = -1
+    ) -> None:
+        """``num_tokens``: the request's ``num_tokens`` if the caller has it at hand."""
         start = request.num_computed_tokens
-        samples = start + num_new_tokens == request.num_tokens
+        if num_tokens < 0:
+            num_tokens = request.num_tokens
+        samples = start + num_new_tokens == num_tokens
         self.scheduled[request.request_id] = ScheduledRequest(
             request, num_new_tokens, block_ids, start, samples
         )
         self.budget -= num_new_tokens
+        self.num_tokens += num_new_tokens
 
     def unschedule(self, request: Request) -> None:
         entry = self.scheduled.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry.num_new_tokens
+            self.num_tokens -= entry.num_new_tokens
 
 
 def _fit_proposals(request: Request, num_new: int) -> int:
@@ -91,6 +100,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.num_unreported_tokens = 0
+        """Tokens ``update`` appended to quiet requests without reporting them (the engine
+        adds them to its counters and resets this)."""
 
     # ----------------------------------------------------------------- introspection
 
@@ -150,12 +162,13 @@ class Scheduler:
             self._schedule_waiting(step)
         scheduled = list(step.scheduled.values())
         for entry in scheduled:  # decided: the step's tokens count as computed from now on
-            entry.request.num_computed_tokens += entry.num_new_tokens
+            request = entry.request
+            request.num_computed_tokens += entry.num_new_tokens
             if entry.samples:
-                entry.request.num_pending_tokens += 1
+                request.num_pending_tokens += 1
         out = SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_batched_tokens=step.num_tokens,
             preempted_request_ids=step.preempted_ids,
             finished_request_ids=self._finished_ids,
         )
@@ -163,20 +176,33 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: _Step) -> None:
+        # The body runs once per running request per step: attribute lookups are hoisted and
+        # ``Request.num_tokens`` / ``_finishes_on_pending`` are inlined (same rules).
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        allocate = self.kv.allocate
         for request in list(self.running):
             if step.budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            if self._finishes_on_pending(request):
+            num_pending = request.num_pending_tokens
+            num_output = len(request.output_token_ids)
+            spec = request.spec_token_ids
+            num_tokens = len(request.prompt_token_ids) + num_output + num_pending + len(spec)
+            if num_pending and (
+                num_output + num_pending >= request.max_tokens or num_tokens >= max_model_len
+            ):
                 continue  # its pending token ends it (length): nothing more to compute
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if request.spec_token_ids:
+            num_new = min(num_tokens - request.num_computed_tokens, step.budget)
+            known_num_tokens = num_tokens
+            if spec:
                 num_new = _fit_proposals(request, num_new)
+                known_num_tokens = -1  # proposals may have been dropped: recount
             while True:
-                block_ids = self.kv.allocate(request, num_new)
+                block_ids = allocate(request, num_new)
                 if block_ids is not None:
-                    step.add(request, num_new, block_ids)
+                    step.add(request, num_new, block_ids, known_num_tokens)
                     break
                 if request.spec_token_ids:  # proposals are guesses: drop them, preempt no one
                     request.spec_token_ids = []
@@ -326,33 +352,51 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Fold a step's results in: each sampling request's oldest pending token becomes the
         sampled id, then the stop rules apply (a finished request's pages are freed). Returns
-        one update per request that got a token; requests finished or aborted since
-        ``schedule()`` are skipped. A request preempted since (async scheduling) still gets its
-        token: it was computed from the right prefix."""
+        one update per request that got a token (a quiet request's only on its first token and
+        when it finishes); requests finished or aborted since ``schedule()`` are skipped. A
+        request preempted since (async scheduling) still gets its token: it was computed from
+        the right prefix."""
         updates: list[RequestUpdate] = []
         now = time.monotonic()
         sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         verified = runner_out.verified
-        for entry in sched_out.scheduled:
+        max_model_len = self.config.max_model_len
+        for entry in sched_out.scheduled:  # once per request per step: kept lean
+            if not entry.samples:
+                continue  # a partial prefill chunk
             request = entry.request
-            if not entry.samples or request.is_finished:
-                continue  # a partial prefill chunk; or finished/aborted mid-step: stay so
+            if request.status.finished:
+                continue  # finished/aborted mid-step: stay so
             request.num_pending_tokens -= 1
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            if verified and request.request_id in verified:
-                updates.append(self._update_verified(request, verified[request.request_id]))
+            rid = request.request_id
+            if verified and rid in verified:
+                updates.append(self._update_verified(request, verified[rid]))
                 continue
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
+            token = sampled[rid]
+            output = request.output_token_ids
+            output.append(token)
             logprobs: list[TokenLogprobs] = []
-            if all_logprobs and request.request_id in all_logprobs:
-                logprobs.append(all_logprobs[request.request_id])
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request, [token], logprobs, status is not None))
+            if all_logprobs and rid in all_logprobs:
+                logprobs.append(all_logprobs[rid])
+            # _check_stop decides only when some rule can fire (the common token skips it)
+            if (
+                token in request.eos_token_ids
+                or request.sampling_params.stop_token_ids
+                or len(output) >= request.max_tokens
+                or len(request.prompt_token_ids) + len(output) >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    updates.append(RequestUpdate(request, [token], logprobs, True))
+                    continue
+            if request.quiet and len(output) > 1:  # nobody reads it before it finishes
+                self.num_unreported_tokens += 1
+                continue
+            updates.append(RequestUpdate(request, [token], logprobs, False))
         return updates
 
     def _update_verified(self, request: Request, verified: VerifiedTokens) -> RequestUpdate:

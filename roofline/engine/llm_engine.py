@@ -307,6 +307,10 @@ class LLMEngine:
             delta,
             [(0, 0, 0)] * len(seqs),
         )
+        if not stream and not params.stop and params.logprobs is None:
+            if params.prompt_logprobs is None and params.structured_outputs is None:
+                for seq in seqs:  # nobody reads its tokens before it finishes
+                    seq.quiet = True
         if params.structured_outputs is not None:
             self.grammars.add(group, params.structured_outputs)  # scheduled once compiled
         else:
@@ -459,10 +463,14 @@ class LLMEngine:
         if run_out.prompt_logprobs:
             self._add_prompt_logprobs(run_out.prompt_logprobs)
         updates = self.scheduler.update(sched_out, run_out)
+        unreported = self.scheduler.num_unreported_tokens  # quiet requests' tokens
+        if unreported:
+            self._generation_tokens_total += unreported
+            self.scheduler.num_unreported_tokens = 0
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
         if self.spec is not None:
-            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates)
+            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates) + unreported
         if self.grammars.has_matchers:  # matchers advance at once (a speculative step's outputs
             for upd in updates:  # may wait a step; the next proposals and masks may not)
                 owner = self._seq_owner.get(upd.request.request_id)
@@ -475,18 +483,24 @@ class LLMEngine:
         """Detokenize folded updates, apply stop strings, build the outputs."""
         changed: dict[str, _Group] = {}
         now = time.monotonic()
-        for upd in updates:
-            owner = self._seq_owner.get(upd.request.request_id)
+        seq_owner = self._seq_owner
+        num_generated = 0
+        for upd in updates:  # once per request per step: kept lean
+            request, new_ids = upd.request, upd.new_token_ids
+            owner = seq_owner.get(request.request_id)
             if owner is None:
                 continue
             group, index = owner
-            if upd.new_token_ids and upd.request.num_output_tokens == len(upd.new_token_ids):
+            num_new = len(new_ids)
+            num_generated += num_new
+            if num_new and len(request.output_token_ids) == num_new:
                 # first token: the prompt is done (counted once, cached tokens included, as vLLM)
-                self._prompt_tokens_total += upd.request.num_prompt_tokens
-            self._generation_tokens_total += len(upd.new_token_ids)
-            self._apply_update(group, index, upd.new_token_ids, upd.new_logprobs, upd.finished)
-            upd.request.last_token_time = now
+                self._prompt_tokens_total += len(request.prompt_token_ids)
+            if group.detoks[index] is not None or group.logprobs[index] is not None:
+                self._apply_update(group, index, new_ids, upd.new_logprobs, upd.finished)
+            request.last_token_time = now
             changed[group.request_id] = group
+        self._generation_tokens_total += num_generated
         outputs = []
         for group in changed.values():
             finished = group.finished
@@ -507,6 +521,10 @@ class LLMEngine:
         seq = group.seqs[index]
         detok = group.detoks[index]
         if detok is not None:
+            if seq.quiet:  # with the tokens Scheduler.update did not report: text is decoded
+                # only when reported (first token, finish), in one window (the text is the same
+                # for any split of the tokens over updates: tests/core/test_detokenizer.py)
+                new_ids = seq.output_token_ids[len(detok.token_ids) :]
             if len(new_ids) > 1 and seq.sampling_params.stop:  # a verified run: cut at the stop
                 delta, kept = _update_until_stop(detok, new_ids, finished)
                 if kept < len(new_ids):  # the tokens after the stop string are not output
@@ -550,28 +568,34 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, group: _Group) -> RequestOutput:
+        # Built once per streaming request per step: positional arguments, no re-reads.
         completions = []
+        delta = group.delta
         for i, seq in enumerate(group.seqs):
             detok = group.detoks[i]
             text = detok.output_text if detok is not None else ""
             lps = group.logprobs[i]
-            if group.delta:
+            output_ids = seq.output_token_ids
+            if delta:
                 n_text, n_tok, n_lp = group.sent[i]
-                group.sent[i] = (len(text), seq.num_output_tokens, len(lps or ()))
-                text, token_ids = text[n_text:], seq.output_token_ids[n_tok:]
+                group.sent[i] = (len(text), len(output_ids), 0 if lps is None else len(lps))
+                if n_text:
+                    text = text[n_text:]
+                token_ids = output_ids[n_tok:]
                 lps = None if lps is None else lps[n_lp:]
             else:
-                token_ids = list(seq.output_token_ids)
+                token_ids = list(output_ids)
                 lps = None if lps is None else list(lps)
+            status = seq.status
             completions.append(
                 CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=group.cumulative_logprob[i] if lps is not None else None,
-                    logprobs=lps,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    i,
+                    text,
+                    token_ids,
+                    group.cumulative_logprob[i] if lps is not None else None,
+                    lps,
+                    status.value if status.finished else None,
+                    seq.stop_reason,
                 )
             )
         seqs = group.seqs
@@ -589,19 +613,20 @@ class LLMEngine:
         prompt_lps = group.prompt_logprobs
         if prompt_lps is not None and len(prompt_lps) < len(group.prompt_token_ids):
             prompt_lps = None  # not all computed yet (an output before the prompt's end)
-        elif prompt_lps is not None and group.delta:
+        elif prompt_lps is not None and delta:
             prompt_lps, group.prompt_logprobs_sent = (
                 (None, True) if group.prompt_logprobs_sent else (prompt_lps, True)
             )
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=prompt_lps,
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            first.num_cached_tokens,
+            None,
+            prompt_lps,
         )
 
     def _drop(self, group: _Group) -> None:

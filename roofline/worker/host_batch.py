@@ -69,6 +69,15 @@ class HostBatch:
     def build(cls, sched_out: SchedulerOutput, page: int, tables: BlockTables) -> HostBatch:
         b = cls(page)
         input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
+        # The loop body runs once per scheduled request per step: bound methods hoisted.
+        add_id, add_position, add_slot = input_ids.append, positions.append, slots.append
+        add_start, add_seq_len, add_table_row = (
+            query_start.append,
+            b.seq_lens.append,
+            b.table_rows.append,
+        )
+        add_sample_row, add_sample_request = b.sample_rows.append, b.sample_requests.append
+        row_of, updates = tables.row_of, b.table_updates
         num_rows = 0
         for s in sched_out.scheduled:
             req, start, n = s.request, s.start_position, s.num_new_tokens
@@ -83,25 +92,25 @@ class HostBatch:
                 b.pending_rows.append(num_rows + n - 1)
                 b.pending_requests.append(req.request_id)
             if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
-                input_ids.append(0 if end > known else s.token_ids[0])
-                positions.append(start)
-                slots.append(bt[start // page] * page + start % page)
+                add_id(0 if end > known else s.token_ids[0])
+                add_position(start)
+                add_slot(bt[start // page] * page + start % page)
             else:
                 input_ids.extend(s.token_ids)
                 if end > known:
-                    input_ids.append(0)
+                    add_id(0)
                 positions.extend(range(start, end))
                 slots.extend(bt[p // page] * page + p % page for p in range(start, end))
             num_rows += n
-            query_start.append(num_rows)
-            b.seq_lens.append(end)
-            b.table_rows.append(tables.row_of(req, bt, b.table_updates))
+            add_start(num_rows)
+            add_seq_len(end)
+            add_table_row(row_of(req, bt, updates))
             if s.samples:
                 if num_spec:  # a verification row: the known token and every proposal
                     b.sample_rows.extend(range(num_rows - 1 - num_spec, num_rows - 1))
                     b.verifies = True
-                b.sample_rows.append(num_rows - 1)
-                b.sample_requests.append(req)
+                add_sample_row(num_rows - 1)
+                add_sample_request(req)
         return b
 
 

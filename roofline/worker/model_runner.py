@@ -41,6 +41,7 @@ from roofline.spec_decode.verifier import Verifier
 from roofline.spec_decode.verify_graph import VerifyGraphs, grid_layout
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
+from roofline.worker.device_wait import DeviceWaiter
 from roofline.worker.graph_mode import CUDA_GRAPH_MODES, MixedStepPath
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
@@ -128,6 +129,8 @@ class ModelRunner:
                 kv_bytes = self.kv_spec.bytes_per_token(1, self.num_kv_heads, cfg.head_dim)
                 self.cascade = SharedPrefixDetector(self.page_size, kv_bytes)
         self.cascade_graphs = None
+        self.device_waiter: DeviceWaiter | None = DeviceWaiter() if device.type == "cuda" else None
+        """How ``StepHandle.result`` waits for the device (None: spin, as cudaEventSynchronize)."""
 
     def _build_model(
         self, weights: Iterable[tuple[str, torch.Tensor]] | None, seed: int
@@ -331,7 +334,9 @@ class ModelRunner:
             sched_out = self.mixed.decode_first(sched_out)
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
-        return self.launch_batch(batch, rows, mask_logits, cascade=cascade)
+        handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
+        handle.waiter, handle.num_tokens = self.device_waiter, batch.num_tokens
+        return handle
 
     def launch_batch(
         self,
@@ -482,7 +487,7 @@ class ModelRunner:
         if not dst:
             return [], []
         try:
-            src = [self._prev_rows[rid] for rid in batch.pending_requests]
+            src = list(map(self._prev_rows.__getitem__, batch.pending_requests))
         except KeyError as e:
             raise RuntimeError(f"request {e} has a pending token no launch sampled") from e
         if src == dst and dst[-1] == len(dst) - 1:
@@ -533,12 +538,24 @@ class StepHandle:
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
+        self.waiter: DeviceWaiter | None = None
+        """Set by ``ModelRunner.launch``: sleep through most of the wait (None: spin)."""
+        self.num_tokens = 0
+        """Rows of the launched step (the waiter's estimate is kept per step size)."""
         self._host = token_ids
         if token_ids is not None and token_ids.is_cuda:
             self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             self._host.copy_(token_ids, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
+
+    def _wait(self) -> None:
+        if self._event is None:
+            return
+        if self.waiter is None:
+            self._event.synchronize()
+        else:
+            self.waiter.wait(self._event, self.num_tokens)
 
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting for the device."""
@@ -548,8 +565,7 @@ class StepHandle:
         """The sampled ids in row order (waits for them)."""
         if self._host is None:
             return []
-        if self._event is not None:
-            self._event.synchronize()
+        self._wait()
         return self._host.tolist()
 
     def logprobs(self) -> list[TokenLogprobs | None]:
@@ -561,12 +577,13 @@ class StepHandle:
     def result(self) -> ModelRunnerOutput:
         if self._host is None:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
-        if self._event is not None:
-            self._event.synchronize()  # the step's one host sync
+        self._wait()  # the step's one host sync
         token_ids = self._host.tolist()
-        requests = self._requests
-        sampled = {r.request_id: t for r, t in zip(requests, token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(requests, self._logprobs) if lp is not None}
+        request_ids = [r.request_id for r in self._requests]
+        sampled = dict(zip(request_ids, token_ids))
+        logprobs = {}
+        if self._logprobs.count(None) != len(self._logprobs):  # some request asked
+            logprobs = {rid: lp for rid, lp in zip(request_ids, self._logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
