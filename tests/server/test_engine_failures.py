@@ -205,12 +205,15 @@ def test_slow_consumer_gets_merged_deltas(tiny_core: AsyncLLMEngine) -> None:
     async def scenario() -> tuple[list, list]:
         fast = [o async for o in engine.generate([7, 8, 9], params, "fast")]
         stream = await engine.add_request("slow", [7, 8, 9], params)
-        await asyncio.sleep(0.3)  # 40 steps of a tiny model: all done meanwhile
+        deadline = time.monotonic() + 60.0
+        while not (stream._pending is not None and stream._pending.finished):  # noqa: SLF001
+            assert time.monotonic() < deadline, "the request did not finish within 60 s"
+            await asyncio.sleep(0.01)  # the consumer reads nothing until the request is done
         slow = [o async for o in stream]
         return fast, slow
 
     fast, slow = asyncio.run(scenario())
-    assert len(slow) < len(fast) and slow[-1].finished
+    assert len(fast) > 1 and len(slow) == 1 and slow[-1].finished  # every delta merged
     for outs in (fast, slow):
         tokens = [t for o in outs for t in o.outputs[0].token_ids]
         assert len(tokens) == 40 and tokens == [t for o in fast for t in o.outputs[0].token_ids]
