@@ -99,16 +99,22 @@ class MaskTable:
         return self._next_slot
 
     # ----------------------------------------------------------------- slots
-    def acquire(self, matcher: GrammarMatcher) -> int:
-        """A slot for a new matcher (filled before its first masked step)."""
+    def _take_slot(self) -> int:
+        """The lowest free slot, else a new one at the end of the used prefix (growing the
+        table when it is full)."""
         if self._free:
             slot = min(self._free)
             self._free.remove(slot)
-        else:
-            slot = self._next_slot
-            self._next_slot += 1
-            if slot >= self._capacity:
-                self._grow(2 * self._capacity)
+            return slot
+        slot = self._next_slot
+        self._next_slot += 1
+        if slot >= self._capacity:
+            self._grow(2 * self._capacity)
+        return slot
+
+    def acquire(self, matcher: GrammarMatcher) -> int:
+        """A slot for a new matcher (filled before its first masked step)."""
+        slot = self._take_slot()
         self._dirty[slot] = matcher
         return slot
 
@@ -122,14 +128,7 @@ class MaskTable:
     def fill_scratch(self, matcher: GrammarMatcher) -> int:
         """Fill a temporary slot from ``matcher``'s state now (a speculative position's mask);
         the slot is released after the next :meth:`apply` has queued its upload."""
-        if self._free:
-            slot = min(self._free)
-            self._free.remove(slot)
-        else:
-            slot = self._next_slot
-            self._next_slot += 1
-            if slot >= self._capacity:
-                self._grow(2 * self._capacity)
+        slot = self._take_slot()
         matcher.fill_bitmask(self.bitmask, slot)
         self._scratch.append(slot)
         return slot
