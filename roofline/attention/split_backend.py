@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.attention.triton_backend import store_step_kv
 from roofline.kernels.decode_attention import decode_attention
-from roofline.kernels.kv_store import rotary_kv_store, store_kv
 from roofline.kernels.prefill_attention import prefill_attention
 
 
@@ -79,15 +79,8 @@ class SplitAttentionBackend:
             if kv_scales is not None:
                 extra["kv_scales"] = kv_scales
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
-        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
-        if rope is None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        else:  # q and k rotated in place, k and v stored: one kernel
-            positions, cos_sin, qk_norm = rope
-            rotary_kv_store(
-                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
-                k_scale, v_scale,
-            )  # fmt: skip
+        k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
+                                         kv_scales)  # fmt: skip
         return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 

@@ -23,6 +23,30 @@ from roofline.kernels.prefill_attention import prefill_attention
 from roofline.kernels.verify_attention import verify_attention
 
 
+def store_step_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+    rope: tuple | None,  # (positions, cos_sin_cache, qk_norm or None)
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,  # quantized cache's scales
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Store the step's K/V into the paged cache (with RoPE and the optional q/k norm applied
+    to q and k in place, in one kernel, when ``rope`` is given); the cache's (k, v) scales."""
+    k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+    if rope is None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:  # q and k rotated in place, k and v stored: one kernel
+        positions, cos_sin, qk_norm = rope
+        rotary_kv_store(
+            q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm,
+            k_scale, v_scale,
+        )  # fmt: skip
+    return k_scale, v_scale
+
+
 class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True
@@ -46,15 +70,8 @@ class TritonAttentionBackend:
         rope: tuple | None = None,  # (positions, cos_sin_cache, qk_norm or None)
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantized cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
-        if rope is None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        else:  # q and k rotated in place, k and v stored: one kernel
-            positions, cos_sin, qk_norm = rope
-            rotary_kv_store(
-                q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm,
-                k_scale, v_scale,
-            )  # fmt: skip
+        k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
+                                         kv_scales)  # fmt: skip
         if meta.uniform_query_len > 1:  # speculative verification: 1 + k rows per request
             return verify_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale,
