@@ -66,8 +66,11 @@ def tool_sampling_params(
     params: SamplingParams,
     tool_call_parser: str,
     chat_template: str | None,
+    reasoning_parser: Any = None,
 ) -> tuple[SamplingParams, Callable[[], ChoiceParser] | None]:
-    """The parameters with the tool constraint added, and how to read each completion."""
+    """The parameters with the tool constraint added, and how to read each completion (with
+    ``reasoning_parser``, the server's, splitting reasoning content first). Offline and the
+    server's chat completions share it; a bad combination is a :class:`ToolError`."""
     if plan is None:
         return params, None
     constraint = plan.constraint()
@@ -91,7 +94,7 @@ def tool_sampling_params(
     if updates:
         params = dataclasses.replace(params, **updates)
     named = plan.named if plan.choice == "named" else None
-    return params, lambda: ChoiceParser(tool_parser, None, named)
+    return params, lambda: ChoiceParser(tool_parser, reasoning_parser, named)
 
 
 def attach_tool_calls(

@@ -8,7 +8,6 @@ conversation is the request's: a 400.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from roofline.entrypoints.chat_tools import tool_sampling_params
 from roofline.entrypoints.openai.chat_output import ChoiceParser, tool_call_id
 from roofline.entrypoints.openai.chat_template import TemplateRenderer
 from roofline.entrypoints.openai.errors import OpenAIError, from_exception
@@ -41,7 +41,6 @@ from roofline.entrypoints.openai.serving_base import (
     token_strings,
     usage_of,
 )
-from roofline.entrypoints.openai.tool_parsers import get_tool_parser
 from roofline.entrypoints.openai.tools import (
     ToolError,
     ToolPlan,
@@ -255,32 +254,17 @@ def _output_parsing(
         if reasoning is None:
             return params, None
         return params, lambda: ChoiceParser(reasoning_parser=reasoning)
-    constraint = plan.constraint()
-    if constraint is not None and params.structured_outputs is not None:
-        raise OpenAIError(
-            400,
-            "tool_choice required or a named function cannot be combined with another output "
-            "constraint",
-            param="tool_choice",
-        )
     template = getattr(state.engine.tokenizer, "chat_template", None)
-    if plan.choice == "required":
-        from roofline.entrypoints.openai.tool_parsers.parsers import ArrayParser
-
-        tool_parser = ArrayParser()
-    else:
-        tool_parser = get_tool_parser(
-            state.tool_call_parser, template if isinstance(template, str) else None
+    try:
+        return tool_sampling_params(
+            plan,
+            params,
+            state.tool_call_parser,
+            template if isinstance(template, str) else None,
+            reasoning,
         )
-    updates: dict[str, Any] = {}
-    if constraint is not None:
-        updates["structured_outputs"] = constraint
-    if tool_parser.keeps_special_tokens:
-        updates["skip_special_tokens"] = False
-    if updates:
-        params = dataclasses.replace(params, **updates)
-    named = plan.named if plan.choice == "named" else None
-    return params, lambda: ChoiceParser(tool_parser, reasoning, named)
+    except ToolError as e:
+        raise OpenAIError(400, str(e), param=e.param) from e
 
 
 def _message(text: str, make_parser: Callable[[], ChoiceParser] | None) -> AssistantMessage:
