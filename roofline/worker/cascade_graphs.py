@@ -21,7 +21,6 @@ from roofline.kernels.cascade_attention import (
     choose_suffix_splits,
     prefix_block_m,
 )
-from roofline.layers.attention import ForwardContext
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.pending import PendingInputs
@@ -54,22 +53,6 @@ class CascadeDecodeGraphs(DecodeGraphs):
             ),
         )
         return meta
-
-    @torch.inference_mode()
-    def capture(self, pool: tuple | None = None) -> None:  # type: ignore[override]
-        """Capture every bucket (largest first) into ``pool`` (the plain graphs' pool)."""
-        for bs in reversed(self.buckets):
-            ctx = ForwardContext(self._meta(bs), self.kv_caches, self.backend)
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
-            for _ in range(2):  # warm-up: Triton compiles
-                self.model(ids, pos, ctx)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(ids, pos, ctx)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
 
     def stage_cascade(
         self,

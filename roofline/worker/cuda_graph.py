@@ -70,8 +70,8 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
+    def capture(self, pool: tuple | None = None) -> None:
+        """Capture every bucket into ``pool`` (None: a new pool, the largest bucket's)."""
         for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
             ctx = ForwardContext(self._meta(bs), self.kv_caches, self.backend)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
