@@ -14,9 +14,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from roofline.bench.ceilings import Ceilings
+from roofline.core.outputs import SchedulerOutput
 from roofline.engine.heap import frozen_heap
 from roofline.engine.llm_engine import LLMEngine
-from roofline.planner.calibration import CalibrationPoint, StepShape
+from roofline.planner.calibration import CalibrationPoint
 from roofline.planner.roofline import Precision, step_cost
 from roofline.planner.simulator import step_shape
 from roofline.sampling_params import SamplingParams
@@ -64,10 +65,10 @@ def run_batch(
     ids = [f"lat-{batch_size}-{i}" for i in range(batch_size)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(10, vocab - 10) for _ in range(input_len)], params)
-    shapes: list[StepShape] = []
-    engine.on_schedule = lambda sched_out: shapes.append(
-        step_shape(sched_out, engine.kv_manager.page_size)
-    )
+    scheduled: list[SchedulerOutput] = []  # shapes are computed after the run, not in a step
+    if points is not None:
+        engine.on_schedule = scheduled.append
+    timed: list[tuple[SchedulerOutput, float]] = []
     started: set[str] = set()
     prefill_s, step_times = 0.0, []
     stats0 = engine.get_stats()
@@ -76,8 +77,8 @@ def run_batch(
             t0 = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
-            if points is not None and shapes:
-                points.append(CalibrationPoint.from_shape(shapes[-1], dt))
+            if scheduled:
+                timed.append((scheduled[-1], dt))
             if len(started) < batch_size:
                 prefill_s += dt
                 started.update(o.request_id for o in outs)
@@ -85,6 +86,9 @@ def run_batch(
                 step_times.append(dt)
     finally:
         engine.on_schedule = None
+    if points is not None:
+        page_size = engine.kv_manager.page_size
+        points += [CalibrationPoint.from_shape(step_shape(so, page_size), dt) for so, dt in timed]
     stats1 = engine.get_stats()
     drafts = stats1.spec_decode_num_drafts_total - stats0.spec_decode_num_drafts_total
     emitted = (

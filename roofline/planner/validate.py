@@ -178,7 +178,6 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                 continue
             clock = time.perf_counter() - start
             for sched_out, _ in done:
-                shape = step_shape(sched_out, engine.kv_manager.page_size)
                 for s in sched_out.scheduled:
                     if not s.samples or s.request.request_id not in metrics:
                         continue
@@ -190,8 +189,9 @@ def trace_engine(engine: Any, requests: list[SyntheticRequest], realtime: bool =
                         m.finish_s = clock
             sch = engine.scheduler
             timeline.append(
-                TimePoint(clock, sum(dt for _, dt in done), shape.num_tokens, sch.num_running,
-                          sch.num_waiting, sch.kv_usage, sch.num_preemptions_total)
+                TimePoint(clock, sum(dt for _, dt in done), sched_out.num_batched_tokens,
+                          sch.num_running, sch.num_waiting, sch.kv_usage,
+                          sch.num_preemptions_total)
             )  # fmt: skip
         for sched_out, dt in stepper.step_times():
             shape = step_shape(sched_out, engine.kv_manager.page_size)
