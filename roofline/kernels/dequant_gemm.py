@@ -108,6 +108,36 @@ def _load_tile(
     return w
 
 
+@triton.jit
+def _scale_bias_store(
+    result,  # [BM, BN] fp32
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    rows_n,  # [BN] weight rows, clamped in range
+    offs_m,  # [BM]
+    offs_n,  # [BN]
+    M,
+    N,
+    stride_om,
+    ROW_SCALE: tl.constexpr,
+    SCALAR_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """The quantized GEMMs' epilogue (``dequant_gemm`` and ``quant_gemv``): the per-row (or
+    per-tensor) scale applied after the reduction, the bias, the masked store."""
+    if ROW_SCALE:
+        if SCALAR_SCALE:
+            result *= tl.load(s_ptr).to(tl.float32)
+        else:
+            result *= tl.load(s_ptr + rows_n).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dequant_gemm_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL)
@@ -173,16 +203,10 @@ def _dequant_gemm_kernel(
         result = acc
     else:
         result = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-    if ROW_SCALE:
-        if SCALAR_SCALE:
-            result *= tl.load(s_ptr).to(tl.float32)
-        else:
-            result *= tl.load(s_ptr + rows_n).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+    _scale_bias_store(
+        result, s_ptr, bias_ptr, out_ptr, rows_n, offs_m, offs_n, M, N, stride_om,
+        ROW_SCALE, SCALAR_SCALE, HAS_BIAS,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.dequant_gemm import _scale_bias_store
 from roofline.kernels.gemv import _silu_mul, m_bucket
 
 MAX_ROWS = 256  # decode batches up to 16 rows; larger M (tensor cores, BLOCK_M rows a program)
@@ -420,16 +421,10 @@ def _quant_gemv_kernel(
         result = acc
     else:
         result = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-    if ROW_SCALE:
-        if SCALAR_SCALE:
-            result *= tl.load(s_ptr).to(tl.float32)
-        else:
-            result *= tl.load(s_ptr + rows_n).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+    _scale_bias_store(
+        result, s_ptr, bias_ptr, out_ptr, rows_n, offs_m, offs_n, M, N, stride_om,
+        ROW_SCALE, SCALAR_SCALE, HAS_BIAS,
+    )  # fmt: skip
 
 
 class _Layout(NamedTuple):
