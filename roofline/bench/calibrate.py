@@ -11,6 +11,9 @@ simulation of a workload unlike the calibration still interpolates:
 * **prefill**: single prompts of growing length (longer than the token budget: chunked, so
   chunks over a cached prefix are measured too) and steps of several short prompts.
 * **mixed**: a prompt arriving while a batch decodes (the step shape of steady serving).
+* **shared prefix**: a batch whose prompts share a long prefix through the prefix cache: its
+  suffix chunks prefill over the cached prefix, and its decodes read the shared pages once per
+  step (cascade attention), which the decode grid's own contexts never exercise.
 
 Step times come from ``planner.validate.EngineStepper``: on CUDA, device events recorded as
 each launch starts (a step's share of the pipelined run, whichever of host or device bound
@@ -41,6 +44,7 @@ from roofline.sampling_params import SamplingParams
 
 DECODE_STEPS = 8
 """Tokens each request of a decode cell generates (its prefill steps are measured too)."""
+SHARED_SUFFIX_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class SweepPlan:
     multi_prompt_counts: tuple[int, ...]
     mixed: tuple[tuple[int, int], ...]
     """``(decode batch, arriving prompt length)`` pairs."""
+    shared: tuple[tuple[int, int], ...] = ()
+    """``(batch, shared prefix length)`` pairs: prompts of the prefix plus
+    :data:`SHARED_SUFFIX_LEN` tokens of their own."""
 
 
 def _geometric(lo: int, hi: int, factor: int) -> list[int]:
@@ -81,6 +88,11 @@ def default_plan(engine: LLMEngine, max_batch: int | None = None, max_context: i
             for b in sorted({min(4, max_b), mid_b, max_b})
             for p in arrivals
             if b + 1 <= sc.max_num_seqs
+        ),
+        shared=tuple(
+            (b, min(2048, max_c - SHARED_SUFFIX_LEN - 16))
+            for b in sorted({mid_b, max_b})
+            if b >= 4 and max_c >= SHARED_SUFFIX_LEN + 48  # a prefix of two pages or more
         ),
     )
 
@@ -152,6 +164,16 @@ def run_sweep(
 
         _run(engine, points, after_step=arrive)
 
+    def shared_cell(batch: int, prefix_len: int) -> None:
+        # one prefix for all (prefix caching shares its pages); the first requests keep
+        # decoding until the last one's suffix is in, so the full batch decodes together
+        budget = engine.scheduler_config.max_num_batched_tokens
+        max_tokens = DECODE_STEPS + 2 + -(-(prefix_len + batch * SHARED_SUFFIX_LEN) // budget)
+        prefix = _ids(rng, vocab, prefix_len)
+        for _ in range(batch):
+            add(prefix + _ids(rng, vocab, SHARED_SUFFIX_LEN), max_tokens)
+        _run(engine, points)
+
     pool_tokens = engine.runner.num_pages * engine.args.page_size
     cells: list[tuple[float, str, Callable[[], None]]] = []
     skipped: list[str] = []
@@ -169,6 +191,12 @@ def run_sweep(
     for b, p in plan.mixed:
         cost = b * mixed_context + 4.0 * p
         cells.append((cost, f"mixed b={b}+{p}", lambda b=b, p=p: mixed_cell(b, p)))
+    for b, p in plan.shared:
+        if p + b * (SHARED_SUFFIX_LEN + DECODE_STEPS + 2 * engine.args.page_size) > pool_tokens:
+            skipped.append(f"shared b={b} prefix={p} (over the KV pool)")
+            continue
+        cost = 4.0 * (p + b * SHARED_SUFFIX_LEN)
+        cells.append((cost, f"shared b={b} prefix={p}", lambda b=b, p=p: shared_cell(b, p)))
     cells.sort(key=lambda cell: cell[0])
 
     start = time.perf_counter()

@@ -49,10 +49,13 @@ def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
         if note:
             print(note)
         label = f"calibration {os.path.basename(args.calibration)} ({cal.device or '?'})"
+        meta = dict(cal.meta)
+        if cal.build and "async_scheduling" in cal.build:
+            meta["async_scheduling"] = bool(cal.build["async_scheduling"])
         if isinstance(fit, FlooredStepTimer):
             label += ", roofline floor + fitted overhead"
-            return RegionCheckingTimer(fit, fit.region), cal.meta, label
-        return fit, cal.meta, label
+            return RegionCheckingTimer(fit, fit.region), meta, label
+        return fit, meta, label
     _, model = c.model_of(args)
     gpu = c.gpu_of(args)
     timer = RooflineStepTimer(
@@ -94,7 +97,11 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
                 f"(num_speculative_tokens, acceptance_rate, draft_cost_ratio, max_batch_size, "
                 f"seed): {e}"
             ) from None
-    return SimConfig(sched, int(num_pages), page_size, not args.no_prefix_caching, spec)
+    # the engine's CUDA default; a calibration says what the measured engine did
+    async_scheduling = not args.sync_scheduling and bool(meta.get("async_scheduling", True))
+    return SimConfig(
+        sched, int(num_pages), page_size, not args.no_prefix_caching, spec, async_scheduling
+    )
 
 
 def _summary_rows(s: SimSummary) -> list[list[str]]:
@@ -338,6 +345,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--sync-scheduling",
+        action="store_true",
+        help="an engine that schedules each step after the previous one ends (default: as the "
+        "calibration measured, else async scheduling, the engine's CUDA default: an arrival "
+        "waits one step longer)",
+    )
     p.add_argument(
         "--speculative",
         default=None,

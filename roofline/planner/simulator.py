@@ -39,6 +39,10 @@ class SimConfig:
     enable_prefix_caching: bool = True
     speculative: SpecSimConfig | None = None
     """Speculative decoding at a given acceptance rate (``planner/spec_sim.py``); None: off."""
+    async_scheduling: bool = False
+    """The engine schedules step k+1 while step k runs (its default on CUDA): a request that
+    arrives during step k is first scheduled in step k+2, one step later than in a synchronous
+    engine. Only arrivals see the lag; offline requests are all in before the first step."""
     max_num_steps: int = 2_000_000
     """Safety stop against a scheduler that never finishes."""
 
@@ -149,12 +153,15 @@ def simulate(
     live: dict[str, Request] = {}
     timeline: list[TimePoint] = []
     clock = 0.0
+    seen_until = 0.0  # arrivals up to here are visible to the scheduler's next step
     next_i = 0
     spec = None
     if sim.speculative is not None:
         spec = SimSpeculator(sim.speculative, FAKE_TOKEN_ID, sim.scheduler.max_model_len)
     while next_i < len(reqs) or sched.has_unfinished_requests():
-        while next_i < len(reqs) and reqs[next_i].arrival_time_s <= clock:
+        if not sim.async_scheduling or not sched.has_unfinished_requests():
+            seen_until = clock  # an idle engine schedules as soon as a request arrives
+        while next_i < len(reqs) and reqs[next_i].arrival_time_s <= seen_until:
             request = _make_request(next_i, reqs[next_i])
             sched.add_request(request)
             live[request.request_id] = request
@@ -170,7 +177,7 @@ def simulate(
         out = sched.schedule()
         if out.is_empty:
             if next_i < len(reqs):
-                clock = reqs[next_i].arrival_time_s
+                clock = seen_until = max(clock, reqs[next_i].arrival_time_s)
                 continue
             raise RuntimeError("the scheduler scheduled nothing with no arrivals left")
         if len(timeline) >= sim.max_num_steps:
@@ -183,6 +190,7 @@ def simulate(
             verified = spec.verify(out)
         during = (sched.num_running, sched.num_waiting, sched.kv_usage)
         sampled = {s.request.request_id: FAKE_TOKEN_ID for s in out.scheduled if s.samples}
+        seen_until = clock  # async: the next step was scheduled while this one ran
         clock += dt
         for update in sched.update(out, ModelRunnerOutput(sampled, verified=verified)):
             m = metrics[update.request.request_id]

@@ -13,9 +13,13 @@ cannot take it below the floor:
       + c_fixed + c_seq * num_seqs + c_chunk * num_prefill_chunks     (host and launch costs)
       + c_eager * [step holds a prefill chunk] + c_mix * decodes in such a step
                                                     (eager, prefill-path steps vs CUDA graphs)
+      + c_shared * shared_attention_s                (decode attention over shared prefix pages)
 
 ``weight_s``/``kv_s`` are the step's weight and KV bytes over the bandwidth, ``linear_s`` and
-``attention_s`` its GEMM and attention FLOPs over the matmul rate; ``max(memory_s, compute_s)``
+``attention_s`` its GEMM and attention FLOPs over the matmul rate, ``shared_attention_s`` the
+attention FLOPs of decode tokens over pages other decodes of the step also hold (cascade
+attention reads those pages once, so they leave the KV bytes, but their query-by-key work is a
+kernel of its own that the bytes do not pay for); ``max(memory_s, compute_s)``
 is the floor. Each step is fitted on the side that binds it (a hinge regression: sides assigned,
 NNLS solved, sides reassigned until stable). Every coefficient is >= 0, so a prediction is never
 below the floor, and a shape outside the calibration still pays for its bytes and FLOPs; a side
@@ -44,7 +48,7 @@ from roofline.planner.calibration import (
     nnls,
 )
 from roofline.planner.hardware import GPUSpec, custom_gpu
-from roofline.planner.roofline import BF16, Precision, step_cost
+from roofline.planner.roofline import BF16, Precision, attention_flops_per_pair, step_cost
 
 OVERHEAD_TERMS = (
     "fixed_s",
@@ -56,6 +60,7 @@ OVERHEAD_TERMS = (
     "kv_read_x",
     "linear_compute_x",
     "attention_compute_x",
+    "shared_attention_x",
 )
 """Names of the fitted coefficients: seconds for the first five, multiples of the floor's
 component times for the rest. ``per_prefill_step_s`` is paid once by a step holding any prefill
@@ -74,6 +79,7 @@ class StepPhysics:
     attention_s: float
     memory_s: float
     compute_s: float
+    shared_attention_s: float = 0.0
 
 
 def step_physics(
@@ -98,6 +104,7 @@ def step_physics(
         attention_s=cost.attention_flops / flops,
         memory_s=cost.memory_time_s,
         compute_s=cost.compute_time_s,
+        shared_attention_s=attention_flops_per_pair(model) * shape.decode_shared_tokens / flops,
     )
 
 
@@ -112,7 +119,11 @@ def _features(shape: StepShape, ph: StepPhysics) -> tuple[list[float], list[floa
         float(num_chunks > 0),
         float(shape.num_decode_tokens if num_chunks else 0),
     ]
-    return host + [ph.weight_s, ph.kv_s, 0.0, 0.0], host + [0.0, 0.0, ph.linear_s, ph.attention_s]
+    shared = [ph.shared_attention_s]  # a kernel of its own: paid on either side
+    return (
+        host + [ph.weight_s, ph.kv_s, 0.0, 0.0] + shared,
+        host + [0.0, 0.0, ph.linear_s, ph.attention_s] + shared,
+    )
 
 
 def _predict(coef: np.ndarray, shape: StepShape, ph: StepPhysics) -> float:
@@ -131,6 +142,8 @@ class CalibratedRegion:
     max_prefill_tokens: int = 0
     max_cached_prefix_len: int = 0
     """Longest cached prefix a measured prefill chunk attended to."""
+    max_decode_shared_tokens: int = 0
+    """Most decode context tokens on pages shared with another decode of the step."""
 
     @classmethod
     def of(cls, shapes: Sequence[StepShape]) -> CalibratedRegion:
@@ -140,6 +153,7 @@ class CalibratedRegion:
             max((s.decode_context_len_sum // s.num_decode_tokens for s in dec), default=0),
             max((s.num_prefill_tokens for s in shapes), default=0),
             max((p for s in shapes for _, p in s.prefill_chunks), default=0),
+            max((s.decode_shared_tokens for s in shapes), default=0),
         )
 
     def outside(self, shape: StepShape) -> list[str]:
@@ -155,6 +169,8 @@ class CalibratedRegion:
             out.append("prefill tokens")
         if any(p > 1.1 * self.max_cached_prefix_len for _, p in shape.prefill_chunks):
             out.append("cached prefix")
+        if shape.decode_shared_tokens > 1.1 * self.max_decode_shared_tokens:
+            out.append("shared decode prefix")
         return out
 
 

@@ -269,10 +269,25 @@ def suite(vocab_size: int, max_model_len: int, scale: float = 1.0) -> list[Suite
     ]
 
 
+def _step_model_sums(model: StepTimer, points: list[CalibrationPoint]) -> dict[str, list]:
+    """Per kind of step (holding a prefill chunk, decode only): [number of steps, measured
+    seconds, predicted seconds] over the engine's own steps: which kind a workload's error
+    comes from, weighted by time (a median over many decode steps hides a few long ones)."""
+    sums: dict[str, list] = {}
+    for p in points:
+        shape = p.shape()
+        entry = sums.setdefault("prefill" if shape.prefill_chunks else "decode", [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += p.step_time_s
+        entry[2] += model(shape)
+    return sums
+
+
 def run_suite(engine: Any, timer: StepTimer, cases: list[SuiteCase], log=print) -> list[dict]:
     """Each case on the engine and in the simulator (same scheduler limits and KV pool)."""
     sim = SimConfig(engine.scheduler_config, engine.runner.num_pages, engine.args.page_size,
-                    engine.args.enable_prefix_caching)  # fmt: skip
+                    engine.args.enable_prefix_caching,
+                    async_scheduling=bool(getattr(engine, "async_scheduling", False)))  # fmt: skip
     rows = []
     offline_rps: float | None = None
     for case in cases:
@@ -296,6 +311,7 @@ def run_suite(engine: Any, timer: StepTimer, cases: list[SuiteCase], log=print) 
         model = getattr(timer, "inner", timer)
         ratios = [model(p.shape()) / p.step_time_s for p in trace.points]
         row["step_model_error_p50"] = float(np.median(ratios)) - 1.0 if ratios else 0.0
+        row["step_model_by_kind"] = _step_model_sums(model, trace.points)
         row["engine_steps"], row["simulated_steps"] = len(trace.points), simulated.num_steps
         rows.append(row)
         log(f"  {name}: measured in {time.perf_counter() - t0:.1f} s")
@@ -311,6 +327,13 @@ def format_rows(rows: list[dict]) -> str:
                 f"{row['simulated_steps']:,}; step model on the engine's steps "
                 f"{100 * row['step_model_error_p50']:+.1f}% (median)"
             )
+            kinds = [
+                f"{kind} {n:,} steps {measured:.2f} s -> {100 * (predicted / measured - 1):+.1f}%"
+                for kind, (n, measured, predicted) in row.get("step_model_by_kind", {}).items()
+                if measured > 0
+            ]
+            if kinds:
+                lines.append(f"{row['workload']:<34} step model by kind: " + "; ".join(kinds))
         for key, bound in TARGETS.items():
             v = row[key]
             mark = "" if abs(v["error"]) <= bound else f"  (over {100 * bound:.0f}%)"

@@ -104,6 +104,7 @@ def test_bench_calibrate_then_plan_validate(tmp_path, capsys):
     assert max(s.num_decode_tokens for s in shapes) == 8  # the largest batch the engine allows
     assert any(s.num_decode_tokens and s.prefill_chunks for s in shapes)  # mixed steps
     assert any(p > 0 for s in shapes for _, p in s.prefill_chunks)  # chunks over a cached prefix
+    assert any(s.decode_shared_tokens for s in shapes)  # decodes over a shared prefix
     assert "fit above the roofline floor" in capsys.readouterr().out
     rc = main(["plan", "validate", *engine_flags, "--calibration", str(cal_path),
                "--scale", "0.01", "--out", str(out_path)])  # fmt: skip

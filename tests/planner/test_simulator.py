@@ -167,3 +167,31 @@ def test_speculation_emits_the_expected_run_per_verification(small_model):
     assert busy.num_steps == simulate(_workload(8, None, "64", "20"), _sim(), timer).num_steps
     with pytest.raises(ValueError, match="acceptance_rate"):
         SpecSimConfig(4, 1.5)
+
+
+def test_async_scheduling_delays_an_arrival_by_one_step():
+    """With async scheduling a request arriving while step k runs is first scheduled in step
+    k+2 (k+1 was scheduled as k launched); an idle engine still schedules it at once."""
+    import dataclasses
+
+    from roofline.planner.workload import SyntheticRequest
+
+    def timer(shape):
+        return 0.010  # every step 10 ms
+
+    reqs = [
+        SyntheticRequest(0.0, tuple(range(1, 65)), 50),  # decodes for 50 steps
+        SyntheticRequest(0.105, tuple(range(100, 164)), 2),  # arrives during step 11
+        SyntheticRequest(5.0, tuple(range(200, 264)), 2),  # arrives when the engine is idle
+    ]
+    sync = _sim()
+    by_id = {}
+    for name, cfg in (("sync", sync), ("async", dataclasses.replace(sync, async_scheduling=True))):
+        res = simulate(reqs, cfg, timer)
+        by_id[name] = {r.request_id: r for r in res.requests}
+    # sync: scheduled at 0.110 (end of step 11), first token at 0.120
+    assert by_id["sync"]["sim-1"].ttft_s == pytest.approx(0.015)
+    assert by_id["async"]["sim-1"].ttft_s == pytest.approx(0.025)
+    for name in ("sync", "async"):
+        assert by_id[name]["sim-2"].ttft_s == pytest.approx(0.010)
+        assert by_id[name]["sim-0"].num_output_tokens == 50

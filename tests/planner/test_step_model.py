@@ -201,3 +201,32 @@ def test_suite_fits_the_model_length():
         for r in case.workload.requests():
             assert len(r.prompt_token_ids) + r.max_tokens <= 256
             assert r.max_tokens >= 1
+
+
+def test_shared_prefix_decode_pays_its_own_attention_kernel(llama3_8b):
+    """Decodes over a prefix the batch shares read its pages once (cascade attention) but pay
+    a kernel over their queries x the prefix: the fit learns that cost from shared-prefix
+    steps instead of pricing them at the bytes they no longer read, and a calibration without
+    such steps flags them as outside its region."""
+
+    def truth(shape: StepShape) -> float:
+        return (
+            _truth(shape, llama3_8b)
+            + 4.0 * step_physics(shape, llama3_8b, H100ish).shared_attention_s
+        )
+
+    def shared(b: int, prefix: int, suffix: int = 100) -> StepShape:
+        return StepShape(b, b * (prefix + suffix), (), (b - 1) * prefix)
+
+    pts = [CalibrationPoint.from_shape(s, _truth(s, llama3_8b)) for s in (
+        StepShape(b, b * c) for b in (1, 4, 16, 64, 256) for c in (256, 2048))]  # fmt: skip
+    plain = fit_floored(pts, llama3_8b, H100ish)
+    assert plain.region.outside(shared(64, 2048)) == ["shared decode prefix"]
+    pts += [CalibrationPoint.from_shape(s, truth(s)) for s in (shared(64, 2048), shared(256, 2048))]
+    fit = fit_floored(pts, llama3_8b, H100ish)
+    assert fit.terms()["shared_attention_x"] > 1.0
+    unseen = shared(128, 1024, suffix=300)
+    extra = 4.0 * step_physics(unseen, llama3_8b, H100ish).shared_attention_s
+    assert truth(unseen) - plain(unseen) > 0.5 * extra  # the old terms price only the bytes
+    assert abs(fit(unseen) - truth(unseen)) < 0.25 * extra
+    assert fit.region.outside(unseen) == []
