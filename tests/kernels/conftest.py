@@ -21,3 +21,8 @@ if not torch.cuda.is_available():
     # The package first (it patches the interpreter), then kernels, then the backend using them.
     for _name in sorted(_stale, key=lambda n: (n != "roofline.kernels", "backend" in n, n)):
         importlib.reload(sys.modules[_name])
+    # every kernel the interpreter runs is compiled for sm_90 at the end of tests/kernels
+    # (test_zz_hopper_compile.py): the interpreter accepts code the GPU compiler rejects
+    import hopper_compile
+
+    hopper_compile.install_recorder()
