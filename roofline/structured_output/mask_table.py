@@ -224,10 +224,7 @@ class MaskTable:
         pairs[:, 1] = torch.as_tensor(slots, dtype=torch.int32)
         used = 2 * self._capacity + self._next_slot * self.words_per_row
         if self._device_flat is None or self._device_flat.device != logits.device:
-            self._device_flat = torch.empty_like(self._flat, device=logits.device)
-            if logits.is_cuda:
-                self._copy_stream = torch.cuda.Stream(device=logits.device)
-                self._copied = torch.cuda.Event()
+            self._device_flat = self._device_buffer(logits.device)
         if not logits.is_cuda:  # the Triton interpreter (tests)
             self._device_flat[:used].copy_(self._flat[:used])
         else:
@@ -241,7 +238,6 @@ class MaskTable:
                     self._copy_stream.wait_event(self._masked)
                 self._device_flat[:used].copy_(self._flat[:used], non_blocking=True)
                 self._copied.record(self._copy_stream)
-            self._device_flat.record_stream(self._copy_stream)  # freed only after the copy
             main.wait_event(self._copied)
         apply_packed_bitmask(
             logits,
@@ -255,6 +251,26 @@ class MaskTable:
             if self._masked is None:
                 self._masked = torch.cuda.Event()
             self._masked.record(torch.cuda.current_stream(logits.device))
+
+    def _device_buffer(self, device: torch.device) -> Tensor:
+        """The device copy of the flat table. On CUDA it is allocated *on the copy stream*:
+        the caching allocator hands a stream a block freed on that same stream, ordered after
+        that stream's work. Allocated on the main stream, it could be a block whose last
+        kernels (the step's forward, queued behind the step still running) have not run yet,
+        which the upload on the copy stream would overwrite under them: the illegal memory
+        accesses of constrained 8B steps under mixed-step graphs (never with launch blocking,
+        nor on models whose steps are short). The masking kernels read it on the main stream,
+        so the block is kept from reuse until they are done (``record_stream``)."""
+        if device.type != "cuda":
+            return torch.empty_like(self._flat, device=device)
+        if self._copy_stream is None or self._copy_stream.device != device:
+            self._copy_stream = torch.cuda.Stream(device=device)
+            self._copied = torch.cuda.Event()
+            self._masked = None
+        with torch.cuda.stream(self._copy_stream):
+            buf = torch.empty_like(self._flat, device=device)
+        buf.record_stream(torch.cuda.current_stream(device))
+        return buf
 
     def shutdown(self) -> None:
         if self._pool is not None:

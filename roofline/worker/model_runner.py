@@ -355,10 +355,8 @@ class ModelRunner:
         vgraphs = self.verify_graphs  # speculative verification: the padded 1 + k grid
         use_grid = vgraphs is not None and not prompt_logprobs_of and vgraphs.fits(batch)
         grid = grid_layout(batch, vgraphs.query_len) if use_grid else ()  # type: ignore[union-attr]
-        # None: decode-only. Steps that mask logits (structured outputs) take the eager path:
-        # under mixed graphs they hit an illegal memory access on the H100 (a race: gone with
-        # CUDA_LAUNCH_BLOCKING=1 and with cuda_graph_mode=full_decode_only), not yet found.
-        mixed_ok = self.mixed is not None and not grid and mask_logits is None
+        # None: decode-only
+        mixed_ok = self.mixed is not None and not grid
         plan = self.mixed.plan(batch) if mixed_ok else None  # type: ignore[union-attr]
         if grid:
             gather, extra = grid[2], list(grid)  # the sampled rows' places in the padded grid
