@@ -241,10 +241,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_fit_floored(cal, fit: FlooredStepTimer) -> int:
     where = f"{cal.device or 'unknown device'}, {cal.model or 'unknown model'}"
-    units = ["s", "s", "s", "s", "s", "x", "x", "x", "x"]
-    rows = [
-        [name, f"{v * 1e6:,.2f} us" if u == "s" else f"{v:.3f} x"]
-        for (name, v), u in zip(fit.terms().items(), units, strict=True)
+    rows = [  # seconds for the host terms, multiples of a floor component for the rest
+        [name, f"{v * 1e6:,.2f} us" if name.endswith("_s") else f"{v:.3f} x"]
+        for name, v in fit.terms().items()
     ]
     c.print_table(["overhead term", "value"], rows, f"fit above the roofline floor, "
                   f"{len(cal.points)} steps ({where})")  # fmt: skip
