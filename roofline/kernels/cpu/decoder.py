@@ -170,4 +170,6 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
             return None
         if attn.head_dim % 16 or attn.num_heads % attn.num_kv_heads:
             return None
+        if attn.num_heads // attn.num_kv_heads > 64:  # decoder.c's per-group scratch
+            return None
     return CPUDecoder(model)
