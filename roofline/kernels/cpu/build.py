@@ -27,7 +27,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_gemm.c", "pool.c", "decoder.c"))
-INCLUDES = tuple(Path(__file__).with_name(f) for f in ("rows16.inc", "gemm16_512.inc", "attend512.inc"))
+INCLUDES = tuple(
+    Path(__file__).with_name(f) for f in ("rows16.inc", "gemm16_512.inc", "attend512.inc")
+)
 """Files the sources include (part of the cache key, not compiled on their own)."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno")
 ISA_NAMES = ("generic", "avx2", "avx512vnni")
