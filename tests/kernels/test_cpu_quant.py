@@ -175,3 +175,21 @@ def test_gguf_gemm_rows_are_batch_invariant(fmt: str, isa: str, act_bits: int) -
         for start in range(0, 37 - size + 1, 7):
             part = ops.gguf_gemm(x[start : start + size], w, isa=isa, act_bits=act_bits)
             assert torch.equal(part, batched[start : start + size]), (size, start)
+
+
+@needs_lib
+def test_long_rows_run_tiles_in_several_cache_blocks() -> None:
+    """K = 8192 (256 blocks): the tile kernel runs one 16-row tile per cache block; the rows
+    still equal the reference and their single-row results."""
+    gen = torch.Generator().manual_seed(13)
+    k = 8192
+    blocks = random_blocks("Q4_1", 24, k, gen)
+    w = ops.GGUFRows.from_tensors("Q4_1", k, [(blocks, None)])
+    x = torch.randn(37, k, generator=gen)
+    y = ops.gguf_gemm(x, w)
+    ref = torch.nn.functional.linear(
+        quantized_activations_ref(x, ops.ACT_BITS), ops._dequantize_ref("Q4_1", blocks, k)
+    )
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
+    for i in (0, 16, 36):
+        assert torch.equal(ops.gguf_gemm(x[i : i + 1], w)[0], y[i])
