@@ -193,3 +193,16 @@ def test_long_rows_run_tiles_in_several_cache_blocks() -> None:
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
     for i in (0, 16, 36):
         assert torch.equal(ops.gguf_gemm(x[i : i + 1], w)[0], y[i])
+
+
+@needs_lib
+def test_pool_runs_back_to_back_jobs() -> None:
+    """Hundreds of short pool jobs in a row (activation prep, then the GEMM, each on the pool):
+    a worker late for one job never computes a chunk of the next with the wrong fields."""
+    gen = torch.Generator().manual_seed(17)
+    blocks = random_blocks("Q4_1", 256, 256, gen)
+    w = ops.GGUFRows.from_tensors("Q4_1", 256, [(blocks, None)])
+    x = torch.randn(8, 256, generator=gen)
+    first = ops.gguf_gemm(x, w)
+    for _ in range(400):
+        assert torch.equal(ops.gguf_gemm(x, w), first)
