@@ -42,7 +42,11 @@ def test_greedy_matches_fp32_path(kept: LLM) -> None:
 
 
 def test_batched_decode_matches_one_at_a_time(kept: LLM) -> None:
+    """3 rows (the GEMMs' row kernel) and 6 rows (their 16-row tiles) equal each prompt alone."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params, use_tqdm=False)]
+    six = kept.generate(PROMPTS + PROMPTS[::-1], params, use_tqdm=False)
+    tiled = [o.outputs[0].token_ids for o in six]
     single = [kept.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == single
+    assert tiled == single + single[::-1]
