@@ -568,6 +568,30 @@ static void quantize_row16_512(const float *xr, int64_t K, int16_t *q, float *dx
         dsx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
     }
 }
+/* h = silu(g) * u over n elements (n % 16 == 0): exp by range reduction to [-ln2/2, ln2/2]
+ * and a degree-6 polynomial (~1 ulp; the scalar path uses libm's expf). */
+static void silu_mul_512(const float *g, const float *u, int64_t n, float *h) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 z = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                     _mm512_set1_ps(-87.0f)),
+                                       _mm512_set1_ps(88.0f)); /* -x, clamped */
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504089f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), z);
+        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        const __m512 e = _mm512_scalef_ps(p, k); /* exp(-x) */
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(h + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+}
 #pragma GCC pop_options
 #endif
 
@@ -635,7 +659,12 @@ static void prep_rows(const void *p, int64_t m0, int64_t m1) {
         const float *xr = t->x + m * t->ldx;
         if (t->silu_mul) {
             const float *u = xr + K;
-            for (int64_t i = 0; i < K; i++) h[i] = xr[i] / (1.0f + expf(-xr[i])) * u[i];
+#ifdef RL_X86
+            if (t->fast16 && K % 16 == 0)
+                silu_mul_512(xr, u, K, h);
+            else
+#endif
+                for (int64_t i = 0; i < K; i++) h[i] = xr[i] / (1.0f + expf(-xr[i])) * u[i];
             xr = h;
         }
         void *q = (int8_t *)j->xq + m * K * (t->bits / 8);
