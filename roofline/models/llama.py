@@ -220,8 +220,9 @@ class LlamaForCausalLM(nn.Module):
                 shard.vocab_per_rank, cfg.hidden_size, parallel
             )
         else:
+            kept = quant_config and quant_config.embedding(cfg.vocab_size, cfg.hidden_size)
             # _weight skips the random init (on the meta device it imports torch._dynamo: 1.4 s)
-            self.embed_tokens = nn.Embedding(
+            self.embed_tokens = kept or nn.Embedding(
                 cfg.vocab_size,
                 cfg.hidden_size,
                 _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),

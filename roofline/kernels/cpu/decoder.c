@@ -32,7 +32,7 @@ enum {
 };
 /* Model words. */
 enum { C_LAYERS, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_PAGE, C_ACT_BITS, C_ISA,
-       C_VOCAB, CONFIG_FIELDS };
+       C_VOCAB, C_EMBED_FMT, CONFIG_FIELDS };
 
 int rl_layer_field(int i) { return i < 0 ? LAYER_FIELDS : i; }
 int rl_config_fields(void) { return CONFIG_FIELDS; }
@@ -152,6 +152,8 @@ RL_CLONES static void attend_rows(const void *p, int64_t n0, int64_t n1) {
 #include "attend512.inc"
 #endif
 int rl_best_isa(void);
+void rl_dequant_gguf_rows(int fmt, const uint8_t *const *rows, int64_t num_rows, int64_t K,
+                          float *out);
 
 /* ---------------------------------------------------------------- the step */
 static __thread float *scratch;
@@ -167,10 +169,11 @@ static float *grow(int64_t floats) {
 }
 
 /* One decode row per request: ids, positions, slots [M] int64; seq_lens [M] int32 (after this
- * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H]; out [M, H] fp32 (the final
+ * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H] (C_EMBED_FMT -1) or
+ * the GGUF rows' int64 pointers [vocab] (C_EMBED_FMT the GGUF code); out [M, H] fp32 (the final
  * RMSNorm's output). Returns 0; -1 when scratch memory could not be had, -2 for a token id
  * outside the embedding (nothing computed). */
-int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed,
+int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
                    const float *final_norm, const float *cos_sin, float eps, int64_t M,
                    const int64_t *ids, const int64_t *positions, const int64_t *slots,
                    const int32_t *seq_lens, const int32_t *block_table, int64_t table_stride,
@@ -190,7 +193,13 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed
     if (base == NULL) return -1;
     float *res = base, *x = res + M * H, *qkv = x + M * H, *att = qkv + M * W;
     float *gu = att + M * NH * D, *y = gu + M * 2 * I, *scores = y + M * H;
-    for (int64_t r = 0; r < M; r++) memcpy(res + r * H, embed + ids[r] * H, sizeof(float) * H);
+    for (int64_t r = 0; r < M; r++) {
+        if (cfg[C_EMBED_FMT] < 0) /* fp32 rows */
+            memcpy(res + r * H, (const float *)embed + ids[r] * H, sizeof(float) * H);
+        else /* GGUF block rows: embed is their row pointers */
+            rl_dequant_gguf_rows((int)cfg[C_EMBED_FMT], (const uint8_t *const *)embed + ids[r], 1,
+                                 H, res + r * H);
+    }
     int status = 0; /* a GEMM's scratch allocation failed: -1 */
     task_fn attend = attend_rows;
 #ifdef RL_ATTEND512
