@@ -196,7 +196,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack, its embedding and LM head. Linear layers get their method from
-    ``quant_config`` (by HF-style prefix); the embedding always stays 16-bit, and the LM head
+    ``quant_config`` (by HF-style prefix); the embedding stays 16-bit unless the config keeps it
+    in the checkpoint's quantized rows (``QuantizationConfig.embedding``), and the LM head
     does too unless the config quantizes it (a tied head then gets its own quantized copy of
     the embedding, filled when loading ends)."""
 
