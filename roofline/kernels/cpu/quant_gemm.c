@@ -592,6 +592,54 @@ static void silu_mul_512(const float *g, const float *u, int64_t n, float *h) {
         _mm512_storeu_ps(h + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
     }
 }
+
+/* o[p] lane m = r[m] lane p (16 x 16 int32). */
+static inline __attribute__((always_inline)) void transpose16_512(const __m512i *r, __m512i *o) {
+    __m512i t[16], u[16], x[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+        x[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+        x[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+        x[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        o[i] = _mm512_shuffle_i32x4(x[i], x[8 + i], 0x88);
+        o[8 + i] = _mm512_shuffle_i32x4(x[i], x[8 + i], 0xdd);
+    }
+}
+
+/* Tile t from its (up to) 16 quantized rows, one 16 x 16 transpose per block (fill_tile_row's
+ * layout; rows past M are zero). */
+static void fill_tile_512(const rl_job *j, int64_t t) {
+    const int64_t nb = j->K / 32, rows = j->M - t * 16 < 16 ? j->M - t * 16 : 16;
+    const int32_t *x = (const int32_t *)j->xq; /* int16 pairs: [M, K / 2] */
+    int32_t *xt = (int32_t *)j->xt;
+    float *dxt = (float *)j->dxt, *dsxt = (float *)j->dsxt;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i r[16], o[16];
+        for (int64_t m = 0; m < 16; m++)
+            r[m] = m < rows ? _mm512_loadu_si512((const void *)(x + (t * 16 + m) * (j->K / 2) +
+                                                                b * 16))
+                            : _mm512_setzero_si512();
+        transpose16_512(r, o);
+        int32_t *dst = xt + (t * nb + b) * 256;
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(dst + p * 16), o[p]);
+        for (int64_t m = 0; m < 16; m++) {
+            dxt[(t * nb + b) * 16 + m] = m < rows ? j->dx[(t * 16 + m) * nb + b] : 0.0f;
+            dsxt[(t * nb + b) * 16 + m] = m < rows ? j->dsx[(t * 16 + m) * nb + b] : 0.0f;
+        }
+    }
+}
 #pragma GCC pop_options
 #endif
 
@@ -643,41 +691,59 @@ typedef struct {
     int tiled;
 } prep_task;
 
-/* Rows [m0, m1): silu(gate) * up when asked, quantized, and placed in their tile lanes. */
-static void prep_rows(const void *p, int64_t m0, int64_t m1) {
+/* Row m: silu(gate) * up when asked, then quantized into the job's xq, dx, dsx. */
+static void prep_row(const prep_task *t, int64_t m) {
     static __thread float *h;
     static __thread int64_t h_elems;
-    const prep_task *t = p;
-    rl_job *j = t->job;
+    const rl_job *j = t->job;
     const int64_t K = j->K, nb = K / 32;
-    if (t->silu_mul && K > h_elems) {
-        free(h);
-        h = malloc(sizeof(float) * (size_t)K);
-        h_elems = h ? K : 0;
-    }
-    for (int64_t m = m0; m < m1; m++) {
-        const float *xr = t->x + m * t->ldx;
-        if (t->silu_mul) {
-            const float *u = xr + K;
-#ifdef RL_X86
-            if (t->fast16 && K % 16 == 0)
-                silu_mul_512(xr, u, K, h);
-            else
-#endif
-                for (int64_t i = 0; i < K; i++) h[i] = xr[i] / (1.0f + expf(-xr[i])) * u[i];
-            xr = h;
+    const float *xr = t->x + m * t->ldx;
+    if (t->silu_mul) {
+        if (K > h_elems) {
+            free(h);
+            h = malloc(sizeof(float) * (size_t)K);
+            h_elems = h ? K : 0;
         }
-        void *q = (int8_t *)j->xq + m * K * (t->bits / 8);
-        float *dx = (float *)j->dx + m * nb, *dsx = (float *)j->dsx + m * nb;
+        const float *u = xr + K;
 #ifdef RL_X86
-        if (t->fast16) {
-            quantize_row16_512(xr, K, q, dx, dsx);
-        } else
+        if (t->fast16 && K % 16 == 0)
+            silu_mul_512(xr, u, K, h);
+        else
 #endif
-            quantize_row(xr, K, 0, t->bits, q, dx, dsx);
-        if (t->tiled) fill_tile_row(j, m);
+            for (int64_t i = 0; i < K; i++) h[i] = xr[i] / (1.0f + expf(-xr[i])) * u[i];
+        xr = h;
+    }
+    void *q = (int8_t *)j->xq + m * K * (t->bits / 8);
+    float *dx = (float *)j->dx + m * nb, *dsx = (float *)j->dsx + m * nb;
+#ifdef RL_X86
+    if (t->fast16) {
+        quantize_row16_512(xr, K, q, dx, dsx);
+        return;
+    }
+#endif
+    quantize_row(xr, K, 0, t->bits, q, dx, dsx);
+}
+
+/* Rows [m0, m1), each placed in its tile lane when tiled. */
+static void prep_rows(const void *p, int64_t m0, int64_t m1) {
+    const prep_task *t = p;
+    for (int64_t m = m0; m < m1; m++) {
+        prep_row(t, m);
+        if (t->tiled) fill_tile_row(t->job, m);
     }
 }
+
+#ifdef RL_X86
+/* Tiles [t0, t1) (AVX-512): their rows, then one transpose per block. */
+static void prep_tiles(const void *p, int64_t t0, int64_t t1) {
+    const prep_task *t = p;
+    const int64_t M = t->job->M;
+    for (int64_t tile = t0; tile < t1; tile++) {
+        for (int64_t m = tile * 16; m < M && m < tile * 16 + 16; m++) prep_row(t, m);
+        fill_tile_512(t->job, tile);
+    }
+}
+#endif
 
 /* silu_mul: x is [M, 2K] (gate | up) and the GEMM's input is silu(gate) * up, computed here. */
 int rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
@@ -700,6 +766,17 @@ int rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, co
     static int best = -1;
     if (best < 0) best = rl_best_isa();
     t.fast16 = act_bits == 16 && best >= ISA_AVX512VNNI;
+#endif
+#ifdef RL_X86
+    if (t.tiled && t.fast16) { /* tiles on the pool (tiled means AVX-512 VNNI) */
+        const int64_t tiles = (M + 15) / 16;
+        if (tiles > 1 && rl_num_threads() > 1)
+            rl_parallel_for(prep_tiles, &t, tiles, 1);
+        else
+            prep_tiles(&t, 0, tiles);
+        run_ready(&j, isa, 1);
+        return 0;
+    }
 #endif
     if (M >= 8 && rl_num_threads() > 1)
         rl_parallel_for(prep_rows, &t, M, (M + 2 * rl_num_threads() - 1) / (2 * rl_num_threads()));
