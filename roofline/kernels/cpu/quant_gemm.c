@@ -503,15 +503,16 @@ static void run_ready(const rl_job *j, int isa, int tiled) {
 #ifdef RL_X86
     if (tiled) task.fn = tiles_vnni512;
 #endif
-    (void)tiled;
     /* Small problems stay on the caller: waking a worker costs more than it saves. */
     if (rl_num_threads() == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
         task.fn(j, 0, j->N);
         return;
     }
-    int64_t chunks = 4 * rl_num_threads();
-    int64_t rows = (j->N + chunks - 1) / chunks;
-    rl_parallel_for(gemm_rows, &task, j->N, (rows + 15) / 16 * 16);
+    /* tiles: 8 chunks per thread of 4-row multiples (a late chunk costs less at the end);
+     * rowsx: 4 of 16-row multiples (its lane width) */
+    const int64_t chunks = (tiled ? 8 : 4) * rl_num_threads(), align = tiled ? 4 : 16;
+    const int64_t rows = (j->N + chunks - 1) / chunks;
+    rl_parallel_for(gemm_rows, &task, j->N, (rows + align - 1) / align * align);
 }
 
 static void run(const rl_job *job, int isa) {
