@@ -2,8 +2,9 @@
 vs HF transformers (the same weights dequantized, fp32) vs llama.cpp (same GGUF, as many
 threads as torch uses) on SmolLM2-135M-Instruct: batch-1 decode and offline throughput of 32
 chat prompts x 128 new tokens, beside the copy bandwidth measured in the run. Batch-1 decode
-alternates between roofline and llama.cpp ``--repeat`` times (medians reported). Prints the load
-average (the dev machine is shared) and a table last.
+alternates between roofline and llama.cpp ``--repeat`` times, roofline's offline run repeats
+``--throughput-repeat`` times (medians reported). Prints the load average (the dev machine is
+shared) and a table last.
 
     python scripts/cpu_bench.py [--json out.json]
 """
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="batch-1 runs (medians reported)")
+    ap.add_argument(
+        "--throughput-repeat", type=int, default=3, help="roofline offline runs (median reported)"
+    )
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     ceil = measure(torch.device("cpu"), torch.float32)
@@ -66,7 +70,8 @@ def main() -> None:
         for bs in (16, 32):
             pr = peers.hf_generate(hf, wl, bs)
             rows[f"hf generate batch {bs}"] = pr.output_tok_s
-            print(f"{pr.name}: {pr.output_tok_s:.1f} out tok/s", flush=True)
+            print(f"{pr.name}: {pr.output_tok_s:.1f} out tok/s (load {os.getloadavg()[0]:.2f})",
+                  flush=True)  # fmt: skip
         del hf
     else:
         del ref
@@ -89,10 +94,19 @@ def main() -> None:
         rows["llama.cpp bs1 decode"] = statistics.median(theirs)
         pr = peers.llamacpp(path, wl, threads=threads)
         rows["llama.cpp sequential"] = pr.output_tok_s
-        print(f"{pr.name}: {pr.output_tok_s:.1f} out tok/s", flush=True)
-    res = throughput.run(llm, ceil, wl, use_tqdm=False)
-    rows["roofline throughput"] = res.output_tok_s
-    print(f"roofline throughput: {res.output_tok_s:.1f} out tok/s ({res.elapsed_s:.1f} s)")
+        print(f"{pr.name}: {pr.output_tok_s:.1f} out tok/s (load {os.getloadavg()[0]:.2f})",
+              flush=True)  # fmt: skip
+    runs = []
+    for i in range(args.throughput_repeat):
+        res = throughput.run(llm, ceil, wl, use_tqdm=False)
+        runs.append(res.output_tok_s)
+        print(
+            f"run {i}: roofline throughput {res.output_tok_s:.1f} out tok/s ({res.elapsed_s:.1f} s,"
+            f" load average {os.getloadavg()[0]:.2f})",
+            flush=True,
+        )
+    rows["roofline throughput"] = statistics.median(runs)
+    print(f"roofline throughput, median of {len(runs)}: {rows['roofline throughput']:.1f} tok/s")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     print("\n| figure | tok/s |\n|---|---|")
     for k, v in rows.items():

@@ -196,7 +196,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack, its embedding and LM head. Linear layers get their method from
-    ``quant_config`` (by HF-style prefix); the embedding always stays 16-bit, and the LM head
+    ``quant_config`` (by HF-style prefix); the embedding stays 16-bit unless the config keeps it
+    in the checkpoint's quantized rows (``QuantizationConfig.embedding``), and the LM head
     does too unless the config quantizes it (a tied head then gets its own quantized copy of
     the embedding, filled when loading ends)."""
 
@@ -220,8 +221,9 @@ class LlamaForCausalLM(nn.Module):
                 shard.vocab_per_rank, cfg.hidden_size, parallel
             )
         else:
+            kept = quant_config and quant_config.embedding(cfg.vocab_size, cfg.hidden_size)
             # _weight skips the random init (on the meta device it imports torch._dynamo: 1.4 s)
-            self.embed_tokens = nn.Embedding(
+            self.embed_tokens = kept or nn.Embedding(
                 cfg.vocab_size,
                 cfg.hidden_size,
                 _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),

@@ -123,6 +123,11 @@ class QuantizationConfig(ABC):
         """Whether the LM head gets a quantized method (then a tied head gets its own copy)."""
         return False
 
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module | None:
+        """A token embedding kept in the checkpoint's quantized form (its parameter ``weight``
+        takes the checkpoint tensor as stored), or None for the float ``nn.Embedding``."""
+        return None
+
 
 class UnquantizedConfig(QuantizationConfig):
     """No quantization: every layer 16-bit (or fp32)."""

@@ -112,6 +112,38 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return 0 if layer.gguf_rows is None else layer.gguf_rows.nbytes()
 
 
+class GGUFRowsEmbedding(nn.Module):
+    """A token embedding kept as GGUF block rows (the embedded SmolLM2's 30 MB of Q8_0 instead
+    of 113 MB of fp32): a lookup dequantizes only the rows it needs. ``weight`` holds the rows'
+    bytes, uint8 [vocab, row_bytes], which a tied LM head loads as its own blocks."""
+
+    def __init__(self, fmt: str, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        if fmt not in KEPT_TYPES or embedding_dim % ops.QK:
+            raise ValueError(f"no CPU kernel for a {fmt} embedding of width {embedding_dim}")
+        self.fmt = fmt
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        row_bytes = embedding_dim // ops.QK * ops.BLOCK_BYTES[fmt]
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, row_bytes, dtype=torch.uint8), requires_grad=False
+        )
+        self._rows: ops.GGUFRows | None = None
+
+    def rows(self) -> ops.GGUFRows:
+        """The table as :class:`ops.GGUFRows` (row pointers into ``weight``)."""
+        if self._rows is None or self._rows.sources[0].data_ptr() != self.weight.data_ptr():
+            self._rows = ops.GGUFRows.from_tensors(
+                self.fmt, self.embedding_dim, [(self.weight.data, None)]
+            )
+        return self._rows
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [...] -> fp32 [..., embedding_dim]
+        out = ops.gguf_dequantize(self.rows(), input_ids.reshape(-1))
+        return out.view(*input_ids.shape, self.embedding_dim)
+
+
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """float [N, K] -> GGUF Q8_0 blocks uint8 [N, K / 32 * 34] (d = max|w| / 127 in fp16)."""
     n, k = weight.shape
@@ -152,12 +184,27 @@ class GGUFCPUConfig(QuantizationConfig):
     def quantizes_lm_head(self) -> bool:
         return self._layer_type("lm_head") is not None
 
+    def _embedding_type(self) -> str | None:
+        """The embedding's type when the CPU kernels read it (rows of whole blocks)."""
+        info = next((t for t in self.index.tensors if t.name == "token_embd.weight"), None)
+        if info is None or info.type_name not in KEPT_TYPES or len(info.shape) != 2:
+            return None
+        return info.type_name if info.shape[1] % ops.QK == 0 else None
+
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module | None:
+        kind = self._embedding_type()
+        if kind is None or embedding_dim % ops.QK:
+            return None
+        return GGUFRowsEmbedding(kind, num_embeddings, embedding_dim)
+
     def keeps(self, hf_name: str) -> bool:
         """Whether the checkpoint tensor ``hf_name`` is yielded as its stored blocks."""
         if not hf_name.endswith(".weight"):
             return False
         if hf_name == "lm_head.weight":
             return self.quantizes_lm_head()
+        if hf_name == "model.embed_tokens.weight":
+            return self._embedding_type() is not None
         module = hf_name.removeprefix("model.").rsplit(".", 1)[0]  # layers.3.self_attn.q_proj
         parts = module.split(".")
         if len(parts) != 4:

@@ -5,10 +5,12 @@ against one request at a time."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from roofline import LLM, SamplingParams
+from roofline.kernels.cpu import ops
 from roofline.models.weights import gguf_path
-from roofline.quantization.gguf_cpu import GGUFBlocksLinearMethod
+from roofline.quantization.gguf_cpu import GGUFBlocksLinearMethod, GGUFRowsEmbedding
 
 try:
     gguf_path()
@@ -31,6 +33,21 @@ def test_linear_layers_keep_their_blocks(kept: LLM) -> None:
     assert model.layers[0].mlp.gate_up_proj.method.fmt == "Q4_1"
 
 
+def test_embedding_keeps_its_q8_0_rows(kept: LLM) -> None:
+    """The token embedding stays as the file's Q8_0 rows (30 MB, not 113 MB of fp32); a lookup
+    dequantizes the rows it needs, exactly as the whole table would."""
+    model = kept.llm_engine.runner.model
+    embed = model.embed_tokens
+    assert isinstance(embed, GGUFRowsEmbedding) and embed.fmt == "Q8_0"
+    assert embed.weight.dtype == torch.uint8
+    ids = torch.tensor([[0, 17], [49151, 17]])
+    rows = embed(ids)  # [2, 2, hidden]
+    table = ops.gguf_dequantize(embed.rows())  # [vocab, hidden]
+    assert torch.equal(rows, table[ids])
+    head = ops.gguf_dequantize(model.lm_head.gguf_rows, ids[1])  # the tied head: same blocks
+    assert torch.equal(head, table[ids[1]])
+
+
 def test_greedy_matches_fp32_path(kept: LLM) -> None:
     ref = LLM(
         "smollm2", dtype="float32", device="cpu", max_model_len=512, gguf_keep_quantized=False
@@ -42,7 +59,11 @@ def test_greedy_matches_fp32_path(kept: LLM) -> None:
 
 
 def test_batched_decode_matches_one_at_a_time(kept: LLM) -> None:
+    """3 rows (the GEMMs' row kernel) and 6 rows (their 16-row tiles) equal each prompt alone."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params, use_tqdm=False)]
+    six = kept.generate(PROMPTS + PROMPTS[::-1], params, use_tqdm=False)
+    tiled = [o.outputs[0].token_ids for o in six]
     single = [kept.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == single
+    assert tiled == single + single[::-1]

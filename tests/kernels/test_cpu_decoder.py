@@ -35,16 +35,24 @@ class AllBlocks(QuantizationConfig):
         return GGUFBlocksLinearMethod(self.fmt)
 
 
-def tiny_model(bias: bool = False, qk_norm: bool = False, seed: int = 0) -> LlamaForCausalLM:
+HEADS = {16: (4, 2), 64: (3, 1)}
+"""head_dim -> (query heads, KV heads): 64 is SmolLM2's head size and group of 3 (the
+attention kernel's specialized path), 16 the generic one."""
+
+
+def tiny_model(
+    bias: bool = False, qk_norm: bool = False, seed: int = 0, head_dim: int = 16
+) -> LlamaForCausalLM:
+    heads, kv_heads = HEADS[head_dim]
     cfg = ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         attention_bias=bias,
@@ -56,7 +64,8 @@ def tiny_model(bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Llam
     for name, param in model.named_parameters():
         if name.endswith("qkv_proj.bias"):
             layer = name.removesuffix("qkv_proj.bias")
-            for part, size in (("q", 64), ("k", 32), ("v", 32)):
+            q_size, kv_size = heads * head_dim, kv_heads * head_dim
+            for part, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
                 weights.append((f"{layer}{part}_proj.bias", torch.randn(size, generator=gen)))
             continue
         weights.append((name, torch.rand(param.shape, generator=gen) + 0.5 if "norm" in name else
@@ -64,10 +73,10 @@ def tiny_model(bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Llam
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for name, rows, cols in [
-            ("self_attn.q_proj", 64, 64),
-            ("self_attn.k_proj", 32, 64),
-            ("self_attn.v_proj", 32, 64),
-            ("self_attn.o_proj", 64, 64),
+            ("self_attn.q_proj", heads * head_dim, 64),
+            ("self_attn.k_proj", kv_heads * head_dim, 64),
+            ("self_attn.v_proj", kv_heads * head_dim, 64),
+            ("self_attn.o_proj", 64, heads * head_dim),
             ("mlp.gate_proj", 96, 64),
             ("mlp.up_proj", 96, 64),
             ("mlp.down_proj", 64, 96),
@@ -79,12 +88,13 @@ def tiny_model(bias: bool = False, qk_norm: bool = False, seed: int = 0) -> Llam
     return model.eval()
 
 
-def decode_inputs(context_lens: list[int], seed: int = 1):
+def decode_inputs(context_lens: list[int], seed: int = 1, head_dim: int = 16):
     """A decode step of len(context_lens) requests over random cached K/V (2 layers)."""
     layers = []
     for layer in range(2):
-        b = make_paged([1] * len(context_lens), context_lens, 4, 2, 16, PAGE_SIZE,
-                       torch.float32, seed=seed + layer)  # fmt: skip
+        heads, kv_heads = HEADS[head_dim]
+        b = make_paged([1] * len(context_lens), context_lens, heads, kv_heads, head_dim,
+                       PAGE_SIZE, torch.float32, seed=seed + layer)  # fmt: skip
         layers.append(b)
     b = layers[0]
     meta = AttentionMetadata(
@@ -122,10 +132,13 @@ def run(model: LlamaForCausalLM, fused: bool, ids, positions, meta, caches):
     return hidden, caches
 
 
-@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
-def test_decoder_matches_modules(bias: bool, qk_norm: bool) -> None:
-    model = tiny_model(bias, qk_norm)
-    inputs = decode_inputs([0, 5, 17, 30])
+@pytest.mark.parametrize(
+    "bias,qk_norm,head_dim",
+    [(False, False, 16), (True, False, 16), (False, True, 16), (False, False, 64)],
+)
+def test_decoder_matches_modules(bias: bool, qk_norm: bool, head_dim: int) -> None:
+    model = tiny_model(bias, qk_norm, head_dim=head_dim)
+    inputs = decode_inputs([0, 5, 17, 30, 41], head_dim=head_dim)
     want, want_caches = run(model, False, *inputs)
     got, got_caches = run(model, True, *inputs)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
@@ -134,10 +147,12 @@ def test_decoder_matches_modules(bias: bool, qk_norm: bool) -> None:
         torch.testing.assert_close(gv, wv, rtol=5e-4, atol=5e-4)
 
 
-def test_decoder_rows_are_batch_invariant() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decoder_rows_are_batch_invariant(head_dim: int) -> None:
+    """Rows alone (the GEMMs' 16-weight-row kernel) equal the batch's (its 16-row tiles)."""
+    model = tiny_model(head_dim=head_dim)
     context_lens = [3, 40, 11, 0, 25, 7]
-    ids, positions, meta, caches = decode_inputs(context_lens)
+    ids, positions, meta, caches = decode_inputs(context_lens, head_dim=head_dim)
     batched, _ = run(model, True, ids, positions, meta, caches)
     for i in range(len(context_lens)):
         one = AttentionMetadata(

@@ -159,18 +159,50 @@ def test_silu_mul_fused_into_the_input() -> None:
 
 @needs_lib
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_gguf_gemm_rows_are_batch_invariant(fmt: str, isa: str, act_bits: int) -> None:
     """Each output row is bit-identical whether its activation row is multiplied alone or in a
-    batch of any size: tile position, the 16-row tiles of the AVX-512 int16 path (37 rows: two
-    tiles and 5 rows on the row loop) and the thread pool's chunks (600 weight rows)."""
+    batch of any size: on the AVX-512 int16 path, up to 3 rows run the 16-weight-row kernel
+    and more the 16-row tiles (37 rows: three tiles, the last padded), and the thread pool's
+    chunks (600 weight rows: a tail of 8 after 16-row groups)."""
     gen = torch.Generator().manual_seed(11)
     k = 96 if fmt == "Q8_0" else 160  # an odd number of blocks: the pair path's tail block
     w = ops.GGUFRows.from_tensors(fmt, k, [(random_blocks(fmt, 600, k, gen), None)])
     x = torch.randn(37, k, generator=gen)
     batched = ops.gguf_gemm(x, w, isa=isa, act_bits=act_bits)
-    for size in (1, 2, 5, 16, 17):
+    for size in (1, 2, 3, 4, 5, 16, 17):
         for start in range(0, 37 - size + 1, 7):
             part = ops.gguf_gemm(x[start : start + size], w, isa=isa, act_bits=act_bits)
             assert torch.equal(part, batched[start : start + size]), (size, start)
+
+
+@needs_lib
+def test_long_rows_run_tiles_in_several_cache_blocks() -> None:
+    """K = 8192 (256 blocks): the tile kernel runs one 16-row tile per cache block; the rows
+    still equal the reference and their single-row results."""
+    gen = torch.Generator().manual_seed(13)
+    k = 8192
+    blocks = random_blocks("Q4_1", 24, k, gen)
+    w = ops.GGUFRows.from_tensors("Q4_1", k, [(blocks, None)])
+    x = torch.randn(37, k, generator=gen)
+    y = ops.gguf_gemm(x, w)
+    ref = torch.nn.functional.linear(
+        quantized_activations_ref(x, ops.ACT_BITS), ops._dequantize_ref("Q4_1", blocks, k)
+    )
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
+    for i in (0, 16, 36):
+        assert torch.equal(ops.gguf_gemm(x[i : i + 1], w)[0], y[i])
+
+
+@needs_lib
+def test_pool_runs_back_to_back_jobs() -> None:
+    """Hundreds of short pool jobs in a row (activation prep, then the GEMM, each on the pool):
+    a worker late for one job never computes a chunk of the next with the wrong fields."""
+    gen = torch.Generator().manual_seed(17)
+    blocks = random_blocks("Q4_1", 256, 256, gen)
+    w = ops.GGUFRows.from_tensors("Q4_1", 256, [(blocks, None)])
+    x = torch.randn(8, 256, generator=gen)
+    first = ops.gguf_gemm(x, w)
+    for _ in range(400):
+        assert torch.equal(ops.gguf_gemm(x, w), first)

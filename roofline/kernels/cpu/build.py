@@ -27,7 +27,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_gemm.c", "pool.c", "decoder.c"))
-INCLUDES = (Path(__file__).with_name("rows16.inc"),)
+INCLUDES = tuple(
+    Path(__file__).with_name(f) for f in ("rows16.inc", "gemm16_512.inc", "attend512.inc")
+)
 """Files the sources include (part of the cache key, not compiled on their own)."""
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno")
 ISA_NAMES = ("generic", "avx2", "avx512vnni")
@@ -79,7 +81,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rl_gemm_canonical.restype = None
     canonical = [i32, p, p, p, i32, i64, i64, i64, p, i32, p, p, i64, p, i64, p, i32]
     lib.rl_gemm_canonical.argtypes = canonical
-    lib.rl_linear_gguf.restype = None
+    lib.rl_linear_gguf.restype = i32
     lib.rl_linear_gguf.argtypes = [i32, p, i64, i64, p, i64, i64, i32, i32, p, i64, p, i32]
     lib.rl_dequant_gguf_rows.restype = None
     lib.rl_dequant_gguf_rows.argtypes = [i32, p, i64, i64, p]

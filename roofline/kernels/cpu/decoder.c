@@ -18,11 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
-                    int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
-                    const float *bias, int isa);
+int rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
+                   int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
+                   const float *bias, int isa);
 typedef void (*task_fn)(const void *, int64_t, int64_t);
 void rl_parallel_for(task_fn fn, const void *job, int64_t num_rows, int64_t chunk_rows);
+int rl_num_threads(void);
 
 /* Per-layer words: pointers as int64, formats as GGUF codes (0 Q4_0, 1 Q4_1, 2 Q8_0). */
 enum {
@@ -31,7 +32,7 @@ enum {
 };
 /* Model words. */
 enum { C_LAYERS, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_PAGE, C_ACT_BITS, C_ISA,
-       C_VOCAB, CONFIG_FIELDS };
+       C_VOCAB, C_EMBED_FMT, CONFIG_FIELDS };
 
 int rl_layer_field(int i) { return i < 0 ? LAYER_FIELDS : i; }
 int rl_config_fields(void) { return CONFIG_FIELDS; }
@@ -95,50 +96,64 @@ typedef struct {
     const int32_t *seq_lens, *block_table;
     int64_t table_stride, page, nh, nkv, d;
     float scale;
-    float *scores; /* [num_rows, max_seq_len] scratch: one row per (request, kv head) task */
+    float *scores; /* [tasks, group, max_seq_len] scratch: one row per query head */
     int64_t max_seq_len;
 } attn_job;
 
-/* Tasks n = r * NKV + g: request r's query heads that share KV head g. */
+/* Tasks n = r * NKV + g: request r's query heads that share KV head g, each key and value
+ * row read once for all of them. */
 RL_CLONES static void attend_rows(const void *p, int64_t n0, int64_t n1) {
     const attn_job *a = p;
     const int64_t d = a->d, group = a->nh / a->nkv, width = (a->nh + 2 * a->nkv) * d;
     for (int64_t n = n0; n < n1; n++) {
         const int64_t r = n / a->nkv, g = n % a->nkv, len = a->seq_lens[r];
         const int32_t *pages = a->block_table + r * a->table_stride;
-        float *sc = a->scores + n * a->max_seq_len;
-        for (int64_t h = g * group; h < (g + 1) * group; h++) {
-            const float *q = a->qkv + r * width + h * d;
-            float mx = -INFINITY;
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
-                const float *k = a->k_cache + (slot * a->nkv + g) * d;
+        float *sc = a->scores + n * a->max_seq_len * group; /* [group, len] */
+        const float *q = a->qkv + r * width + g * group * d; /* the group's heads, [group, d] */
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
+            const float *k = a->k_cache + (slot * a->nkv + g) * d;
+            for (int64_t h = 0; h < group; h++) {
+                const float *qh = q + h * d;
                 float lanes[16] = {0};
                 for (int64_t i = 0; i < d; i += 16)
-                    for (int l = 0; l < 16; l++) lanes[l] += q[i + l] * k[i + l];
+                    for (int l = 0; l < 16; l++) lanes[l] += qh[i + l] * k[i + l];
                 float s = 0.0f;
                 for (int l = 0; l < 16; l++) s += lanes[l];
-                s *= a->scale;
-                sc[t] = s;
-                mx = s > mx ? s : mx;
+                sc[h * len + t] = s * a->scale;
             }
-            float sum = 0.0f;
+        }
+        float inv[64];
+        for (int64_t h = 0; h < group; h++) {
+            float *sh = sc + h * len, mx = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
             for (int64_t t = 0; t < len; t++) {
-                sc[t] = exp_neg(sc[t] - mx);
-                sum += sc[t];
+                sh[t] = exp_neg(sh[t] - mx);
+                sum += sh[t];
             }
-            const float inv = 1.0f / sum;
-            float *o = a->out + r * a->nh * d + h * d;
-            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
-                const float *v = a->v_cache + (slot * a->nkv + g) * d;
-                const float w = sc[t] * inv;
-                for (int64_t i = 0; i < d; i++) o[i] += w * v[i];
+            inv[h] = 1.0f / sum;
+        }
+        float *o = a->out + r * a->nh * d + g * group * d; /* [group, d] */
+        for (int64_t i = 0; i < group * d; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
+            const float *v = a->v_cache + (slot * a->nkv + g) * d;
+            for (int64_t h = 0; h < group; h++) {
+                const float w = sc[h * len + t] * inv[h];
+                float *oh = o + h * d;
+                for (int64_t i = 0; i < d; i++) oh[i] += w * v[i];
             }
         }
     }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define RL_ATTEND512 1
+#include "attend512.inc"
+#endif
+int rl_best_isa(void);
+void rl_dequant_gguf_rows(int fmt, const uint8_t *const *rows, int64_t num_rows, int64_t K,
+                          float *out);
 
 /* ---------------------------------------------------------------- the step */
 static __thread float *scratch;
@@ -154,10 +169,11 @@ static float *grow(int64_t floats) {
 }
 
 /* One decode row per request: ids, positions, slots [M] int64; seq_lens [M] int32 (after this
- * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H]; out [M, H] fp32 (the final
+ * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H] (C_EMBED_FMT -1) or
+ * the GGUF rows' int64 pointers [vocab] (C_EMBED_FMT the GGUF code); out [M, H] fp32 (the final
  * RMSNorm's output). Returns 0; -1 when scratch memory could not be had, -2 for a token id
  * outside the embedding (nothing computed). */
-int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed,
+int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
                    const float *final_norm, const float *cos_sin, float eps, int64_t M,
                    const int64_t *ids, const int64_t *positions, const int64_t *slots,
                    const int32_t *seq_lens, const int32_t *block_table, int64_t table_stride,
@@ -172,17 +188,28 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed
         max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     }
     /* residual, normed x, qkv, attention out, gate|up, a GEMM's output, scores */
-    const int64_t need = M * (H + H + W + NH * D + 2 * I + H) + M * NKV * max_len;
+    const int64_t need = M * (H + H + W + NH * D + 2 * I + H) + M * NH * (max_len + 16);
     float *base = grow(need);
     if (base == NULL) return -1;
     float *res = base, *x = res + M * H, *qkv = x + M * H, *att = qkv + M * W;
     float *gu = att + M * NH * D, *y = gu + M * 2 * I, *scores = y + M * H;
-    for (int64_t r = 0; r < M; r++) memcpy(res + r * H, embed + ids[r] * H, sizeof(float) * H);
+    for (int64_t r = 0; r < M; r++) {
+        if (cfg[C_EMBED_FMT] < 0) /* fp32 rows */
+            memcpy(res + r * H, (const float *)embed + ids[r] * H, sizeof(float) * H);
+        else /* GGUF block rows: embed is their row pointers */
+            rl_dequant_gguf_rows((int)cfg[C_EMBED_FMT], (const uint8_t *const *)embed + ids[r], 1,
+                                 H, res + r * H);
+    }
+    int status = 0; /* a GEMM's scratch allocation failed: -1 */
+    task_fn attend = attend_rows;
+#ifdef RL_ATTEND512
+    if (isa >= 2 && rl_best_isa() >= 2 && D % 16 == 0 && D <= 256) attend = attend_rows_512;
+#endif
     for (int64_t l = 0; l < cfg[C_LAYERS]; l++) {
         const int64_t *L = layers + l * LAYER_FIELDS;
         for (int64_t r = 0; r < M; r++)
             rms_norm(res + r * H, PTR(const float *, L[L_IN_NORM]), eps, H, x + r * H);
-        rl_linear_gguf((int)L[L_QKV_FMT], PTR(const uint8_t *const *, L[L_QKV_ROWS]), W, H, x, M,
+        status |= rl_linear_gguf((int)L[L_QKV_FMT], PTR(const uint8_t *const *, L[L_QKV_ROWS]), W, H, x, M,
                        H, act_bits, 0, qkv, W, PTR(const float *, L[L_QKV_BIAS]), isa);
         float *k_cache = PTR(float *, L[L_K_CACHE]), *v_cache = PTR(float *, L[L_V_CACHE]);
         for (int64_t r = 0; r < M; r++) {
@@ -203,20 +230,24 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const float *embed
                       .seq_lens = seq_lens, .block_table = block_table,
                       .table_stride = table_stride, .page = page, .nh = NH, .nkv = NKV, .d = D,
                       .scale = 1.0f / sqrtf((float)D), .scores = scores, .max_seq_len = max_len};
-        /* a chunk is ~32k key reads: one for a short batch-1 context, many for a batch */
-        int64_t per_task = max_len * (NH / NKV), chunk = 1 + 32768 / (per_task > 0 ? per_task : 1);
-        rl_parallel_for(attend_rows, &a, M * NKV, chunk);
-        rl_linear_gguf((int)L[L_O_FMT], PTR(const uint8_t *const *, L[L_O_ROWS]), H, NH * D, att,
+        /* a chunk is ~32k key reads (one for a short batch-1 context), and a batch is cut into
+         * at least 4 chunks per thread */
+        const int64_t tasks = M * NKV, per_task = max_len * (NH / NKV);
+        int64_t chunk = 1 + 32768 / (per_task > 0 ? per_task : 1);
+        const int64_t spread = (tasks + 4 * rl_num_threads() - 1) / (4 * rl_num_threads());
+        if (tasks * per_task > 65536 && chunk > spread) chunk = spread;
+        rl_parallel_for(attend, &a, tasks, chunk);
+        status |= rl_linear_gguf((int)L[L_O_FMT], PTR(const uint8_t *const *, L[L_O_ROWS]), H, NH * D, att,
                        M, NH * D, act_bits, 0, y, H, NULL, isa);
         for (int64_t i = 0; i < M * H; i++) res[i] += y[i];
         for (int64_t r = 0; r < M; r++)
             rms_norm(res + r * H, PTR(const float *, L[L_POST_NORM]), eps, H, x + r * H);
-        rl_linear_gguf((int)L[L_GU_FMT], PTR(const uint8_t *const *, L[L_GU_ROWS]), 2 * I, H, x,
+        status |= rl_linear_gguf((int)L[L_GU_FMT], PTR(const uint8_t *const *, L[L_GU_ROWS]), 2 * I, H, x,
                        M, H, act_bits, 0, gu, 2 * I, NULL, isa);
-        rl_linear_gguf((int)L[L_DOWN_FMT], PTR(const uint8_t *const *, L[L_DOWN_ROWS]), H, I, gu,
+        status |= rl_linear_gguf((int)L[L_DOWN_FMT], PTR(const uint8_t *const *, L[L_DOWN_ROWS]), H, I, gu,
                        M, 2 * I, act_bits, 1, y, H, NULL, isa);
         for (int64_t i = 0; i < M * H; i++) res[i] += y[i];
     }
     for (int64_t r = 0; r < M; r++) rms_norm(res + r * H, final_norm, eps, H, out + r * H);
-    return 0;
+    return status ? -1 : 0;
 }

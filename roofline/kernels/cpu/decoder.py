@@ -20,6 +20,7 @@ import torch
 
 from roofline.kernels.cpu import ops
 from roofline.kernels.cpu.build import load_library
+from roofline.quantization.gguf_cpu import GGUFRowsEmbedding
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,7 +31,9 @@ LAYER_FIELDS = (
     "in_norm post_norm qkv_rows qkv_fmt qkv_bias o_rows o_fmt gu_rows gu_fmt down_rows down_fmt "
     "q_norm k_norm k_cache v_cache"
 ).split()
-CONFIG_FIELDS = "layers hidden heads kv_heads head_dim inter page act_bits isa vocab".split()
+CONFIG_FIELDS = (
+    "layers hidden heads kv_heads head_dim inter page act_bits isa vocab embed_fmt"
+).split()
 
 
 class CPUDecoder:
@@ -59,7 +62,13 @@ class CPUDecoder:
             ops.ACT_BITS,
             len(ops.ISA_NAMES) - 1,
             model.embed_tokens.weight.shape[0],
+            -1,  # the embedding's format: fp32 rows, or a GGUF code (set below)
         ]
+        # the embedding's rows: fp32 [vocab, hidden], or GGUF blocks by row pointer
+        embed = model.embed_tokens
+        self._embed_rows = embed.rows() if isinstance(embed, GGUFRowsEmbedding) else None
+        if self._embed_rows is not None:
+            self._config_values[-1] = ops.GGUF_FORMATS[self._embed_rows.fmt]
         self._kv_key: tuple[int, ...] | None = None
         self._config = torch.empty(0, dtype=torch.int64)
         self._layers = torch.empty(0, dtype=torch.int64)
@@ -123,7 +132,11 @@ class CPUDecoder:
         status = self.lib.rl_decode_step(
             self._config.data_ptr(),
             self._layers.data_ptr(),
-            model.embed_tokens.weight.data_ptr(),
+            (
+                model.embed_tokens.weight.data_ptr()
+                if self._embed_rows is None
+                else self._embed_rows.row_ptrs.data_ptr()
+            ),
             model.norm.weight.data_ptr(),
             model.rotary.cos_sin_cache.data_ptr(),
             self.eps,
@@ -151,9 +164,9 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
 
     if model.parallel.is_parallel or model.embed_tokens.weight.device.type != "cpu":
         return None
-    if model.embed_tokens.weight.dtype != torch.float32 or type(model.embed_tokens) is not (
-        torch.nn.Embedding
-    ):
+    embed = model.embed_tokens
+    fp32_table = type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32
+    if not fp32_table and not isinstance(embed, GGUFRowsEmbedding):
         return None
     if model.config.rms_norm_eps != model.norm.eps:
         return None
@@ -169,5 +182,7 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
         if mlp.down_proj.bias is not None or attn.reduce is not None or mlp.reduce is not None:
             return None
         if attn.head_dim % 16 or attn.num_heads % attn.num_kv_heads:
+            return None
+        if attn.num_heads // attn.num_kv_heads > 64:  # decoder.c's per-group scratch
             return None
     return CPUDecoder(model)

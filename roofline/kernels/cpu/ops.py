@@ -138,7 +138,7 @@ def gguf_gemm(
     m = x.shape[0]
     n = w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.rl_linear_gguf(
+    status = lib.rl_linear_gguf(
         _FORMAT_CODES[w.fmt],
         w.row_ptrs.data_ptr(),
         n,
@@ -153,6 +153,8 @@ def gguf_gemm(
         None if bias is None else bias.data_ptr(),
         _BEST if isa is None else ISA_NAMES.index(isa),
     )
+    if status != 0:
+        raise MemoryError("the CPU GEMM could not allocate its scratch buffers")
     return y
 
 

@@ -97,6 +97,10 @@ void rl_parallel_for(task_fn fn, const void *job, int64_t num_rows, int64_t chun
         return;
     }
     pthread_mutex_lock(&run_mu); /* one job at a time (several Python threads may call) */
+    /* Close the previous generation first: a late worker that read its ticket must not take the
+     * fields written below for a chunk of it (its chunk index would pass the new num_chunks
+     * check, and its finished count would end this job early). */
+    atomic_store(&pool.ticket, (pool.generation << 32) | 0xffffffffull);
     pool.job = job;
     pool.fn = fn;
     pool.num_rows = num_rows;

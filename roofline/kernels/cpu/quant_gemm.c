@@ -10,8 +10,8 @@
  * (vpmaddubsw + vpmaddwd), or plain C. Each path lives in a function compiled for its ISA with
  * a target pragma; the caller picks one (rl_best_isa() says what this CPU supports), so an
  * older CPU never executes an instruction it lacks. Output rows are split over a small
- * persistent thread pool (pool.c). The int16-activation row loop is one body, rows16.inc,
- * compiled once per vector width.
+ * persistent thread pool (pool.c). The int16-activation kernels are gemm16_512.inc (AVX-512
+ * VNNI) and the row loop rows16.inc (AVX2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,9 +42,8 @@ typedef struct {
     float *y;          /* [M, ldy] */
     int64_t ldy;
     const float *bias; /* [N] or NULL */
-    int64_t m_lo;      /* the int16 row loop starts at this activation row (0 unless tiled) */
-    const int32_t *xt; /* int16 tiles: [M / 16, K / 32, 16 pairs, 16 rows] int16 pairs */
-    const float *dxt, *dsxt; /* [M / 16, K / 32, 16 rows] */
+    const int32_t *xt; /* int16 tiles: [tiles, K / 32, 16 pairs, 16 rows] int16 pairs */
+    const float *dxt, *dsxt; /* [tiles, K / 32, 16 rows] */
 } rl_job;
 
 /* ---------------------------------------------------------------- scalar helpers */
@@ -344,109 +343,12 @@ RL_DISPATCH(rows_vnni512)
 #ifdef RL_X86
 /* ---------------------------------------------------------------- int16 activations */
 /* Activations with 15 bits per block of 32, multiplied by the widened weights with vpdpwssd
- * (AVX-512 VNNI) or vpmaddwd (AVX2), exact int32 pair sums; results stay within ~1e-5 of
- * the fp32 reference, where int8
- * activations (above) are 2x cheaper in compute but move greedy tokens on small models. One
- * row loop (rows16.inc) is compiled for each vector width. */
+ * (AVX-512 VNNI, gemm16_512.inc) or vpmaddwd (AVX2, the row loop rows16.inc), exact int32
+ * sums; results stay within ~1e-5 of the fp32 reference, where int8 activations (above) are
+ * 2x cheaper in compute but move greedy tokens on small models. */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-#define rl_vi __m512i
-#define rl_vf __m512
-#define RL_SFX vnni512
-#define RL_WPB 1
-static inline __attribute__((always_inline)) void widen_vnni512(const uint8_t *qs, int eight,
-                                                                __m512i *w) {
-    if (eight) {
-        w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)qs));
-    } else {
-        __m128i p = _mm_loadu_si128((const __m128i *)qs);
-        __m256i pp = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p),
-                                      _mm256_set1_epi8(15));
-        w[0] = _mm512_cvtepu8_epi16(pp);
-    }
-}
-#define RL_WIDEN(qs, eight, w) widen_vnni512(qs, eight, w)
-/* Lanes summed as (l, l + 8), then (+4), (+2), (+1): the order tiles_vnni512 repeats. */
-static inline __attribute__((always_inline)) float hsum_vnni512(__m512 a) {
-    __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-}
-#define RL_DOT(w, x) \
-    _mm512_dpwssd_epi32(_mm512_setzero_si512(), (w)[0], _mm512_loadu_si512((const void *)(x)))
-#define RL_CVT _mm512_cvtepi32_ps
-#define RL_SET1F _mm512_set1_ps
-#define RL_FMADD _mm512_fmadd_ps
-#define RL_ZEROF _mm512_setzero_ps
-#define RL_HSUM hsum_vnni512
-#include "rows16.inc"
-#undef rl_vi
-#undef RL_SFX
-#undef rl_vf
-#undef RL_WPB
-#undef RL_WIDEN
-#undef RL_DOT
-#undef RL_CVT
-#undef RL_SET1F
-#undef RL_FMADD
-#undef RL_ZEROF
-#undef RL_HSUM
-/* 16 activation rows at a time (M >= 16 on AVX-512): lane m of a vector is activation row
- * m0 + m. rows16's lane l of a block (pair l's two products, exact) is here one vpdpwssd of
- * weight pair l, broadcast, with the 16 rows' pairs l (the tiles prepare_tiles lays out); each
- * of the 16 lanes keeps its own accumulator as in rows16, and they are summed in hsum_vnni512's
- * order at the end. So every output equals rows16's bit for bit, while the scale FMAs and
- * converts serve 16 rows at once. */
-static inline __attribute__((always_inline)) void tiles_vnni512_fmt(const rl_job *j, int64_t n0,
-                                                                     int64_t n1, const int fmt) {
-    const int64_t nb = j->K / 32, tiles = j->m_lo / 16;
-    const int eight = is8(fmt);
-    rl_job jj = *j;
-    jj.fmt = fmt;
-    int32_t wb[16] __attribute__((aligned(64)));
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        for (int64_t n = n0; n < n1; n++) {
-            __m512 acc[16], oacc = _mm512_setzero_ps();
-            for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                float s, o;
-                __m512i w;
-                widen_vnni512(block_of(&jj, n, b, &s, &o), eight, &w);
-                _mm512_store_si512((void *)wb, w);
-                const int32_t *xt = j->xt + (tile * nb + b) * 256;
-                const __m512 sdx = _mm512_mul_ps(_mm512_set1_ps(s),
-                                                 _mm512_loadu_ps(j->dxt + (tile * nb + b) * 16));
-                for (int l = 0; l < 16; l++) {
-                    const __m512i isum = _mm512_dpwssd_epi32(
-                        _mm512_setzero_si512(), _mm512_set1_epi32(wb[l]),
-                        _mm512_loadu_si512((const void *)(xt + l * 16)));
-                    acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sdx, acc[l]);
-                }
-                if (!eight)
-                    oacc = _mm512_fmadd_ps(_mm512_set1_ps(o),
-                                           _mm512_loadu_ps(j->dsxt + (tile * nb + b) * 16), oacc);
-            }
-            for (int l = 0; l < 8; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 8]);
-            for (int l = 0; l < 4; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 4]);
-            for (int l = 0; l < 2; l++) acc[l] = _mm512_add_ps(acc[l], acc[l + 2]);
-            float out[16];
-            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), oacc));
-            for (int m = 0; m < 16; m++) {
-                float v = out[m];
-                if (j->bias) v += j->bias[n];
-                j->y[(tile * 16 + m) * j->ldy + n] = v;
-            }
-        }
-    }
-}
-RL_DISPATCH(tiles_vnni512)
-
-static void rows16_tiled_vnni512(const rl_job *j, int64_t n0, int64_t n1) {
-    tiles_vnni512(j, n0, n1); /* rows [0, m_lo) */
-    rows16_vnni512(j, n0, n1); /* rows [m_lo, M) */
-}
+#include "gemm16_512.inc"
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -509,7 +411,7 @@ static rows_fn pick(int isa, int act16) {
 #ifdef RL_X86
     static int best = -1;
     if (best < 0) best = rl_best_isa();
-    if (act16 && isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows16_vnni512;
+    if (act16 && isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rowsx_vnni512;
     if (act16 && isa >= ISA_AVX2 && best >= ISA_AVX2) return rows16_avx2;
     if (act16) return rows_generic;
     if (isa >= ISA_AVX512VNNI && best >= ISA_AVX512VNNI) return rows_vnni512;
@@ -534,90 +436,224 @@ static void gemm_rows(const void *p, int64_t n0, int64_t n1) {
     t->fn(t->job, n0, n1);
 }
 
-/* The 16-row tiles of int16 activations for rows16_tiled_vnni512: pairs (2p, 2p + 1) of each
- * block of rows m0 .. m0 + 15 side by side, and their scales (per-thread scratch). */
+/* The 16-row tiles of int16 activations for tiles_vnni512: pairs (2p, 2p + 1) of each block
+ * of rows m0 .. m0 + 15 side by side, and their scales, the last tile padded with zero rows
+ * (per-thread scratch, 64-byte aligned). */
 static __thread int32_t *tile_x;
 static __thread float *tile_f;
 static __thread int64_t tile_elems;
 
-static int prepare_tiles(rl_job *j) {
-    const int64_t nb = j->K / 32, tiles = j->M / 16, pairs = tiles * 16 * j->K / 2;
+#define RL_TILE_MIN_ROWS 4 /* fewer activation rows run rowsx_vnni512 (same bits either way) */
+
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* Scratch for the tiles of M rows (the rows of a last partial tile zeroed); 0 if none. */
+static int alloc_tiles(rl_job *j) {
+    const int64_t nb = j->K / 32, tiles = (j->M + 15) / 16, pairs = tiles * 16 * j->K / 2;
     if (pairs > tile_elems) {
         free(tile_x);
         free(tile_f);
-        tile_x = malloc(sizeof(int32_t) * (size_t)pairs);
-        tile_f = malloc(sizeof(float) * (size_t)(2 * tiles * 16 * nb));
+        tile_x = alloc64(sizeof(int32_t) * (size_t)pairs);
+        tile_f = alloc64(sizeof(float) * (size_t)(2 * tiles * 16 * nb));
         tile_elems = tile_x && tile_f ? pairs : 0;
         if (!tile_elems) return 0;
     }
-    const int32_t *x = j->xq; /* int16 pairs: [M, K / 2] */
-    float *dxt = tile_f, *dsxt = tile_f + tiles * 16 * nb;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t b = 0; b < nb; b++)
-            for (int64_t m = 0; m < 16; m++) {
-                const int64_t row = t * 16 + m;
-                const int32_t *src = x + row * (j->K / 2) + b * 16;
-                int32_t *dst = tile_x + (t * nb + b) * 256 + m;
-                for (int p = 0; p < 16; p++) dst[p * 16] = src[p];
-                dxt[(t * nb + b) * 16 + m] = j->dx[row * nb + b];
-                dsxt[(t * nb + b) * 16 + m] = j->dsx[row * nb + b];
-            }
     j->xt = tile_x;
-    j->dxt = dxt;
-    j->dsxt = dsxt;
-    j->m_lo = tiles * 16;
+    j->dxt = tile_f;
+    j->dsxt = tile_f + tiles * 16 * nb;
+    const int64_t t = tiles - 1;
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t m = j->M - t * 16; m < 16; m++) {
+            int32_t *dst = tile_x + (t * nb + b) * 256 + m;
+            for (int p = 0; p < 16; p++) dst[p * 16] = 0;
+            tile_f[(t * nb + b) * 16 + m] = 0.0f;
+            tile_f[tiles * 16 * nb + (t * nb + b) * 16 + m] = 0.0f;
+        }
     return 1;
 }
 
-static void run(const rl_job *job, int isa) {
-    rl_job tiled = *job;
-    const rl_job *j = job;
+/* Activation row m (xq, dx, dsx) into its tile lane. */
+static void fill_tile_row(const rl_job *j, int64_t m) {
+    const int64_t nb = j->K / 32, t = m / 16, lane = m % 16;
+    const int32_t *src = (const int32_t *)j->xq + m * (j->K / 2); /* int16 pairs */
+    int32_t *xt = (int32_t *)j->xt;
+    float *dxt = (float *)j->dxt, *dsxt = (float *)j->dsxt;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t *dst = xt + (t * nb + b) * 256 + lane;
+        for (int p = 0; p < 16; p++) dst[p * 16] = src[b * 16 + p];
+        dxt[(t * nb + b) * 16 + lane] = j->dx[m * nb + b];
+        dsxt[(t * nb + b) * 16 + lane] = j->dsx[m * nb + b];
+    }
+}
+
+/* Whether this job runs the 16-row tiles (AVX-512 VNNI, int16 activations, enough rows). */
+static int wants_tiles(const rl_job *j, int isa) {
+#ifdef RL_X86
+    return pick(isa, j->act16) == rowsx_vnni512 && j->M >= RL_TILE_MIN_ROWS;
+#else
+    (void)j;
+    (void)isa;
+    return 0;
+#endif
+}
+
+/* The GEMM of a job whose activations (and tiles, if tiled) are ready. */
+static void run_ready(const rl_job *j, int isa, int tiled) {
     gemm_task task = {j, pick(isa, j->act16)};
 #ifdef RL_X86
-    if (task.fn == rows16_vnni512 && j->M >= 16 && prepare_tiles(&tiled)) {
-        j = task.job = &tiled;
-        task.fn = rows16_tiled_vnni512;
-    }
+    if (tiled) task.fn = tiles_vnni512;
 #endif
     /* Small problems stay on the caller: waking a worker costs more than it saves. */
     if (rl_num_threads() == 1 || j->N * j->K * (j->M < 4 ? j->M : 4) < 65536 || j->N < 32) {
         task.fn(j, 0, j->N);
         return;
     }
-    int64_t chunks = 4 * rl_num_threads();
-    int64_t rows = (j->N + chunks - 1) / chunks;
-    rl_parallel_for(gemm_rows, &task, j->N, (rows + 7) / 8 * 8);
+    /* tiles: 8 chunks per thread of 4-row multiples (a late chunk costs less at the end);
+     * rowsx: 4 of 16-row multiples (its lane width) */
+    const int64_t chunks = (tiled ? 8 : 4) * rl_num_threads(), align = tiled ? 4 : 16;
+    const int64_t rows = (j->N + chunks - 1) / chunks;
+    rl_parallel_for(gemm_rows, &task, j->N, (rows + align - 1) / align * align);
+}
+
+static void run(const rl_job *job, int isa) {
+    rl_job j = *job;
+    int tiled = wants_tiles(&j, isa) && alloc_tiles(&j);
+    if (tiled)
+        for (int64_t m = 0; m < j.M; m++) fill_tile_row(&j, m);
+    run_ready(&j, isa, tiled);
 }
 
 /* ---------------------------------------------------------------- entry points */
+static void quantize_row(const float *xr, int64_t K, int even_odd, int bits, void *xq_row,
+                         float *dx, float *dsx) {
+    const float qmax = bits == 16 ? 32767.0f : 127.0f;
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = xr + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / qmax, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) {
+            int v = (int)lrintf(xb[i] * inv);
+            int64_t pos = b * 32 + (even_odd ? (i & 1) * 16 + (i >> 1) : i);
+            if (bits == 16)
+                ((int16_t *)xq_row)[pos] = (int16_t)v;
+            else
+                ((int8_t *)xq_row)[pos] = (int8_t)v;
+            sum += v;
+        }
+        dx[b] = d;
+        dsx[b] = d * (float)sum;
+    }
+}
+
+#ifdef RL_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+/* quantize_row for 16 bits in the GGUF order, the same values: max|x| is order-free, and
+ * vcvtps2dq rounds to nearest even as lrintf does. */
+static void quantize_row16_512(const float *xr, int64_t K, int16_t *q, float *dx, float *dsx) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 a = _mm512_loadu_ps(xr + b * 32), c = _mm512_loadu_ps(xr + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+        _mm256_storeu_si256((__m256i *)(q + b * 32), _mm512_cvtepi32_epi16(qa));
+        _mm256_storeu_si256((__m256i *)(q + b * 32 + 16), _mm512_cvtepi32_epi16(qc));
+        dx[b] = d;
+        dsx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    }
+}
+/* h = silu(g) * u over n elements (n % 16 == 0): exp by range reduction to [-ln2/2, ln2/2]
+ * and a degree-6 polynomial (~1 ulp; the scalar path uses libm's expf). */
+static void silu_mul_512(const float *g, const float *u, int64_t n, float *h) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 z = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                     _mm512_set1_ps(-87.0f)),
+                                       _mm512_set1_ps(88.0f)); /* -x, clamped */
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504089f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), z);
+        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        const __m512 e = _mm512_scalef_ps(p, k); /* exp(-x) */
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(h + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+}
+
+/* o[p] lane m = r[m] lane p (16 x 16 int32). */
+static inline __attribute__((always_inline)) void transpose16_512(const __m512i *r, __m512i *o) {
+    __m512i t[16], u[16], x[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+        x[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+        x[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+        x[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        o[i] = _mm512_shuffle_i32x4(x[i], x[8 + i], 0x88);
+        o[8 + i] = _mm512_shuffle_i32x4(x[i], x[8 + i], 0xdd);
+    }
+}
+
+/* Tile t from its (up to) 16 quantized rows, one 16 x 16 transpose per block (fill_tile_row's
+ * layout; rows past M are zero). */
+static void fill_tile_512(const rl_job *j, int64_t t) {
+    const int64_t nb = j->K / 32, rows = j->M - t * 16 < 16 ? j->M - t * 16 : 16;
+    const int32_t *x = (const int32_t *)j->xq; /* int16 pairs: [M, K / 2] */
+    int32_t *xt = (int32_t *)j->xt;
+    float *dxt = (float *)j->dxt, *dsxt = (float *)j->dsxt;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i r[16], o[16];
+        for (int64_t m = 0; m < 16; m++)
+            r[m] = m < rows ? _mm512_loadu_si512((const void *)(x + (t * 16 + m) * (j->K / 2) +
+                                                                b * 16))
+                            : _mm512_setzero_si512();
+        transpose16_512(r, o);
+        int32_t *dst = xt + (t * nb + b) * 256;
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(dst + p * 16), o[p]);
+        for (int64_t m = 0; m < 16; m++) {
+            dxt[(t * nb + b) * 16 + m] = m < rows ? j->dx[(t * 16 + m) * nb + b] : 0.0f;
+            dsxt[(t * nb + b) * 16 + m] = m < rows ? j->dsx[(t * 16 + m) * nb + b] : 0.0f;
+        }
+    }
+}
+#pragma GCC pop_options
+#endif
+
 /* x [M, K] (row stride ldx) -> xq int8 [M, K], dx and dsx [M, K / 32]. With even_odd, each
  * block's int8 values are stored as its 16 even elements then its 16 odd ones (the order in
  * which the canonical int4 layout's low and high nibbles unpack); else low/high = first/second
  * 16 elements (the GGUF order). */
 void rl_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int even_odd, int bits,
                       void *xq_out, float *dx, float *dsx) {
-    const float qmax = bits == 16 ? 32767.0f : 127.0f;
     const int64_t nb = K / 32;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * ldx + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float d = amax / qmax, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                int v = (int)lrintf(xb[i] * inv);
-                int64_t pos = m * K + b * 32 + (even_odd ? (i & 1) * 16 + (i >> 1) : i);
-                if (bits == 16)
-                    ((int16_t *)xq_out)[pos] = (int16_t)v;
-                else
-                    ((int8_t *)xq_out)[pos] = (int8_t)v;
-                sum += v;
-            }
-            dx[m * nb + b] = d;
-            dsx[m * nb + b] = d * (float)sum;
-        }
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, K, even_odd, bits, (int8_t *)xq_out + m * K * (bits / 8),
+                     dx + m * nb, dsx + m * nb);
 }
 
 void rl_gemm_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const void *xq,
@@ -642,43 +678,113 @@ void rl_gemm_canonical(int bits, const uint8_t *q, const void *scales, const voi
     run(&j, isa);
 }
 
-/* x fp32 [M, K] (row stride ldx) -> y: quantizes the activations into a per-thread scratch
- * buffer, then runs the GEMM: one call per linear layer from Python. */
+/* x fp32 [M, K] (row stride ldx) -> y: quantizes the activations into scratch buffers (rows
+ * spread over the pool), then runs the GEMM: one call per linear layer from Python. */
 static __thread int8_t *scratch_q;
 static __thread float *scratch_f;
 static __thread int64_t scratch_elems;
 
-static __thread float *scratch_x;
-static __thread int64_t scratch_x_elems;
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    int silu_mul, bits, fast16;
+    rl_job *job; /* xq, dx, dsx out; tiles filled when tiled */
+    int tiled;
+} prep_task;
+
+/* Row m: silu(gate) * up when asked, then quantized into the job's xq, dx, dsx. */
+static void prep_row(const prep_task *t, int64_t m) {
+    static __thread float *h;
+    static __thread int64_t h_elems;
+    const rl_job *j = t->job;
+    const int64_t K = j->K, nb = K / 32;
+    const float *xr = t->x + m * t->ldx;
+    if (t->silu_mul) {
+        if (K > h_elems) {
+            free(h);
+            h = malloc(sizeof(float) * (size_t)K);
+            h_elems = h ? K : 0;
+        }
+        const float *u = xr + K;
+#ifdef RL_X86
+        if (t->fast16 && K % 16 == 0)
+            silu_mul_512(xr, u, K, h);
+        else
+#endif
+            for (int64_t i = 0; i < K; i++) h[i] = xr[i] / (1.0f + expf(-xr[i])) * u[i];
+        xr = h;
+    }
+    void *q = (int8_t *)j->xq + m * K * (t->bits / 8);
+    float *dx = (float *)j->dx + m * nb, *dsx = (float *)j->dsx + m * nb;
+#ifdef RL_X86
+    if (t->fast16) {
+        quantize_row16_512(xr, K, q, dx, dsx);
+        return;
+    }
+#endif
+    quantize_row(xr, K, 0, t->bits, q, dx, dsx);
+}
+
+/* Rows [m0, m1), each placed in its tile lane when tiled. */
+static void prep_rows(const void *p, int64_t m0, int64_t m1) {
+    const prep_task *t = p;
+    for (int64_t m = m0; m < m1; m++) {
+        prep_row(t, m);
+        if (t->tiled) fill_tile_row(t->job, m);
+    }
+}
+
+#ifdef RL_X86
+/* Tiles [t0, t1) (AVX-512): their rows, then one transpose per block. */
+static void prep_tiles(const void *p, int64_t t0, int64_t t1) {
+    const prep_task *t = p;
+    const int64_t M = t->job->M;
+    for (int64_t tile = t0; tile < t1; tile++) {
+        for (int64_t m = tile * 16; m < M && m < tile * 16 + 16; m++) prep_row(t, m);
+        fill_tile_512(t->job, tile);
+    }
+}
+#endif
 
 /* silu_mul: x is [M, 2K] (gate | up) and the GEMM's input is silu(gate) * up, computed here. */
-void rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
-                    int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
-                    const float *bias, int isa) {
+int rl_linear_gguf(int fmt, const uint8_t *const *rows, int64_t N, int64_t K, const float *x,
+                   int64_t M, int64_t ldx, int act_bits, int silu_mul, float *y, int64_t ldy,
+                   const float *bias, int isa) {
     if (M * K > scratch_elems) {
         free(scratch_q);
         free(scratch_f);
         scratch_q = malloc(2 * (size_t)(M * K));
         scratch_f = malloc(sizeof(float) * (size_t)(M * K / 32) * 2);
-        scratch_elems = M * K;
+        scratch_elems = scratch_q && scratch_f ? M * K : 0;
+        if (!scratch_elems) return -1;
     }
-    if (silu_mul) {
-        if (M * K > scratch_x_elems) {
-            free(scratch_x);
-            scratch_x = malloc(sizeof(float) * (size_t)(M * K));
-            scratch_x_elems = M * K;
-        }
-        for (int64_t m = 0; m < M; m++) {
-            const float *g = x + m * ldx, *u = g + K;
-            float *h = scratch_x + m * K;
-            for (int64_t i = 0; i < K; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
-        x = scratch_x;
-        ldx = K;
+    rl_job j = {.fmt = fmt, .rows = rows, .N = N, .K = K, .M = M, .xq = scratch_q,
+                .act16 = act_bits == 16, .dx = scratch_f, .dsx = scratch_f + M * K / 32,
+                .y = y, .ldy = ldy, .bias = bias};
+    prep_task t = {.x = x, .ldx = ldx, .silu_mul = silu_mul, .bits = act_bits, .job = &j};
+    t.tiled = wants_tiles(&j, isa) && alloc_tiles(&j);
+#ifdef RL_X86
+    static int best = -1;
+    if (best < 0) best = rl_best_isa();
+    t.fast16 = act_bits == 16 && best >= ISA_AVX512VNNI;
+#endif
+#ifdef RL_X86
+    if (t.tiled && t.fast16) { /* tiles on the pool (tiled means AVX-512 VNNI) */
+        const int64_t tiles = (M + 15) / 16;
+        if (tiles > 1 && rl_num_threads() > 1)
+            rl_parallel_for(prep_tiles, &t, tiles, 1);
+        else
+            prep_tiles(&t, 0, tiles);
+        run_ready(&j, isa, 1);
+        return 0;
     }
-    float *dx = scratch_f, *dsx = scratch_f + M * K / 32;
-    rl_quantize_rows(x, M, K, ldx, 0, act_bits, scratch_q, dx, dsx);
-    rl_gemm_gguf(fmt, rows, N, K, scratch_q, act_bits, dx, dsx, M, y, ldy, bias, isa);
+#endif
+    if (M >= 8 && rl_num_threads() > 1)
+        rl_parallel_for(prep_rows, &t, M, (M + 2 * rl_num_threads() - 1) / (2 * rl_num_threads()));
+    else
+        prep_rows(&t, 0, M);
+    run_ready(&j, isa, t.tiled);
+    return 0;
 }
 
 /* Dequantize whole GGUF rows (embedding lookups): out [num_rows, K] fp32. */
