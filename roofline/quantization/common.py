@@ -4,6 +4,10 @@ one of the canonical layouts (``formats``) by device and number of rows:
 
 * CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``):
   ``kernels.quant_gemv`` (magic-number unpacking, tuned per shape) where it takes the weight;
+* CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
+  widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
+  or dequantize + cuBLAS where its table measured that faster (``ROOFLINE_QUANT_MIXED_GEMM=0``:
+  the two older paths below instead);
 * CUDA, at most ``fused_max_rows`` rows (64, 128 for large weights; measured): the fused
   dequant GEMM
   (``kernels.dequant_gemm.dequant_gemm``: the weight read once per 16 rows up to 16, once per 64
@@ -48,6 +52,11 @@ def fused_max_rows(num_weights: int) -> int:
 # ROOFLINE_QUANT_GEMV=0 keeps them on the generic fused dequant GEMM (A/B runs).
 USE_QUANT_GEMV = os.environ.get("ROOFLINE_QUANT_GEMV", "1") != "0"
 GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MAX_ROWS)))
+
+# More than DECODE_MAX_ROWS rows take kernels.mixed_gemm (tensor cores, the weight read packed)
+# or, where its tuned table says so, dequantize + cuBLAS; ROOFLINE_QUANT_MIXED_GEMM=0 keeps the
+# older choice below (the generic fused GEMM up to fused_max_rows, then dequantize + cuBLAS).
+USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -128,6 +137,19 @@ def quantized_linear(
         if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
             return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
     n, k = layer.qweight.shape[0], x.shape[-1]
+    if USE_MIXED_GEMM and x.shape[0] > DECODE_MAX_ROWS:
+        from roofline.kernels import mixed_gemm
+
+        if mixed_gemm.supports(kind, x, layer.qweight, layer.scales):
+            cfg = mixed_gemm.pick_config(kind, x.shape[0], n, k, x.device)
+            if cfg is None:  # measured: dequantize + cuBLAS is faster at this shape and M
+                return kernels.dequant_cublas_gemm(
+                    kind, x, layer.qweight, layer.scales, offsets, bias
+                )
+            x = x.contiguous()
+            return mixed_gemm.mixed_gemm(
+                kind, x, layer.qweight, layer.scales, offsets, bias, config=cfg
+            )
     if x.shape[0] <= fused_max_rows(n * k):
         return kernels.dequant_gemm(
             kind, x.contiguous(), layer.qweight, layer.scales, offsets, bias

@@ -5,8 +5,9 @@ output channel; a per-tensor checkpoint scale is spread over its shard's rows), 
   (``common.quantized_linear``).
 * W8A8 (``fp8-w8a8``): above ``common.DECODE_MAX_ROWS`` rows on CUDA the activations are
   quantized per token (dynamic scales ``max|x_row| / 448``, one Triton launch:
-  ``kernels.fp8_quant``) and multiplied on fp8 tensor cores by
-  ``torch._scaled_mm`` with the per-channel weight scales; decode-sized batches take the
+  ``kernels.fp8_quant``) and multiplied on fp8 tensor cores with the per-channel weight scales
+  by the Triton fp8 GEMM (``kernels.mixed_gemm``, split-K for small M) or by
+  ``torch._scaled_mm``, chosen per shape and M by measurement; decode-sized batches take the
   weight-only kernel (a weight read, where quantizing x buys nothing). On the CPU W8A8 computes
   exactly what the tensor-core path does: x rounded to fp8 per token, both operands widened, an
   fp32 matmul, both scales applied.
@@ -84,7 +85,7 @@ class Fp8LinearMethod(common.CanonicalLinearMethod):
         if x.is_cuda:
             if x.shape[0] <= common.DECODE_MAX_ROWS:
                 return common.quantized_linear(self.kind, layer, x, bias)
-            return _scaled_mm(x, layer.qweight, layer.scales, bias)
+            return w8a8_linear(x, layer.qweight, layer.scales, bias)
         return w8a8_ref(x, layer.qweight, layer.scales, bias)
 
     def shard_slice(
@@ -107,6 +108,27 @@ def w8a8_ref(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def w8a8_linear(
+    x: torch.Tensor,  # [M, K] bf16/fp16
+    qweight: torch.Tensor,  # fp8 [N, K]
+    scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, N]
+    """W8A8 on CUDA for more than DECODE_MAX_ROWS rows: the Triton fp8 GEMM
+    (``kernels.mixed_gemm.w8a8_gemm``, split-K where the tiles are few) or ``torch._scaled_mm``,
+    whichever ``mixed_gemm``'s table measured faster for this shape and M; x is quantized per
+    token by one launch either way."""
+    from roofline.kernels import mixed_gemm
+
+    x = x.contiguous()
+    n, k = qweight.shape
+    if x.dtype in (torch.bfloat16, torch.float16) and k % 64 == 0:
+        cfg = mixed_gemm.pick_config("w8a8", x.shape[0], n, k, x.device)
+        if cfg is not None:
+            return mixed_gemm.w8a8_gemm(x, qweight, scales, bias, config=cfg)
+    return _scaled_mm(x, qweight, scales, bias)
 
 
 def _scaled_mm(

@@ -1,0 +1,463 @@
+"""Mixed-input GEMM for quantized weights at batch and prefill sizes (M > 16 rows):
+``out[M, N] = x[M, K] @ dequantize(W)^T (+ bias)``, x in bf16/fp16, W in one of the canonical
+layouts of ``roofline.quantization.formats`` (int8 with group scales, int4 nibbles with group
+scales and offsets, fp8 e4m3 with per-channel or per-tensor scales), read as stored.
+
+Each program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``: it computes ``W_tile @ x_tile^T``,
+so the weight is the left operand of the tensor-core MMA. On Hopper that operand may come from
+registers (wgmma's register-A form): the quantized tile is copied to shared memory by the
+software pipeline (``num_stages``, ``cp.async``), loaded to registers in the MMA's operand
+layout, widened and scaled there (``w = q * s (+ offset)`` in fp32, rounded once to x's dtype,
+the values of ``formats.dequantize_*``) and fed to ``tl.dot`` without a second trip through
+shared memory, while x (16-bit, the right operand) goes straight from shared memory. int4 bytes
+are split into their nibbles with ``tl.join(low, high).reshape`` (the canonical interleaved
+order, no repack: Triton's linear layouts make the split register-local). Group scales (and
+int4 offsets) are loaded once per K tile per weight row (a tile never straddles groups unless it
+holds whole groups, whose scales are broadcast); one scale per row (per-channel int8, fp8) is
+applied to the finished accumulator in the epilogue instead. No int-to-float or fp8-to-float
+conversion instructions (quarter rate on Hopper, they would bound the kernel): integers are
+widened through the mantissa of 1.0f and one FMA, e4m3 by moving its bits into bf16 fields and
+one bf16x2 multiply (inline PTX; the interpreter takes the plain conversion).
+
+W8A8 (``w8a8_gemm``, ``fp8_scaled_gemm``) is the same kernel with an fp8 x: both operands go to
+the e4m3 tensor cores from shared memory, the per-token and per-channel scales multiply the
+fp32 accumulator.
+
+The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together,
+so a weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K``
+(small M: too few output tiles to occupy every SM) gives each program one slice of K; the slices'
+fp32 partial sums go to a workspace and one small launch adds them in a fixed order (bias,
+rounding), so the result is deterministic and CUDA-graph capturable. Configs come from
+``TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by ``scripts/gpu_mixedgemm.py
+--sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is ``dequant_gemm_ref`` (dequantize,
+round to x's dtype, fp32 matmul).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.dequant_gemm import _layout, dequant_gemm_ref
+
+KIND_INT8, KIND_INT4, KIND_FP8 = 0, 1, 2
+_KINDS = {"int8": KIND_INT8, "int4": KIND_INT4, "fp8": KIND_FP8}
+M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+mixed_gemm_ref = dequant_gemm_ref
+
+
+class MixedGemmConfig(NamedTuple):
+    block_m: int  # rows of x per program (the MMA's N side): 16..256, a power of two
+    block_n: int  # weight rows per program (the MMA's M side): 64, 128 or 256
+    block_k: int  # reduction elements per pipeline step: 64 or 128 (256 for small tiles)
+    group_m: int  # row blocks of x that walk the same weight columns together (L2 reuse)
+    split_k: int  # K slices, each its own program; > 1 adds the fp32 reduction launch
+    num_warps: int
+    num_stages: int
+
+
+# Untuned W8A8 shapes take this kernel up to this many rows, torch._scaled_mm beyond.
+W8A8_TRITON_MAX_ROWS = 256
+
+# (kind, N, K, m_bucket) -> config tuple, or None where the library GEMM measured faster
+# (kind int8/int4/fp8: dequantize + cuBLAS; kind "w8a8": torch._scaled_mm).
+# Filled from scripts/gpu_mixedgemm.py --sweep on an H100 (Llama-3.1-8B shapes).
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The TUNED_CONFIGS row bucket of M rows: the smallest bucket >= M (8192 beyond)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return M_BUCKETS[-1]
+
+
+def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmConfig:
+    """A config for shapes the sweep has not measured. BLOCK_M: M's power of two up to 128
+    (16 at least: the MMA's N side); BLOCK_N 128, or 64 where that is what fills the SMs;
+    split-K (powers of two, slices of at least 512) until the tiles cover about one wave."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    tiles_m = triton.cdiv(m, block_m)
+    block_n = 128 if tiles_m * triton.cdiv(n, 128) >= sms else 64
+    block_k = 128 if m <= 256 else 64
+    tiles = tiles_m * triton.cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k < sms and k % (2 * split_k * block_k) == 0 and k // (2 * split_k) >= 512:
+        split_k *= 2
+    num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
+    num_stages = 4 if m <= 256 else 3
+    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
+
+
+def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
+    """The tuned config of (kind, N, K, M's bucket) (or of the nearest bucket measured for that
+    shape), else the heuristic; None: the library GEMM
+    (cuBLAS on a dequantized copy; ``torch._scaled_mm`` for ``w8a8``) is faster there."""
+    bucket = m_bucket(m)
+    measured = [b for b in M_BUCKETS if (kind, n, k, b) in TUNED_CONFIGS]
+    if measured:  # the bucket itself, else the nearest measured one (by ratio of rows)
+        nearest = min(measured, key=lambda b: (abs(math.log2(b / bucket)), b))
+        cfg = TUNED_CONFIGS[(kind, n, k, nearest)]
+        return None if cfg is None else MixedGemmConfig(*cfg)
+    if kind == "w8a8" and m > W8A8_TRITON_MAX_ROWS:
+        return None  # compute-bound: torch._scaled_mm (CUTLASS) unless measured otherwise
+    return heuristic_config(kind, m, n, k, num_sms(device))
+
+
+@triton.jit
+def _e4m3_to_bf16(q):
+    """fp8 e4m3 -> bf16, four at a time, without the conversion instructions (e4m3 -> f16 ->
+    f32 -> bf16 goes through the quarter-rate conversion unit): each byte moves to the top of
+    a 16-bit lane, its exponent and mantissa shift into bf16's fields (sign kept), and one
+    bf16x2 multiply by 2^(127 - 7) rebiases the exponent; exact, subnormals and zeros included."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a<2>, b<2>, c;
+        mov.b32 c, 0x7B807B80;
+        prmt.b32 a0, 0, $2, 0x5140;
+        prmt.b32 a1, 0, $2, 0x7362;
+        shr.b32 b0, a0, 4;
+        shr.b32 b1, a1, 4;
+        and.b32 b0, b0, 0x07F007F0;
+        and.b32 b1, b1, 0x07F007F0;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+        mul.rn.bf16x2 $0, b0, c;
+        mul.rn.bf16x2 $1, b1, c;
+        }""",
+        "=r,=r,r",
+        [q],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _dequant_tile(
+    q_ptrs,  # [BN, BK] element pointers (int8/fp8) or [BN, BK // 2] byte pointers (int4)
+    s_ptr,
+    o_ptr,
+    rows_n,  # [BN] int64
+    k0,
+    stride_s,
+    dtype: tl.constexpr,
+    KIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST_FP8: tl.constexpr,
+):
+    """One weight tile in x's dtype [BN, BK] (unscaled when ROW_SCALE).
+
+    With group scales, q is widened without int-to-float conversions (a quarter-rate
+    instruction on Hopper, the bottleneck of the naive tile): its bits go into the mantissa of
+    1.0f, ``v = 1 + q / SPAN`` (int8: ``1 + (q + 128) / 256``), and one FMA per element makes
+    ``w = v * (SPAN s) + (offset - SPAN s)`` = ``q s + offset``, rounded once as
+    ``formats.dequantize_*`` rounds (the per-row constants ``SPAN s`` and ``offset - SPAN s``
+    are exact in fp32 for 16-bit scales and offsets of similar magnitude)."""
+    if ROW_SCALE:
+        q = tl.load(q_ptrs)  # [BN, BK]
+        if KIND == 2:
+            if q.dtype == dtype:  # W8A8: fp8 x fp8 on the tensor cores
+                return q
+            if FAST_FP8 and dtype == tl.bfloat16:
+                return _e4m3_to_bf16(q)
+            return q.to(dtype)
+        return q.to(tl.float32).to(dtype)  # exact: |q| <= 127 (ptxas: byte permutes, no I2F)
+    if KIND == 1:
+        b = tl.load(q_ptrs).to(tl.uint32)  # [BN, BK // 2] bytes
+        low = ((b & 0xF) << 19) | 0x3F800000
+        high = ((b & 0xF0) << 15) | 0x3F800000
+        v = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(tl.float32, bitcast=True)
+        SPAN: tl.constexpr = 16.0
+        ZERO: tl.constexpr = 16.0  # v = 1 + q / 16: w = v * 16 s + (offset - 16 s)
+    else:
+        b = tl.load(q_ptrs).to(tl.uint8, bitcast=True).to(tl.uint32)  # [BN, BK] q mod 256
+        v = (((b ^ 0x80) << 15) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + (q+128)/256
+        SPAN: tl.constexpr = 256.0
+        ZERO: tl.constexpr = 384.0  # w = v * 256 s - 384 s
+    if BLOCK_K <= GROUP:
+        col = k0 // GROUP
+        s = tl.load(s_ptr + rows_n * stride_s + col).to(tl.float32)[:, None]  # [BN, 1]
+        c = -ZERO * s
+        if KIND == 1:
+            c += tl.load(o_ptr + rows_n * stride_s + col).to(tl.float32)[:, None]
+        w = v * (SPAN * s) + c
+    else:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        idx = rows_n[:, None] * stride_s + (k0 // GROUP + tl.arange(0, NG))[None, :]  # [BN, NG]
+        s = tl.load(s_ptr + idx).to(tl.float32)[:, :, None]  # [BN, NG, 1]
+        c = -ZERO * s
+        if KIND == 1:
+            c += tl.load(o_ptr + idx).to(tl.float32)[:, :, None]
+        w = (v.reshape(BLOCK_N, NG, GROUP) * (SPAN * s) + c).reshape(BLOCK_N, BLOCK_K)
+    return w.to(dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mixed_gemm_kernel(
+    x_ptr,  # [M, K] 16-bit (fp8 with X_SCALE: W8A8)
+    xs_ptr,  # fp32 [M] per-token scales of an fp8 x (X_SCALE)
+    q_ptr,  # int8/fp8 [N, K] or uint8 [N, K // 2]
+    s_ptr,  # [N, K // GROUP] (ROW_SCALE: [N], or [1] if SCALAR_SCALE)
+    o_ptr,  # [N, K // GROUP] (int4 only)
+    bias_ptr,  # [N]
+    out_ptr,  # [M, N] (SPLIT_K > 1: fp32 [SPLIT_K, M, N] partial sums)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_s,
+    stride_om,
+    KIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    SCALAR_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    X_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: rows past M are never stored
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_len = (K // (SPLIT_K * BLOCK_K)) * BLOCK_K  # whole tiles (the launcher checks)
+    k_first = tl.program_id(1) * k_len
+    offs_k = tl.arange(0, BLOCK_K)
+    if KIND == 1:
+        q_cols = k_first // 2 + tl.arange(0, BLOCK_K // 2)  # [BK // 2] bytes
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + q_cols[None, :]
+        q_step = BLOCK_K // 2
+    else:
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k_first + offs_k)[None, :]
+        q_step = BLOCK_K
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_first + offs_k)[None, :]  # [BM, BK]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(k_first, k_first + k_len, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs)  # [BM, BK]
+        w = _dequant_tile(
+            q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, ROW_SCALE,
+            BLOCK_N, BLOCK_K, FAST_FP8,
+        )  # fmt: skip
+        acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        q_ptrs += q_step
+        x_ptrs += BLOCK_K
+    if ROW_SCALE:
+        if SCALAR_SCALE:
+            acc *= tl.load(s_ptr).to(tl.float32)
+        else:
+            acc *= tl.load(s_ptr + rows_n).to(tl.float32)[:, None]
+    if X_SCALE:
+        acc *= tl.load(xs_ptr + rows_m)[None, :]
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)  # [BN, BM]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce_kernel(
+    part_ptr,  # fp32 [SPLIT_K, M, N]
+    bias_ptr,
+    out_ptr,  # [M, N]
+    M,
+    N,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
+    """The config made valid for this weight: BLOCK_K halved (down to 32) until a tile sits in
+    one group or holds whole groups, SPLIT_K halved until every slice is whole tiles."""
+    block_k, split_k = cfg.block_k, cfg.split_k
+    while block_k > 32 and group % block_k and block_k % group:
+        block_k //= 2
+    if (group % block_k and block_k % group) or k % block_k:
+        raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")
+    while split_k > 1 and k % (split_k * block_k):
+        split_k //= 2
+    return cfg._replace(block_k=block_k, split_k=split_k)
+
+
+def supports(kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``mixed_gemm`` takes this call: 16-bit x (tensor cores), K a multiple of 32 and a
+    group layout whose tiles fit (shapes only, no sync)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or kind not in _KINDS:
+        return False
+    k = x.shape[1]
+    if k % 32:
+        return False
+    try:
+        group = _layout(kind, qweight, scales, k)[0]
+    except ValueError:
+        return False
+    return group % 32 == 0 or group == k
+
+
+def _launch(
+    code: int,
+    x: torch.Tensor,  # [M, K]
+    x_scales: torch.Tensor | None,  # fp32 [M, 1] (W8A8)
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,  # [M, N]
+    layout: tuple[int, bool, bool, int],
+    cfg: MixedGemmConfig,
+    warmup: bool = False,
+) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[0]
+    group, row_scale, scalar, stride_s = layout
+    grid_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    target = out
+    if cfg.split_k > 1:
+        target = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (grid_mn, cfg.split_k)
+    launch = _mixed_gemm_kernel.warmup if warmup else _mixed_gemm_kernel[grid]
+    reduce = _split_k_reduce_kernel.warmup if warmup else None
+    launch(
+        x, x_scales if x_scales is not None else scales, qweight, scales,
+        offsets if offsets is not None else scales, bias if bias is not None else scales,
+        target, m, n, k, x.stride(0), qweight.stride(0), stride_s, out.stride(0),
+        KIND=code, GROUP=0 if row_scale else group, ROW_SCALE=row_scale, SCALAR_SCALE=scalar,
+        HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+        NUM_STAGES=cfg.num_stages, FAST_FP8=not is_interpret(), num_warps=cfg.num_warps,
+        **({"grid": grid} if warmup else {}),
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        grid = (m, triton.cdiv(n, block))
+        (reduce or _split_k_reduce_kernel[grid])(
+            target, bias if bias is not None else target, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4,
+            **({"grid": grid} if warmup else {}),
+        )  # fmt: skip
+    return out
+
+
+def _check_x(x: torch.Tensor, n: int, k: int, what: str) -> None:
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"{what}: x {tuple(x.shape)} does not match weight [{n}, {k}]")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{what}: x must be bf16 or fp16, not {x.dtype}")
+
+
+def mixed_gemm(
+    kind: str,
+    x: torch.Tensor,  # [M, K] bf16/fp16, rows contiguous
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: MixedGemmConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ dequantize(W)^T (+ bias)`` on 16-bit tensor cores (see the module doc).
+    ``warmup=True`` compiles without launching (in parallel under ``triton.AsyncCompileMode``)."""
+    check_device(x, qweight)
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (2 if kind == "int4" else 1)
+    _check_x(x, n, k, "mixed_gemm")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    layout = _layout(kind, qweight, scales, k)
+    cfg = config or pick_config(kind, m, n, k, x.device) or heuristic_config(kind, m, n, k, 132)
+    cfg = check_config(k, layout[0], cfg)
+    return _launch(_KINDS[kind], x, None, qweight, scales, offsets, bias, out, layout, cfg, warmup)
+
+
+def fp8_scaled_gemm(
+    xq: torch.Tensor,  # fp8 e4m3 [M, K], rows contiguous
+    x_scales: torch.Tensor,  # fp32 [M, 1] (or [M])
+    qweight: torch.Tensor,  # fp8 e4m3 [N, K]
+    scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: MixedGemmConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """``(xq * x_scales) @ (qweight * scales)^T (+ bias)`` on fp8 tensor cores, the scales
+    applied to the fp32 accumulator (what ``torch._scaled_mm`` with row-wise scales computes)."""
+    check_device(xq, qweight)
+    n, k = qweight.shape
+    if xq.dim() != 2 or xq.shape[1] != k or xq.stride(1) != 1 or xq.dtype != qweight.dtype:
+        raise ValueError(f"fp8_scaled_gemm: x {tuple(xq.shape)} {xq.dtype} vs weight [{n}, {k}]")
+    m = xq.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    layout = _layout("fp8", qweight, scales, k)
+    dev = xq.device
+    cfg = config or pick_config("w8a8", m, n, k, dev) or heuristic_config("w8a8", m, n, k, 132)
+    cfg = check_config(k, layout[0], cfg._replace(block_k=max(cfg.block_k, 64)))
+    x_scales = x_scales.reshape(m)
+    return _launch(KIND_FP8, xq, x_scales, qweight, scales, None, bias, out, layout, cfg, warmup)
+
+
+def w8a8_gemm(
+    x: torch.Tensor,  # [M, K] bf16/fp16, rows contiguous
+    qweight: torch.Tensor,  # fp8 e4m3 [N, K]
+    scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None = None,
+    *,
+    config: MixedGemmConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """fp8 W8A8: x quantized per token (``kernels.fp8_quant``, one launch), then
+    ``fp8_scaled_gemm``."""
+    from roofline.kernels.fp8_quant import quantize_fp8_per_token
+
+    check_device(x, qweight)
+    _check_x(x, qweight.shape[0], qweight.shape[1], "w8a8_gemm")
+    xq, x_scales = quantize_fp8_per_token(x)  # fp8 [M, K], fp32 [M, 1]
+    return fp8_scaled_gemm(
+        xq, x_scales, qweight, scales, bias, x.dtype, config=config, warmup=warmup
+    )

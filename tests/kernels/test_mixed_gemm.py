@@ -1,0 +1,204 @@
+"""The mixed-input GEMM (``kernels.mixed_gemm``) against dequantize-then-matmul for every canonical
+layout (int8 per channel and grouped, int4 with offsets in groups of 32 / 64 / 128, fp8 per
+channel and per tensor), with bias, odd row counts, split-K, grouped tile orders and several tile
+shapes; the fp8 x fp8 path against the W8A8 reference; the config choice; and (on any machine
+with Triton's ptxas) that the kernels compile for Hopper with the weight as wgmma's register
+operand and without spills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, ON_GPU, assert_close
+
+from roofline.kernels import mixed_gemm as mg
+from roofline.kernels.mixed_gemm import MixedGemmConfig, fp8_scaled_gemm, mixed_gemm
+from roofline.quantization import formats
+from roofline.quantization.fp8 import w8a8_ref
+
+N, K = (4096, 4096) if ON_GPU else (80, 256)
+
+
+def _weight(kind: str, group: int, seed: int = 0, symmetric: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    if kind == "int8":
+        q = formats.quantize_int8(w, group, torch.bfloat16)
+        return q.qweight.to(DEVICE), q.scales.to(DEVICE), None
+    if kind == "int4":
+        q = formats.quantize_int4(w, group, symmetric, scale_dtype=torch.float16)
+        return q.qweight.to(DEVICE), q.scales.to(DEVICE), q.offsets.to(DEVICE)
+    q, s = formats.quantize_fp8(w, per_channel=group != 0)
+    return q.to(DEVICE), s.to(DEVICE), None
+
+
+def _x(m: int, dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, K, generator=gen).to(dtype).to(DEVICE)
+
+
+CASES = [
+    ("int8", K),
+    ("int8", 32),
+    ("int8", 128),
+    ("int4", 32),
+    ("int4", 64),
+    ("int4", 128),
+    ("fp8", K),
+    ("fp8", 0),
+]
+CONFIGS = [
+    None,  # the heuristic
+    MixedGemmConfig(16, 64, 64, 1, 1, 4, 2),
+    MixedGemmConfig(32, 64, 128, 2, 2, 4, 3),  # split-K: partial sums + the reduce launch
+    MixedGemmConfig(64, 128, 64, 2, 1, 4, 2),
+]
+
+
+@pytest.mark.parametrize("kind,group", CASES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_mixed_gemm_matches_dequantize_then_matmul(kind: str, group: int, config) -> None:
+    qweight, scales, offsets = _weight(kind, group)
+    x = _x(37)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    bias = bias.to(DEVICE)
+    expected = mg.mixed_gemm_ref(kind, x, qweight, scales, offsets, bias)
+    got = mixed_gemm(kind, x, qweight, scales, offsets, bias, config=config)
+    assert got.shape == (37, N) and got.dtype == torch.bfloat16
+    assert_close(got, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [17, 70])
+def test_mixed_gemm_fp16_symmetric_int4_several_row_blocks(m: int) -> None:
+    qweight, scales, offsets = _weight("int4", 128, seed=3, symmetric=True)
+    x = _x(m, torch.float16)
+    expected = mg.mixed_gemm_ref("int4", x, qweight, scales, offsets)
+    config = MixedGemmConfig(16, 64, 128, 2, 1, 4, 2)  # several row blocks, grouped order
+    got = mixed_gemm("int4", x, qweight, scales, offsets, config=config)
+    assert got.dtype == torch.float16
+    assert_close(got, expected, torch.float16)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]])
+def test_fp8_scaled_gemm_matches_w8a8_reference(per_channel: bool, config) -> None:
+    qweight, scales, _ = _weight("fp8", K if per_channel else 0, seed=4)
+    x = _x(33) * 3
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bias = bias.to(DEVICE)
+    xq, x_scales = formats.quantize_fp8_per_token(x)  # torch's rounding (the interpreter's differs)
+    got = fp8_scaled_gemm(xq, x_scales, qweight, scales, bias, torch.bfloat16, config=config)
+    assert_close(got, w8a8_ref(x, qweight, scales, bias), torch.bfloat16)
+
+
+def test_config_choice_and_validation() -> None:
+    assert [mg.m_bucket(m) for m in (17, 32, 33, 200, 300, 5000, 9000)] == [
+        32, 32, 64, 256, 512, 8192, 8192,
+    ]  # fmt: skip
+    key = ("int8", 4096, 4096, 64)
+    old = dict(mg.TUNED_CONFIGS)
+    try:
+        mg.TUNED_CONFIGS[key] = None
+        assert mg.pick_config("int8", 50, 4096, 4096, torch.device("cpu")) is None
+        mg.TUNED_CONFIGS[key] = (64, 128, 64, 8, 2, 4, 4)
+        cfg = mg.pick_config("int8", 50, 4096, 4096, torch.device("cpu"))
+        assert cfg == MixedGemmConfig(64, 128, 64, 8, 2, 4, 4)
+        # buckets not measured take the nearest measured one of the same shape
+        mg.TUNED_CONFIGS[("int8", 4096, 4096, 2048)] = (128, 128, 64, 8, 1, 8, 3)
+        assert mg.pick_config("int8", 100, 4096, 4096, torch.device("cpu")).split_k == 2
+        assert mg.pick_config("int8", 1500, 4096, 4096, torch.device("cpu")).block_m == 128
+        assert mg.pick_config("int8", 9000, 4096, 4096, torch.device("cpu")).block_m == 128
+        assert mg.pick_config("int8", 50, 4096, 14336, torch.device("cpu")) is not None
+    finally:
+        mg.TUNED_CONFIGS.clear()
+        mg.TUNED_CONFIGS.update(old)
+    # untuned W8A8 beyond W8A8_TRITON_MAX_ROWS: torch._scaled_mm
+    assert mg.pick_config("w8a8", 4096, 4096, 4096, torch.device("cpu")) is None
+    small = mg.pick_config("w8a8", 32, 4096, 4096, torch.device("cpu"))
+    assert small is not None and small.split_k > 1  # 32 tiles on 132 SMs: K is split
+    # a tile that would straddle groups of 32 shrinks; split-K shrinks to whole tiles
+    cfg = mg.check_config(96 * 4, 32, MixedGemmConfig(32, 64, 128, 8, 8, 4, 3))
+    assert cfg.block_k == 128 and cfg.split_k == 1
+    cfg = mg.check_config(4096, 4096, MixedGemmConfig(32, 64, 128, 8, 4, 4, 3))
+    assert cfg.split_k == 4
+    with pytest.raises(ValueError, match="does not match"):
+        qweight, scales, _ = _weight("int8", K)
+        mixed_gemm("int8", _x(20)[:, :-32], qweight, scales)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        mixed_gemm("int8", _x(20, torch.float32), qweight, scales)
+    assert not mg.supports("int8", _x(20, torch.float32), qweight, scales)
+    assert mg.supports("int8", _x(20), qweight, scales)
+
+
+def _hopper_kernel(kind: int, group: int, row_scale: bool, cfg: MixedGemmConfig, w8a8: bool):
+    from sm90_inspect import compile_sm90
+
+    q_type = {0: "*i8", 1: "*u8", 2: "*fp8e4nv"}[kind]
+    signature = {
+        "x_ptr": "*fp8e4nv" if w8a8 else "*bf16", "xs_ptr": "*fp32", "q_ptr": q_type,
+        "s_ptr": "*fp32" if kind == 2 else "*bf16", "o_ptr": "*bf16", "bias_ptr": "*bf16",
+        "out_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
+        "stride_xm": "i32", "stride_qn": "i32", "stride_s": "i32", "stride_om": "i32",
+    }  # fmt: skip
+    constexprs = dict(
+        KIND=kind, GROUP=group, ROW_SCALE=row_scale, SCALAR_SCALE=False, HAS_BIAS=True,
+        X_SCALE=w8a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, NUM_STAGES=cfg.num_stages, FAST_FP8=True,
+    )  # fmt: skip
+    divisible = ("N", "K", "stride_xm", "stride_qn", "stride_om")
+    return compile_sm90(mg._mixed_gemm_kernel, signature, constexprs, cfg.num_warps, divisible)
+
+
+HOPPER_CASES = [  # (kind, group, row_scale, config, w8a8, expected wgmma operand types)
+    (0, 4096, True, MixedGemmConfig(32, 128, 128, 8, 1, 4, 4), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(128, 128, 64, 8, 1, 8, 3), False, "bf16.bf16"),
+    (1, 32, False, MixedGemmConfig(64, 128, 128, 8, 4, 8, 4), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(32, 64, 256, 8, 4, 4, 3), False, "bf16.bf16"),
+    (2, 4096, True, MixedGemmConfig(64, 128, 128, 8, 2, 8, 4), False, "bf16.bf16"),
+    (2, 4096, True, MixedGemmConfig(128, 128, 128, 8, 1, 8, 4), True, "e4m3.e4m3"),
+]
+
+
+def hopper_report() -> list[dict]:
+    """Compile HOPPER_CASES for sm_90 (run in a process without TRITON_INTERPRET, where the
+    kernels are compiled functions) and report what the PTX and ptxas say."""
+    from sm90_inspect import ptxas_usage, uses_register_a, wgmma_forms
+
+    report = []
+    for kind, group, row_scale, cfg, w8a8, _ in HOPPER_CASES:
+        kernel = _hopper_kernel(kind, group, row_scale, cfg, w8a8)
+        registers, spilled = ptxas_usage(kernel)
+        report.append({
+            "forms": wgmma_forms(kernel), "register_a": uses_register_a(kernel),
+            "pipelined": "cp.async" in kernel.asm["ptx"], "registers": registers,
+            "spilled": spilled,
+        })  # fmt: skip
+    return report
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU compiles the kernels itself in the tests above")
+def test_kernels_compile_for_hopper() -> None:
+    """Code the interpreter accepts but the GPU compiler rejects fails here."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    here = pathlib.Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
+    )
+    code = "import json, test_mixed_gemm as t; print(json.dumps(t.hopper_report()))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for (*_, w8a8, types), got in zip(HOPPER_CASES, report, strict=True):
+        assert got["forms"] and all(f.endswith(types) for f in got["forms"]), got
+        assert got["register_a"] != w8a8, got  # dequantized weights feed wgmma from registers
+        assert got["pipelined"], got  # the K loop copies tiles ahead with cp.async
+        assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
