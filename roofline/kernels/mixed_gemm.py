@@ -28,87 +28,39 @@ so a weight tile is read from HBM once and served from L2 to its neighbours), an
 (small M: too few output tiles to occupy every SM) gives each program one slice of K; the slices'
 fp32 partial sums go to a workspace and one small launch adds them in a fixed order (bias,
 rounding), so the result is deterministic and CUDA-graph capturable. Configs come from
-``TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by ``scripts/gpu_mixedgemm.py
---sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is ``dequant_gemm_ref`` (dequantize,
+``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by
+``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is ``dequant_gemm_ref`` (dequantize,
 round to x's dtype, fp32 matmul).
 """
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret, num_sms
-from roofline.kernels.dequant_gemm import _layout, dequant_gemm_ref
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.dequant_gemm import _layout
+from roofline.kernels.dequant_gemm import dequant_gemm_ref as mixed_gemm_ref
+from roofline.kernels.mixed_gemm_configs import (
+    M_BUCKETS,
+    TUNED_CONFIGS,
+    W8A8_TRITON_MAX_ROWS,
+    MixedGemmConfig,
+    check_config,
+    heuristic_config,
+    m_bucket,
+    pick_config,
+)
+
+__all__ = [
+    "M_BUCKETS", "TUNED_CONFIGS", "W8A8_TRITON_MAX_ROWS", "MixedGemmConfig", "check_config",
+    "fp8_scaled_gemm", "heuristic_config", "m_bucket", "mixed_gemm", "mixed_gemm_ref",
+    "pick_config", "supports", "w8a8_gemm",
+]  # fmt: skip
 
 KIND_INT8, KIND_INT4, KIND_FP8 = 0, 1, 2
 _KINDS = {"int8": KIND_INT8, "int4": KIND_INT4, "fp8": KIND_FP8}
-M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-mixed_gemm_ref = dequant_gemm_ref
-
-
-class MixedGemmConfig(NamedTuple):
-    block_m: int  # rows of x per program (the MMA's N side): 16..256, a power of two
-    block_n: int  # weight rows per program (the MMA's M side): 64, 128 or 256
-    block_k: int  # reduction elements per pipeline step: 64 or 128 (256 for small tiles)
-    group_m: int  # row blocks of x that walk the same weight columns together (L2 reuse)
-    split_k: int  # K slices, each its own program; > 1 adds the fp32 reduction launch
-    num_warps: int
-    num_stages: int
-
-
-# Untuned W8A8 shapes take this kernel up to this many rows, torch._scaled_mm beyond.
-W8A8_TRITON_MAX_ROWS = 256
-
-# (kind, N, K, m_bucket) -> config tuple, or None where the library GEMM measured faster
-# (kind int8/int4/fp8: dequantize + cuBLAS; kind "w8a8": torch._scaled_mm).
-# Filled from scripts/gpu_mixedgemm.py --sweep on an H100 (Llama-3.1-8B shapes).
-TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
-
-
-def m_bucket(m: int) -> int:
-    """The TUNED_CONFIGS row bucket of M rows: the smallest bucket >= M (8192 beyond)."""
-    for bucket in M_BUCKETS:
-        if m <= bucket:
-            return bucket
-    return M_BUCKETS[-1]
-
-
-def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmConfig:
-    """A config for shapes the sweep has not measured. BLOCK_M: M's power of two up to 128
-    (16 at least: the MMA's N side); BLOCK_N 128, or 64 where that is what fills the SMs;
-    split-K (powers of two, slices of at least 512) until the tiles cover about one wave."""
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
-    tiles_m = triton.cdiv(m, block_m)
-    block_n = 128 if tiles_m * triton.cdiv(n, 128) >= sms else 64
-    block_k = 128 if m <= 256 else 64
-    tiles = tiles_m * triton.cdiv(n, block_n)
-    split_k = 1
-    while tiles * split_k < sms and k % (2 * split_k * block_k) == 0 and k // (2 * split_k) >= 512:
-        split_k *= 2
-    num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
-    num_stages = 4 if m <= 256 else 3
-    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
-
-
-def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
-    """The tuned config of (kind, N, K, M's bucket) (or of the nearest bucket measured for that
-    shape), else the heuristic; None: the library GEMM
-    (cuBLAS on a dequantized copy; ``torch._scaled_mm`` for ``w8a8``) is faster there."""
-    bucket = m_bucket(m)
-    measured = [b for b in M_BUCKETS if (kind, n, k, b) in TUNED_CONFIGS]
-    if measured:  # the bucket itself, else the nearest measured one (by ratio of rows)
-        nearest = min(measured, key=lambda b: (abs(math.log2(b / bucket)), b))
-        cfg = TUNED_CONFIGS[(kind, n, k, nearest)]
-        return None if cfg is None else MixedGemmConfig(*cfg)
-    if kind == "w8a8" and m > W8A8_TRITON_MAX_ROWS:
-        return None  # compute-bound: torch._scaled_mm (CUTLASS) unless measured otherwise
-    return heuristic_config(kind, m, n, k, num_sms(device))
 
 
 @triton.jit
@@ -141,8 +93,24 @@ def _e4m3_to_bf16(q):
 
 
 @triton.jit
-def _dequant_tile(
-    q_ptrs,  # [BN, BK] element pointers (int8/fp8) or [BN, BK // 2] byte pointers (int4)
+def _row_scaled_tile(q_ptrs, dtype: tl.constexpr, KIND: tl.constexpr, FAST_FP8: tl.constexpr):
+    """One [BN, BK] tile of a weight with one scale per row (applied in the epilogue), in x's
+    dtype: int8 exactly (|q| <= 127; ptxas widens it with byte permutes, no I2F), e4m3 by
+    ``_e4m3_to_bf16`` or kept as it is for W8A8 (fp8 x fp8 on the tensor cores)."""
+    q = tl.load(q_ptrs)  # [BN, BK]
+    if KIND == 2:
+        if FAST_FP8 and dtype == tl.bfloat16:
+            w = _e4m3_to_bf16(q)
+        else:
+            w = q.to(dtype)
+    else:
+        w = q.to(tl.float32).to(dtype)
+    return w
+
+
+@triton.jit
+def _grouped_tile(
+    q_ptrs,  # [BN, BK] int8 pointers or [BN, BK // 2] int4 byte pointers
     s_ptr,
     o_ptr,
     rows_n,  # [BN] int64
@@ -151,28 +119,16 @@ def _dequant_tile(
     dtype: tl.constexpr,
     KIND: tl.constexpr,
     GROUP: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FAST_FP8: tl.constexpr,
 ):
-    """One weight tile in x's dtype [BN, BK] (unscaled when ROW_SCALE).
+    """One [BN, BK] tile of a weight with group scales (int4: and offsets) in x's dtype.
 
-    With group scales, q is widened without int-to-float conversions (a quarter-rate
-    instruction on Hopper, the bottleneck of the naive tile): its bits go into the mantissa of
-    1.0f, ``v = 1 + q / SPAN`` (int8: ``1 + (q + 128) / 256``), and one FMA per element makes
-    ``w = v * (SPAN s) + (offset - SPAN s)`` = ``q s + offset``, rounded once as
-    ``formats.dequantize_*`` rounds (the per-row constants ``SPAN s`` and ``offset - SPAN s``
-    are exact in fp32 for 16-bit scales and offsets of similar magnitude)."""
-    if ROW_SCALE:
-        q = tl.load(q_ptrs)  # [BN, BK]
-        if KIND == 2:
-            if q.dtype == dtype:  # W8A8: fp8 x fp8 on the tensor cores
-                return q
-            if FAST_FP8 and dtype == tl.bfloat16:
-                return _e4m3_to_bf16(q)
-            return q.to(dtype)
-        return q.to(tl.float32).to(dtype)  # exact: |q| <= 127 (ptxas: byte permutes, no I2F)
+    q is widened without int-to-float conversions (quarter rate on Hopper, the bottleneck of
+    the naive tile): its bits go into the mantissa of 1.0f, ``v = 1 + q / 16`` (int8:
+    ``1 + (q + 128) / 256``), and one FMA per element makes ``w = v * (SPAN s) + (offset -
+    ZERO s)`` = ``q s + offset``, rounded once as ``formats.dequantize_*`` rounds (the per-row
+    constants are exact in fp32 for 16-bit scales and offsets of similar magnitude)."""
     if KIND == 1:
         b = tl.load(q_ptrs).to(tl.uint32)  # [BN, BK // 2] bytes
         low = ((b & 0xF) << 19) | 0x3F800000
@@ -259,10 +215,13 @@ def _mixed_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(k_first, k_first + k_len, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs)  # [BM, BK]
-        w = _dequant_tile(
-            q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, ROW_SCALE,
-            BLOCK_N, BLOCK_K, FAST_FP8,
-        )  # fmt: skip
+        if ROW_SCALE:
+            w = _row_scaled_tile(q_ptrs, x.dtype, KIND, FAST_FP8)  # [BN, BK]
+        else:
+            w = _grouped_tile(
+                q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, BLOCK_N,
+                BLOCK_K,
+            )  # fmt: skip
         acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         q_ptrs += q_step
         x_ptrs += BLOCK_K
@@ -305,19 +264,6 @@ def _split_k_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
-    """The config made valid for this weight: BLOCK_K halved (down to 32) until a tile sits in
-    one group or holds whole groups, SPLIT_K halved until every slice is whole tiles."""
-    block_k, split_k = cfg.block_k, cfg.split_k
-    while block_k > 32 and group % block_k and block_k % group:
-        block_k //= 2
-    if (group % block_k and block_k % group) or k % block_k:
-        raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")
-    while split_k > 1 and k % (split_k * block_k):
-        split_k //= 2
-    return cfg._replace(block_k=block_k, split_k=split_k)
 
 
 def supports(kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:

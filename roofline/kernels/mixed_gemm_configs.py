@@ -1,0 +1,91 @@
+"""Configs of the mixed-input GEMM (``kernels.mixed_gemm``): the tile shape of one launch, the
+table measured on an H100 per method, shape and M bucket (``scripts/gpu_mixedgemm.py --sweep``
+prints it), the heuristic for shapes it lacks, and the validation that fits a config to a
+weight's K and group size. A table entry of ``None`` means the library GEMM measured faster
+there (dequantize + cuBLAS; ``torch._scaled_mm`` for kind ``w8a8``); a bucket without an entry
+takes the nearest measured bucket of the same shape, so a shape needs few compiled variants.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+
+from roofline.kernels import num_sms
+
+M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class MixedGemmConfig(NamedTuple):
+    block_m: int  # rows of x per program (the MMA's N side): 16..256, a power of two
+    block_n: int  # weight rows per program (the MMA's M side): 64, 128 or 256
+    block_k: int  # reduction elements per pipeline step: 64 or 128 (256 for small tiles)
+    group_m: int  # row blocks of x that walk the same weight columns together (L2 reuse)
+    split_k: int  # K slices, each its own program; > 1 adds the fp32 reduction launch
+    num_warps: int
+    num_stages: int
+
+
+# Untuned W8A8 shapes take this kernel up to this many rows, torch._scaled_mm beyond.
+W8A8_TRITON_MAX_ROWS = 256
+
+# (kind, N, K, m_bucket) -> config tuple, or None where the library GEMM measured faster
+# (kind int8/int4/fp8: dequantize + cuBLAS; kind "w8a8": torch._scaled_mm).
+# Filled from scripts/gpu_mixedgemm.py --sweep on an H100 (Llama-3.1-8B shapes).
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The TUNED_CONFIGS row bucket of M rows: the smallest bucket >= M (8192 beyond)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return M_BUCKETS[-1]
+
+
+def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmConfig:
+    """A config for shapes the sweep has not measured. BLOCK_M: M's power of two up to 128
+    (16 at least: the MMA's N side); BLOCK_N 128, or 64 where that is what fills the SMs;
+    split-K (powers of two, slices of at least 512) until the tiles cover about one wave."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    tiles_m = triton.cdiv(m, block_m)
+    block_n = 128 if tiles_m * triton.cdiv(n, 128) >= sms else 64
+    block_k = 128 if m <= 256 else 64
+    tiles = tiles_m * triton.cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k < sms and k % (2 * split_k * block_k) == 0 and k // (2 * split_k) >= 512:
+        split_k *= 2
+    num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
+    num_stages = 4 if m <= 256 else 3
+    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
+
+
+def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
+    """The tuned config of (kind, N, K, M's bucket) (or of the nearest bucket measured for that
+    shape), else the heuristic; None: the library GEMM
+    (cuBLAS on a dequantized copy; ``torch._scaled_mm`` for ``w8a8``) is faster there."""
+    bucket = m_bucket(m)
+    measured = [b for b in M_BUCKETS if (kind, n, k, b) in TUNED_CONFIGS]
+    if measured:  # the bucket itself, else the nearest measured one (by ratio of rows)
+        nearest = min(measured, key=lambda b: (abs(math.log2(b / bucket)), b))
+        cfg = TUNED_CONFIGS[(kind, n, k, nearest)]
+        return None if cfg is None else MixedGemmConfig(*cfg)
+    if kind == "w8a8" and m > W8A8_TRITON_MAX_ROWS:
+        return None  # compute-bound: torch._scaled_mm (CUTLASS) unless measured otherwise
+    return heuristic_config(kind, m, n, k, num_sms(device))
+
+
+def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
+    """The config made valid for this weight: BLOCK_K halved (down to 32) until a tile sits in
+    one group or holds whole groups, SPLIT_K halved until every slice is whole tiles."""
+    block_k, split_k = cfg.block_k, cfg.split_k
+    while block_k > 32 and group % block_k and block_k % group:
+        block_k //= 2
+    if (group % block_k and block_k % group) or k % block_k:
+        raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")
+    while split_k > 1 and k % (split_k * block_k):
+        split_k //= 2
+    return cfg._replace(block_k=block_k, split_k=split_k)
