@@ -29,8 +29,8 @@ so a weight tile is read from HBM once and served from L2 to its neighbours), an
 fp32 partial sums go to a workspace and one small launch adds them in a fixed order (bias,
 rounding), so the result is deterministic and CUDA-graph capturable. Configs come from
 ``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by
-``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is ``dequant_gemm_ref`` (dequantize,
-round to x's dtype, fp32 matmul).
+``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is
+``dequant_gemm_ref`` (dequantize, round to x's dtype, fp32 matmul).
 """
 
 from __future__ import annotations
