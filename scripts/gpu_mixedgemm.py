@@ -128,6 +128,12 @@ def parity() -> None:
             for c in cfgs.values()
         ]
         + [partial(ours("w8a8", c, True), x17, *weights[("fp8", 0)]) for c in cfgs.values()]
+        + [  # what the dispatch picks below
+            partial(ours(kind, mg.pick_config(kind, m, n, k, x17.device), True), x17, *w)
+            for (kind, _), w in weights.items()
+            for m in (24, 200, 3000)
+            if mg.pick_config(kind, m, n, k, x17.device) is not None
+        ]
     )
     for kind, group in cases:
         qw, s, o = weights[(kind, group)]
