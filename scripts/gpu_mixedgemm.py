@@ -41,8 +41,9 @@ import torch.nn.functional as F
 import triton
 
 from roofline.kernels import mixed_gemm as mg
+from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.dequant_gemm import dequant_cublas_gemm, dequant_gemm, dequantize_ref
-from roofline.kernels.fp8_quant import quantize_fp8_per_token
+from roofline.kernels.fp8_quant import quantize_fp8_per_token, silu_mul_quantize_fp8_per_token
 from roofline.kernels.mixed_gemm import MixedGemmConfig
 from roofline.quantization import formats
 
@@ -178,6 +179,9 @@ def parity() -> None:
             errs[f"{kind}/g{group or 'K'}"] = rel_err(got, exact_ref(kind, x, qw, s, o))
         qw, s, _ = weights[("fp8", 0)]
         errs["w8a8"] = rel_err(w8a8_linear(x, qw, s, None), w8a8_exact(x, qw, s))
+        gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16) * 2
+        got = w8a8_linear(gate_up, qw, s, None, silu_mul=True)
+        errs["w8a8+silu"] = rel_err(got, w8a8_exact(silu_and_mul(gate_up), qw, s))
         worst = max(worst, *errs.values())
         print(f"dispatch M={m:4}: " + " ".join(f"{a} {e:.1e}" for a, e in errs.items()))
     SUMMARY["parity_worst"] = worst
@@ -285,6 +289,13 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
                 if m <= 128 and kind != "w8a8":
                     line[f"{kind}/old"] = time_ring(partial(dequant_gemm, kind, x), ring, heavy)
             line["actquant"] = time_ring(partial(quantize_fp8_per_token, x), [()], heavy)
+            if layer == "down":  # the W8A8 down projection's input: fused vs two launches
+                gu = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+                line["silu+quant"] = time_ring(
+                    lambda g: quantize_fp8_per_token(silu_and_mul(g)), [(gu,)], heavy
+                )
+                line["silu_quant"] = time_ring(silu_mul_quantize_fp8_per_token, [(gu,)], heavy)
+                del gu
             wbytes = {kind: nbytes(*rings[kind][0]) for kind in METHODS}
             wbytes["bf16"], wbytes["w8a8"] = 2 * n * k, wbytes["fp8"]
             parts = [
@@ -302,6 +313,11 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
                     p += f" old {line[kind + '/old'] * 1e6:7.1f}"
                 parts.append(p)
             parts.append(f"  fp8 per-token act quant alone {line['actquant'] * 1e6:.1f} us")
+            if "silu_quant" in line:
+                parts.append(
+                    f"  SiLU-and-mul + act quant: two launches {line['silu+quant'] * 1e6:.1f} "
+                    f"us, fused {line['silu_quant'] * 1e6:.1f} us"
+                )
             print("\n".join(parts), flush=True)
             SUMMARY[f"gemm_{layer}_{m}"] = {a: v * 1e6 for a, v in line.items()}
             rows.append((layer, m, line))

@@ -6,6 +6,12 @@
 program per row walks K twice in ``BLOCK_K`` chunks: the row's absolute maximum, then the
 quantized row (the second read of a row comes from L2). The division is IEEE (``div_rn``), as
 torch's.
+
+``silu_mul_quantize_fp8_per_token(gate_up)`` quantizes ``silu(gate) * up`` of an MLP's gate/up
+output ``[M, 2I]`` the same way, the activation computed in both passes from gate/up as
+``kernels.activation.silu_and_mul`` rounds it (so the result equals that kernel followed by
+``quantize_fp8_per_token``): the down projection of a W8A8 MLP never writes or reads the 16-bit
+activation.
 """
 
 from __future__ import annotations
@@ -14,13 +20,26 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.activation import _expf
 from roofline.quantization.formats import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
+def _load_row_chunk(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """fp32 [BLOCK_K] of the row (SILU_MUL: of silu(gate) * up, rounded as silu_and_mul)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        act = tl.math.div_rn(g, 1.0 + _expf(-g, LIBDEVICE)).to(x.dtype).to(tl.float32)
+        up = tl.load(x_ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
+        return (act * up).to(x.dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _fp8_per_token_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL)
     q_ptr,  # [M, K] fp8
     s_ptr,  # [M] fp32
     K,
@@ -28,23 +47,44 @@ def _fp8_per_token_kernel(
     stride_qm,
     FP8_MAX_: tl.constexpr,
     OUT_FP8: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        x = _load_row_chunk(x_row, k0 + offs, k0 + offs < K, K, SILU_MUL, LIBDEVICE)
+        amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX_), 1e-12)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _load_row_chunk(x_row, k0 + offs, mask, K, SILU_MUL, LIBDEVICE)
         q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
         if OUT_FP8:  # round to nearest even, as torch's conversion (not Triton's default)
             q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * stride_qm + k0 + offs, q, mask=mask)
+
+
+def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool):
+    check_device(x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"fp8 per-token quantization: x must be 2-D, rows contiguous: {x.shape}")
+    m = x.shape[0]
+    q = torch.empty(m, k, dtype=out_dtype, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scales
+    block_k = min(2048, triton.next_power_of_2(max(k, 16)))
+    _fp8_per_token_kernel[(m,)](
+        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX,
+        OUT_FP8=out_dtype == FP8_DTYPE, SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(),
+        BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8, enable_fp_fusion=False,
+    )  # fmt: skip
+    return q, scales
 
 
 def quantize_fp8_per_token(
@@ -53,17 +93,14 @@ def quantize_fp8_per_token(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fp8 [M, K], fp32 scales [M, 1]
     """``out_dtype=torch.float32`` stores the clamped quotients before rounding to e4m3 (the
     tests use it under the interpreter, whose fp8 rounding differs from the hardware's)."""
-    check_device(x)
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"quantize_fp8_per_token: x must be 2-D with contiguous rows: {x.shape}")
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=out_dtype, device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return q, scales
-    block_k = min(2048, triton.next_power_of_2(max(k, 16)))
-    _fp8_per_token_kernel[(m,)](
-        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX,
-        OUT_FP8=out_dtype == FP8_DTYPE, BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8,
-    )  # fmt: skip
-    return q, scales
+    return _launch(x, x.shape[-1], out_dtype, False)
+
+
+def silu_mul_quantize_fp8_per_token(
+    gate_up: torch.Tensor,  # [M, 2I] (gate | up), rows contiguous
+    out_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fp8 [M, I], fp32 scales [M, 1]
+    """``quantize_fp8_per_token(silu_and_mul(gate_up))`` in one launch."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must hold gate and up halves: {tuple(gate_up.shape)}")
+    return _launch(gate_up, gate_up.shape[-1] // 2, out_dtype, True)

@@ -7,7 +7,9 @@ output channel; a per-tensor checkpoint scale is spread over its shard's rows), 
   quantized per token (dynamic scales ``max|x_row| / 448``, one Triton launch:
   ``kernels.fp8_quant``) and multiplied on fp8 tensor cores with the per-channel weight scales
   by the Triton fp8 GEMM (``kernels.mixed_gemm``, split-K for small M) or by
-  ``torch._scaled_mm``, chosen per shape and M by measurement; decode-sized batches take the
+  ``torch._scaled_mm``, chosen per shape and M by measurement; an MLP's down projection gets
+  ``silu(gate) * up`` quantized by the same launch (``fuses_silu_mul``), so the 16-bit
+  activation is never written; decode-sized batches take the
   weight-only kernel (a weight read, where quantizing x buys nothing). On the CPU W8A8 computes
   exactly what the tensor-core path does: x rounded to fp8 per token, both operands widened, an
   fp32 matmul, both scales applied.
@@ -88,6 +90,20 @@ class Fp8LinearMethod(common.CanonicalLinearMethod):
             return w8a8_linear(x, layer.qweight, layer.scales, bias)
         return w8a8_ref(x, layer.qweight, layer.scales, bias)
 
+    def fuses_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> bool:
+        """W8A8 above DECODE_MAX_ROWS rows on CUDA: the activation is computed inside the
+        per-token quantization launch; fewer rows: the weight-only decode kernels' rule."""
+        if self.w8a8 and gate_up.is_cuda and gate_up.shape[0] > common.DECODE_MAX_ROWS:
+            return gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.is_contiguous()
+        return super().fuses_silu_mul(layer, gate_up)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.w8a8 and gate_up.is_cuda and gate_up.shape[0] > common.DECODE_MAX_ROWS:
+            return w8a8_linear(gate_up, layer.qweight, layer.scales, bias, silu_mul=True)
+        return super().apply_silu_mul(layer, gate_up, bias)
+
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int
     ) -> torch.Tensor:
@@ -111,33 +127,56 @@ def w8a8_ref(
 
 
 def w8a8_linear(
-    x: torch.Tensor,  # [M, K] bf16/fp16
+    x: torch.Tensor,  # [M, K] bf16/fp16 ([M, 2K] gate | up with silu_mul)
     qweight: torch.Tensor,  # fp8 [N, K]
     scales: torch.Tensor,  # fp32 [N] or [1]
     bias: torch.Tensor | None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:  # [M, N]
-    """W8A8 on CUDA for more than DECODE_MAX_ROWS rows: the Triton fp8 GEMM
-    (``kernels.mixed_gemm.w8a8_gemm``, split-K where the tiles are few) or ``torch._scaled_mm``,
-    whichever ``mixed_gemm``'s table measured faster for this shape and M; x is quantized per
-    token by one launch either way."""
-    from roofline.kernels import mixed_gemm
+    """W8A8 on CUDA for more than DECODE_MAX_ROWS rows: x quantized per token by one Triton
+    launch (``kernels.fp8_quant``; with ``silu_mul`` the launch computes the MLP activation from
+    gate/up first, so the 16-bit activation is never written), then the fp8 GEMM ``mixed_gemm``'s
+    table measured faster for this shape and M: the Triton kernel (split-K where the tiles are
+    few) or ``torch._scaled_mm``."""
+    from roofline.kernels import fp8_quant
 
     x = x.contiguous()
+    if silu_mul:
+        xq, x_scales = fp8_quant.silu_mul_quantize_fp8_per_token(x)  # [M, K] fp8, [M, 1]
+    else:
+        xq, x_scales = fp8_quant.quantize_fp8_per_token(x)  # [M, K] fp8, [M, 1] fp32
+    return fp8_gemm(xq, x_scales, qweight, scales, bias, x.dtype)
+
+
+def fp8_gemm(
+    xq: torch.Tensor,  # fp8 [M, K]
+    x_scales: torch.Tensor,  # fp32 [M, 1]
+    qweight: torch.Tensor,  # fp8 [N, K]
+    scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    from roofline.kernels import mixed_gemm
+
     n, k = qweight.shape
-    if x.dtype in (torch.bfloat16, torch.float16) and k % 64 == 0:
-        cfg = mixed_gemm.pick_config("w8a8", x.shape[0], n, k, x.device)
+    if k % 64 == 0 and out_dtype in (torch.bfloat16, torch.float16):
+        cfg = mixed_gemm.pick_config("w8a8", xq.shape[0], n, k, xq.device)
         if cfg is not None:
-            return mixed_gemm.w8a8_gemm(x, qweight, scales, bias, config=cfg)
-    return _scaled_mm(x, qweight, scales, bias)
+            return mixed_gemm.fp8_scaled_gemm(
+                xq, x_scales, qweight, scales, bias, out_dtype, config=cfg
+            )
+    scale_b = scales.float().expand(n).contiguous()[None, :]  # [1, N] (per-tensor: repeated)
+    out = torch._scaled_mm(xq, qweight.T, scale_a=x_scales, scale_b=scale_b, out_dtype=out_dtype)
+    return out if bias is None else out + bias
 
 
 def _scaled_mm(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """x quantized per token, then ``torch._scaled_mm`` (the library path, for benchmarks)."""
     from roofline.kernels.fp8_quant import quantize_fp8_per_token
 
     xq, x_scales = quantize_fp8_per_token(x.contiguous())  # [M, K] fp8, [M, 1] fp32 (one launch)
-    out = torch._scaled_mm(
-        xq, qweight.T, scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype
-    )  # [M, N]
+    scale_b = scales.float().expand(qweight.shape[0]).contiguous()[None, :]  # [1, N]
+    out = torch._scaled_mm(xq, qweight.T, scale_a=x_scales, scale_b=scale_b, out_dtype=x.dtype)
     return out if bias is None else out + bias

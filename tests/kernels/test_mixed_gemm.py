@@ -202,3 +202,28 @@ def test_kernels_compile_for_hopper() -> None:
         assert got["register_a"] != w8a8, got  # dequantized weights feed wgmma from registers
         assert got["pipelined"], got  # the K loop copies tiles ahead with cp.async
         assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
+
+
+@pytest.mark.parametrize("m,inter", [(3, 96), (5, 2048 + 64)])
+def test_silu_mul_fp8_quantization_equals_the_two_kernels(m: int, inter: int) -> None:
+    """One launch computes silu(gate) * up and quantizes it per token: the same quotients and
+    scales as ``silu_and_mul`` followed by ``quantize_fp8_per_token`` (fp32 quotients: the
+    interpreter's fp8 rounding is not the hardware's), and torch's values within rounding."""
+    from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from roofline.kernels.fp8_quant import (
+        quantize_fp8_per_token,
+        silu_mul_quantize_fp8_per_token,
+    )
+
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(m, 2 * inter, generator=gen) * 4).to(torch.bfloat16).to(DEVICE)
+    fused_q, fused_s = silu_mul_quantize_fp8_per_token(gate_up, out_dtype=torch.float32)
+    two_q, two_s = quantize_fp8_per_token(silu_and_mul(gate_up), out_dtype=torch.float32)
+    assert fused_q.shape == (m, inter) and fused_s.shape == (m, 1)
+    assert torch.equal(fused_s, two_s) and torch.equal(fused_q, two_q)
+    act = silu_and_mul_ref(gate_up.float()).to(torch.bfloat16).float()
+    ref_s = (act.abs().amax(dim=1, keepdim=True) / formats.FP8_MAX).clamp_min(1e-12)
+    torch.testing.assert_close(fused_s, ref_s, rtol=1e-2, atol=0)
+    torch.testing.assert_close(fused_q * fused_s, act, rtol=2e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="gate and up"):
+        silu_mul_quantize_fp8_per_token(gate_up[:, 1:].contiguous())
