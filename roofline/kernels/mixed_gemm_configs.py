@@ -79,10 +79,11 @@ def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> Mixe
 
 
 def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
-    """The config made valid for this weight: BLOCK_K halved (down to 32) until a tile sits in
-    one group or holds whole groups, SPLIT_K halved until every slice is whole tiles."""
+    """The config made valid for this weight: BLOCK_K halved (down to 32) until it divides K
+    and a tile sits in one group or holds whole groups, SPLIT_K halved until every slice is
+    whole tiles."""
     block_k, split_k = cfg.block_k, cfg.split_k
-    while block_k > 32 and group % block_k and block_k % group:
+    while block_k > 32 and ((group % block_k and block_k % group) or k % block_k):
         block_k //= 2
     if (group % block_k and block_k % group) or k % block_k:
         raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")

@@ -121,6 +121,9 @@ def test_config_choice_and_validation() -> None:
     assert cfg.block_k == 128 and cfg.split_k == 1
     cfg = mg.check_config(4096, 4096, MixedGemmConfig(32, 64, 128, 8, 4, 4, 3))
     assert cfg.split_k == 4
+    cfg = mg.check_config(384, 128, MixedGemmConfig(32, 64, 256, 8, 1, 4, 3))
+    assert cfg.block_k == 128  # 256 holds whole groups but does not divide K
+    assert mg.check_config(4128, 4128, MixedGemmConfig(32, 64, 128, 8, 1, 4, 3)).block_k == 32
     with pytest.raises(ValueError, match="does not match"):
         qweight, scales, _ = _weight("int8", K)
         mixed_gemm("int8", _x(20)[:, :-32], qweight, scales)
@@ -227,3 +230,24 @@ def test_silu_mul_fp8_quantization_equals_the_two_kernels(m: int, inter: int) ->
     torch.testing.assert_close(fused_q * fused_s, act, rtol=2e-2, atol=1e-2)
     with pytest.raises(ValueError, match="gate and up"):
         silu_mul_quantize_fp8_per_token(gate_up[:, 1:].contiguous())
+
+
+@pytest.mark.parametrize("kind,group", [("int8", 160), ("int4", 32), ("fp8", 160)])
+def test_mixed_gemm_k_not_a_multiple_of_the_tile(kind: str, group: int) -> None:
+    """K = 160: the tile shrinks to 32 elements (5 steps), split-K to whole tiles."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 160, generator=gen) / 13
+    if kind == "int8":
+        q = formats.quantize_int8(w, group, torch.bfloat16)
+        qweight, scales, offsets = q.qweight, q.scales, None
+    elif kind == "int4":
+        qweight, scales, offsets = formats.quantize_int4(w, group, False, torch.bfloat16)
+    else:
+        (qweight, scales), offsets = formats.quantize_fp8(w), None
+    qweight, scales = qweight.to(DEVICE), scales.to(DEVICE)
+    offsets = offsets.to(DEVICE) if offsets is not None else None
+    x = torch.randn(19, 160, generator=gen).to(torch.bfloat16).to(DEVICE)
+    assert mg.supports(kind, x, qweight, scales)
+    config = MixedGemmConfig(16, 64, 128, 8, 4, 4, 2)
+    got = mixed_gemm(kind, x, qweight, scales, offsets, config=config)
+    assert_close(got, mg.mixed_gemm_ref(kind, x, qweight, scales, offsets), torch.bfloat16)
