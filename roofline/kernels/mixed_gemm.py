@@ -167,7 +167,9 @@ def _mixed_gemm_kernel(
     s_ptr,  # [N, K // GROUP] (ROW_SCALE: [N], or [1] if SCALAR_SCALE)
     o_ptr,  # [N, K // GROUP] (int4 only)
     bias_ptr,  # [N]
-    out_ptr,  # [M, N] (SPLIT_K > 1: fp32 [SPLIT_K, M, N] partial sums)
+    out_ptr,  # [M, N]
+    ws_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1)
+    lock_ptr,  # int32 [tiles] arrival counters, zero between launches (FIXUP)
     M,
     N,
     K,
@@ -186,6 +188,7 @@ def _mixed_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FIXUP: tl.constexpr,  # SPLIT_K > 1: the last slice reduces (else a second launch does)
     NUM_STAGES: tl.constexpr,
     FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
 ):
@@ -233,14 +236,27 @@ def _mixed_gemm_kernel(
     if X_SCALE:
         acc *= tl.load(xs_ptr + rows_m)[None, :]
     mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)  # [BN, BM]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = out_ptr + tl.program_id(1).to(tl.int64) * M * N
-        tl.store(part + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None], acc, mask=mask)
+        slice_size = M.to(tl.int64) * N
+        offs_ws = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BN, BM]
+        tl.store(ws_ptr + tl.program_id(1) * slice_size + offs_ws, acc, mask=mask)
+        if FIXUP:  # the tile's last slice to finish sums all of them, in slice order
+            tl.debug_barrier()  # every thread's partial sums are written
+            arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # .cg: L2, never a stale L1 line
+                    part = ws_ptr + s * slice_size + offs_ws
+                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next launch (graph replays)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -281,6 +297,23 @@ def supports(kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return group % 32 == 0 or group == k
 
 
+MAX_FIXUP_TILES = 1 << 16
+"""Split-K launches of at most this many output tiles reduce in the kernel (the last slice of a
+tile to arrive sums the others'); larger ones (never at the M where split-K pays) take the
+reduce launch."""
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """The arrival counters of split-K tiles on ``device``'s current stream (kernels of one
+    stream run one after another; each leaves its counters at zero)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    locks = _LOCKS.get(key)
+    if locks is None:
+        locks = _LOCKS[key] = torch.zeros(MAX_FIXUP_TILES, dtype=torch.int32, device=device)
+    return locks
+
+
 def _launch(
     code: int,
     x: torch.Tensor,  # [M, K]
@@ -298,23 +331,27 @@ def _launch(
     n = qweight.shape[0]
     group, row_scale, scalar, stride_s = layout
     grid_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    target = out
+    ws = locks = out
+    fixup = False
     if cfg.split_k > 1:
-        target = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        fixup = grid_mn <= MAX_FIXUP_TILES
+        locks = _locks(x.device) if fixup else out
     grid = (grid_mn, cfg.split_k)
     launch = _mixed_gemm_kernel.warmup if warmup else _mixed_gemm_kernel[grid]
     reduce = _split_k_reduce_kernel.warmup if warmup else None
     launch(
         x, x_scales if x_scales is not None else scales, qweight, scales,
         offsets if offsets is not None else scales, bias if bias is not None else scales,
-        target, m, n, k, x.stride(0), qweight.stride(0), stride_s, out.stride(0),
+        out, ws, locks, m, n, k, x.stride(0), qweight.stride(0), stride_s, out.stride(0),
         KIND=code, GROUP=0 if row_scale else group, ROW_SCALE=row_scale, SCALAR_SCALE=scalar,
         HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
-        NUM_STAGES=cfg.num_stages, FAST_FP8=not is_interpret(), num_warps=cfg.num_warps,
-        **({"grid": grid} if warmup else {}),
+        FIXUP=fixup, NUM_STAGES=cfg.num_stages, FAST_FP8=not is_interpret(),
+        num_warps=cfg.num_warps, **({"grid": grid} if warmup else {}),
     )  # fmt: skip
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not fixup:
+        target = ws
         block = min(1024, triton.next_power_of_2(n))
         grid = (m, triton.cdiv(n, block))
         (reduce or _split_k_reduce_kernel[grid])(

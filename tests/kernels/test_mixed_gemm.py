@@ -140,13 +140,15 @@ def _hopper_kernel(kind: int, group: int, row_scale: bool, cfg: MixedGemmConfig,
     signature = {
         "x_ptr": "*fp8e4nv" if w8a8 else "*bf16", "xs_ptr": "*fp32", "q_ptr": q_type,
         "s_ptr": "*fp32" if kind == 2 else "*bf16", "o_ptr": "*bf16", "bias_ptr": "*bf16",
-        "out_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
+        "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+        "K": "i32",
         "stride_xm": "i32", "stride_qn": "i32", "stride_s": "i32", "stride_om": "i32",
     }  # fmt: skip
     constexprs = dict(
         KIND=kind, GROUP=group, ROW_SCALE=row_scale, SCALAR_SCALE=False, HAS_BIAS=True,
         X_SCALE=w8a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, NUM_STAGES=cfg.num_stages, FAST_FP8=True,
+        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, FIXUP=cfg.split_k > 1,
+        NUM_STAGES=cfg.num_stages, FAST_FP8=True,
     )  # fmt: skip
     divisible = ("N", "K", "stride_xm", "stride_qn", "stride_om")
     return compile_sm90(mg._mixed_gemm_kernel, signature, constexprs, cfg.num_warps, divisible)
