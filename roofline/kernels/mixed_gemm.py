@@ -26,8 +26,9 @@ fp32 accumulator.
 The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together,
 so a weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K``
 (small M: too few output tiles to occupy every SM) gives each program one slice of K; the slices'
-fp32 partial sums go to a workspace and one small launch adds them in a fixed order (bias,
-rounding), so the result is deterministic and CUDA-graph capturable. Configs come from
+fp32 partial sums go to a workspace, and the last slice of a tile to finish (an acq_rel atomic
+counts arrivals) adds them all in slice order, applies the bias, stores the tile and resets its
+counter: one launch, deterministic, CUDA-graph replayable. Configs come from
 ``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by
 ``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is
 ``dequant_gemm_ref`` (dequantize, round to x's dtype, fp32 matmul).
