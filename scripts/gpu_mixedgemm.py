@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 
 from roofline.kernels import mixed_gemm as mg
+from roofline.kernels import quant_gemv
 from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.dequant_gemm import dequant_cublas_gemm, dequant_gemm, dequantize_ref
 from roofline.kernels.fp8_quant import quantize_fp8_per_token, silu_mul_quantize_fp8_per_token
@@ -48,7 +49,7 @@ from roofline.kernels.mixed_gemm import MixedGemmConfig
 from roofline.quantization import formats
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-M_VALUES = (32, 64, 128, 256, 2048, 8192)
+M_VALUES = (16, 32, 64, 128, 256, 2048, 8192)  # 16: beside the decode GEMV
 METHODS = ("int8", "int4", "fp8")
 SUMMARY: dict[str, object] = {}
 TABLE: list[str] = []
@@ -250,6 +251,11 @@ def precompile(fns: list) -> None:
                 pass
 
 
+def gemv(kind: str, x: torch.Tensor):
+    """The decode GEMV (``kernels.quant_gemv``, its picked config), for M <= 16."""
+    return lambda qw, s, o: quant_gemv.quant_gemv(kind, x, qw, s, o)
+
+
 def lib_gemm(kind: str):
     """The library path the tuned table can choose instead (``None`` entries)."""
     if kind == "w8a8":
@@ -270,7 +276,7 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
     """Every shape x M: bf16 cuBLAS, then per method ours / dequantize + cuBLAS / generic."""
     rows = []
     for layer, (n, k) in SHAPES.items():
-        ms = M_VALUES if not quick else (32, 128, 2048, 8192)
+        ms = M_VALUES if not quick else (16, 32, 128, 2048, 8192)
         rings16 = [
             (torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16),)
             for _ in range(max(2, math.ceil(RING_BYTES / (2 * n * k))))
@@ -292,6 +298,8 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
                 line[f"{kind}/lib"] = time_ring(partial(lib_gemm(kind), x), ring, heavy)
                 if m <= 128 and kind != "w8a8":
                     line[f"{kind}/old"] = time_ring(partial(dequant_gemm, kind, x), ring, heavy)
+                if m <= 16 and kind != "w8a8" and quant_gemv.supports(kind, x, *ring[0][:2]):
+                    line[f"{kind}/gemv"] = time_ring(gemv(kind, x), ring, heavy)
             line["actquant"] = time_ring(partial(quantize_fp8_per_token, x), [()], heavy)
             if layer == "down":  # the W8A8 down projection's input: fused vs two launches
                 gu = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
@@ -315,6 +323,8 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
                 )
                 if f"{kind}/old" in line:
                     p += f" old {line[kind + '/old'] * 1e6:7.1f}"
+                if f"{kind}/gemv" in line:
+                    p += f" decode GEMV {line[kind + '/gemv'] * 1e6:7.1f}"
                 parts.append(p)
             parts.append(f"  fp8 per-token act quant alone {line['actquant'] * 1e6:.1f} us")
             if "silu_quant" in line:
@@ -328,7 +338,7 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
         del rings16, rings, x_big
         torch.cuda.empty_cache()
     TABLE.append(
-        "speed vs bf16 cuBLAS (ours | best of ours and the library path), "
+        "speed vs bf16 cuBLAS (ours | best of ours, the library path and at M=16 the GEMV), "
         "per shape qkv/o/gate_up/down:"
     )
     for m in sorted({r[1] for r in rows}):
@@ -336,7 +346,8 @@ def gemms(copy_bw: float, mm_rate: float, quick: bool) -> None:
         for kind in ("int8", "int4", "fp8", "w8a8"):
             ratios = [line["bf16"] / line[kind] for _, mm, line in rows if mm == m]
             best = [
-                line["bf16"] / min(line[kind], line[f"{kind}/lib"])
+                line["bf16"]
+                / min(line[kind], line[f"{kind}/lib"], line.get(f"{kind}/gemv", math.inf))
                 for _, mm, line in rows
                 if mm == m
             ]

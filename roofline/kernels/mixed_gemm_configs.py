@@ -16,7 +16,7 @@ import triton
 
 from roofline.kernels import num_sms
 
-M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class MixedGemmConfig(NamedTuple):
