@@ -45,8 +45,8 @@ from roofline.kernels.dequant_gemm import _layout
 from roofline.kernels.dequant_gemm import dequant_gemm_ref as mixed_gemm_ref
 from roofline.kernels.mixed_gemm_configs import (
     M_BUCKETS,
+    MIXED_MAX_ROWS,
     TUNED_CONFIGS,
-    W8A8_TRITON_MAX_ROWS,
     MixedGemmConfig,
     check_config,
     heuristic_config,
@@ -55,7 +55,7 @@ from roofline.kernels.mixed_gemm_configs import (
 )
 
 __all__ = [
-    "M_BUCKETS", "TUNED_CONFIGS", "W8A8_TRITON_MAX_ROWS", "MixedGemmConfig", "check_config",
+    "M_BUCKETS", "TUNED_CONFIGS", "MIXED_MAX_ROWS", "MixedGemmConfig", "check_config",
     "fp8_scaled_gemm", "heuristic_config", "m_bucket", "mixed_gemm", "mixed_gemm_ref",
     "pick_config", "supports", "w8a8_gemm",
 ]  # fmt: skip

@@ -29,13 +29,67 @@ class MixedGemmConfig(NamedTuple):
     num_stages: int
 
 
-# Untuned W8A8 shapes take this kernel up to this many rows, torch._scaled_mm beyond.
-W8A8_TRITON_MAX_ROWS = 256
+MIXED_MAX_ROWS = 256
+"""Above this many rows the library GEMM takes over unless the table has the bucket itself:
+dequantize + cuBLAS for weight-only kinds (H100, 8B shapes, M = 2048 / 8192: 0.83-0.88x /
+0.91-0.97x of bf16 cuBLAS, the mixed kernel 0.32-0.73x: its in-register widening does not
+overlap the MMAs at prefill tile sizes), ``torch._scaled_mm`` for W8A8 (1.28-1.57x of bf16, the
+Triton fp8 kernel 1.05-1.38x)."""
 
 # (kind, N, K, m_bucket) -> config tuple, or None where the library GEMM measured faster
 # (kind int8/int4/fp8: dequantize + cuBLAS; kind "w8a8": torch._scaled_mm).
-# Filled from scripts/gpu_mixedgemm.py --sweep on an H100 (Llama-3.1-8B shapes).
-TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
+# scripts/gpu_mixedgemm.py --quick --sweep on an H100 80GB HBM3 (2026-11-24, Llama-3.1-8B qkv /
+# o / gate_up / down), the fastest config whose result matched the reference. Configs with
+# BLOCK_K 64 and 8 warps are left out: one of them ((128, 128, 64, 8, 1, 8, 3)) gave wrong
+# results on the H100 (intermittently for int8, always for int4) while the interpreter and
+# every other shape matched; (256, 128, 64, 8, 1, 8, 4), measured right and fastest for gate_up
+# at 256 rows, is replaced by the next best for that reason.
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {
+    ("int4", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("int4", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("int4", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
+    ("int4", 4096, 14336, 32): (32, 128, 256, 8, 4, 8, 3),
+    ("int8", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("int8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("int8", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
+    ("int8", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("fp8", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("fp8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("fp8", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
+    ("fp8", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4),
+    ("w8a8", 6144, 4096, 32): (32, 64, 256, 8, 1, 8, 3),
+    ("w8a8", 4096, 4096, 32): (32, 64, 256, 8, 2, 8, 3),
+    ("w8a8", 28672, 4096, 32): (32, 128, 256, 8, 1, 8, 3),
+    ("w8a8", 4096, 14336, 32): (32, 64, 256, 8, 4, 8, 3),
+    ("int4", 6144, 4096, 128): (64, 64, 128, 8, 2, 4, 3),
+    ("int4", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("int4", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
+    ("int4", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("int8", 6144, 4096, 128): (128, 64, 128, 8, 2, 4, 3),
+    ("int8", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("int8", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
+    ("int8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("fp8", 6144, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("fp8", 4096, 4096, 128): (128, 64, 128, 8, 2, 4, 3),
+    ("fp8", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
+    ("fp8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("w8a8", 6144, 4096, 128): None,
+    ("w8a8", 4096, 4096, 128): None,
+    ("w8a8", 28672, 4096, 128): None,
+    ("w8a8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("int4", 6144, 4096, 256): (128, 64, 128, 8, 1, 4, 3),  # (128, 64, 64, 8, 2, 4, 4): 49.3 us, 0.4% faster
+    ("int4", 4096, 4096, 256): None,
+    ("int4", 28672, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
+    ("int4", 4096, 14336, 256): (128, 64, 128, 8, 4, 4, 3),
+    ("int8", 6144, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
+    ("int8", 4096, 4096, 256): (128, 64, 128, 8, 2, 4, 3),
+    ("int8", 28672, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
+    ("int8", 4096, 14336, 256): (128, 64, 128, 8, 2, 4, 3),
+    ("w8a8", 6144, 4096, 256): None,
+    ("w8a8", 4096, 4096, 256): None,
+    ("w8a8", 28672, 4096, 256): (128, 128, 128, 8, 1, 8, 3),
+    ("w8a8", 4096, 14336, 256): None,
+}
 
 
 def m_bucket(m: int) -> int:
@@ -53,28 +107,31 @@ def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmCo
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     tiles_m = triton.cdiv(m, block_m)
     block_n = 128 if tiles_m * triton.cdiv(n, 128) >= sms else 64
-    block_k = 128 if m <= 256 else 64
+    block_k = 128  # (64 with 8 warps gave wrong results on the H100: see TUNED_CONFIGS)
     tiles = tiles_m * triton.cdiv(n, block_n)
     split_k = 1
     while tiles * split_k < sms and k % (2 * split_k * block_k) == 0 and k // (2 * split_k) >= 512:
         split_k *= 2
     num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
-    num_stages = 4 if m <= 256 else 3
+    num_stages = 4 if block_n * block_k <= 64 * 128 else 3
     return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
-    """The tuned config of (kind, N, K, M's bucket) (or of the nearest bucket measured for that
-    shape), else the heuristic; None: the library GEMM
+    """The tuned config of (kind, N, K, M's bucket), else above MIXED_MAX_ROWS the library GEMM,
+    else the nearest bucket measured for that shape, else the heuristic; None: the library GEMM
     (cuBLAS on a dequantized copy; ``torch._scaled_mm`` for ``w8a8``) is faster there."""
     bucket = m_bucket(m)
-    measured = [b for b in M_BUCKETS if (kind, n, k, b) in TUNED_CONFIGS]
-    if measured:  # the bucket itself, else the nearest measured one (by ratio of rows)
+    if (kind, n, k, bucket) in TUNED_CONFIGS:
+        cfg = TUNED_CONFIGS[(kind, n, k, bucket)]
+        return None if cfg is None else MixedGemmConfig(*cfg)
+    if m > MIXED_MAX_ROWS:
+        return None  # prefill: the library GEMM unless the bucket itself was measured faster
+    measured = [b for b in M_BUCKETS if b <= MIXED_MAX_ROWS and (kind, n, k, b) in TUNED_CONFIGS]
+    if measured:  # the nearest measured bucket (by ratio of rows)
         nearest = min(measured, key=lambda b: (abs(math.log2(b / bucket)), b))
         cfg = TUNED_CONFIGS[(kind, n, k, nearest)]
         return None if cfg is None else MixedGemmConfig(*cfg)
-    if kind == "w8a8" and m > W8A8_TRITON_MAX_ROWS:
-        return None  # compute-bound: torch._scaled_mm (CUTLASS) unless measured otherwise
     return heuristic_config(kind, m, n, k, num_sms(device))
 
 

@@ -95,27 +95,38 @@ def test_config_choice_and_validation() -> None:
     assert [mg.m_bucket(m) for m in (5, 17, 32, 33, 200, 300, 5000, 9000)] == [
         16, 32, 32, 64, 256, 512, 8192, 8192,
     ]  # fmt: skip
-    key = ("int8", 4096, 4096, 64)
+    cpu = torch.device("cpu")
     old = dict(mg.TUNED_CONFIGS)
     try:
+        mg.TUNED_CONFIGS.clear()
+        key = ("int8", 4096, 4096, 64)
         mg.TUNED_CONFIGS[key] = None
-        assert mg.pick_config("int8", 50, 4096, 4096, torch.device("cpu")) is None
+        assert mg.pick_config("int8", 50, 4096, 4096, cpu) is None
         mg.TUNED_CONFIGS[key] = (64, 128, 64, 8, 2, 4, 4)
-        cfg = mg.pick_config("int8", 50, 4096, 4096, torch.device("cpu"))
-        assert cfg == MixedGemmConfig(64, 128, 64, 8, 2, 4, 4)
-        # buckets not measured take the nearest measured one of the same shape
-        mg.TUNED_CONFIGS[("int8", 4096, 4096, 2048)] = (128, 128, 64, 8, 1, 8, 3)
-        assert mg.pick_config("int8", 100, 4096, 4096, torch.device("cpu")).split_k == 2
-        assert mg.pick_config("int8", 1500, 4096, 4096, torch.device("cpu")).block_m == 128
-        assert mg.pick_config("int8", 9000, 4096, 4096, torch.device("cpu")).block_m == 128
-        assert mg.pick_config("int8", 50, 4096, 14336, torch.device("cpu")) is not None
+        assert mg.pick_config("int8", 50, 4096, 4096, cpu) == MixedGemmConfig(
+            64, 128, 64, 8, 2, 4, 4
+        )
+        # buckets not measured take the nearest measured one of the same shape up to
+        # MIXED_MAX_ROWS; beyond it the library GEMM unless the bucket itself is in the table
+        assert mg.pick_config("int8", 100, 4096, 4096, cpu).split_k == 2
+        assert mg.pick_config("int8", 1500, 4096, 4096, cpu) is None
+        mg.TUNED_CONFIGS[("int8", 4096, 4096, 2048)] = (128, 128, 128, 8, 1, 8, 3)
+        assert mg.pick_config("int8", 1500, 4096, 4096, cpu).block_m == 128
+        assert mg.pick_config("int8", 9000, 4096, 4096, cpu) is None
+        assert mg.pick_config("int8", 50, 4096, 14336, cpu) is not None  # the heuristic
+        assert mg.pick_config("w8a8", 4096, 4096, 4096, cpu) is None  # torch._scaled_mm
+        small = mg.pick_config("w8a8", 32, 4096, 4096, cpu)
+        assert small is not None and small.split_k > 1  # 32 tiles on 132 SMs: K is split
     finally:
         mg.TUNED_CONFIGS.clear()
         mg.TUNED_CONFIGS.update(old)
-    # untuned W8A8 beyond W8A8_TRITON_MAX_ROWS: torch._scaled_mm
-    assert mg.pick_config("w8a8", 4096, 4096, 4096, torch.device("cpu")) is None
-    small = mg.pick_config("w8a8", 32, 4096, 4096, torch.device("cpu"))
-    assert small is not None and small.split_k > 1  # 32 tiles on 132 SMs: K is split
+    # every shipped config is valid for its shape, and none is of the class that failed on
+    # the H100 (64-wide K tiles with 8 warps)
+    for (kind, n, k, bucket), cfg in mg.TUNED_CONFIGS.items():
+        if cfg is not None:
+            c = MixedGemmConfig(*cfg)
+            assert mg.check_config(k, 128 if kind == "int4" else k, c) == c
+            assert not (c.block_k == 64 and c.num_warps == 8), (kind, n, k, bucket)
     # a tile that would straddle groups of 32 shrinks; split-K shrinks to whole tiles
     cfg = mg.check_config(96 * 4, 32, MixedGemmConfig(32, 64, 128, 8, 8, 4, 3))
     assert cfg.block_k == 128 and cfg.split_k == 1
