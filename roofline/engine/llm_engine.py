@@ -209,7 +209,7 @@ class LLMEngine:
                 self.runner.warmup()
             if device.type == "cuda" and not args.enforce_eager and args.cuda_graph_mode != "none":
                 self.runner.capture_cuda_graphs()
-                if self.spec is not None:  # verification graphs, the measured switch
+                if self.spec is not None:  # verification graphs, the adaptive switch
                     self.spec.prepare(self.runner)
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, args.page_size, args.enable_prefix_caching
@@ -231,8 +231,6 @@ class LLMEngine:
         self._deferred: list[RequestUpdate] | None = None
         """A speculative step's folded updates whose outputs the next step builds (while the
         device runs it)."""
-        self._num_folded_tokens = 0
-        """Tokens folded into the scheduler so far (the speculative switch's per-step count)."""
         self._num_sync_groups = 0
         """Unfinished user requests whose sampling needs host-side history (no overlap)."""
         self._num_prompt_logprob_groups = 0
@@ -395,8 +393,8 @@ class LLMEngine:
             outputs += self.grammars.admit_ready(idle=not self.scheduler.has_unfinished_requests())
         prev, self._in_flight = self._in_flight, None
         spec = self.spec
-        num_running, folded = self.scheduler.num_running, self._num_folded_tokens
-        speculate = spec is not None and spec.active(num_running)
+        num_running = self.scheduler.num_running
+        speculate = spec is not None and spec.active(num_running, self.scheduler.running)
         overlap = self.async_scheduling and self._num_sync_groups == 0 and not speculate
         drained = prev is not None and not overlap
         if drained:
@@ -413,7 +411,7 @@ class LLMEngine:
         elif spec is not None:
             spec.withdraw()
         sched_out = self.scheduler.schedule()
-        decode_only = spec is not None and spec.is_decode_step(sched_out)
+        decode_only = spec is not None and spec.is_decode_step(sched_out, speculate)
         if spec is not None and sched_out.finished_request_ids:
             spec.remove(sched_out.finished_request_ids)
         if self.on_schedule is not None:
@@ -445,10 +443,9 @@ class LLMEngine:
         timing = self.step_timing
         timing.steps += 1
         timing.total_s += time.perf_counter() - t0
-        if spec is not None and decode_only and not drained:  # the switch's online figures
-            # (tokens folded in by this call; prefill chunks or a drained step would blur them)
-            tokens = self._num_folded_tokens - folded
-            spec.observe(speculate, num_running, time.perf_counter() - t0, tokens)
+        if spec is not None and decode_only and not drained:  # the switch's online step cost
+            # (prefill chunks or a drained step would blur it)
+            spec.observe(speculate, num_running, time.perf_counter() - t0)
         return outputs
 
     def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
@@ -469,8 +466,6 @@ class LLMEngine:
             self.scheduler.num_unreported_tokens = 0
         if run_out.verified and self.spec is not None:
             self.spec.record(run_out.verified)
-        if self.spec is not None:
-            self._num_folded_tokens += sum(len(u.new_token_ids) for u in updates) + unreported
         if self.grammars.has_matchers:  # matchers advance at once (a speculative step's outputs
             for upd in updates:  # may wait a step; the next proposals and masks may not)
                 owner = self._seq_owner.get(upd.request.request_id)

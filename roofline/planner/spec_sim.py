@@ -76,7 +76,7 @@ class SimSpeculator:
         self._rng = random.Random(config.seed)
 
     def before_schedule(self, running: list[Request], num_running: int) -> None:
-        if self.decoder.active(num_running):
+        if self.decoder.active(num_running, running):
             self.decoder.propose(running)
         else:
             self.decoder.withdraw()

@@ -82,7 +82,7 @@ def build_spec_decoder(
             target_config, draft_config, device, alpha, k, scheduler_config.max_num_seqs, dtype
         )
         logger.info("speculative decoding while at most %d requests run (roofline)", max_batch)
-    elif max_batch is None:  # CUDA graphs: the measured switch decides (SpecDecoder.prepare)
+    elif max_batch is None:  # CUDA graphs: the adaptive switch decides (SpecDecoder.prepare)
         max_batch = scheduler_config.max_num_seqs
     return SpecDecoder(config, proposer, max_batch, scheduler_config.max_model_len, alpha)
 

@@ -5,7 +5,8 @@ request in the decode state (prefill done, nothing pending) and stores the token
 ``Request.spec_token_ids``; the scheduler then counts them like any other tokens and the runner
 verifies them. The per-request k is clipped so that the emitted tokens (accepted + 1) never pass
 ``max_tokens`` or ``max_model_len``. Above ``max_batch_size`` running requests it proposes
-nothing (the adaptive switch). It also keeps the counters the engine reports: proposals,
+nothing; with CUDA graphs the :class:`AdaptiveSwitch` decides per step whether to speculate and
+per request who proposes (``switch.py``). It also keeps the counters the engine reports: proposals,
 accepted and emitted tokens, acceptance per position, time spent proposing.
 """
 
@@ -21,7 +22,7 @@ from roofline.request import Request, RequestStatus
 from roofline.spec_decode.adaptive import batch_threshold
 from roofline.spec_decode.config import SpeculativeConfig
 from roofline.spec_decode.proposer import Proposer
-from roofline.spec_decode.switch import MAX_GRAPH_BATCH, MeasuredSwitch, calibrate
+from roofline.spec_decode.switch import MAX_GRAPH_BATCH, AdaptiveSwitch, calibrate
 
 if TYPE_CHECKING:
     from roofline.worker.model_runner import ModelRunner
@@ -93,8 +94,10 @@ class SpecDecoder:
         self._proposed: list[Request] = []
         self.alpha_prior = alpha_prior
         """Acceptance rate assumed before any is measured (the oracle's own alpha)."""
-        self.switch: MeasuredSwitch | None = None
-        """The measured switch (CUDA graphs); None: the roofline threshold alone."""
+        self.switch: AdaptiveSwitch | None = None
+        """The adaptive switch (CUDA graphs); None: the roofline threshold alone."""
+        self._num_proposed = 0
+        """Tokens proposed in the current step (0: it verifies nothing)."""
 
     def prepare(self, runner: ModelRunner) -> None:
         """After the target's decode graphs exist: capture the verification graphs (target and
@@ -121,22 +124,27 @@ class SpecDecoder:
             batch = min(batch, MAX_GRAPH_BATCH)
         return max(max_num_seqs, batch * (1 + self.config.num_speculative_tokens))
 
-    def active(self, num_running: int) -> bool:
+    def active(self, num_running: int, running: list[Request]) -> bool:
+        """Whether the next step speculates (``running``: the scheduler's running list)."""
         if not 0 < num_running <= self.max_batch_size:
             return False
-        return self.switch is None or self.switch.choose(num_running)
+        return self.switch is None or self.switch.choose(running)
 
     @staticmethod
-    def is_decode_step(sched_out: SchedulerOutput) -> bool:
-        """Every scheduled request decodes (its token, and its proposals if any)."""
+    def is_decode_step(sched_out: SchedulerOutput, speculated: bool) -> bool:
+        """Every scheduled request decodes (its token, and its proposals if any); O(1) for a
+        step without proposals (each request has at least one token)."""
+        if not speculated:
+            return sched_out.num_batched_tokens == len(sched_out.scheduled)
         return all(
             s.num_new_tokens == 1 + len(s.request.spec_token_ids) for s in sched_out.scheduled
         )
 
-    def observe(self, speculated: bool, num_running: int, seconds: float, tokens: int) -> None:
-        """One engine step's wall time and emitted tokens (the switch's online measure)."""
-        if self.switch is not None:
-            self.switch.observe(speculated, num_running, seconds, tokens)
+    def observe(self, speculated: bool, num_running: int, seconds: float) -> None:
+        """One decode-only engine step's wall time (the switch's online cost measure); a
+        speculative step in which nobody proposed is neither mode's cost."""
+        if self.switch is not None and not (speculated and not self._num_proposed):
+            self.switch.observe(speculated, num_running, seconds)
 
     def withdraw(self) -> None:
         """Drop proposals that no step verified (a request the token budget did not reach):
@@ -146,12 +154,14 @@ class SpecDecoder:
             if r.spec_token_ids:
                 r.spec_token_ids = []
         self._proposed = []
+        self._num_proposed = 0
 
     def propose(self, running: list[Request]) -> None:
         t0 = time.perf_counter()
         self.withdraw()
         requests: list[Request] = []
         max_lens: list[int] = []
+        switch = self.switch
         for r in running:
             if (
                 r.status is not RequestStatus.RUNNING
@@ -159,6 +169,8 @@ class SpecDecoder:
                 or r.num_computed_tokens != r.num_known_tokens - 1
             ):
                 continue  # still prefilling, or its last token is in flight
+            if switch is not None and not switch.wants(r.request_id):
+                continue  # its acceptance does not pay for its rows: plain decoding
             room = min(
                 r.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - r.num_known_tokens - 1,
@@ -170,6 +182,7 @@ class SpecDecoder:
             proposals = self.proposer.propose(requests, max_lens)
             for r, tokens, n in zip(requests, proposals.token_ids, max_lens):
                 r.spec_token_ids = list(tokens[:n])
+                self._num_proposed += len(r.spec_token_ids)
             self._proposed = requests
         self.stats.propose_s += time.perf_counter() - t0
         self.stats.num_propose_calls += 1
@@ -177,11 +190,10 @@ class SpecDecoder:
     def record(self, verified: dict[str, VerifiedTokens]) -> None:
         """Count a step's verification rows (``ModelRunnerOutput.verified``)."""
         s = self.stats
-        if self.switch is not None:
-            accepted = sum(v.num_accepted for v in verified.values())
-            rejected = sum(v.num_accepted < v.num_proposed for v in verified.values())
-            self.switch.record_acceptance(accepted, rejected)
-        for v in verified.values():
+        switch = self.switch
+        for rid, v in verified.items():
+            if switch is not None:
+                switch.record(rid, v.num_accepted, v.num_proposed)
             s.num_drafts += 1
             s.num_draft_tokens += v.num_proposed
             s.num_accepted_tokens += v.num_accepted
@@ -191,4 +203,7 @@ class SpecDecoder:
                 s.accepted_per_pos[i] += 1
 
     def remove(self, request_ids: Iterable[str]) -> None:
-        self.proposer.remove(request_ids)
+        ids = list(request_ids)
+        self.proposer.remove(ids)
+        if self.switch is not None:
+            self.switch.forget(ids)

@@ -1,130 +1,259 @@
-"""The measured adaptive switch: speculate at a batch size only while it is measured to pay.
+"""The adaptive switch: speculate per step and per request only where it is predicted to pay.
 
-At start-up (CUDA with graphs) :func:`calibrate` captures the verification graphs of the
-target (and of a draft model's catch-up rounds), then times, per batch bucket ``b``, a
-graph-replayed plain decode step plus its LM head and a graph-replayed ``b x (1 + k)``-row
-verification step plus its LM head, plus the draft's ``k`` rounds when a draft model proposes.
-That gives the prior ``gain(b) = E[tokens | alpha, k] x t_plain(b) / t_spec(b)``.
+**Cost model.** Per batch bucket ``b`` (the decode graphs' buckets) a speculative step costs
+``rho(b) = T_spec(b) / T_plain(b)`` plain steps. The prior comes from start-up graph replays
+(:func:`calibrate`: a plain decode step + LM head against a ``b x (1 + k)`` verification grid +
+its LM head, + the draft's rounds), scaled by a host factor per mode (speculative steps are
+synchronous and expose host work that async plain steps hide: ``SPEC_HOST_PRIOR`` until
+measured). Online, each mode's wall seconds per decode-only step at ``b`` (an EWMA of the
+engine's own steps, transitions excluded) replace the prior once ``MIN_SAMPLES`` are in, and
+their ratio to the prior updates that mode's host factor for buckets not measured yet.
 
-Online, :class:`MeasuredSwitch` keeps, per bucket and mode (speculating or not), an average of
-the wall seconds per emitted token of the engine's steps (host work included: speculative
-steps run their host work between device steps), and the acceptance rate of recent
-verifications. Once both modes have been measured at a bucket the faster one runs; the other is
-re-measured for a few steps every ``PROBE_PERIOD`` steps at that bucket (bounded cost: at most
-``PROBE_STEPS / PROBE_PERIOD`` of the steps run the slower mode). Until then the prior decides,
-at the measured acceptance rate. Batches above the largest verification graph do not speculate.
+**Acceptance, per request.** Each request keeps a Beta estimate of its per-token acceptance
+with exponential forgetting (``DECAY`` per verification): accepted proposals are successes, a
+verification that hit a rejection one failure (the proposals after it were never tried). Its
+prior, worth ``PRIOR_WEIGHT`` trials, is the pooled estimate over all requests (forgetting
+``POOL_DECAY`` per step; its own prior the proposer's), so a request's few samples are shrunk
+towards what the batch shows and only a request that keeps doing worse stops. Its expected
+tokens per verification are ``tau = E[tokens | alpha, k]``. In a graph-replayed step the whole
+``b x (1 + k)`` grid is paid once any request speculates, so a request's own proposals cost
+only their LM-head rows and the proposing: it falls back to plain decoding when they bring
+less than ``REQ_MIN_GAIN`` tokens per verification (``tau - 1``), is retried after a backoff
+(16 steps, doubling to 512), and resumes above twice that (hysteresis).
+
+**The step.** Speculate when ``(b + sum(tau_r - 1)) / b / rho(b)`` over the requests that would
+propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no flapping).
+While off, that O(batch) estimate is redone only every ``REEVALUATE_STEPS`` steps: a step
+without speculation costs two dict lookups. The mode not running is measured only near
+break-even (a predicted gain within ``UNCERTAIN``) and at most once per ``PROBE_PERIOD`` steps
+at that bucket (``PROBE_STEPS`` steps); while off, speculation is also re-probed once per period
+if the proposer's prior acceptance would pay, so requests whose content changed get
+re-measured. Batches above the largest verification graph do not speculate.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from roofline.planner.specdec import expected_tokens_per_step
+from roofline.request import Request
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 128
 """Largest batch with verification graphs (and so the largest that speculates by default)."""
-PRIOR_MARGIN = 0.05
-"""Predicted gain demanded beyond break-even before anything is measured."""
-PROBE_PERIOD = 256
-PROBE_STEPS = 4
-EMA = 0.1
 CALIBRATION_CONTEXT = 1024
+SPEC_HOST_PRIOR = 1.1
+"""Host factor of a synchronous speculative step over its graph replay, until measured."""
+EMA = 0.25
+"""Weight of a new step-time sample."""
+MIN_SAMPLES = 2
+ON_MARGIN, OFF_MARGIN = 0.08, 0.0
+"""Step hysteresis: predicted gain needed to turn speculation on, and to keep it on."""
+REQ_MIN_GAIN = 0.1
+"""A request keeps proposing while its proposals bring this many tokens per verification."""
+DECAY = 0.9
+PRIOR_WEIGHT = 1.0
+POOL_DECAY = 0.9
+BACKOFF_MIN, BACKOFF_MAX = 16, 512
+REEVALUATE_STEPS = 16
+PROBE_PERIOD = 256
+PROBE_STEPS = 3
+"""A probe's steps: its first is a transition (not measured), then MIN_SAMPLES measured."""
+UNCERTAIN = 1.25
 
 
-class MeasuredSwitch:
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[emitted tokens per verification] at i.i.d. acceptance ``alpha`` (accepted + 1)."""
+    return expected_tokens_per_step(min(max(alpha, 0.0), 0.999), k)
+
+
+@dataclass
+class _RequestState:
+    successes: float = 0.0
+    failures: float = 0.0
+    off: bool = False
+    retry_step: int = 0
+    backoff: int = BACKOFF_MIN
+
+
+class AdaptiveSwitch:
     def __init__(
-        self,
-        k: int,
-        t_plain: dict[int, float],
-        t_spec: dict[int, float],
-        alpha: float,
-        fixed_alpha: bool = False,
+        self, k: int, t_plain: dict[int, float], t_spec: dict[int, float], alpha_prior: float
     ) -> None:
         self.k = k
         self.t_plain, self.t_spec = t_plain, t_spec
-        """Seconds per step of each bucket, from graph replays (the prior)."""
+        """The prior: seconds per step of each bucket, from graph replays."""
         self.buckets = sorted(t_spec)
-        self.alpha = alpha
-        """Acceptance rate: measured (moving average) unless ``fixed_alpha``."""
-        self.fixed_alpha = fixed_alpha
-        self.alpha_prior = alpha
-        self.rate: dict[tuple[int, bool], float] = {}
-        """(bucket, speculating) -> seconds per emitted token (moving average)."""
-        self._steps: dict[int, int] = {}
-        self._last_measured: dict[tuple[int, bool], int] = {}
-        self._probe_left: dict[int, int] = {}
-        self._last_mode: bool | None = None
+        largest = self.buckets[-1]
+        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(largest + 1)]
+        """num_running -> its bucket (one list index per step)."""
+        self.alpha_prior = alpha_prior
+        self.reset()
 
     def reset(self) -> None:
-        """Forget what was measured online (benchmarks: each run starts cold)."""
-        self.alpha = self.alpha_prior
-        self.rate.clear()
-        self._steps.clear()
-        self._last_measured.clear()
-        self._probe_left.clear()
-        self._last_mode = None
+        """Forget everything measured online (benchmarks: each run starts cold)."""
+        self.step = 0
+        self.online: dict[tuple[int, bool], tuple[float, int, int]] = {}
+        """(bucket, speculating) -> (EWMA seconds per step, samples, step last measured)."""
+        self.host_factor = {False: 1.0, True: SPEC_HOST_PRIOR}
+        self.requests: dict[str, _RequestState] = {}
+        self._pool = [0.0, 0.0]
+        """Pooled (successes, failures) over every request, forgetting per step."""
+        self._mode: dict[int, bool] = {}
+        self._next_eval: dict[int, int] = {}
+        self._last_probe: dict[int, int] = {}
+        self._probe: tuple[int, bool, int] | None = None
+        """(bucket, mode, steps left) of a probe in progress."""
+        self._all_propose = False
+        self._last_observed: bool | None = None
+        self.num_switches = 0
+        """Times the step mode changed (probes included): the flapping measure."""
+        self.num_on_steps = 0
+        self._last_choice: bool | None = None
 
+    # ------------------------------------------------------------------ cost model
     def bucket(self, num_running: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_running), None)
+        return self._bucket_of[num_running] if 0 < num_running < len(self._bucket_of) else None
 
-    def predicted_gain(self, bucket: int, alpha: float | None = None) -> float:
-        a = self.alpha if alpha is None else alpha
-        tokens = expected_tokens_per_step(min(max(a, 0.0), 0.999), self.k)
-        return tokens * self.t_plain[bucket] / self.t_spec[bucket]
+    def seconds(self, bucket: int, speculating: bool) -> float:
+        """Seconds per step at ``bucket``: measured online, else the prior x host factor."""
+        got = self.online.get((bucket, speculating))
+        if got is not None and got[1] >= MIN_SAMPLES:
+            return got[0]
+        prior = (self.t_spec if speculating else self.t_plain)[bucket]
+        return prior * self.host_factor[speculating]
 
-    def choose(self, num_running: int) -> bool:
-        """Whether the next step at ``num_running`` requests speculates."""
+    def ratio(self, bucket: int) -> float:
+        """rho: a speculative step's cost in plain steps."""
+        return self.seconds(bucket, True) / self.seconds(bucket, False)
+
+    def observe(self, speculated: bool, num_running: int, seconds: float) -> None:
+        """One decode-only engine step: its mode, batch and wall seconds."""
         b = self.bucket(num_running)
-        if b is None or num_running == 0:
-            return False
-        step = self._steps[b] = self._steps.get(b, 0) + 1
-        spec_rate, plain_rate = self.rate.get((b, True)), self.rate.get((b, False))
-        if spec_rate is not None and plain_rate is not None:
-            best = spec_rate < plain_rate
-        elif spec_rate is not None:  # against the plain graph step: no host work, optimistic
-            best = spec_rate < self.t_plain[b] / num_running
-        else:
-            best = self.predicted_gain(b) >= 1.0 + PRIOR_MARGIN
-        seen = self._last_measured.get((b, not best))
-        due = step == 2 * PROBE_STEPS if seen is None else step - seen > PROBE_PERIOD
-        if due and not self._probe_left.get(b, 0):
-            self._probe_left[b] = PROBE_STEPS + 1  # its first step is a transition
-        left = self._probe_left.get(b, 0)
-        if left:
-            self._probe_left[b] = left - 1
-            return not best
-        return best
-
-    def observe(self, speculated: bool, num_running: int, seconds: float, tokens: int) -> None:
-        """One engine step: its mode, batch, wall seconds and tokens emitted."""
-        b = self.bucket(num_running)
-        transition = self._last_mode is not None and self._last_mode != speculated
-        self._last_mode = speculated
-        if b is None or tokens <= 0 or transition:
+        transition = self._last_observed is not None and self._last_observed != speculated
+        self._last_observed = speculated
+        if b is None or transition or seconds <= 0:
             return
         key = (b, speculated)
-        per_token = seconds / tokens
-        old = self.rate.get(key)
-        self.rate[key] = per_token if old is None else (1 - EMA) * old + EMA * per_token
-        self._last_measured[key] = self._steps.get(b, 0)
+        old = self.online.get(key)
+        avg = seconds if old is None else (1 - EMA) * old[0] + EMA * seconds
+        self.online[key] = (avg, 1 if old is None else old[1] + 1, self.step)
+        prior = (self.t_spec if speculated else self.t_plain)[b]
+        factor = self.host_factor[speculated]
+        self.host_factor[speculated] = (1 - EMA) * factor + EMA * seconds / prior
 
-    def record_acceptance(self, num_accepted: int, num_rejected: int) -> None:
-        """A step's verifications: proposals accepted, and verifications that hit a rejection.
-        Under the i.i.d. model each accepted proposal is a success and each first rejection a
-        failure (the proposals after it are never tried), so alpha is estimated by
-        ``accepted / (accepted + rejections)``, not by accepted / proposed."""
-        tried = num_accepted + num_rejected
-        if self.fixed_alpha or tried == 0:
+    # ------------------------------------------------------------------ acceptance
+    def pooled_alpha(self) -> float:
+        s, f = self._pool
+        return (s + PRIOR_WEIGHT * self.alpha_prior) / (s + f + PRIOR_WEIGHT)
+
+    def alpha(self, request_id: str) -> float:
+        st = self.requests.get(request_id)
+        pooled = self.pooled_alpha()
+        if st is None:
+            return pooled
+        return (st.successes + PRIOR_WEIGHT * pooled) / (st.successes + st.failures + PRIOR_WEIGHT)
+
+    def record(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
+        """One verification of ``request_id``; turns the request off (with backoff) or on."""
+        if num_proposed <= 0:
             return
-        self.alpha = (1 - EMA) * self.alpha + EMA * (num_accepted / tried)
+        st = self.requests.get(request_id)
+        if st is None:
+            st = self.requests[request_id] = _RequestState()
+        failed = num_accepted < num_proposed
+        st.successes = DECAY * st.successes + num_accepted
+        st.failures = DECAY * st.failures + failed
+        self._pool[0] += num_accepted
+        self._pool[1] += failed
+        gain = expected_tokens(self.alpha(request_id), self.k) - 1.0
+        if st.off and gain >= 2 * REQ_MIN_GAIN:
+            st.off, st.backoff = False, BACKOFF_MIN
+        elif gain < REQ_MIN_GAIN:
+            if st.off:  # a retry that failed: wait longer
+                st.backoff = min(2 * st.backoff, BACKOFF_MAX)
+            st.off, st.retry_step = True, self.step + st.backoff
+        elif st.off:
+            st.retry_step = self.step + st.backoff
+
+    def wants(self, request_id: str) -> bool:
+        """Whether ``request_id`` proposes in this (speculative) step."""
+        if self._all_propose:
+            return True
+        st = self.requests.get(request_id)
+        return st is None or not st.off or self.step >= st.retry_step
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    # ------------------------------------------------------------------ the decision
+    def predicted_gain(self, running: list[Request], bucket: int) -> float:
+        """Tokens per second speculating over not, for the requests that would propose."""
+        extra = 0.0
+        for r in running:
+            if self.wants(r.request_id):
+                extra += expected_tokens(self.alpha(r.request_id), self.k) - 1.0
+        n = max(len(running), 1)
+        return (n + extra) / n / self.ratio(bucket)
+
+    def choose(self, running: list[Request]) -> bool:
+        """Whether the next step (over ``running``) speculates."""
+        on = self._choose(running)
+        self.num_on_steps += on
+        if self._last_choice is not None and on != self._last_choice:
+            self.num_switches += 1
+        self._last_choice = on
+        return on
+
+    def _choose(self, running: list[Request]) -> bool:
+        self.step += 1
+        if self._last_choice:  # the pool forgets per speculative step
+            self._pool[0] *= POOL_DECAY
+            self._pool[1] *= POOL_DECAY
+        self._all_propose = False
+        b = self.bucket(len(running))
+        if b is None:
+            return False
+        probe = self._probe
+        if probe is not None:
+            pb, mode, left = probe
+            if pb == b:
+                self._probe = (pb, mode, left - 1) if left > 1 else None
+                self._all_propose = mode
+                return mode
+            self._probe = None  # the batch moved to another bucket
+        last = self._mode.get(b)
+        if last is False and self.step < self._next_eval.get(b, 0):
+            return False  # off: nothing per step but this check
+        gain = self.predicted_gain(running, b)
+        on = gain >= 1.0 + (OFF_MARGIN if last else ON_MARGIN)
+        self._mode[b] = on
+        if not on:
+            self._next_eval[b] = self.step + REEVALUATE_STEPS
+        if self.step - self._last_probe.get(b, -PROBE_PERIOD) > PROBE_PERIOD:
+            other = self.online.get((b, not on))
+            stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
+            near = abs(math.log(gain)) < math.log(UNCERTAIN)
+            prior_pays = expected_tokens(self.alpha_prior, self.k) / self.ratio(b) >= 1 + ON_MARGIN
+            if (near and stale) or (not on and prior_pays and last is not None):
+                self._last_probe[b] = self.step
+                self._probe = (b, not on, PROBE_STEPS - 1)
+                self._all_propose = not on
+                return not on
+        return on
 
     def table(self) -> list[tuple[int, float, float, float]]:
-        """(bucket, plain step s, speculative step s, predicted gain) per bucket."""
-        return [(b, self.t_plain[b], self.t_spec[b], self.predicted_gain(b)) for b in self.buckets]
+        """(bucket, plain step s, speculative step s, gain at the prior alpha) per bucket."""
+        tokens = expected_tokens(self.alpha_prior, self.k)
+        return [(b, self.t_plain[b], self.t_spec[b], tokens * self.t_plain[b] / self.t_spec[b])
+                for b in self.buckets]  # fmt: skip
 
 
 def _head_seconds(runner, rows: int, repeats: int = 3) -> float:
@@ -141,7 +270,7 @@ def _head_seconds(runner, rows: int, repeats: int = 3) -> float:
 
 
 @torch.inference_mode()
-def calibrate(spec, runner, draft_runner=None) -> MeasuredSwitch | None:
+def calibrate(spec, runner, draft_runner=None) -> AdaptiveSwitch | None:
     """Capture verification graphs on ``runner`` (and ``draft_runner``) and time them against
     the decode graphs; None when the runner has no decode graphs (CPU, enforce_eager)."""
     from roofline.spec_decode.verify_graph import time_decode_graph
@@ -175,7 +304,9 @@ def calibrate(spec, runner, draft_runner=None) -> MeasuredSwitch | None:
                 spec_s += (k - 1) * one
         t_plain[b], t_spec[b] = plain, spec_s
     torch.cuda.synchronize(runner.device)
-    switch = MeasuredSwitch(k, t_plain, t_spec, spec.alpha_prior)
+    if not t_spec:
+        return None
+    switch = AdaptiveSwitch(k, t_plain, t_spec, spec.alpha_prior)
     for b, tp, ts, gain in switch.table():
         logger.info(
             "spec decode b=%d: plain %.3f ms, speculative %.3f ms, predicted gain %.2fx",

@@ -1,56 +1,159 @@
-"""The measured adaptive switch: the prior from graph step times and the acceptance rate, then
-online seconds per token per mode, with bounded probing of the other mode."""
+"""The adaptive switch against simulated step costs and acceptance streams: it turns on at batch
+1 with high acceptance, off at a large batch or with low acceptance (even when the start-up
+prior is wrong), keeps what pays per request, does not flap near break-even, and does nothing
+per step while off."""
 
 from __future__ import annotations
 
-from roofline.spec_decode.switch import PROBE_PERIOD, PROBE_STEPS, MeasuredSwitch
+import random
+
+from roofline.request import Request
+from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.switch import (
+    DECAY,
+    PRIOR_WEIGHT,
+    PROBE_PERIOD,
+    REEVALUATE_STEPS,
+    AdaptiveSwitch,
+    expected_tokens,
+)
+
+K = 4
+BUCKETS = (1, 8, 32, 128)
+PRIOR_RATIO = {1: 1.05, 8: 1.1, 32: 1.2, 128: 2.0}
+"""Graph-replay cost of a verification step in plain steps (the start-up prior)."""
 
 
-def _switch(alpha: float = 0.9) -> MeasuredSwitch:
-    # batch 1: verification costs 1.1 plain steps; batch 8: 6 (compute-bound, say)
-    return MeasuredSwitch(4, {1: 1.0, 8: 1.0}, {1: 1.1, 8: 6.0}, alpha)
+def _switch(alpha_prior: float) -> AdaptiveSwitch:
+    return AdaptiveSwitch(K, {b: 1.0 for b in BUCKETS}, dict(PRIOR_RATIO), alpha_prior)
 
 
-def test_prior_decides_until_measured():
-    s = _switch()
-    assert s.choose(1) and not s.choose(5) and not s.choose(9)  # 9: no graph bucket
-    assert s.predicted_gain(1) > 3.5 and s.predicted_gain(8) < 1.0
+def _requests(n: int) -> list[Request]:
+    return [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=10**6)) for i in range(n)]
 
 
-def test_low_measured_acceptance_turns_it_off():
-    s = _switch(alpha=0.6)
-    assert s.choose(1)
-    for _ in range(40):
-        s.record_acceptance(0, 1)  # the first proposal rejected
-    assert s.alpha < 0.01 and s.predicted_gain(1) < 1.0
-    assert not s.choose(1)
+def _accepted(rng: random.Random, alpha: float) -> int:
+    n = 0
+    while n < K and rng.random() < alpha:
+        n += 1
+    return n
 
 
-def test_online_rates_override_the_prior_and_probing_is_bounded():
-    s = _switch()
+def simulate(switch, alphas, steps, true_ratio, seed=0):
+    """Engine loop: (tokens per plain-step time relative to plain decoding, modes, proposals per
+    request). ``alphas``: per request, a float or a function of the step."""
+    rng = random.Random(seed)
+    running = _requests(len(alphas))
+    tokens = time = 0.0
+    modes: list[bool] = []
+    proposed = [0] * len(running)
+    for step in range(steps):
+        on = switch.choose(running)
+        modes.append(on)
+        if on:
+            for i, r in enumerate(running):
+                if switch.wants(r.request_id):
+                    a = alphas[i](step) if callable(alphas[i]) else alphas[i]
+                    got = _accepted(rng, a)
+                    switch.record(r.request_id, got, K)
+                    proposed[i] += 1
+                    tokens += got + 1
+                else:
+                    tokens += 1
+            cost = true_ratio
+        else:
+            tokens += len(running)
+            cost = 1.0
+        time += cost
+        switch.observe(on, len(running), cost * (1 + 0.02 * rng.random()))
+    return tokens / time / len(running), modes, proposed
+
+
+def test_on_at_batch_1_with_high_acceptance():
+    s = _switch(0.9)
+    gain, modes, _ = simulate(s, [0.9], 512, true_ratio=1.25)
+    forced = expected_tokens(0.9, K) / 1.25
+    assert gain > 0.97 * forced > 3.0 and sum(modes) > 0.98 * len(modes)
+
+
+def test_off_at_a_large_batch_even_when_the_prior_says_on():
+    # the prior (2.0 x 1.1) predicts 1.26x at alpha 0.7; the real step costs 3.2 plain steps
+    s = _switch(0.7)
+    gain, modes, _ = simulate(s, [0.7] * 128, 96, true_ratio=3.2)
+    assert gain >= 0.97 and not modes[-1]
+    gain, modes, _ = simulate(_switch(0.5), [0.5] * 128, 96, true_ratio=2.6)
+    assert gain >= 0.97  # prior near break-even: probes bounded to one short probe
+
+
+def test_on_at_a_large_batch_when_acceptance_pays():
+    gain, modes, _ = simulate(_switch(0.9), [0.9] * 128, 256, true_ratio=2.6)
+    assert gain > 0.95 * expected_tokens(0.9, K) / 2.6 and modes[-1]
+
+
+def test_low_measured_acceptance_turns_it_off_and_recovery_turns_it_back_on():
+    # a prior of 0.7, but this request's proposals are all wrong for 600 steps, then right
+    s = _switch(0.7)
+    gain, modes, _ = simulate(s, [lambda t: 0.0 if t < 600 else 0.9], 1600, true_ratio=1.25)
+    assert sum(modes[100:600]) <= 3 * (500 // PROBE_PERIOD + 1)  # only probes
+    assert all(modes[600 + PROBE_PERIOD + 8 :])  # re-probed, back on for good
+
+
+def test_requests_with_low_acceptance_stop_while_others_continue():
+    s = _switch(0.6)
+    alphas = [0.9] * 4 + [0.0] * 4
+    _, modes, proposed = simulate(s, alphas, 1000, true_ratio=1.3)
+    assert all(modes[20:])
+    assert min(proposed[:4]) > 950
+    assert max(proposed[4:]) < 1000 * 0.1  # retried with a growing backoff
+
+
+def test_no_flapping_near_break_even():
+    # acceptance right at break-even (tau(alpha) ~ ratio), noisy per step
+    alpha = 0.34  # tau(0.34, 4) ~ 1.51
+    s = _switch(alpha)
+    simulate(s, [alpha] * 8, 4000, true_ratio=1.5, seed=3)
+    assert s.num_switches <= 2 * (4000 // PROBE_PERIOD + 1)
+
+
+class _CountingList(list):
+    iterations = 0
+
+    def __iter__(self):
+        type(self).iterations += 1
+        return super().__iter__()
+
+
+def test_nothing_per_step_while_off():
+    s = _switch(0.3)
+    running = _CountingList(_requests(128))
     modes = []
-    for _ in range(4 * PROBE_PERIOD):
-        spec = s.choose(1)
-        modes.append(spec)
-        # measured: speculation is slower per token than the prior thought
-        s.observe(spec, 1, 3.0 if spec else 1.0, 1)
-    late = modes[2 * PROBE_PERIOD :]
-    assert not late[-1]
-    assert sum(late) <= 2 * (PROBE_STEPS + 1) + 1  # only probes, once per period
-    assert s.rate[(1, True)] > s.rate[(1, False)]
+    for _ in range(640):
+        on = s.choose(running)
+        modes.append(on)
+        s.observe(on, 128, 2.6 if on else 1.0)
+    assert not any(modes[64:])
+    assert _CountingList.iterations <= 640 // REEVALUATE_STEPS + 4
 
 
 def test_acceptance_estimate_counts_first_rejections_only():
-    s = _switch(alpha=0.5)
+    s = _switch(0.5)
     for _ in range(200):  # per verification: 2 accepted, then a rejection (k = 4)
-        s.record_acceptance(2, 1)
-    assert abs(s.alpha - 2 / 3) < 1e-3
+        s.record("a", 2, K)
+    # 2 / 3: two successes per failure (2 / 4 would count the proposals never tried)
+    assert abs(s.alpha("a") - 2 / 3) < 1e-3 and abs(s.pooled_alpha() - 2 / 3) < 1e-3
+    assert s.alpha("new") == s.pooled_alpha()  # a new request starts from the pool
+    for _ in range(3):
+        s.record("b", 0, K)
+    # shrunk towards the pool: three failures do not make it zero
+    successes, failures = 0.0, 1 + DECAY + DECAY**2
+    want = (successes + PRIOR_WEIGHT * s.pooled_alpha()) / (failures + PRIOR_WEIGHT)
+    assert abs(s.alpha("b") - want) < 1e-9 and 0.1 < want < 0.3
+    s.forget(["a"])
+    assert "a" not in s.requests
 
 
 def test_reset_forgets_online_state():
-    s = _switch()
-    s.observe(True, 1, 1.0, 1)
-    s.observe(True, 1, 1.0, 1)
-    s.record_acceptance(0, 1)
+    s = _switch(0.9)
+    simulate(s, [0.1], 300, true_ratio=1.25)
     s.reset()
-    assert not s.rate and s.alpha == 0.9
+    assert not s.online and not s.requests and s.num_switches == 0 and s.step == 0
