@@ -240,7 +240,9 @@ class _OracleDraft:
         return self.oracle.propose(requests, max_lens)
 
     def remove(self, request_ids) -> None:
-        self.draft.remove(list(request_ids))
+        ids = list(request_ids)
+        self.draft.remove(ids)
+        self.oracle.remove(ids)
 
 
 def section_qwen_draft(ceil, summary: dict, rows: list[str]) -> None:

@@ -111,7 +111,8 @@ class AdaptiveSwitch:
         self._probe: tuple[int, bool, int] | None = None
         """(bucket, mode, steps left) of a probe in progress."""
         self._all_propose = False
-        self._last_observed: bool | None = None
+        self._transition = False
+        """This step's mode differs from the previous step's (its time is not steady)."""
         self.num_switches = 0
         """Times the step mode changed (probes included): the flapping measure."""
         self.num_on_steps = 0
@@ -134,11 +135,10 @@ class AdaptiveSwitch:
         return self.seconds(bucket, True) / self.seconds(bucket, False)
 
     def observe(self, speculated: bool, num_running: int, seconds: float) -> None:
-        """One decode-only engine step: its mode, batch and wall seconds."""
+        """One decode-only engine step (the one just chosen): its mode, batch, wall seconds. The
+        first step of a mode is skipped (it drains or defers the other mode's work)."""
         b = self.bucket(num_running)
-        transition = self._last_observed is not None and self._last_observed != speculated
-        self._last_observed = speculated
-        if b is None or transition or seconds <= 0:
+        if b is None or self._transition or seconds <= 0:
             return
         key = (b, speculated)
         old = self.online.get(key)
@@ -207,8 +207,8 @@ class AdaptiveSwitch:
         """Whether the next step (over ``running``) speculates."""
         on = self._choose(running)
         self.num_on_steps += on
-        if self._last_choice is not None and on != self._last_choice:
-            self.num_switches += 1
+        self._transition = self._last_choice is not None and on != self._last_choice
+        self.num_switches += self._transition
         self._last_choice = on
         return on
 

@@ -246,3 +246,21 @@ def test_async_batches_switch_to_speculation_and_back(models):
     )
     assert _tokens(got) == _tokens(base)
     assert engine.get_stats().spec_decode_num_drafts_total > 0
+
+
+def test_draft_with_another_tokenizer_is_refused():
+    """Same vocabulary size, different token strings: refused before the draft is loaded."""
+    from roofline.spec_decode.build import _check_tokenizers
+
+    class _Tok:
+        def __init__(self, vocab: dict[str, int]) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+    target = _Tok({"a": 0, "b": 1})
+    _check_tokenizers(target, _Tok({"a": 0, "b": 1}))  # the same: accepted
+    _check_tokenizers(target, None)  # a config-only draft: the sizes were compared
+    with pytest.raises(ValueError, match="tokenizer"):
+        _check_tokenizers(target, _Tok({"a": 0, "c": 1}))
