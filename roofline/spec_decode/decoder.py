@@ -183,6 +183,8 @@ class SpecDecoder:
             for r, tokens, n in zip(requests, proposals.token_ids, max_lens):
                 r.spec_token_ids = list(tokens[:n])
                 self._num_proposed += len(r.spec_token_ids)
+                if switch is not None:
+                    switch.proposed(r.request_id, len(r.spec_token_ids), n)
             self._proposed = requests
         self.stats.propose_s += time.perf_counter() - t0
         self.stats.num_propose_calls += 1

@@ -19,7 +19,9 @@ tokens per verification are ``tau = E[tokens | alpha, k]``. In a graph-replayed 
 ``b x (1 + k)`` grid is paid once any request speculates, so a request's own proposals cost
 only their LM-head rows and the proposing: it falls back to plain decoding when they bring
 less than ``REQ_MIN_GAIN`` tokens per verification (``tau - 1``), is retried after a backoff
-(16 steps, doubling to 512), and resumes above twice that (hysteresis).
+(16 steps, doubling to 512), and resumes above twice that (hysteresis). A request that often
+proposes nothing (n-gram without a match) counts in the step's prediction by the share of
+``k`` it proposes (a moving average), but keeps being asked (asking costs microseconds).
 
 **The step.** Speculate when ``(b + sum(tau_r - 1)) / b / rho(b)`` over the requests that would
 propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no flapping).
@@ -80,6 +82,8 @@ class _RequestState:
     off: bool = False
     retry_step: int = 0
     backoff: int = BACKOFF_MIN
+    yield_: float = 1.0
+    """Moving average of the share of the asked-for k it proposed (n-gram: no match, none)."""
 
 
 class AdaptiveSwitch:
@@ -182,6 +186,16 @@ class AdaptiveSwitch:
         elif st.off:
             st.retry_step = self.step + st.backoff
 
+    def proposed(self, request_id: str, num_proposed: int, num_wanted: int) -> None:
+        """What ``request_id`` proposed when asked for ``num_wanted`` tokens (the step's
+        prediction counts a request that often proposes nothing accordingly)."""
+        if num_wanted <= 0:
+            return
+        st = self.requests.get(request_id)
+        if st is None:
+            st = self.requests[request_id] = _RequestState()
+        st.yield_ = DECAY * st.yield_ + (1 - DECAY) * min(num_proposed / num_wanted, 1.0)
+
     def wants(self, request_id: str) -> bool:
         """Whether ``request_id`` proposes in this (speculative) step."""
         if self._all_propose:
@@ -198,8 +212,11 @@ class AdaptiveSwitch:
         """Tokens per second speculating over not, for the requests that would propose."""
         extra = 0.0
         for r in running:
-            if self.wants(r.request_id):
-                extra += expected_tokens(self.alpha(r.request_id), self.k) - 1.0
+            rid = r.request_id
+            if self.wants(rid):
+                st = self.requests.get(rid)
+                share = 1.0 if st is None else st.yield_
+                extra += share * (expected_tokens(self.alpha(rid), self.k) - 1.0)
         n = max(len(running), 1)
         return (n + extra) / n / self.ratio(bucket)
 

@@ -169,3 +169,20 @@ def test_reset_forgets_online_state():
     simulate(s, [0.1], 300, true_ratio=1.25)
     s.reset()
     assert not s.online and not s.requests and s.num_switches == 0 and s.step == 0
+
+
+def test_requests_that_rarely_propose_count_for_what_they_propose():
+    # n-gram at batch 32: every proposal is accepted, but only one request in four has a match
+    s = _switch(0.6)
+    running = _requests(32)
+    for _ in range(200):
+        on = s.choose(running)
+        if on:
+            for i, r in enumerate(running):
+                n = K if i % 4 == 0 else 0
+                s.proposed(r.request_id, n, K)
+                s.record(r.request_id, n, n)
+        s.observe(on, 32, 1.9 if on else 1.0)
+    # tokens per request per step: 1 + 4 / 4 = 2 against a cost ratio of 1.9 -> ~1.05:
+    # all proposals accepted, yet speculation barely pays; the prediction knows it
+    assert abs(s.predicted_gain(running, 32) - 2 / 1.9) < 0.1
