@@ -111,6 +111,7 @@ class AdaptiveSwitch:
         """Pooled (successes, failures) over every request, forgetting per step."""
         self._mode: dict[int, bool] = {}
         self._next_eval: dict[int, int] = {}
+        self._off_since: dict[int, int] = {}
         self._last_probe: dict[int, int] = {}
         self._probe: tuple[int, bool, int] | None = None
         """(bucket, mode, steps left) of a probe in progress."""
@@ -254,12 +255,15 @@ class AdaptiveSwitch:
         self._mode[b] = on
         if not on:
             self._next_eval[b] = self.step + REEVALUATE_STEPS
+            if last is not False:
+                self._off_since[b] = self.step
         if self.step - self._last_probe.get(b, -PROBE_PERIOD) > PROBE_PERIOD:
             other = self.online.get((b, not on))
             stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
             near = abs(math.log(gain)) < math.log(UNCERTAIN)
             prior_pays = expected_tokens(self.alpha_prior, self.k) / self.ratio(b) >= 1 + ON_MARGIN
-            if (near and stale) or (not on and prior_pays and last is not None):
+            long_off = not on and self.step - self._off_since[b] > PROBE_PERIOD
+            if (near and stale) or (long_off and prior_pays):
                 self._last_probe[b] = self.step
                 self._probe = (b, not on, PROBE_STEPS - 1)
                 self._all_propose = not on
