@@ -443,9 +443,9 @@ class LLMEngine:
         timing = self.step_timing
         timing.steps += 1
         timing.total_s += time.perf_counter() - t0
-        if spec is not None and decode_only and not drained:  # the switch's online step cost
-            # (prefill chunks or a drained step would blur it)
-            spec.observe(speculate, num_running, time.perf_counter() - t0)
+        if spec is not None:  # the switch's online step cost (prefill chunks or a drained
+            steady = decode_only and not drained  # step would blur it)
+            spec.observe(speculate, num_running, time.perf_counter() - t0 if steady else None)
         return outputs
 
     def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:

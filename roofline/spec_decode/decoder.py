@@ -140,11 +140,12 @@ class SpecDecoder:
             s.num_new_tokens == 1 + len(s.request.spec_token_ids) for s in sched_out.scheduled
         )
 
-    def observe(self, speculated: bool, num_running: int, seconds: float) -> None:
-        """One decode-only engine step's wall time (the switch's online cost measure); a
-        speculative step in which nobody proposed is neither mode's cost."""
-        if self.switch is not None and not (speculated and not self._num_proposed):
-            self.switch.observe(speculated, num_running, seconds)
+    def observe(self, speculated: bool, num_running: int, seconds: float | None) -> None:
+        """An engine step's wall time (the switch's online cost measure; None: not a steady
+        decode-only step); a speculative step in which nobody proposed is neither mode's cost."""
+        if self.switch is not None:
+            steady = seconds is not None and not (speculated and not self._num_proposed)
+            self.switch.observe(speculated, num_running, seconds if steady else None)
 
     def withdraw(self) -> None:
         """Drop proposals that no step verified (a request the token budget did not reach):

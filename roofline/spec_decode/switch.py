@@ -5,9 +5,12 @@
 (:func:`calibrate`: a plain decode step + LM head against a ``b x (1 + k)`` verification grid +
 its LM head, + the draft's rounds), scaled by a host factor per mode (speculative steps are
 synchronous and expose host work that async plain steps hide: ``SPEC_HOST_PRIOR`` until
-measured). Online, each mode's wall seconds per decode-only step at ``b`` (an EWMA of the
-engine's own steps, transitions excluded) replace the prior once ``MIN_SAMPLES`` are in, and
-their ratio to the prior updates that mode's host factor for buckets not measured yet.
+measured). Online, each mode's wall seconds per decode-only step at ``b`` replace the prior
+once ``MIN_SAMPLES`` are in (the fastest of those first, then an EWMA whose samples are clipped
+at ``OUTLIER`` x the estimate: a GC pause or a compile must not turn speculation off), and their
+ratio to the prior updates that mode's host factor for buckets not measured yet. Not measured:
+the first step of a mode (it drains or defers the other mode's work), steps with prefill chunks
+and the step after one (it emits the chunk's outputs).
 
 **Acceptance, per request.** Each request keeps a Beta estimate of its per-token acceptance
 with exponential forgetting (``DECAY`` per verification): accepted proposals are successes, a
@@ -28,9 +31,11 @@ propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no f
 While off, that O(batch) estimate is redone only every ``REEVALUATE_STEPS`` steps: a step
 without speculation costs two dict lookups. The mode not running is measured only near
 break-even (a predicted gain within ``UNCERTAIN``) and at most once per ``PROBE_PERIOD`` steps
-at that bucket (``PROBE_STEPS`` steps); while off, speculation is also re-probed once per period
-if the proposer's prior acceptance would pay, so requests whose content changed get
-re-measured. Batches above the largest verification graph do not speculate.
+at that bucket (``PROBE_STEPS`` steps). While off, speculation is re-probed if the proposer's
+prior acceptance would pay at the measured cost (so the decision was the acceptance's), after
+16, 32, ... up to ``PROBE_PERIOD`` steps: acceptance measured on a few verifications, or
+requests whose content changed, get measured again. Batches above the largest verification
+graph do not speculate.
 """
 
 from __future__ import annotations
@@ -55,19 +60,23 @@ SPEC_HOST_PRIOR = 1.1
 EMA = 0.25
 """Weight of a new step-time sample."""
 MIN_SAMPLES = 2
+OUTLIER = 1.5
 ON_MARGIN, OFF_MARGIN = 0.08, 0.0
 """Step hysteresis: predicted gain needed to turn speculation on, and to keep it on."""
 REQ_MIN_GAIN = 0.1
 """A request keeps proposing while its proposals bring this many tokens per verification."""
-DECAY = 0.9
-PRIOR_WEIGHT = 1.0
+DECAY = 0.97
+PRIOR_WEIGHT = 2.0
+POOL_PRIOR_WEIGHT = 8.0
+"""Trials the proposer's prior acceptance is worth in the pooled estimate (one early rejection
+at batch 1 must not turn speculation off)."""
 POOL_DECAY = 0.9
 BACKOFF_MIN, BACKOFF_MAX = 16, 512
 REEVALUATE_STEPS = 16
 PROBE_PERIOD = 256
 PROBE_STEPS = 3
 """A probe's steps: its first is a transition (not measured), then MIN_SAMPLES measured."""
-UNCERTAIN = 1.25
+UNCERTAIN = 1.5
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -112,12 +121,19 @@ class AdaptiveSwitch:
         self._mode: dict[int, bool] = {}
         self._next_eval: dict[int, int] = {}
         self._off_since: dict[int, int] = {}
-        self._last_probe: dict[int, int] = {}
+        self._reprobe: dict[int, int] = {}
+        """bucket -> steps off before speculation is re-probed (doubles while it stays off)."""
+        self._last_probe: dict[tuple[int, bool], int] = {}
+        """(bucket, mode probed) -> step the probe started."""
         self._probe: tuple[int, bool, int] | None = None
         """(bucket, mode, steps left) of a probe in progress."""
         self._all_propose = False
         self._transition = False
         """This step's mode differs from the previous step's (its time is not steady)."""
+        self._unsteady = False
+        """The previous step was not measured (prefill chunks): this one emits its outputs."""
+        self.trace: list[tuple] | None = None
+        """Benchmarks: set to a list to record (step, bucket, on, gain, rho, pooled alpha)."""
         self.num_switches = 0
         """Times the step mode changed (probes included): the flapping measure."""
         self.num_on_steps = 0
@@ -139,24 +155,33 @@ class AdaptiveSwitch:
         """rho: a speculative step's cost in plain steps."""
         return self.seconds(bucket, True) / self.seconds(bucket, False)
 
-    def observe(self, speculated: bool, num_running: int, seconds: float) -> None:
-        """One decode-only engine step (the one just chosen): its mode, batch, wall seconds. The
-        first step of a mode is skipped (it drains or defers the other mode's work)."""
+    def observe(self, speculated: bool, num_running: int, seconds: float | None) -> None:
+        """The engine step just chosen: its mode, batch and wall seconds (None: not a steady
+        decode step, e.g. it had prefill chunks; the next step is not measured either)."""
+        # a mode's first step (drained, or deferring) is a transition, not an interruption
+        unsteady, self._unsteady = self._unsteady, seconds is None and not self._transition
         b = self.bucket(num_running)
-        if b is None or self._transition or seconds <= 0:
+        if b is None or seconds is None or unsteady or self._transition or seconds <= 0:
             return
         key = (b, speculated)
         old = self.online.get(key)
-        avg = seconds if old is None else (1 - EMA) * old[0] + EMA * seconds
-        self.online[key] = (avg, 1 if old is None else old[1] + 1, self.step)
-        prior = (self.t_spec if speculated else self.t_plain)[b]
-        factor = self.host_factor[speculated]
-        self.host_factor[speculated] = (1 - EMA) * factor + EMA * seconds / prior
+        if old is None:
+            got = (seconds, 1, self.step)
+        elif old[1] < MIN_SAMPLES:  # the fastest of the first samples
+            got = (min(old[0], seconds), old[1] + 1, self.step)
+        else:
+            clipped = min(seconds, OUTLIER * old[0])
+            got = ((1 - EMA) * old[0] + EMA * clipped, old[1] + 1, self.step)
+        self.online[key] = got
+        if got[1] >= MIN_SAMPLES:
+            prior = (self.t_spec if speculated else self.t_plain)[b]
+            factor = self.host_factor[speculated]
+            self.host_factor[speculated] = (1 - EMA) * factor + EMA * got[0] / prior
 
     # ------------------------------------------------------------------ acceptance
     def pooled_alpha(self) -> float:
         s, f = self._pool
-        return (s + PRIOR_WEIGHT * self.alpha_prior) / (s + f + PRIOR_WEIGHT)
+        return (s + POOL_PRIOR_WEIGHT * self.alpha_prior) / (s + f + POOL_PRIOR_WEIGHT)
 
     def alpha(self, request_id: str) -> float:
         st = self.requests.get(request_id)
@@ -252,22 +277,33 @@ class AdaptiveSwitch:
             return False  # off: nothing per step but this check
         gain = self.predicted_gain(running, b)
         on = gain >= 1.0 + (OFF_MARGIN if last else ON_MARGIN)
+        if self.trace is not None:
+            self.trace.append((self.step, b, on, gain, self.ratio(b), self.pooled_alpha()))
         self._mode[b] = on
-        if not on:
+        if on:
+            self._reprobe[b] = BACKOFF_MIN
+        else:
             self._next_eval[b] = self.step + REEVALUATE_STEPS
             if last is not False:
                 self._off_since[b] = self.step
-        if self.step - self._last_probe.get(b, -PROBE_PERIOD) > PROBE_PERIOD:
-            other = self.online.get((b, not on))
-            stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
-            near = abs(math.log(gain)) < math.log(UNCERTAIN)
-            prior_pays = expected_tokens(self.alpha_prior, self.k) / self.ratio(b) >= 1 + ON_MARGIN
-            long_off = not on and self.step - self._off_since[b] > PROBE_PERIOD
-            if (near and stale) or (long_off and prior_pays):
-                self._last_probe[b] = self.step
-                self._probe = (b, not on, PROBE_STEPS - 1)
-                self._all_propose = not on
-                return not on
+        since = self.step - self._last_probe.get((b, not on), -PROBE_PERIOD)
+        other = self.online.get((b, not on))
+        stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
+        near = abs(math.log(gain)) < math.log(UNCERTAIN)
+        probe = since > PROBE_PERIOD and near and stale
+        if not on and not probe:  # off on acceptance measured while on: re-measure it,
+            wait = self._reprobe.get(b, BACKOFF_MIN)  # after 16, 32, ... steps off
+            idle = min(since, self.step - self._off_since[b])
+            pays = expected_tokens(self.alpha_prior, self.k) / self.ratio(b) >= 1 + ON_MARGIN
+            if pays and idle >= wait:
+                probe = True
+                self._reprobe[b] = min(2 * wait, PROBE_PERIOD)
+        if probe:
+            self._last_probe[(b, not on)] = self.step
+            self._next_eval[b] = 0  # decide again as soon as the probe is over
+            self._probe = (b, not on, PROBE_STEPS - 1)
+            self._all_propose = not on
+            return not on
         return on
 
     def table(self) -> list[tuple[int, float, float, float]]:

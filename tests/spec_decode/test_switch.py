@@ -99,8 +99,9 @@ def test_low_measured_acceptance_turns_it_off_and_recovery_turns_it_back_on():
     # a prior of 0.7, but this request's proposals are all wrong for 600 steps, then right
     s = _switch(0.7)
     gain, modes, _ = simulate(s, [lambda t: 0.0 if t < 600 else 0.9], 1600, true_ratio=1.25)
-    assert sum(modes[100:600]) <= 3 * (500 // PROBE_PERIOD + 1)  # only probes
-    assert all(modes[600 + PROBE_PERIOD + 8 :])  # re-probed, back on for good
+    # off but for probes of 3 steps after 16, 32, 64, ... steps off (<= 4 between 100 and 600)
+    assert sum(modes[100:600]) <= 3 * 4
+    assert all(modes[600 + PROBE_PERIOD + 4 :])  # re-probed, back on for good
 
 
 def test_requests_with_low_acceptance_stop_while_others_continue():
@@ -152,7 +153,7 @@ def test_acceptance_estimate_counts_first_rejections_only():
     for _ in range(200):  # per verification: 2 accepted, then a rejection (k = 4)
         s.record("a", 2, K)
     # 2 / 3: two successes per failure (2 / 4 would count the proposals never tried)
-    assert abs(s.alpha("a") - 2 / 3) < 1e-3 and abs(s.pooled_alpha() - 2 / 3) < 1e-3
+    assert abs(s.alpha("a") - 2 / 3) < 1e-3 and abs(s.pooled_alpha() - 2 / 3) < 5e-3
     assert s.alpha("new") == s.pooled_alpha()  # a new request starts from the pool
     for _ in range(3):
         s.record("b", 0, K)
