@@ -170,7 +170,7 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
     engine = llm.llm_engine
     hw = ceil.as_gpu_spec()
     alphas = (0.5, 0.9) if quick else ALPHAS
-    cases = ((1, 128), (8, 64), (128, 48)) if quick else ((1, 256), (8, 128), (32, 128), (128, 96))
+    cases = ((1, 128), (8, 64), (128, 96)) if quick else ((1, 256), (8, 128), (32, 128), (128, 96))
     for batch, max_tokens in cases:
         prompts = prompts_for(batch, batch)
         forced(spec, True)

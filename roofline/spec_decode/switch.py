@@ -9,8 +9,8 @@ measured). Online, each mode's wall seconds per decode-only step at ``b`` replac
 once ``MIN_SAMPLES`` are in (the fastest of those first, then an EWMA whose samples are clipped
 at ``OUTLIER`` x the estimate: a GC pause or a compile must not turn speculation off), and their
 ratio to the prior updates that mode's host factor for buckets not measured yet. Not measured:
-the first step of a mode (it drains or defers the other mode's work), steps with prefill chunks
-and the step after one (it emits the chunk's outputs).
+the first step of a mode (it drains or defers the other mode's work) and steps with prefill
+chunks.
 
 **Acceptance, per request.** Each request keeps a Beta estimate of its per-token acceptance
 with exponential forgetting (``DECAY`` per verification): accepted proposals are successes, a
@@ -30,12 +30,12 @@ proposes nothing (n-gram without a match) counts in the step's prediction by the
 propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no flapping).
 While off, that O(batch) estimate is redone only every ``REEVALUATE_STEPS`` steps: a step
 without speculation costs two dict lookups. The mode not running is measured only near
-break-even (a predicted gain within ``UNCERTAIN``) and at most once per ``PROBE_PERIOD`` steps
-at that bucket (``PROBE_STEPS`` steps). While off, speculation is re-probed if the proposer's
-prior acceptance would pay at the measured cost (so the decision was the acceptance's), after
-16, 32, ... up to ``PROBE_PERIOD`` steps: acceptance measured on a few verifications, or
-requests whose content changed, get measured again. Batches above the largest verification
-graph do not speculate.
+break-even (a predicted gain within ``UNCERTAIN``), once the running one is, and at most
+once per ``PROBE_PERIOD`` steps at that bucket (``PROBE_STEPS`` steps). While off,
+speculation is re-probed if the proposer's prior acceptance would pay at the measured cost
+(so the decision was the acceptance's), after 16, 32, ... up to ``PROBE_PERIOD`` steps:
+acceptance measured on a few verifications, or requests whose content changed, get measured
+again. Batches above the largest verification graph do not speculate.
 """
 
 from __future__ import annotations
@@ -130,8 +130,6 @@ class AdaptiveSwitch:
         self._all_propose = False
         self._transition = False
         """This step's mode differs from the previous step's (its time is not steady)."""
-        self._unsteady = False
-        """The previous step was not measured (prefill chunks): this one emits its outputs."""
         self.trace: list[tuple] | None = None
         """Benchmarks: set to a list to record (step, bucket, on, gain, rho, pooled alpha)."""
         self.num_switches = 0
@@ -157,11 +155,9 @@ class AdaptiveSwitch:
 
     def observe(self, speculated: bool, num_running: int, seconds: float | None) -> None:
         """The engine step just chosen: its mode, batch and wall seconds (None: not a steady
-        decode step, e.g. it had prefill chunks; the next step is not measured either)."""
-        # a mode's first step (drained, or deferring) is a transition, not an interruption
-        unsteady, self._unsteady = self._unsteady, seconds is None and not self._transition
+        decode step, e.g. it had prefill chunks)."""
         b = self.bucket(num_running)
-        if b is None or seconds is None or unsteady or self._transition or seconds <= 0:
+        if b is None or seconds is None or self._transition or seconds <= 0:
             return
         key = (b, speculated)
         old = self.online.get(key)
@@ -290,7 +286,9 @@ class AdaptiveSwitch:
         other = self.online.get((b, not on))
         stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
         near = abs(math.log(gain)) < math.log(UNCERTAIN)
-        probe = since > PROBE_PERIOD and near and stale
+        mine = self.online.get((b, on))
+        measured = mine is not None and mine[1] >= MIN_SAMPLES  # this mode first, then the other
+        probe = since > PROBE_PERIOD and near and stale and measured
         if not on and not probe:  # off on acceptance measured while on: re-measure it,
             wait = self._reprobe.get(b, BACKOFF_MIN)  # after 16, 32, ... steps off
             idle = min(since, self.step - self._off_since[b])
