@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.planner.specdec import expected_tokens_per_step
 from roofline.request import Request
 
 logger = logging.getLogger(__name__)
@@ -80,8 +79,10 @@ UNCERTAIN = 1.5
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """E[emitted tokens per verification] at i.i.d. acceptance ``alpha`` (accepted + 1)."""
-    return expected_tokens_per_step(min(max(alpha, 0.0), 0.999), k)
+    """E[emitted tokens per verification] at i.i.d. acceptance ``alpha`` (accepted + 1): the
+    planner's ``expected_tokens_per_step`` without its argument checks (per request per step)."""
+    a = min(max(alpha, 0.0), 0.999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 @dataclass

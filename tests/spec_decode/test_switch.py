@@ -148,6 +148,13 @@ def test_nothing_per_step_while_off():
     assert _CountingList.iterations <= 640 // REEVALUATE_STEPS + 4
 
 
+def test_expected_tokens_is_the_planners():
+    from roofline.planner.specdec import expected_tokens_per_step
+
+    for alpha in (0.0, 0.3, 0.9, 0.99):
+        assert abs(expected_tokens(alpha, K) - expected_tokens_per_step(alpha, K)) < 1e-12
+
+
 def test_acceptance_estimate_counts_first_rejections_only():
     s = _switch(0.5)
     for _ in range(200):  # per verification: 2 accepted, then a rejection (k = 4)
