@@ -37,6 +37,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import quant_decode_bench  # scripts/ is on sys.path when run as a script
 import torch
 import torch.nn.functional as F
 import triton
@@ -389,6 +390,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
         try:
             quant, _, variant = method.partition("/")
             common.USE_QUANT_GEMV = variant != "generic"
+            common.USE_INT4_GEMV = variant != "old"  # int4/old: quant_gemv, no repack
             common.GEMV_MAX_ROWS = 256 if variant == "gemv256" else common.DECODE_MAX_ROWS
             t0 = time.perf_counter()
             llm = LLM(
@@ -419,6 +421,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
             traceback.print_exc()
         finally:
             common.USE_QUANT_GEMV, common.GEMV_MAX_ROWS = True, common.DECODE_MAX_ROWS
+            common.USE_INT4_GEMV = True
             llm = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -495,9 +498,49 @@ def logits_error() -> None:
     del hf
 
 
+@section("int4_gemv parity")
+def int4_parity() -> None:
+    worst = quant_decode_bench.parity()
+    SUMMARY["int4_gemv_parity_worst"] = worst
+    TABLE.append(f"int4_gemv parity: worst max-rel error {worst:.2e} (bound 1e-2)")
+
+
+@section("decode GEMV per shape")
+def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
+    sweep_ms = (1, 2, 4, 8, 16) if sweep else ()
+    tuned = quant_decode_bench.shape_table(copy_bw, (1, 4, 16), sweep_ms)
+    SUMMARY["int4_gemv_tuned"] = {repr(k): v for k, v in tuned.items()}
+    if tuned:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "int4_gemv_tuned.txt"), "w") as f:
+            f.write("".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items()))
+
+
+def quick(ceil, args) -> None:
+    """The decode check: int4_gemv parity, the per-shape table, 8B batch 1 for bf16 / int8 /
+    int4 (and with --sweep the old int4 path beside it)."""
+    t0 = time.perf_counter()
+    bw = ceil.bandwidth_bytes_per_s
+    int4_parity()
+    shape_section(bw, args.sweep, args.out)
+    methods = ["bf16", "int8", "int4"] + (["int4/old"] if args.sweep else [])
+    decode(ceil, methods, [1], 32)
+    print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
+    print("\n".join(TABLE))
+    with open(os.path.join(args.out, "gpu_quant.json"), "w") as f:
+        json.dump(SUMMARY, f, indent=1, default=str)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="about 90 s: parity, M = 1, batch 1")
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="about 90 s: int4_gemv parity, per-shape GEMV table at M = 1/4/16, 8B batch 1",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sweep", action="store_true",
+        help="with --quick: sweep int4_gemv configs (M = 1, 2, 4, 8, 16), install the winners",
+    )  # fmt: skip
     ap.add_argument("--extra", action="store_true", help="also logits error and offline W8A8")
     ap.add_argument(
         "--requests", type=int, default=96, help="offline throughput requests (256: full workload)"
@@ -509,6 +552,9 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
+    if args.quick:
+        quick(ceil, args)
+        return
     parity(True)
     tuned = sweep(bw, args.quick) or {}
     quant_gemv.TUNED_CONFIGS.update(tuned)  # the decode runs below use the measured configs

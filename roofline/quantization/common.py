@@ -58,6 +58,12 @@ GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MA
 # older choice below (the generic fused GEMM up to fused_max_rows, then dequantize + cuBLAS).
 USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 
+# int4 decode batches take kernels.int4_gemv (tensor cores, a repacked copy of the weight made by
+# prepare_kernel_layout); ROOFLINE_INT4_GEMV=0 keeps them on kernels.quant_gemv (A/B runs).
+USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
+# The down projection's SiLU-and-mul inside int4_gemv (else a separate silu_and_mul launch).
+INT4_GEMV_FUSE_SILU = os.environ.get("ROOFLINE_INT4_GEMV_FUSE_SILU", "0") != "0"
+
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
     torch.Tensor,
@@ -130,6 +136,12 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
+    if getattr(layer, "int4_words", None) is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        from roofline.kernels import int4_gemv
+
+        x = x.contiguous()
+        if int4_gemv.supports(x, layer.int4_words, layer.group_size):
+            return int4_gemv.int4_gemv(x, layer.int4_words, layer.int4_scale_pairs, bias)
     if x.shape[0] <= GEMV_MAX_ROWS and USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -175,6 +187,16 @@ def silu_mul_linear(
     from roofline.kernels.dequant_gemm import dequant_gemm
 
     offsets = getattr(layer, "offsets", None)
+    if getattr(layer, "int4_words", None) is not None:
+        from roofline.kernels import int4_gemv
+        from roofline.kernels.activation import silu_and_mul
+
+        fused = INT4_GEMV_FUSE_SILU
+        x = gate_up if fused else silu_and_mul(gate_up)
+        if int4_gemv.supports(x, layer.int4_words, layer.group_size, silu_mul=fused):
+            return int4_gemv.int4_gemv(
+                x, layer.int4_words, layer.int4_scale_pairs, bias, silu_mul=fused
+            )
     if USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -185,11 +207,33 @@ def silu_mul_linear(
     return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)
 
 
+def prepare_kernel_layout(kind: str, layer: nn.Module) -> None:
+    """After loading: a CUDA int4 layer whose shape allows it gets ``int4_words`` and
+    ``int4_scale_pairs``, the repacked copies ``kernels.int4_gemv`` reads (the canonical tensors
+    stay for the other paths)."""
+    layer.int4_words = None
+    if kind != "int4" or not USE_INT4_GEMV or not layer.qweight.is_cuda:
+        return
+    from roofline.kernels import int4_gemv
+
+    k = layer.qweight.shape[1] * 2
+    group = k // layer.scales.shape[1]
+    if layer.scales.dim() != 2 or not int4_gemv.can_repack(k, group):
+        return
+    layer.group_size = group
+    with torch.no_grad():
+        layer.int4_words = int4_gemv.repack_int4(layer.qweight)
+        layer.int4_scale_pairs = int4_gemv.pack_scales(layer.scales, layer.offsets)
+
+
 class CanonicalLinearMethod(LinearMethod):
     """A method whose weights sit in one canonical layout (``kind``: int8, int4 or fp8): its
     GEMM and its SiLU-fused down projection go through this module's kernel choice."""
 
     kind: str
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        prepare_kernel_layout(self.kind, layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quantized_linear(self.kind, layer, x, bias)

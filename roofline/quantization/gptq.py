@@ -172,6 +172,7 @@ class PackedIntLinearMethod(LinearMethod):
             with torch.no_grad():
                 layer.offsets.copy_((-layer.zeros.float() * layer.scales.float()).to(torch.float16))
         del layer.zeros
+        common.prepare_kernel_layout(self.kind, layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.inner.apply(layer, x, bias)

@@ -1,0 +1,343 @@
+"""Decode GEMV for int4 weights on tensor cores (M <= 16): ``out[M, N] = x[M, K] @ W^T`` with W
+group-quantized (``w = q s + offset``, groups of 32, 64 or a multiple of 128), read from a
+kernel-specific repack of the canonical int4 layout made once after loading.
+
+Why: widening int4 on CUDA cores costs about three instructions per element (a logic op, an FMA
+to recover q, an FMA with x), so the GEMV is bound by instruction issue near 40% of the HBM
+bandwidth at one row. Here the widening is half a logic op per element and the products run on
+tensor cores, at any M up to 16:
+
+* Repack (``repack_int4``): each row's K is cut into 128-element tiles of 16 int32 words; nibble
+  ``4h + i`` of word ``w`` holds element ``32 i + 2 w + h`` of the tile. One ``lop3`` per word
+  and nibble pair i, ``((word >> 4i) & 0x000F000F) | 0x43004300``, leaves two bf16 values
+  ``128 + q`` (fp16: ``0x64006400``, ``1024 + q``) for elements ``32 i + 2 w`` and
+  ``32 i + 2 w + 1``: exactly the register pair an MMA A-fragment holds for those two K
+  columns. So the four pairs i concatenated are the tile's ``[rows, 128]`` A operand with K in
+  natural order and x's tile is a contiguous load. The words are copied to shared memory by
+  ``cp.async`` (``num_stages`` tiles in flight) and read from there straight into the MMA layout.
+* The weight is the MMA's A operand (16 rows per warp) and x the B operand (its M rows are the
+  MMA's N columns, at least 8). The dot of a group gives ``D = sum (B + q) x``; a second dot of
+  ones against the same x tile gives ``X = sum x`` in the same layout, so a group adds
+  ``s D + (offset - B s) X`` (B = 128 or 1024) with no cross-thread reduction.
+* Split-K inside the MMA (``ksplit``): at one row the MMA's N columns are idle padding, so the
+  program's A rows are ``ksplit`` K-slices of ``block_n / ksplit`` weight rows and its x columns
+  the same ``ksplit`` slices of x; only the diagonal blocks (slice of the row = slice of the
+  column) are kept and summed once at the end. This spreads small-N layers over more programs
+  with no second launch and no atomics.
+* Scales and offsets are interleaved (``pack_scales``: ``[N, groups, 2]``, their own dtype) so a
+  group's pair is read once per row.
+
+The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
+bits), rounded once to x's dtype. ``int4_gemv_ref`` is the plain-torch reference.
+Configs: ``TUNED_CONFIGS[(N, K, group, m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --sweep``),
+else ``heuristic_config``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.gemv import _silu_mul, m_bucket
+from roofline.quantization import formats
+
+TILE_K = 128  # K elements per repacked tile (16 int32 words per row)
+TILE_WORDS = TILE_K // 8
+MAX_ROWS = 16
+
+
+class Int4GemvConfig(NamedTuple):
+    block_n: int  # MMA rows per program (weight rows x ksplit), 16 per warp or more
+    ksplit: int  # K-slices inside one program (the MMA's idle N columns); 1 = none
+    tiles: int  # 128-element tiles per loop step
+    num_warps: int
+    num_stages: int
+
+
+# (N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep (H100).
+TUNED_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {}
+
+
+def can_repack(k: int, group: int) -> bool:
+    """Whether a weight with K inputs and this group size can take the repacked layout."""
+    return k % TILE_K == 0 and (group in (32, 64) or group % TILE_K == 0) and k % group == 0
+
+
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
+    """Canonical int4 ``[N, K // 2]`` uint8 (low nibble = even k) -> the kernel's int32 words:
+    per 128-element tile, nibble ``4h + i`` of word ``w`` = element ``32 i + 2 w + h``."""
+    n = qweight.shape[0]
+    q = formats.unpack_int4(qweight).to(torch.int32)  # [N, K]
+    k = q.shape[1]
+    if k % TILE_K:
+        raise ValueError(f"int4_gemv: K = {k} is not a multiple of {TILE_K}")
+    q = q.reshape(n, k // TILE_K, 4, TILE_WORDS, 2)  # [N, T, i, w, h]
+    q = q.permute(0, 1, 3, 4, 2).reshape(n, k // TILE_K, TILE_WORDS, 8)  # [N, T, w, 4h + i]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)  # [8]
+    words = (q << shifts).sum(dim=-1, dtype=torch.int64)  # [N, T, w], < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.reshape(n, k // 8).contiguous()
+
+
+def unrepack_int4(words: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8
+    """The inverse of ``repack_int4``: the canonical nibble layout."""
+    n, num_words = words.shape
+    k = num_words * 8
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)  # [8]
+    nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # [N, K // 8, 8]
+    nib = nib.reshape(n, k // TILE_K, TILE_WORDS, 2, 4)  # [N, T, w, h, i]
+    q = nib.permute(0, 1, 4, 2, 3).reshape(n, k)  # [N, K] natural order
+    return formats.pack_int4(q.to(torch.uint8))
+
+
+def pack_scales(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` scales and offsets -> ``[N, G, 2]`` pairs (scale, offset) in the scales' dtype."""
+    return torch.stack([scales, offsets.to(scales.dtype)], dim=-1).contiguous()
+
+
+def int4_gemv_ref(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # canonical [N, K // 2]
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x (fp32) times the exactly dequantized weight (fp32), bias in fp32, rounded once."""
+    q = formats.unpack_int4(qweight).float()  # [N, K]
+    k = q.shape[1]
+    group = k // scales.shape[1]
+    w = q * scales.float().repeat_interleave(group, 1) + offsets.float().repeat_interleave(group, 1)
+    out = x.float() @ w.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvConfig:
+    """64 MMA rows (four warps), two tiles a step where K allows, three stages; the MMA's
+    columns filled with K-slices (one row: 8 slices of 8 weight rows), and more slices (up to 32
+    columns), then 32-row programs, until there are two programs per SM."""
+    bm = m_bucket(m)
+    cfg = Int4GemvConfig(64, max(1, 8 // bm), 2, 4, 3)
+    for tiles in (2, 1):
+        cfg = cfg._replace(tiles=tiles)
+        while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
+            cfg = cfg._replace(ksplit=cfg.ksplit // 2)
+        if _resolve(cfg, k, group) is not None:
+            break
+
+    def programs(c: Int4GemvConfig) -> int:
+        return triton.cdiv(n, c.block_n // c.ksplit)
+
+    while programs(cfg) < 2 * sms:
+        wider = cfg._replace(ksplit=cfg.ksplit * 2)
+        if wider.ksplit * bm <= 32 and _resolve(wider, k, group) is not None:
+            cfg = wider
+        elif cfg.block_n > 32:
+            cfg = cfg._replace(block_n=32, num_warps=2)
+        else:
+            break
+    return cfg
+
+
+def pick_config(n: int, k: int, group: int, m: int, device: torch.device) -> Int4GemvConfig:
+    tuned = TUNED_CONFIGS.get((n, k, group, m_bucket(m)))
+    if tuned is not None:
+        return Int4GemvConfig(*tuned)
+    return heuristic_config(n, k, group, m, num_sms(device))
+
+
+def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
+    """The K-slice length for this config, or None if it cannot run: each slice a whole number
+    of loop steps and of groups (groups above 128)."""
+    if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % cfg.ksplit:
+        return None
+    k_slice = k // cfg.ksplit
+    if k_slice % (TILE_K * cfg.tiles) or k_slice % max(group, 1):
+        return None
+    return k_slice
+
+
+@triton.jit
+def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
+    ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
+    src = words >> SH if SH > 0 else words
+    if ASM and MAGIC == 0x43004300:  # one lop3: (src & 0x000F000F) | MAGIC
+        v = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 983055, 1124090624, 234;", "=r,r", [src], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    elif ASM:
+        v = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 983055, 1677747200, 234;", "=r,r", [src], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        v = (src & 0x000F000F) | MAGIC
+    lo = v.to(tl.int16).to(DTYPE, bitcast=True)
+    hi = (v >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _cat(a, b):
+    """``[R, C]`` and ``[R, C]`` -> ``[R, 2C]`` (a's columns first)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+             DTYPE: tl.constexpr):  # fmt: skip
+    """Nibble pairs P0 .. P0 + PAIRS - 1 of a tile's words: the ``[rows, 32 * PAIRS]`` operand of
+    tile elements ``32 P0 ..``."""
+    if PAIRS == 1:
+        a = _pair(words, 4 * P0, MAGIC, ASM, DTYPE)
+    elif PAIRS == 2:
+        a = _cat(
+            _pair(words, 4 * P0, MAGIC, ASM, DTYPE), _pair(words, 4 * P0 + 4, MAGIC, ASM, DTYPE)
+        )
+    else:
+        a = _cat(
+            _cat(_pair(words, 0, MAGIC, ASM, DTYPE), _pair(words, 4, MAGIC, ASM, DTYPE)),
+            _cat(_pair(words, 8, MAGIC, ASM, DTYPE), _pair(words, 12, MAGIC, ASM, DTYPE)),
+        )
+    return a
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemv_kernel(
+    x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL), rows contiguous
+    q_ptr,  # [N, K // 8] int32, repacked
+    so_ptr,  # [N, K // GROUP, 2] (scale, offset)
+    bias_ptr,
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    k_slice,  # K // KSPLIT
+    stride_xm,
+    stride_qn,
+    stride_so,
+    stride_om,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
+    BLOCK_M: tl.constexpr,  # x rows per slice (M's bucket)
+    KSPLIT: tl.constexpr,
+    TILES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    ASM: tl.constexpr,  # compiled: lop3 inline asm and libdevice SiLU (not interpreted)
+):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
+    BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+    GK: tl.constexpr = GROUP if GROUP < 128 else 128  # K per dot: a group, or a whole tile
+    PAIRS: tl.constexpr = GK // 32
+    ROWS: tl.constexpr = BLOCK_N // KSPLIT
+    COLS: tl.constexpr = KSPLIT * BLOCK_M
+    pid = tl.program_id(0)
+    r = tl.arange(0, BLOCK_N)
+    slice_r = r // ROWS  # [BN]: the K-slice of each MMA row
+    rows = tl.minimum(pid * ROWS + r % ROWS, N - 1).to(tl.int64)  # clamped: padding re-reads
+    c = tl.arange(0, COLS)
+    slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
+    m_c = tl.minimum(c % BLOCK_M, M - 1).to(tl.int64)
+    offs_w = tl.arange(0, 16)
+    q_ptrs = q_ptr + (rows * stride_qn + slice_r * (k_slice // 8))[:, None] + offs_w[None, :]
+    x_ptrs = x_ptr + (m_c * stride_xm + slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
+    so_ptrs = so_ptr + rows * stride_so + 2 * (slice_r * (k_slice // GROUP))  # [BN]
+    ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
+    acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
+        for t in tl.static_range(TILES):
+            kt = k0 + 128 * t
+            words = tl.load(q_ptrs + kt // 8)  # [BN, 16] int32
+            for j in tl.static_range(128 // GK):
+                kg = kt + GK * j
+                a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
+                if SILU_MUL:
+                    xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
+                else:
+                    xt = tl.load(x_ptrs + kg)  # [GK, C]
+                d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
+                xs = tl.dot(ones, xt)  # [BN, C]: sum x, in the same layout
+                so = so_ptrs + 2 * (kg // GROUP)  # groups above 128: re-read per tile
+                s = tl.load(so).to(tl.float32)  # [BN]
+                o = tl.load(so + 1).to(tl.float32)
+                acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
+    acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
+    acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
+    res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
+    offs_n = pid * ROWS + tl.arange(0, ROWS)
+    offs_m = tl.arange(0, BLOCK_M)
+    if HAS_BIAS:
+        res += tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supports(x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False) -> bool:
+    """Whether ``int4_gemv`` takes this x against a repacked weight (with its picked config)."""
+    m = x.shape[0]
+    k = words.shape[1] * 8
+    if not 1 <= m <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
+        return False
+    cfg = pick_config(words.shape[0], k, group, m, x.device)
+    return can_repack(k, group) and _resolve(cfg, k, group) is not None
+
+
+def int4_gemv(
+    x: torch.Tensor,  # [M, K] ([M, 2K] with silu_mul), rows contiguous, bf16 / fp16
+    words: torch.Tensor,  # [N, K // 8] int32 from repack_int4
+    scale_pairs: torch.Tensor,  # [N, K // group, 2] from pack_scales
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    silu_mul: bool = False,
+    config: Int4GemvConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x @ dequantize(W)^T (+ bias)`` in one launch (see the module doc); ``silu_mul`` feeds
+    ``silu(x[:, :K]) * x[:, K:]``. ``config`` overrides the picked one (sweeps); one that cannot
+    run raises ValueError. ``warmup`` compiles without launching."""
+    check_device(x, words)
+    m, n = x.shape[0], words.shape[0]
+    k = words.shape[1] * 8
+    if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
+        raise ValueError(f"int4_gemv: x {tuple(x.shape)} does not match weight [{n}, {k}]")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"int4_gemv: M = {m} rows; it takes 1 to {MAX_ROWS}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4_gemv: x must be bf16 or fp16, got {x.dtype}")
+    num_groups = scale_pairs.shape[1]
+    if scale_pairs.shape != (n, num_groups, 2) or k % num_groups or not scale_pairs.is_contiguous():
+        raise ValueError(f"int4_gemv: scale pairs {tuple(scale_pairs.shape)} do not fit [{n}, {k}]")
+    group = k // num_groups
+    if not can_repack(k, group):
+        raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
+    cfg = config or pick_config(n, k, group, m, x.device)
+    k_slice = _resolve(cfg, k, group)
+    if k_slice is None:
+        raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    rows = cfg.block_n // cfg.ksplit
+    grid = (triton.cdiv(n, rows),)
+    launch = _int4_gemv_kernel.warmup if warmup else _int4_gemv_kernel[grid]
+    extra = {"grid": grid} if warmup else {}
+    compiled = not is_interpret()
+    launch(
+        x, words, scale_pairs, bias if bias is not None else scale_pairs, out, m, n, k, k_slice,
+        x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
+        GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
+        KSPLIT=cfg.ksplit, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
+        ASM=compiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )  # fmt: skip
+    return out

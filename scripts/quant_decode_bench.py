@@ -1,0 +1,242 @@
+"""Decode-GEMV sections of ``scripts/gpu_quant.py`` (H100, Llama-3.1-8B shapes): GPU parity of
+``kernels.int4_gemv`` against its plain-torch reference, the per-shape table (bf16 skinny GEMM,
+int8 ``quant_gemv``, int4 ``quant_gemv`` and int4 ``int4_gemv`` at M = 1, 4, 16: us, GB/s of
+the bytes each reads, % of the copy bandwidth), and the ``int4_gemv`` config sweep (``--sweep``),
+whose winners are installed into ``int4_gemv.TUNED_CONFIGS`` for the decode runs that follow.
+
+Weights cycle through a ring of copies (>= 256 MiB) inside one CUDA graph, so no call is served
+from L2."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import torch
+import triton
+
+from roofline.kernels import int4_gemv, quant_gemv
+from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
+from roofline.kernels.gemv import skinny_gemm
+from roofline.kernels.int4_gemv import Int4GemvConfig
+from roofline.quantization import formats
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+RING_BYTES = 256 << 20
+DEVICE = "cuda"
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+
+
+def time_graph(calls: list, iters: int = 10) -> float:
+    """Median seconds per call over ``iters`` replays of one CUDA graph of ``calls``."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for a, b in zip(starts, ends, strict=True):
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends, strict=True))
+    del graph
+    return ms / 1e3 / len(calls)
+
+
+def time_ring(fn, weights: list[tuple]) -> float:
+    """Seconds per ``fn(*w)`` with w cycling through the ring (one CUDA graph)."""
+    calls = max(len(weights), 8)
+    return time_graph([partial(fn, *weights[i % len(weights)]) for i in range(calls)])
+
+
+def precompile(fns: list) -> None:
+    """First calls on a thread pool (Triton's async compile); errors surface when timed."""
+    if not hasattr(triton, "AsyncCompileMode"):
+        return
+    with (
+        ThreadPoolExecutor(os.cpu_count() or 4) as pool,
+        triton.AsyncCompileMode(pool, ignore_errors=True),
+    ):
+        for fn in fns:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - reported when the config is timed
+                pass
+
+
+def int4_weight(n: int, k: int, group: int = 128, symmetric: bool = False, seed: int = 0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
+    q = formats.quantize_int4(w, group, symmetric, torch.bfloat16)
+    words = int4_gemv.repack_int4(q.qweight)
+    return q, words, int4_gemv.pack_scales(q.scales, q.offsets)
+
+
+def parity() -> float:
+    """int4_gemv (picked config) against the fp32 reference: 8B shapes, groups, M, dtypes."""
+    worst = 0.0
+    cases = [
+        ("down", 128, False, torch.bfloat16), ("qkv", 128, True, torch.bfloat16),
+        ("o", 64, False, torch.float16), ("o", 32, True, torch.bfloat16),
+    ]  # fmt: skip
+    for layer, group, sym, dtype in cases:
+        n, k = SHAPES[layer]
+        q, words, pairs = int4_weight(n, k, group, sym, seed=3)
+        if dtype == torch.float16:
+            q = q._replace(scales=q.scales.half(), offsets=q.offsets.half())
+            pairs = int4_gemv.pack_scales(q.scales, q.offsets)
+        bias = torch.randn(n, device=DEVICE, dtype=dtype)
+        errs = []
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+            ref = int4_gemv.int4_gemv_ref(x, q.qweight, q.scales, q.offsets, bias)
+            errs.append(rel_err(int4_gemv.int4_gemv(x, words, pairs, bias), ref))
+        if layer == "down":
+            gate_up = torch.randn(1, 2 * k, device=DEVICE, dtype=dtype)
+            ref = int4_gemv.int4_gemv_ref(silu_and_mul_ref(gate_up), q.qweight, q.scales, q.offsets)
+            errs.append(rel_err(int4_gemv.int4_gemv(gate_up, words, pairs, silu_mul=True), ref))
+        worst = max(worst, *errs)
+        print(
+            f"int4_gemv {layer:7} g{group:3} {'sym ' if sym else 'asym'} {str(dtype)[6:]:8}: "
+            "max rel err at M=1/3/16"
+            + ("/silu" if layer == "down" else "")
+            + ": "
+            + " ".join(f"{e:.1e}" for e in errs),
+            flush=True,
+        )
+    back = int4_gemv.unrepack_int4(words)
+    print(f"repack round trip exact on the GPU: {torch.equal(back, q.qweight)}")
+    return worst
+
+
+def candidates(m: int) -> list[Int4GemvConfig]:
+    """Configs for the sweep at M rows: the MMA's columns (K-slices x M's bucket) 8 to 32."""
+    bm = min(16, triton.next_power_of_2(m))
+    ksplits = sorted({max(1, c // bm) for c in (8, 16, 32)} | ({4} if bm == 1 else set()))
+    shapes = [(32, 2), (64, 4), (64, 2), (128, 4), (128, 8)] if m == 1 else [(32, 2), (64, 4)]
+    tiles = (1, 2, 4) if m == 1 else (1, 2)
+    stages = (3, 4) if m == 1 else (2, 3, 4)
+    return [
+        Int4GemvConfig(bn, ks, t, w, st)
+        for bn, w in shapes for ks in ksplits for t in tiles for st in stages
+        if bn // ks >= 1 and ks * bm <= 32
+    ]  # fmt: skip
+
+
+def sweep_int4(layer: str, m: int, ring: list, copy_bw: float) -> tuple[float, Int4GemvConfig]:
+    """Times every candidate config; returns (seconds, config) of the fastest correct one."""
+    q0, w0, p0 = ring[0]
+    n, k = q0.qweight.shape[0], q0.qweight.shape[1] * 2
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    cfgs = candidates(m)
+    run = partial(int4_gemv.int4_gemv, x)
+    precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
+    results = []
+    for cfg in cfgs:
+        try:
+            t = time_ring(lambda w, p, cfg=cfg: run(w, p, config=cfg), [r[1:] for r in ring])
+            results.append((t, cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"  int4_gemv {layer} M={m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:90]}")
+    ref = int4_gemv.int4_gemv_ref(x, q0.qweight, q0.scales, q0.offsets)
+    for t, cfg in sorted(results):
+        err = rel_err(run(w0, p0, config=cfg), ref)
+        if err < 1e-2:
+            break
+        print(f"      {tuple(cfg)} {t * 1e6:.1f} us is WRONG: max rel error {err:.2e}")
+    else:
+        return math.nan, int4_gemv.heuristic_config(n, k, 128, m, 132)
+    top = "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in sorted(results)[:4])
+    gbs = nbytes(w0, p0) / t / 1e9
+    print(f"  sweep int4_gemv {layer:7} M={m:2}: best {t * 1e6:6.1f} us {gbs:5.0f} GB/s "
+          f"({100 * gbs * 1e9 / copy_bw:3.0f}%) {tuple(cfg)} | top: {top}", flush=True)  # fmt: skip
+    return t, cfg
+
+
+def shape_table(copy_bw: float, ms: tuple[int, ...], sweep_ms: tuple[int, ...] = ()) -> dict:
+    """Per 8B shape and M: bf16 skinny, int8 quant_gemv, int4 quant_gemv, int4 int4_gemv (and,
+    with sweep_ms, its best swept config). Returns the tuned-config dict of the sweep."""
+    tuned: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+    rows: list[str] = []
+    for layer, (n, k) in SHAPES.items():
+        q4 = int4_weight(n, k)
+        copies = max(2, math.ceil(RING_BYTES / nbytes(q4[1], q4[2])))
+        ring4 = [(q4[0],) + tuple(t.clone() for t in q4[1:]) for _ in range(copies)]
+        canon4 = [
+            (q4[0].qweight.clone(), q4[0].scales.clone(), q4[0].offsets.clone())
+            for _ in range(copies)
+        ]
+        w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+        ring16 = [(w16.clone(),) for _ in range(max(2, math.ceil(RING_BYTES / nbytes(w16))))]
+        q8 = formats.quantize_int8(w16.float(), k, torch.bfloat16)
+        ring8 = [(q8.qweight.clone(), q8.scales.clone(), None) for _ in range(copies)]
+        for m in sorted(set(ms) | set(sweep_ms)):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            fig: dict[str, tuple[float, int]] = {}
+            if m in sweep_ms:
+                t, cfg = sweep_int4(layer, m, ring4, copy_bw)
+                if not math.isnan(t):
+                    tuned[(n, k, 128, min(16, triton.next_power_of_2(m)))] = tuple(cfg)
+                    int4_gemv.TUNED_CONFIGS[(n, k, 128, min(16, triton.next_power_of_2(m)))] = (
+                        tuple(cfg)
+                    )
+            if m not in ms:
+                continue
+            fig["bf16"] = (time_ring(partial(skinny_gemm, x), ring16), nbytes(w16))
+            fig["int8 qgemv"] = (
+                time_ring(partial(quant_gemv.quant_gemv, "int8", x), ring8),
+                nbytes(*ring8[0]),
+            )
+            fig["int4 qgemv"] = (
+                time_ring(partial(quant_gemv.quant_gemv, "int4", x), canon4),
+                nbytes(*canon4[0]),
+            )
+            fig["int4 new"] = (
+                time_ring(partial(int4_gemv.int4_gemv, x), [r[1:] for r in ring4]),
+                nbytes(*ring4[0][1:]),
+            )
+            if layer == "down" and m == 1:  # the SiLU-and-mul: fused, or a launch before
+                gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+                fig["int4 silu fused"] = (
+                    time_ring(partial(int4_gemv.int4_gemv, gu, silu_mul=True),
+                              [r[1:] for r in ring4]),
+                    nbytes(*ring4[0][1:]),
+                )  # fmt: skip
+                fig["int4 silu+gemv"] = (
+                    time_ring(lambda w, p, gu=gu: int4_gemv.int4_gemv(silu_and_mul(gu), w, p),
+                              [r[1:] for r in ring4]),
+                    nbytes(*ring4[0][1:]),
+                )  # fmt: skip
+            line = f"{layer:7} M={m:2}: " + " | ".join(
+                f"{name} {t * 1e6:6.1f} us {b / t / 1e9:5.0f} GB/s {100 * b / t / copy_bw:3.0f}%"
+                for name, (t, b) in fig.items()
+            )
+            rows.append(line)
+            print(line, flush=True)
+        del ring4, canon4, ring16, ring8
+        torch.cuda.empty_cache()
+    print("\nper-shape decode GEMV (GB/s of the bytes each kernel reads; % of copy):")
+    print("\n".join(rows))
+    if tuned:
+        print("\nint4_gemv.TUNED_CONFIGS = {")
+        for key, cfg in tuned.items():
+            print(f"    {key!r}: {cfg!r},")
+        print("}")
+    return tuned

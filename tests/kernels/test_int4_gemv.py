@@ -1,0 +1,131 @@
+"""The tensor-core int4 decode GEMV (``kernels.int4_gemv``) against x times the exactly
+dequantized weight in fp32 (plain torch): symmetric and asymmetric int4, groups of 32, 64, 128
+and 256, odd M, K-slices inside the MMA, bf16 and fp16, bias, the SiLU-and-mul prologue; the
+repack round trip and its nibble placement; the configs and inputs it must refuse; and the
+quantized linear layer taking it after ``prepare_kernel_layout``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, ON_GPU, assert_close
+
+from roofline.kernels import int4_gemv as ig
+from roofline.kernels.activation import silu_and_mul_ref
+from roofline.quantization import formats
+
+N, K = (4096, 4096) if ON_GPU else (40, 1024)
+
+
+def _weight(group: int, symmetric: bool, scale_dtype=torch.bfloat16, seed: int = 0, k: int = K):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, k, generator=gen) / k**0.5
+    q = formats.quantize_int4(w, group, symmetric=symmetric, scale_dtype=scale_dtype)
+    q = formats.Int4Weight(*(t.to(DEVICE) for t in q))
+    return q, ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets)
+
+
+def _reference(x, q, bias=None):
+    """x (fp32) @ the dequantized weight (fp32), written here independently of the module."""
+    w = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)  # [N, K]
+    out = x.float() @ w.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def test_repack_round_trip_and_placement() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (3, 256), generator=gen, dtype=torch.uint8)
+    packed = formats.pack_int4(q)
+    words = ig.repack_int4(packed)
+    assert words.dtype == torch.int32 and words.shape == (3, 32)
+    assert torch.equal(ig.unrepack_int4(words), packed)
+    # nibble 4h + i of word w of tile t holds element 128 t + 32 i + 2 w + h
+    for t, w, h, i in [(0, 0, 0, 0), (0, 5, 1, 2), (1, 15, 1, 3), (1, 7, 0, 1)]:
+        nibble = (int(words[1, 16 * t + w]) >> (4 * (4 * h + i))) & 0xF
+        assert nibble == int(q[1, 128 * t + 32 * i + 2 * w + h])
+
+
+# (group, symmetric, m, config or None for the picked one)
+CASES = [
+    (128, False, 1, None),
+    (128, True, 1, ig.Int4GemvConfig(64, 8, 1, 4, 2)),  # 8 K-slices of 8 rows
+    (128, False, 3, ig.Int4GemvConfig(32, 2, 1, 2, 2)),
+    (64, False, 1, ig.Int4GemvConfig(64, 4, 1, 4, 3)),
+    (64, True, 5, None),
+    (32, True, 1, None),
+    (32, False, 16, ig.Int4GemvConfig(32, 1, 2, 2, 2)),
+    (256, False, 2, ig.Int4GemvConfig(64, 2, 2, 4, 2)),  # a group spans two tiles
+]
+
+
+@pytest.mark.parametrize("group,symmetric,m,cfg", CASES)
+def test_int4_gemv_matches_reference(group, symmetric, m, cfg) -> None:
+    q, words, pairs = _weight(group, symmetric)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = ig.int4_gemv(x, words, pairs, bias, config=cfg)
+    assert got.shape == (m, N) and got.dtype == torch.bfloat16
+    assert_close(got, _reference(x, q, bias), torch.bfloat16)
+    assert_close(got, ig.int4_gemv_ref(x, q.qweight, q.scales, q.offsets, bias), torch.bfloat16)
+
+
+def test_fp16_activations_and_scales() -> None:
+    q, words, pairs = _weight(128, False, torch.float16, seed=2)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
+    got = ig.int4_gemv(x, words, pairs, config=ig.Int4GemvConfig(64, 4, 1, 4, 2))
+    assert_close(got, _reference(x, q), torch.float16)
+
+
+def test_silu_mul_prologue() -> None:
+    q, words, pairs = _weight(128, False, seed=4)
+    gate_up = torch.randn(1, 2 * K, generator=torch.Generator().manual_seed(5))
+    gate_up = gate_up.to(torch.bfloat16).to(DEVICE)
+    cfg = ig.Int4GemvConfig(64, 4, 1, 4, 2)
+    got = ig.int4_gemv(gate_up, words, pairs, silu_mul=True, config=cfg)
+    assert_close(got, _reference(silu_and_mul_ref(gate_up), q), torch.bfloat16)
+
+
+def test_heuristic_fills_the_gpu_and_resolves() -> None:
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        for m in (1, 2, 3, 4, 8, 16):
+            cfg = ig.heuristic_config(n, k, 128, m, 132)
+            assert ig._resolve(cfg, k, 128) is not None, (n, k, m, cfg)
+            assert cfg.ksplit * ig.m_bucket(m) <= 32
+            assert n // (cfg.block_n // cfg.ksplit) >= 2 * 132 or cfg.block_n == 32
+
+
+def test_refusals() -> None:
+    q, words, pairs = _weight(128, False)
+    x = torch.zeros(1, K + 8, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not match"):
+        ig.int4_gemv(x, words, pairs)
+    with pytest.raises(ValueError, match="rows"):
+        ig.int4_gemv(torch.zeros(17, K, dtype=torch.bfloat16, device=DEVICE), words, pairs)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        ig.int4_gemv(torch.zeros(1, K, device=DEVICE), words, pairs)
+    bad = ig.Int4GemvConfig(64, 8, 4, 4, 2)  # K / 8 slices is not a whole number of 4 tiles
+    with pytest.raises(ValueError, match="cannot run"):
+        ig.int4_gemv(torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE), words, pairs, config=bad)
+    assert not ig.can_repack(200, 40) and not ig.can_repack(384, 96) and ig.can_repack(384, 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ig.repack_int4(torch.zeros(2, 100, dtype=torch.uint8))
+    assert not ig.supports(torch.zeros(1, K, device=DEVICE), words, 128)  # fp32 x
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the repacked path is taken on CUDA only")
+def test_linear_layer_takes_int4_gemv() -> None:
+    from roofline.layers.linear import MergedLinear
+    from roofline.quantization.int4 import Int4LinearMethod
+
+    layer = MergedLinear(K, [N // 2, N // 2], bias=False, method=Int4LinearMethod(128)).to(DEVICE)
+    w = torch.randn(N, K, device=DEVICE) / K**0.5
+    for shard in range(2):
+        layer.method.load(layer, shard, "weight", w[shard * N // 2 : (shard + 1) * N // 2])
+    layer.method.process_weights_after_loading(layer)
+    assert layer.int4_words is not None
+    x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
+    q = formats.Int4Weight(layer.qweight, layer.scales, layer.offsets)
+    assert_close(layer(x), _reference(x, q), torch.bfloat16)
