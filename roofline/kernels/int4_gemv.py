@@ -25,7 +25,9 @@ tensor cores, at any M up to 16:
   column) are kept and summed once at the end. This spreads small-N layers over more programs
   with no second launch and no atomics.
 * Scales and offsets are interleaved (``pack_scales``: ``[N, groups, 2]``, their own dtype) so a
-  group's pair is read once per row.
+  group's pair is one 32-bit load per row (16-bit scales; two loads for fp32 ones).
+* Programmatic dependent launch (``kernels.pdl``): a program prefetches the start of its weight
+  rows into L2, lets the next kernel launch, and only then waits for the previous one's x.
 
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
 bits), rounded once to x's dtype. ``int4_gemv_ref`` is the plain-torch reference.
@@ -43,6 +45,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.gemv import _silu_mul, m_bucket
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
 TILE_K = 128  # K elements per repacked tile (16 int32 words per row)
@@ -209,6 +212,20 @@ def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, 
     return a
 
 
+@triton.jit
+def _scale_pair(ptrs, PAIR32: tl.constexpr):
+    """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs."""
+    if PAIR32:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.int32)))  # [BN]: scale low, offset high
+        S_DTYPE: tl.constexpr = ptrs.dtype.element_ty
+        s = v.to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
+        o = (v >> 16).to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        s = tl.load(ptrs).to(tl.float32)
+        o = tl.load(ptrs + 1).to(tl.float32)
+    return s, o
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL), rows contiguous
@@ -233,6 +250,9 @@ def _int4_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,
     ASM: tl.constexpr,  # compiled: lop3 inline asm and libdevice SiLU (not interpreted)
+    PAIR32: tl.constexpr,  # 16-bit scale pairs: one 32-bit load each
+    PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
+    PREFETCH_WORDS: tl.constexpr,  # words per MMA row prefetched into L2 before the wait
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
@@ -252,6 +272,12 @@ def _int4_gemv_kernel(
     q_ptrs = q_ptr + (rows * stride_qn + slice_r * (k_slice // 8))[:, None] + offs_w[None, :]
     x_ptrs = x_ptr + (m_c * stride_xm + slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
     so_ptrs = so_ptr + rows * stride_so + 2 * (slice_r * (k_slice // GROUP))  # [BN]
+    if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
+        offs_p = tl.minimum(tl.arange(0, PREFETCH_WORDS // 32) * 32, k_slice // 8 - 1)  # lines
+        row_start = q_ptr + rows * stride_qn + slice_r * (k_slice // 8)  # [BN]
+        prefetch_l2(row_start[:, None] + offs_p[None, :])  # [BN, lines]
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
@@ -267,9 +293,7 @@ def _int4_gemv_kernel(
                     xt = tl.load(x_ptrs + kg)  # [GK, C]
                 d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
                 xs = tl.dot(ones, xt)  # [BN, C]: sum x, in the same layout
-                so = so_ptrs + 2 * (kg // GROUP)  # groups above 128: re-read per tile
-                s = tl.load(so).to(tl.float32)  # [BN]
-                o = tl.load(so + 1).to(tl.float32)
+                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
                 acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
@@ -333,11 +357,19 @@ def int4_gemv(
     launch = _int4_gemv_kernel.warmup if warmup else _int4_gemv_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     compiled = not is_interpret()
+    pdl = compiled and pdl_enabled()
+    pair32 = scale_pairs.element_size() == 2
+    # prefetch the start of each MMA row's slice: at most ~16 KiB a program, whole 128-byte lines
+    lines = min(triton.cdiv(k_slice // 8, 32), max(1, 16384 // (128 * cfg.block_n)))
+    prefetch = 32 * triton.next_power_of_2(lines)
+    if pdl:
+        extra["launch_pdl"] = True
     launch(
         x, words, scale_pairs, bias if bias is not None else scale_pairs, out, m, n, k, k_slice,
         x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
         KSPLIT=cfg.ksplit, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
-        ASM=compiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_WORDS=prefetch if pdl else 32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out
