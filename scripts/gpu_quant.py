@@ -507,7 +507,7 @@ def int4_parity() -> None:
 
 @section("decode GEMV per shape")
 def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
-    sweep_ms = (1, 2, 4, 8, 16) if sweep else ()
+    sweep_ms = (1, 4, 16) if sweep else ()
     tuned = quant_decode_bench.shape_table(copy_bw, (1, 4, 16), sweep_ms)
     SUMMARY["int4_gemv_tuned"] = {repr(k): v for k, v in tuned.items()}
     if tuned:
@@ -517,13 +517,13 @@ def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
 
 
 def quick(ceil, args) -> None:
-    """The decode check: int4_gemv parity, the per-shape table, 8B batch 1 for bf16 / int8 /
-    int4 (and with --sweep the old int4 path beside it)."""
+    """The decode check: int4_gemv parity, the per-shape table (with --sweep: int4_gemv's
+    config sweep first, its winners installed), 8B batch 1 for bf16 / int8 / int4."""
     t0 = time.perf_counter()
     bw = ceil.bandwidth_bytes_per_s
     int4_parity()
     shape_section(bw, args.sweep, args.out)
-    methods = ["bf16", "int8", "int4"] + (["int4/old"] if args.sweep else [])
+    methods = ["bf16", "int8", "int4"]
     decode(ceil, methods, [1], 32)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
@@ -539,7 +539,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--sweep", action="store_true",
-        help="with --quick: sweep int4_gemv configs (M = 1, 2, 4, 8, 16), install the winners",
+        help="with --quick: sweep int4_gemv configs (M = 1, 4, 16), install the winners",
     )  # fmt: skip
     ap.add_argument("--extra", action="store_true", help="also logits error and offline W8A8")
     ap.add_argument(

@@ -130,9 +130,9 @@ def candidates(m: int) -> list[Int4GemvConfig]:
     """Configs for the sweep at M rows: the MMA's columns (K-slices x M's bucket) 8 to 32."""
     bm = min(16, triton.next_power_of_2(m))
     ksplits = sorted({max(1, c // bm) for c in (8, 16, 32)} | ({4} if bm == 1 else set()))
-    shapes = [(32, 2), (64, 4), (64, 2), (128, 4), (128, 8)] if m == 1 else [(32, 2), (64, 4)]
+    shapes = [(32, 2), (64, 4), (64, 2), (128, 4)] if m == 1 else [(32, 2), (64, 4)]
     tiles = (1, 2, 4) if m == 1 else (1, 2)
-    stages = (3, 4) if m == 1 else (2, 3, 4)
+    stages = (3, 4) if m == 1 else (2, 3)
     return [
         Int4GemvConfig(bn, ks, t, w, st)
         for bn, w in shapes for ks in ksplits for t in tiles for st in stages
@@ -145,7 +145,10 @@ def sweep_int4(layer: str, m: int, ring: list, copy_bw: float) -> tuple[float, I
     q0, w0, p0 = ring[0]
     n, k = q0.qweight.shape[0], q0.qweight.shape[1] * 2
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    cfgs = candidates(m)
+    heur = int4_gemv.heuristic_config(n, k, 128, m, 132)
+    cfgs = [heur] + [
+        c for c in candidates(m) if c != heur and int4_gemv._resolve(c, k, 128) is not None
+    ]
     run = partial(int4_gemv.int4_gemv, x)
     precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
     results = []
@@ -164,6 +167,8 @@ def sweep_int4(layer: str, m: int, ring: list, copy_bw: float) -> tuple[float, I
     else:
         return math.nan, int4_gemv.heuristic_config(n, k, 128, m, 132)
     top = "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in sorted(results)[:4])
+    t_heur = next((s for s, c in results if c == heur), math.nan)
+    top += f" | heuristic {tuple(heur)} {t_heur * 1e6:.1f}"
     gbs = nbytes(w0, p0) / t / 1e9
     print(f"  sweep int4_gemv {layer:7} M={m:2}: best {t * 1e6:6.1f} us {gbs:5.0f} GB/s "
           f"({100 * gbs * 1e9 / copy_bw:3.0f}%) {tuple(cfg)} | top: {top}", flush=True)  # fmt: skip

@@ -107,8 +107,9 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="bf16 or fp16"):
         ig.int4_gemv(torch.zeros(1, K, device=DEVICE), words, pairs)
     bad = ig.Int4GemvConfig(64, 8, 4, 4, 2)  # K / 8 slices is not a whole number of 4 tiles
+    x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="cannot run"):
-        ig.int4_gemv(torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE), words, pairs, config=bad)
+        ig.int4_gemv(x, words, pairs, config=bad)
     assert not ig.can_repack(200, 40) and not ig.can_repack(384, 96) and ig.can_repack(384, 128)
     with pytest.raises(ValueError, match="multiple of 128"):
         ig.repack_int4(torch.zeros(2, 100, dtype=torch.uint8))
