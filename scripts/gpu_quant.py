@@ -391,6 +391,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
             quant, _, variant = method.partition("/")
             common.USE_QUANT_GEMV = variant != "generic"
             common.USE_INT4_GEMV = variant != "old"  # int4/old: quant_gemv, no repack
+            common.USE_INT8_GEMV = variant == "tc"  # int8/tc: int4_gemv's int8 planes
             common.GEMV_MAX_ROWS = 256 if variant == "gemv256" else common.DECODE_MAX_ROWS
             t0 = time.perf_counter()
             llm = LLM(
@@ -421,7 +422,7 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
             traceback.print_exc()
         finally:
             common.USE_QUANT_GEMV, common.GEMV_MAX_ROWS = True, common.DECODE_MAX_ROWS
-            common.USE_INT4_GEMV = True
+            common.USE_INT4_GEMV, common.USE_INT8_GEMV = True, False
             llm = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -508,8 +509,10 @@ def int4_parity() -> None:
 @section("decode GEMV per shape")
 def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
     sweep_ms = (1, 4, 16) if sweep else ()
-    tuned = quant_decode_bench.shape_table(copy_bw, (1, 4, 16), sweep_ms)
+    tuned, rows = quant_decode_bench.shape_table(copy_bw, (1, 4, 16), sweep_ms)
     SUMMARY["int4_gemv_tuned"] = {repr(k): v for k, v in tuned.items()}
+    SUMMARY["decode_gemv_table"] = rows
+    TABLE.extend(rows)
     if tuned:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "int4_gemv_tuned.txt"), "w") as f:
@@ -523,7 +526,7 @@ def quick(ceil, args) -> None:
     bw = ceil.bandwidth_bytes_per_s
     int4_parity()
     shape_section(bw, args.sweep, args.out)
-    methods = ["bf16", "int8", "int4"]
+    methods = ["bf16", "int8", "int8/tc", "int4"]
     decode(ceil, methods, [1], 32)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))

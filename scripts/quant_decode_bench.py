@@ -140,94 +140,108 @@ def candidates(m: int) -> list[Int4GemvConfig]:
     ]  # fmt: skip
 
 
-def sweep_int4(layer: str, m: int, ring: list, copy_bw: float) -> tuple[float, Int4GemvConfig]:
-    """Times every candidate config; returns (seconds, config) of the fastest correct one."""
-    q0, w0, p0 = ring[0]
-    n, k = q0.qweight.shape[0], q0.qweight.shape[1] * 2
-    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    heur = int4_gemv.heuristic_config(n, k, 128, m, 132)
-    cfgs = [heur] + [
-        c for c in candidates(m) if c != heur and int4_gemv._resolve(c, k, 128) is not None
-    ]
-    run = partial(int4_gemv.int4_gemv, x)
+def sweep(
+    bits: int, layer: str, x: torch.Tensor, ring: list, ref: torch.Tensor, copy_bw: float
+) -> tuple[float, Int4GemvConfig]:
+    """Times every candidate config on the ring of (words, pairs); returns (seconds, config) of
+    the fastest one whose result matches ``ref`` (nan and the heuristic's if none)."""
+    w0, p0 = ring[0]
+    m, n, k = x.shape[0], w0.shape[0], w0.shape[1] * 32 // bits
+    group = k // p0.shape[1]
+    heur = int4_gemv.heuristic_config(n, k, group, m, 132)
+    cands = candidates(m) if bits == 4 else candidates8(m)
+    cfgs = [heur] + [c for c in cands if c != heur and int4_gemv._resolve(c, k, group) is not None]
+    run = partial(int4_gemv.int4_gemv, x, bits=bits)
     precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
     results = []
     for cfg in cfgs:
         try:
-            t = time_ring(lambda w, p, cfg=cfg: run(w, p, config=cfg), [r[1:] for r in ring])
-            results.append((t, cfg))
+            results.append((time_ring(lambda w, p, cfg=cfg: run(w, p, config=cfg), ring), cfg))
         except Exception as e:  # noqa: BLE001
-            print(f"  int4_gemv {layer} M={m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:90]}")
-    ref = int4_gemv.int4_gemv_ref(x, q0.qweight, q0.scales, q0.offsets)
+            print(f"  int{bits} gemv {layer} M={m} {tuple(cfg)}: {type(e).__name__}: {e!s:.90}")
     for t, cfg in sorted(results):
         err = rel_err(run(w0, p0, config=cfg), ref)
         if err < 1e-2:
             break
         print(f"      {tuple(cfg)} {t * 1e6:.1f} us is WRONG: max rel error {err:.2e}")
     else:
-        return math.nan, int4_gemv.heuristic_config(n, k, 128, m, 132)
+        return math.nan, heur
     top = "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in sorted(results)[:4])
     t_heur = next((s for s, c in results if c == heur), math.nan)
     top += f" | heuristic {tuple(heur)} {t_heur * 1e6:.1f}"
     gbs = nbytes(w0, p0) / t / 1e9
-    print(f"  sweep int4_gemv {layer:7} M={m:2}: best {t * 1e6:6.1f} us {gbs:5.0f} GB/s "
+    print(f"  sweep int{bits} gemv {layer:7} M={m:2}: best {t * 1e6:6.1f} us {gbs:5.0f} GB/s "
           f"({100 * gbs * 1e9 / copy_bw:3.0f}%) {tuple(cfg)} | top: {top}", flush=True)  # fmt: skip
     return t, cfg
 
 
-def shape_table(copy_bw: float, ms: tuple[int, ...], sweep_ms: tuple[int, ...] = ()) -> dict:
-    """Per 8B shape and M: bf16 skinny, int8 quant_gemv, int4 quant_gemv, int4 int4_gemv (and,
-    with sweep_ms, its best swept config). Returns the tuned-config dict of the sweep."""
-    tuned: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+def candidates8(m: int) -> list[Int4GemvConfig]:
+    """int8 (two nibble planes): a smaller set, one row only."""
+    return [
+        Int4GemvConfig(bn, ks, t, w, st)
+        for bn, w in ((32, 2), (64, 4), (128, 4)) for ks in (4, 8, 16) for t in (1, 2)
+        for st in (3, 4)
+        if bn // ks >= 1
+    ]  # fmt: skip
+
+
+def shape_table(
+    copy_bw: float, ms: tuple[int, ...], sweep_ms: tuple[int, ...] = ()
+) -> tuple[dict, list[str]]:
+    """Per 8B shape and M: bf16 skinny, int8 quant_gemv, int8 and int4 over int4_gemv's repacked
+    layouts, int4 quant_gemv (with sweep_ms, int4_gemv's configs swept first at those M, int8's
+    at M = 1). Returns the tuned configs (also installed into int4_gemv.TUNED_CONFIGS) and the
+    table's lines."""
+    tuned: dict[tuple[int, ...], tuple[int, ...]] = {}
     rows: list[str] = []
     for layer, (n, k) in SHAPES.items():
-        q4 = int4_weight(n, k)
-        copies = max(2, math.ceil(RING_BYTES / nbytes(q4[1], q4[2])))
-        ring4 = [(q4[0],) + tuple(t.clone() for t in q4[1:]) for _ in range(copies)]
-        canon4 = [
-            (q4[0].qweight.clone(), q4[0].scales.clone(), q4[0].offsets.clone())
-            for _ in range(copies)
-        ]
+        q4, words4, pairs4 = int4_weight(n, k)
+        copies = max(2, math.ceil(RING_BYTES / nbytes(words4, pairs4)))
+        ring4 = [(words4.clone(), pairs4.clone()) for _ in range(copies)]
+        canon4 = [(q4.qweight.clone(), q4.scales.clone(), q4.offsets.clone()) for _ in ring4]
         w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
         ring16 = [(w16.clone(),) for _ in range(max(2, math.ceil(RING_BYTES / nbytes(w16))))]
         q8 = formats.quantize_int8(w16.float(), k, torch.bfloat16)
-        ring8 = [(q8.qweight.clone(), q8.scales.clone(), None) for _ in range(copies)]
+        copies8 = max(2, math.ceil(RING_BYTES / nbytes(q8.qweight, q8.scales)))
+        ring8 = [(q8.qweight.clone(), q8.scales.clone(), None) for _ in range(copies8)]
+        words8, pairs8 = int4_gemv.repack_int8(q8.qweight), int4_gemv.pack_scales(q8.scales, None)
+        ring8n = [(words8.clone(), pairs8.clone()) for _ in range(copies8)]
+        w8 = formats.dequantize_int8(q8.qweight, q8.scales, torch.float32)  # [N, K]
         for m in sorted(set(ms) | set(sweep_ms)):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            bucket = min(16, triton.next_power_of_2(m))
             fig: dict[str, tuple[float, int]] = {}
-            if m in sweep_ms:
-                t, cfg = sweep_int4(layer, m, ring4, copy_bw)
+            sweeps = [(4, ring4, int4_gemv.int4_gemv_ref(x, q4.qweight, q4.scales, q4.offsets))]
+            if m == 1:
+                sweeps.append((8, ring8n, (x.float() @ w8.T).to(x.dtype)))
+            for bits, ring, ref in sweeps if m in sweep_ms else []:
+                t, cfg = sweep(bits, layer, x, ring, ref, copy_bw)
                 if not math.isnan(t):
-                    tuned[(n, k, 128, min(16, triton.next_power_of_2(m)))] = tuple(cfg)
-                    int4_gemv.TUNED_CONFIGS[(n, k, 128, min(16, triton.next_power_of_2(m)))] = (
-                        tuple(cfg)
-                    )
+                    group = 128 if bits == 4 else k
+                    tuned[(bits, n, k, group, bucket)] = tuple(cfg)
+                    int4_gemv.TUNED_CONFIGS[(bits, n, k, group, bucket)] = tuple(cfg)
             if m not in ms:
                 continue
+            new4, new8 = partial(int4_gemv.int4_gemv, x), partial(int4_gemv.int4_gemv, x, bits=8)
             fig["bf16"] = (time_ring(partial(skinny_gemm, x), ring16), nbytes(w16))
             fig["int8 qgemv"] = (
                 time_ring(partial(quant_gemv.quant_gemv, "int8", x), ring8),
                 nbytes(*ring8[0]),
             )
+            fig["int8 new"] = (time_ring(new8, ring8n), nbytes(*ring8n[0]))
             fig["int4 qgemv"] = (
                 time_ring(partial(quant_gemv.quant_gemv, "int4", x), canon4),
                 nbytes(*canon4[0]),
             )
-            fig["int4 new"] = (
-                time_ring(partial(int4_gemv.int4_gemv, x), [r[1:] for r in ring4]),
-                nbytes(*ring4[0][1:]),
-            )
+            fig["int4 new"] = (time_ring(new4, ring4), nbytes(*ring4[0]))
             if layer == "down" and m == 1:  # the SiLU-and-mul: fused, or a launch before
                 gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
-                fig["int4 silu fused"] = (
-                    time_ring(partial(int4_gemv.int4_gemv, gu, silu_mul=True),
-                              [r[1:] for r in ring4]),
-                    nbytes(*ring4[0][1:]),
-                )  # fmt: skip
+                fused = partial(int4_gemv.int4_gemv, gu, silu_mul=True)
+                fig["int4 silu fused"] = (time_ring(fused, ring4), nbytes(*ring4[0]))
                 fig["int4 silu+gemv"] = (
                     time_ring(lambda w, p, gu=gu: int4_gemv.int4_gemv(silu_and_mul(gu), w, p),
-                              [r[1:] for r in ring4]),
-                    nbytes(*ring4[0][1:]),
+                              ring4),
+                    nbytes(*ring4[0]),
                 )  # fmt: skip
             line = f"{layer:7} M={m:2}: " + " | ".join(
                 f"{name} {t * 1e6:6.1f} us {b / t / 1e9:5.0f} GB/s {100 * b / t / copy_bw:3.0f}%"
@@ -235,7 +249,7 @@ def shape_table(copy_bw: float, ms: tuple[int, ...], sweep_ms: tuple[int, ...] =
             )
             rows.append(line)
             print(line, flush=True)
-        del ring4, canon4, ring16, ring8
+        del ring4, canon4, ring16, ring8, ring8n
         torch.cuda.empty_cache()
     print("\nper-shape decode GEMV (GB/s of the bytes each kernel reads; % of copy):")
     print("\n".join(rows))
@@ -244,4 +258,4 @@ def shape_table(copy_bw: float, ms: tuple[int, ...], sweep_ms: tuple[int, ...] =
         for key, cfg in tuned.items():
             print(f"    {key!r}: {cfg!r},")
         print("}")
-    return tuned
+    return tuned, rows

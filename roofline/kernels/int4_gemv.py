@@ -29,10 +29,15 @@ tensor cores, at any M up to 16:
 * Programmatic dependent launch (``kernels.pdl``): a program prefetches the start of its weight
   rows into L2, lets the next kernel launch, and only then waits for the previous one's x.
 
+* int8 (``bits=8``, ``repack_int8``): ``u = q + 128`` split into two nibble planes per tile,
+  each laid out as int4's; the high plane's magic (bf16 ``0x4500``: ``2048 + 16 hi``, fp16
+  ``0x7400``: ``16384 + 16 hi``) puts the factor 16 into the operand, so both planes feed one
+  accumulator.
+
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
-bits), rounded once to x's dtype. ``int4_gemv_ref`` is the plain-torch reference.
-Configs: ``TUNED_CONFIGS[(N, K, group, m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --sweep``),
-else ``heuristic_config``.
+bits), rounded once to x's dtype. ``int4_gemv_ref`` is the plain-torch reference. Configs:
+``TUNED_CONFIGS[(bits, N, K, group, m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --quick
+--sweep``), else ``heuristic_config``.
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ class Int4GemvConfig(NamedTuple):
     num_stages: int
 
 
-# (N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep (H100).
-TUNED_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {}
+# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
+# (H100, Llama-3.1-8B shapes).
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
 
 
 def can_repack(k: int, group: int) -> bool:
@@ -70,35 +76,62 @@ def can_repack(k: int, group: int) -> bool:
     return k % TILE_K == 0 and (group in (32, 64) or group % TILE_K == 0) and k % group == 0
 
 
-def repack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
-    """Canonical int4 ``[N, K // 2]`` uint8 (low nibble = even k) -> the kernel's int32 words:
-    per 128-element tile, nibble ``4h + i`` of word ``w`` = element ``32 i + 2 w + h``."""
-    n = qweight.shape[0]
-    q = formats.unpack_int4(qweight).to(torch.int32)  # [N, K]
-    k = q.shape[1]
+def _plane_words(q: torch.Tensor) -> torch.Tensor:  # [N, K // 128, 16] int32
+    """Values 0..15 ``[N, K]`` -> per 128-element tile, 16 words: nibble ``4h + i`` of word
+    ``w`` = element ``32 i + 2 w + h``."""
+    n, k = q.shape
     if k % TILE_K:
         raise ValueError(f"int4_gemv: K = {k} is not a multiple of {TILE_K}")
-    q = q.reshape(n, k // TILE_K, 4, TILE_WORDS, 2)  # [N, T, i, w, h]
+    q = q.to(torch.int32).reshape(n, k // TILE_K, 4, TILE_WORDS, 2)  # [N, T, i, w, h]
     q = q.permute(0, 1, 3, 4, 2).reshape(n, k // TILE_K, TILE_WORDS, 8)  # [N, T, w, 4h + i]
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)  # [8]
     words = (q << shifts).sum(dim=-1, dtype=torch.int64)  # [N, T, w], < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.reshape(n, k // 8).contiguous()
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _plane_values(words: torch.Tensor) -> torch.Tensor:  # [N, K] int64 values 0..15
+    """The inverse of ``_plane_words`` (``words``: ``[N, T, 16]``)."""
+    n, num_tiles, _ = words.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)  # [8]
+    nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # [N, T, w, 8]
+    nib = nib.reshape(n, num_tiles, TILE_WORDS, 2, 4)  # [N, T, w, h, i]
+    return nib.permute(0, 1, 4, 2, 3).reshape(n, num_tiles * TILE_K)
+
+
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
+    """Canonical int4 ``[N, K // 2]`` uint8 (low nibble = even k) -> the kernel's int32 words:
+    per 128-element tile, nibble ``4h + i`` of word ``w`` = element ``32 i + 2 w + h``."""
+    words = _plane_words(formats.unpack_int4(qweight))  # [N, T, 16]
+    return words.reshape(qweight.shape[0], -1).contiguous()
 
 
 def unrepack_int4(words: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8
     """The inverse of ``repack_int4``: the canonical nibble layout."""
-    n, num_words = words.shape
-    k = num_words * 8
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)  # [8]
-    nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # [N, K // 8, 8]
-    nib = nib.reshape(n, k // TILE_K, TILE_WORDS, 2, 4)  # [N, T, w, h, i]
-    q = nib.permute(0, 1, 4, 2, 3).reshape(n, k)  # [N, K] natural order
-    return formats.pack_int4(q.to(torch.uint8))
+    tiles = words.reshape(words.shape[0], -1, TILE_WORDS)
+    return formats.pack_int4(_plane_values(tiles).to(torch.uint8))
 
 
-def pack_scales(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``[N, G]`` scales and offsets -> ``[N, G, 2]`` pairs (scale, offset) in the scales' dtype."""
+def repack_int8(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 4] int32
+    """Canonical int8 ``[N, K]`` -> two nibble planes of ``u = q + 128`` per 128-element tile
+    (16 words of low nibbles, then 16 of high nibbles), each laid out as ``repack_int4``'s."""
+    u = (qweight.to(torch.int32) + 128).to(torch.uint8)  # [N, K]
+    lo, hi = _plane_words(u & 15), _plane_words(u >> 4)  # [N, T, 16] each
+    return torch.cat([lo, hi], dim=-1).reshape(qweight.shape[0], -1).contiguous()
+
+
+def unrepack_int8(words: torch.Tensor) -> torch.Tensor:  # [N, K] int8
+    """The inverse of ``repack_int8``."""
+    tiles = words.reshape(words.shape[0], -1, 2 * TILE_WORDS)
+    lo = _plane_values(tiles[..., :TILE_WORDS].contiguous())
+    hi = _plane_values(tiles[..., TILE_WORDS:].contiguous())
+    return (lo + 16 * hi - 128).to(torch.int8)
+
+
+def pack_scales(scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """``[N, G]`` scales and offsets (None: zero, int8) -> ``[N, G, 2]`` pairs (scale, offset)
+    in the scales' dtype."""
+    if offsets is None:
+        offsets = torch.zeros_like(scales)
     return torch.stack([scales, offsets.to(scales.dtype)], dim=-1).contiguous()
 
 
@@ -147,8 +180,10 @@ def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvCo
     return cfg
 
 
-def pick_config(n: int, k: int, group: int, m: int, device: torch.device) -> Int4GemvConfig:
-    tuned = TUNED_CONFIGS.get((n, k, group, m_bucket(m)))
+def pick_config(
+    n: int, k: int, group: int, m: int, device: torch.device, bits: int = 4
+) -> Int4GemvConfig:
+    tuned = TUNED_CONFIGS.get((bits, n, k, group, m_bucket(m)))
     if tuned is not None:
         return Int4GemvConfig(*tuned)
     return heuristic_config(n, k, group, m, num_sms(device))
@@ -156,11 +191,11 @@ def pick_config(n: int, k: int, group: int, m: int, device: torch.device) -> Int
 
 def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
     """The K-slice length for this config, or None if it cannot run: each slice a whole number
-    of loop steps and of groups (groups above 128)."""
+    of loop steps (so of 128-element tiles, which never straddle a group)."""
     if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % cfg.ksplit:
         return None
     k_slice = k // cfg.ksplit
-    if k_slice % (TILE_K * cfg.tiles) or k_slice % max(group, 1):
+    if k_slice % (TILE_K * cfg.tiles):
         return None
     return k_slice
 
@@ -170,21 +205,21 @@ def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE
     """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
     ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
     src = words >> SH if SH > 0 else words
-    if ASM and MAGIC == 0x43004300:  # one lop3: (src & 0x000F000F) | MAGIC
+    if ASM:  # one lop3: (src & 0x000F000F) | MAGIC
         v = tl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 983055, 1124090624, 234;", "=r,r", [src], dtype=tl.int32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    elif ASM:
-        v = tl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 983055, 1677747200, 234;", "=r,r", [src], dtype=tl.int32,
-            is_pure=True, pack=1,
+            "lop3.b32 $0, $1, 983055, " + _decimal(MAGIC) + ", 234;", "=r,r", [src],
+            dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
     else:
         v = (src & 0x000F000F) | MAGIC
     lo = v.to(tl.int16).to(DTYPE, bitcast=True)
     hi = (v >> 16).to(tl.int16).to(DTYPE, bitcast=True)
     return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.constexpr_function
+def _decimal(value):
+    return str(int(value))
 
 
 @triton.jit
@@ -241,6 +276,7 @@ def _int4_gemv_kernel(
     stride_qn,
     stride_so,
     stride_om,
+    BITS: tl.constexpr,  # 4, or 8 (two nibble planes of q + 128 per tile)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
@@ -255,8 +291,14 @@ def _int4_gemv_kernel(
     PREFETCH_WORDS: tl.constexpr,  # words per MMA row prefetched into L2 before the wait
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
     MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
-    BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
+    if BITS == 4:
+        BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+    else:  # sum (B + lo) x + sum 16 (B' + hi) x = sum (q + 128) x + 17 B X
+        BASE: tl.constexpr = 17 * 1024.0 + 128.0 if DTYPE == tl.float16 else 17 * 128.0 + 128.0
+    WPT: tl.constexpr = 16 * (BITS // 4)  # words per row per 128-element tile
     GK: tl.constexpr = GROUP if GROUP < 128 else 128  # K per dot: a group, or a whole tile
     PAIRS: tl.constexpr = GK // 32
     ROWS: tl.constexpr = BLOCK_N // KSPLIT
@@ -269,12 +311,16 @@ def _int4_gemv_kernel(
     slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
     m_c = tl.minimum(c % BLOCK_M, M - 1).to(tl.int64)
     offs_w = tl.arange(0, 16)
-    q_ptrs = q_ptr + (rows * stride_qn + slice_r * (k_slice // 8))[:, None] + offs_w[None, :]
+    slice_words = k_slice // 128 * WPT
+    q_ptrs = q_ptr + (rows * stride_qn + slice_r * slice_words)[:, None] + offs_w[None, :]
     x_ptrs = x_ptr + (m_c * stride_xm + slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
-    so_ptrs = so_ptr + rows * stride_so + 2 * (slice_r * (k_slice // GROUP))  # [BN]
+    so_ptrs = so_ptr + rows * stride_so  # [BN]
+    if GROUP <= 128:  # slices hold whole groups
+        so_ptrs += 2 * (slice_r * (k_slice // GROUP))
+    k_row = slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
     if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
-        offs_p = tl.minimum(tl.arange(0, PREFETCH_WORDS // 32) * 32, k_slice // 8 - 1)  # lines
-        row_start = q_ptr + rows * stride_qn + slice_r * (k_slice // 8)  # [BN]
+        offs_p = tl.minimum(tl.arange(0, PREFETCH_WORDS // 32) * 32, slice_words - 1)  # lines
+        row_start = q_ptr + rows * stride_qn + slice_r * slice_words  # [BN]
         prefetch_l2(row_start[:, None] + offs_p[None, :])  # [BN, lines]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -283,7 +329,9 @@ def _int4_gemv_kernel(
     for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
             kt = k0 + 128 * t
-            words = tl.load(q_ptrs + kt // 8)  # [BN, 16] int32
+            words = tl.load(q_ptrs + kt // 128 * WPT)  # [BN, 16] int32 (int8: low nibbles)
+            if BITS == 8:
+                words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
             for j in tl.static_range(128 // GK):
                 kg = kt + GK * j
                 a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
@@ -292,8 +340,13 @@ def _int4_gemv_kernel(
                 else:
                     xt = tl.load(x_ptrs + kg)  # [GK, C]
                 d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
+                if BITS == 8:
+                    d = tl.dot(_operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE), xt, d)
                 xs = tl.dot(ones, xt)  # [BN, C]: sum x, in the same layout
-                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
+                if GROUP <= 128:
+                    s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
+                else:  # a slice may start inside a group; a 128-tile never straddles one
+                    s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
                 acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
@@ -307,15 +360,17 @@ def _int4_gemv_kernel(
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def supports(x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False) -> bool:
+def supports(
+    x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False, bits: int = 4
+) -> bool:
     """Whether ``int4_gemv`` takes this x against a repacked weight (with its picked config)."""
     m = x.shape[0]
-    k = words.shape[1] * 8
+    k = words.shape[1] * 32 // bits
     if not 1 <= m <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, x.device)
+    cfg = pick_config(words.shape[0], k, group, m, x.device, bits)
     return can_repack(k, group) and _resolve(cfg, k, group) is not None
 
 
@@ -326,6 +381,7 @@ def int4_gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     silu_mul: bool = False,
+    bits: int = 4,
     config: Int4GemvConfig | None = None,
     warmup: bool = False,
 ) -> torch.Tensor:  # [M, N] in x's dtype
@@ -333,8 +389,10 @@ def int4_gemv(
     ``silu(x[:, :K]) * x[:, K:]``. ``config`` overrides the picked one (sweeps); one that cannot
     run raises ValueError. ``warmup`` compiles without launching."""
     check_device(x, words)
+    if bits not in (4, 8):
+        raise ValueError(f"int4_gemv: bits must be 4 or 8, got {bits}")
     m, n = x.shape[0], words.shape[0]
-    k = words.shape[1] * 8
+    k = words.shape[1] * 32 // bits
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} does not match weight [{n}, {k}]")
     if not 1 <= m <= MAX_ROWS:
@@ -347,7 +405,7 @@ def int4_gemv(
     group = k // num_groups
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
-    cfg = config or pick_config(n, k, group, m, x.device)
+    cfg = config or pick_config(n, k, group, m, x.device, bits)
     k_slice = _resolve(cfg, k, group)
     if k_slice is None:
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
@@ -360,14 +418,14 @@ def int4_gemv(
     pdl = compiled and pdl_enabled()
     pair32 = scale_pairs.element_size() == 2
     # prefetch the start of each MMA row's slice: at most ~16 KiB a program, whole 128-byte lines
-    lines = min(triton.cdiv(k_slice // 8, 32), max(1, 16384 // (128 * cfg.block_n)))
+    lines = min(triton.cdiv(k_slice * bits // 32, 32), max(1, 16384 // (128 * cfg.block_n)))
     prefetch = 32 * triton.next_power_of_2(lines)
     if pdl:
         extra["launch_pdl"] = True
     launch(
         x, words, scale_pairs, bias if bias is not None else scale_pairs, out, m, n, k, k_slice,
         x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
-        GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
+        BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
         KSPLIT=cfg.ksplit, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_WORDS=prefetch if pdl else 32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,

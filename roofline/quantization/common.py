@@ -60,7 +60,9 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 
 # int4 decode batches take kernels.int4_gemv (tensor cores, a repacked copy of the weight made by
 # prepare_kernel_layout); ROOFLINE_INT4_GEMV=0 keeps them on kernels.quant_gemv (A/B runs).
+# int8 takes it (as two nibble planes) only with ROOFLINE_INT8_GEMV=1.
 USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
+USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "0") != "0"
 # The down projection's SiLU-and-mul inside int4_gemv (else a separate silu_and_mul launch).
 INT4_GEMV_FUSE_SILU = os.environ.get("ROOFLINE_INT4_GEMV_FUSE_SILU", "0") != "0"
 
@@ -136,12 +138,14 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
-    if getattr(layer, "int4_words", None) is not None and x.shape[0] <= GEMV_MAX_ROWS:
+    words = getattr(layer, "gemv_words", None)
+    if words is not None and x.shape[0] <= GEMV_MAX_ROWS:
         from roofline.kernels import int4_gemv
 
         x = x.contiguous()
-        if int4_gemv.supports(x, layer.int4_words, layer.group_size):
-            return int4_gemv.int4_gemv(x, layer.int4_words, layer.int4_scale_pairs, bias)
+        bits = layer.gemv_bits
+        if int4_gemv.supports(x, words, layer.gemv_group, bits=bits):
+            return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, bits=bits)
     if x.shape[0] <= GEMV_MAX_ROWS and USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -187,16 +191,15 @@ def silu_mul_linear(
     from roofline.kernels.dequant_gemm import dequant_gemm
 
     offsets = getattr(layer, "offsets", None)
-    if getattr(layer, "int4_words", None) is not None:
+    words = getattr(layer, "gemv_words", None)
+    if words is not None:
         from roofline.kernels import int4_gemv
         from roofline.kernels.activation import silu_and_mul
 
-        fused = INT4_GEMV_FUSE_SILU
+        fused, bits = INT4_GEMV_FUSE_SILU, layer.gemv_bits
         x = gate_up if fused else silu_and_mul(gate_up)
-        if int4_gemv.supports(x, layer.int4_words, layer.group_size, silu_mul=fused):
-            return int4_gemv.int4_gemv(
-                x, layer.int4_words, layer.int4_scale_pairs, bias, silu_mul=fused
-            )
+        if int4_gemv.supports(x, words, layer.gemv_group, silu_mul=fused, bits=bits):
+            return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, silu_mul=fused, bits=bits)
     if USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -208,22 +211,25 @@ def silu_mul_linear(
 
 
 def prepare_kernel_layout(kind: str, layer: nn.Module) -> None:
-    """After loading: a CUDA int4 layer whose shape allows it gets ``int4_words`` and
-    ``int4_scale_pairs``, the repacked copies ``kernels.int4_gemv`` reads (the canonical tensors
-    stay for the other paths)."""
-    layer.int4_words = None
-    if kind != "int4" or not USE_INT4_GEMV or not layer.qweight.is_cuda:
+    """After loading: a CUDA int4 (int8 with ``USE_INT8_GEMV``) layer whose shape allows it gets
+    ``gemv_words`` and ``gemv_pairs``, the repacked copies ``kernels.int4_gemv`` reads for decode
+    batches (the canonical tensors stay for the other paths), ``gemv_bits`` and ``gemv_group``."""
+    layer.gemv_words = None
+    use = {"int4": USE_INT4_GEMV, "int8": USE_INT8_GEMV}.get(kind, False)
+    if not use or not layer.qweight.is_cuda or layer.scales.dim() != 2:
         return
     from roofline.kernels import int4_gemv
 
-    k = layer.qweight.shape[1] * 2
+    bits = 4 if kind == "int4" else 8
+    k = layer.qweight.shape[1] * (2 if bits == 4 else 1)
     group = k // layer.scales.shape[1]
-    if layer.scales.dim() != 2 or not int4_gemv.can_repack(k, group):
+    if not int4_gemv.can_repack(k, group):
         return
-    layer.group_size = group
+    repack = int4_gemv.repack_int4 if bits == 4 else int4_gemv.repack_int8
     with torch.no_grad():
-        layer.int4_words = int4_gemv.repack_int4(layer.qweight)
-        layer.int4_scale_pairs = int4_gemv.pack_scales(layer.scales, layer.offsets)
+        layer.gemv_words = repack(layer.qweight)
+        layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
+    layer.gemv_bits, layer.gemv_group = bits, group
 
 
 class CanonicalLinearMethod(LinearMethod):

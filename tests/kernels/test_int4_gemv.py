@@ -126,7 +126,39 @@ def test_linear_layer_takes_int4_gemv() -> None:
     for shard in range(2):
         layer.method.load(layer, shard, "weight", w[shard * N // 2 : (shard + 1) * N // 2])
     layer.method.process_weights_after_loading(layer)
-    assert layer.int4_words is not None
+    assert layer.gemv_words is not None and layer.gemv_bits == 4
     x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
     q = formats.Int4Weight(layer.qweight, layer.scales, layer.offsets)
     assert_close(layer(x), _reference(x, q), torch.bfloat16)
+
+
+def test_int8_repack_round_trip() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randint(-128, 128, (3, 256), generator=gen, dtype=torch.int8)
+    words = ig.repack_int8(q)
+    assert words.dtype == torch.int32 and words.shape == (3, 64)
+    assert torch.equal(ig.unrepack_int8(words), q)
+    u = int(q[2, 128 + 32 * 1 + 2 * 3 + 1]) + 128  # tile 1, i 1, w 3, h 1: nibble 4 + 1 = 5
+    assert (int(words[2, 32 + 3]) >> 20) & 0xF == u & 15
+    assert (int(words[2, 32 + 16 + 3]) >> 20) & 0xF == u >> 4
+
+
+@pytest.mark.parametrize(
+    "group,dtype,m,cfg",
+    [
+        (K, torch.bfloat16, 1, ig.Int4GemvConfig(64, 8, 1, 4, 2)),  # per channel, 8 K-slices
+        (K, torch.bfloat16, 3, None),
+        (32, torch.float16, 1, None),
+        (128, torch.bfloat16, 16, ig.Int4GemvConfig(32, 1, 2, 2, 2)),
+    ],
+)
+def test_int8_planes_match_reference(group, dtype, m, cfg) -> None:
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    q = formats.quantize_int8(w, group, dtype)
+    qweight, scales = q.qweight.to(DEVICE), q.scales.to(DEVICE)
+    words, pairs = ig.repack_int8(qweight), ig.pack_scales(scales, None)
+    x = torch.randn(m, K, generator=gen).to(dtype).to(DEVICE)
+    got = ig.int4_gemv(x, words, pairs, bits=8, config=cfg)
+    expected = (x.float() @ formats.dequantize_int8(qweight, scales, torch.float32).T).to(dtype)
+    assert_close(got, expected, dtype)
