@@ -98,11 +98,24 @@ def _plane_values(words: torch.Tensor) -> torch.Tensor:  # [N, K] int64 values 0
     return nib.permute(0, 1, 4, 2, 3).reshape(n, num_tiles * TILE_K)
 
 
+REPACK_ROWS = 2048  # rows repacked at a time: the int32 temporaries stay ~2048 x K x 8 bytes
+
+
+def _by_rows(fn, qweight: torch.Tensor, words_per_row: int) -> torch.Tensor:
+    out = torch.empty(qweight.shape[0], words_per_row, dtype=torch.int32, device=qweight.device)
+    for r in range(0, qweight.shape[0], REPACK_ROWS):
+        out[r : r + REPACK_ROWS] = fn(qweight[r : r + REPACK_ROWS])
+    return out
+
+
 def repack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
     """Canonical int4 ``[N, K // 2]`` uint8 (low nibble = even k) -> the kernel's int32 words:
     per 128-element tile, nibble ``4h + i`` of word ``w`` = element ``32 i + 2 w + h``."""
-    words = _plane_words(formats.unpack_int4(qweight))  # [N, T, 16]
-    return words.reshape(qweight.shape[0], -1).contiguous()
+
+    def rows(q: torch.Tensor) -> torch.Tensor:
+        return _plane_words(formats.unpack_int4(q)).reshape(q.shape[0], -1)
+
+    return _by_rows(rows, qweight, qweight.shape[1] // 4)
 
 
 def unrepack_int4(words: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8
@@ -114,9 +127,13 @@ def unrepack_int4(words: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8
 def repack_int8(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 4] int32
     """Canonical int8 ``[N, K]`` -> two nibble planes of ``u = q + 128`` per 128-element tile
     (16 words of low nibbles, then 16 of high nibbles), each laid out as ``repack_int4``'s."""
-    u = (qweight.to(torch.int32) + 128).to(torch.uint8)  # [N, K]
-    lo, hi = _plane_words(u & 15), _plane_words(u >> 4)  # [N, T, 16] each
-    return torch.cat([lo, hi], dim=-1).reshape(qweight.shape[0], -1).contiguous()
+
+    def rows(q: torch.Tensor) -> torch.Tensor:
+        u = (q.to(torch.int32) + 128).to(torch.uint8)  # [rows, K]
+        lo, hi = _plane_words(u & 15), _plane_words(u >> 4)  # [rows, T, 16] each
+        return torch.cat([lo, hi], dim=-1).reshape(q.shape[0], -1)
+
+    return _by_rows(rows, qweight, qweight.shape[1] // 4)
 
 
 def unrepack_int8(words: torch.Tensor) -> torch.Tensor:  # [N, K] int8

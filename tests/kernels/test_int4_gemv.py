@@ -34,11 +34,13 @@ def _reference(x, q, bias=None):
     return out.to(x.dtype)
 
 
-def test_repack_round_trip_and_placement() -> None:
+def test_repack_round_trip_and_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (3, 256), generator=gen, dtype=torch.uint8)
     packed = formats.pack_int4(q)
     words = ig.repack_int4(packed)
+    monkeypatch.setattr(ig, "REPACK_ROWS", 2)  # repacked two rows at a time: the same words
+    assert torch.equal(ig.repack_int4(packed), words)
     assert words.dtype == torch.int32 and words.shape == (3, 32)
     assert torch.equal(ig.unrepack_int4(words), packed)
     # nibble 4h + i of word w of tile t holds element 128 t + 32 i + 2 w + h
