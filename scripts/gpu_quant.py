@@ -384,7 +384,9 @@ def weight_bytes(llm: LLM) -> int:
 
 
 @section("decode per method")
-def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) -> None:
+def decode(
+    ceil, methods: list[str], batch_sizes: list[int], output_len: int, profiled: tuple = ()
+) -> None:
     for method in methods:
         llm = None
         try:
@@ -417,6 +419,10 @@ def decode(ceil, methods: list[str], batch_sizes: list[int], output_len: int) ->
                 "step ms " + "/".join(f"b{b} {steps[b]:.2f}" for b in batch_sizes)
             )
             print(TABLE[-1], flush=True)
+            if method in profiled:
+                SUMMARY[f"profile_{method}"] = quant_decode_bench.profile_engine(
+                    llm.llm_engine, method
+                )
         except Exception as e:  # noqa: BLE001
             print(f"decode {method} FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
@@ -527,7 +533,7 @@ def quick(ceil, args) -> None:
     int4_parity()
     shape_section(bw, args.sweep, args.out)
     methods = ["bf16", "int8", "int8/tc", "int4"]
-    decode(ceil, methods, [1], 32)
+    decode(ceil, methods, [1], 32, profiled=("int4",))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
     with open(os.path.join(args.out, "gpu_quant.json"), "w") as f:

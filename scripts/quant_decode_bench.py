@@ -259,3 +259,48 @@ def shape_table(
             print(f"    {key!r}: {cfg!r},")
         print("}")
     return tuned, rows
+
+
+def profile_engine(engine, label: str, steps: int = 20) -> list[str]:
+    """Kernel time per batch-1 decode step by kernel name (torch.profiler), against the step's
+    wall time: where the quantized step's time goes beside its GEMVs."""
+    import collections
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from roofline import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=10 + 3 * steps, ignore_eos=True)
+    engine.add_request(f"profile-{label}", [(7 * j) % 1000 + 10 for j in range(128)], params)
+    for _ in range(10):  # prefill and settle
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name].append(e.device_time)
+    busy = sum(sum(v) for v in per_name.values()) / steps
+    count = sum(len(v) for v in per_name.values()) / steps
+    lines = [
+        f"profile {label} batch 1: wall {wall_us:.0f} us/step, kernels {busy:.0f} us/step, "
+        f"{count:.0f} kernels/step"
+    ]
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        lines.append(
+            f"  {sum(times) / steps:8.1f} us/step {len(times) / steps:5.0f}x "
+            f"{sum(times) / len(times):7.1f} us  {name[:80]}"
+        )
+    print("\n".join(lines), flush=True)
+    return lines
