@@ -523,6 +523,14 @@ def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "int4_gemv_tuned.txt"), "w") as f:
             f.write("".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items()))
+        # the decode runs below: the SiLU-fused down projection where the table measured it
+        # faster than silu_and_mul + the GEMV
+        down = [r for r in rows if r.startswith("down    M= 1")]
+        if down and "int4 silu fused" in down[0]:
+            fused_us = float(down[0].split("int4 silu fused")[1].split("us")[0])
+            split_us = float(down[0].split("int4 silu+gemv")[1].split("us")[0])
+            common.INT4_GEMV_FUSE_SILU = fused_us < split_us
+            print(f"int4 down at one row: SiLU fused {fused_us} us, separate {split_us} us")
 
 
 def quick(ceil, args) -> None:

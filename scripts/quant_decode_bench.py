@@ -175,6 +175,33 @@ def sweep(
     return t, cfg
 
 
+def silu_sweep(gate_up: torch.Tensor, ring: list) -> Int4GemvConfig:
+    """A few configs for the SiLU-fused down projection at one row (its x costs more per
+    program: fewer K-slices, more rows); returns the fastest."""
+    cfgs = [
+        Int4GemvConfig(bn, ks, t, w, 3)
+        for bn, w in ((64, 4), (128, 4), (128, 8)) for ks in (2, 4, 8) for t in (1, 2)
+    ]  # fmt: skip
+    k = gate_up.shape[1] // 2
+    cfgs = [c for c in cfgs if int4_gemv._resolve(c, k, 128) is not None]
+    run = partial(int4_gemv.int4_gemv, gate_up, silu_mul=True)
+    precompile([partial(run, *ring[0], config=c, warmup=True) for c in cfgs])
+    results = sorted(
+        (time_ring(lambda w, p, cfg=cfg: run(w, p, config=cfg), ring), cfg) for cfg in cfgs
+    )
+    print(
+        "  sweep int4 silu-fused down M= 1: "
+        + "; ".join(f"{tuple(c)} {t * 1e6:.1f} us" for t, c in results[:5]),
+        flush=True,
+    )
+    ref = int4_gemv.int4_gemv(silu_and_mul(gate_up), *ring[0])
+    for _, cfg in results:  # the fastest whose result matches the unfused path
+        if rel_err(run(*ring[0], config=cfg), ref) < 1e-2:
+            return cfg
+        print(f"      {tuple(cfg)} is WRONG")
+    return int4_gemv.heuristic_config(ring[0][0].shape[0], k, 128, 1, 132)
+
+
 def candidates8(m: int) -> list[Int4GemvConfig]:
     """int8 (two nibble planes): a smaller set, one row only."""
     return [
@@ -237,6 +264,10 @@ def shape_table(
             if layer == "down" and m == 1:  # the SiLU-and-mul: fused, or a launch before
                 gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
                 fused = partial(int4_gemv.int4_gemv, gu, silu_mul=True)
+                if m in sweep_ms:
+                    cfg = silu_sweep(gu, ring4)
+                    tuned[("silu", 4, n, k, 128, 1)] = tuple(cfg)
+                    int4_gemv.SILU_TUNED_CONFIGS[(4, n, k, 128, 1)] = tuple(cfg)
                 fig["int4 silu fused"] = (time_ring(fused, ring4), nbytes(*ring4[0]))
                 fig["int4 silu+gemv"] = (
                     time_ring(lambda w, p, gu=gu: int4_gemv.int4_gemv(silu_and_mul(gu), w, p),

@@ -69,6 +69,8 @@ class Int4GemvConfig(NamedTuple):
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
 # (H100, Llama-3.1-8B shapes).
 TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
+# The same key for the SiLU-and-mul prologue (x = gate_up [M, 2K]); else TUNED_CONFIGS' entry.
+SILU_TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
 
 
 def can_repack(k: int, group: int) -> bool:
@@ -198,9 +200,16 @@ def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvCo
 
 
 def pick_config(
-    n: int, k: int, group: int, m: int, device: torch.device, bits: int = 4
+    n: int,
+    k: int,
+    group: int,
+    m: int,
+    device: torch.device,
+    bits: int = 4,
+    silu_mul: bool = False,
 ) -> Int4GemvConfig:
-    tuned = TUNED_CONFIGS.get((bits, n, k, group, m_bucket(m)))
+    key = (bits, n, k, group, m_bucket(m))
+    tuned = (SILU_TUNED_CONFIGS.get(key) if silu_mul else None) or TUNED_CONFIGS.get(key)
     if tuned is not None:
         return Int4GemvConfig(*tuned)
     return heuristic_config(n, k, group, m, num_sms(device))
@@ -387,7 +396,7 @@ def supports(
         return False
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, x.device, bits)
+    cfg = pick_config(words.shape[0], k, group, m, x.device, bits, silu_mul)
     return can_repack(k, group) and _resolve(cfg, k, group) is not None
 
 
@@ -422,7 +431,7 @@ def int4_gemv(
     group = k // num_groups
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
-    cfg = config or pick_config(n, k, group, m, x.device, bits)
+    cfg = config or pick_config(n, k, group, m, x.device, bits, silu_mul)
     k_slice = _resolve(cfg, k, group)
     if k_slice is None:
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
