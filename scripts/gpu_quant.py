@@ -1,4 +1,15 @@
-"""The quantization GPU session in one process (H100, Llama-3.1-8B config, random weights):
+"""The quantization GPU session in one process (H100, Llama-3.1-8B config, random weights).
+
+``--quick`` is the decode check (``quant_decode_bench``): ``int4_gemv`` parity on the GPU (8B
+shapes, groups 32/64/128, symmetric and not, bf16/fp16, M = 1/3/16, the SiLU prologue, the
+repack round trip); per 8B shape at M = 1, 4, 16 the us, GB/s and % of copy of the bf16 skinny
+GEMM, int8 ``quant_gemv``, int8 over ``int4_gemv``'s nibble planes, int4 ``quant_gemv`` and
+int4 ``int4_gemv`` (with ``--sweep`` first: ``int4_gemv`` configs at M = 1/4/16, int8 planes at
+M = 1, the SiLU-fused down projection; winners installed and printed as ``TUNED_CONFIGS``);
+then 8B batch-1 decode for bf16, int8, int8 over the planes (``int8/tc``) and int4, each beside
+its weight-bytes roofline, and a kernel profile of the int4 step.
+
+The full run (no ``--quick``):
 
 1. parity on the GPU: ``quant_gemv`` (the decode GEMV, its picked config) and the generic fused
    dequant GEMM against x times the exactly dequantized weight, down projection at M = 1 and 16
@@ -20,8 +31,9 @@
 
 Each section prints its error and goes on; a short table comes last.
 
-    python scripts/gpu_quant.py --quick      # about 90-120 s
-    python scripts/gpu_quant.py              # about 4 min
+    python scripts/gpu_quant.py --quick            # about 90 s
+    python scripts/gpu_quant.py --quick --sweep    # about 2.5 min
+    python scripts/gpu_quant.py                    # about 4 min
 """
 
 from __future__ import annotations
