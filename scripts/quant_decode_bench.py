@@ -274,6 +274,10 @@ def shape_table(
                               ring4),
                     nbytes(*ring4[0]),
                 )  # fmt: skip
+            for bits, old, new in ((4, "int4 qgemv", "int4 new"), (8, "int8 qgemv", "int8 new")):
+                if fig[old][0] < fig[new][0]:  # the decode runs below take quant_gemv here
+                    int4_gemv.TUNED_CONFIGS[(bits, n, k, 128 if bits == 4 else k, bucket)] = None
+                    tuned[(bits, n, k, 128 if bits == 4 else k, bucket)] = None
             line = f"{layer:7} M={m:2}: " + " | ".join(
                 f"{name} {t * 1e6:6.1f} us {b / t / 1e9:5.0f} GB/s {100 * b / t / copy_bw:3.0f}%"
                 for name, (t, b) in fig.items()

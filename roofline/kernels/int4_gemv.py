@@ -67,8 +67,8 @@ class Int4GemvConfig(NamedTuple):
 
 
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
-# (H100, Llama-3.1-8B shapes).
-TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
+# (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int] | None] = {}
 # The same key for the SiLU-and-mul prologue (x = gate_up [M, 2K]); else TUNED_CONFIGS' entry.
 SILU_TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
 
@@ -207,11 +207,15 @@ def pick_config(
     device: torch.device,
     bits: int = 4,
     silu_mul: bool = False,
-) -> Int4GemvConfig:
+) -> Int4GemvConfig | None:
+    """The measured config of M's bucket, else the heuristic's; None where the table says the
+    other decode kernel is faster."""
     key = (bits, n, k, group, m_bucket(m))
-    tuned = (SILU_TUNED_CONFIGS.get(key) if silu_mul else None) or TUNED_CONFIGS.get(key)
-    if tuned is not None:
-        return Int4GemvConfig(*tuned)
+    if silu_mul and key in SILU_TUNED_CONFIGS:
+        return Int4GemvConfig(*SILU_TUNED_CONFIGS[key])
+    if key in TUNED_CONFIGS:
+        tuned = TUNED_CONFIGS[key]
+        return None if tuned is None else Int4GemvConfig(*tuned)
     return heuristic_config(n, k, group, m, num_sms(device))
 
 
@@ -397,7 +401,7 @@ def supports(
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
     cfg = pick_config(words.shape[0], k, group, m, x.device, bits, silu_mul)
-    return can_repack(k, group) and _resolve(cfg, k, group) is not None
+    return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None
 
 
 def int4_gemv(
@@ -432,6 +436,8 @@ def int4_gemv(
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
     cfg = config or pick_config(n, k, group, m, x.device, bits, silu_mul)
+    if cfg is None:
+        raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
     if k_slice is None:
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")

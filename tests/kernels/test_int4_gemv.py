@@ -164,3 +164,14 @@ def test_int8_planes_match_reference(group, dtype, m, cfg) -> None:
     got = ig.int4_gemv(x, words, pairs, bits=8, config=cfg)
     expected = (x.float() @ formats.dequantize_int8(qweight, scales, torch.float32).T).to(dtype)
     assert_close(got, expected, dtype)
+
+
+def test_tuned_none_leaves_the_shape_to_quant_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, words, pairs = _weight(128, False)
+    x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
+    assert ig.supports(x, words, 128)
+    monkeypatch.setitem(ig.TUNED_CONFIGS, (4, N, K, 128, 1), None)
+    assert not ig.supports(x, words, 128)
+    assert ig.supports(torch.zeros(2, K, dtype=torch.bfloat16, device=DEVICE), words, 128)
+    with pytest.raises(ValueError, match="not taken"):
+        ig.int4_gemv(x, words, pairs)
