@@ -367,12 +367,15 @@ def _int4_gemv_kernel(
                 a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
                 if SILU_MUL:
                     xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
-                else:
+                    xt1 = xt
+                else:  # two loads of the same tile (one per dot's operand layout): both are
+                    # pipelined by cp.async, where one tile feeding both dots would not be
                     xt = tl.load(x_ptrs + kg)  # [GK, C]
+                    xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
                 d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
                 if BITS == 8:
                     d = tl.dot(_operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE), xt, d)
-                xs = tl.dot(ones, xt)  # [BN, C]: sum x, in the same layout
+                xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
                 if GROUP <= 128:
                     s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
                 else:  # a slice may start inside a group; a 128-tile never straddles one
