@@ -405,7 +405,7 @@ def decode(
             quant, _, variant = method.partition("/")
             common.USE_QUANT_GEMV = variant != "generic"
             common.USE_INT4_GEMV = variant != "old"  # int4/old: quant_gemv, no repack
-            common.USE_INT8_GEMV = variant == "tc"  # int8/tc: int4_gemv's int8 planes
+            common.USE_INT8_GEMV = variant != "old"  # int8/old: quant_gemv, no planes
             common.GEMV_MAX_ROWS = 256 if variant == "gemv256" else common.DECODE_MAX_ROWS
             t0 = time.perf_counter()
             llm = LLM(
@@ -440,7 +440,7 @@ def decode(
             traceback.print_exc()
         finally:
             common.USE_QUANT_GEMV, common.GEMV_MAX_ROWS = True, common.DECODE_MAX_ROWS
-            common.USE_INT4_GEMV, common.USE_INT8_GEMV = True, False
+            common.USE_INT4_GEMV, common.USE_INT8_GEMV = True, True
             llm = None
             gc.collect()
             torch.cuda.empty_cache()

@@ -267,7 +267,7 @@ def shape_table(
                 if m in sweep_ms:
                     cfg = silu_sweep(gu, ring4)
                     tuned[("silu", 4, n, k, 128, 1)] = tuple(cfg)
-                    int4_gemv.SILU_TUNED_CONFIGS[(4, n, k, 128, 1)] = tuple(cfg)
+                    int4_gemv.PROLOGUE_TUNED_CONFIGS[("silu", 4, n, k, 128, 1)] = tuple(cfg)
                 fig["int4 silu fused"] = (time_ring(fused, ring4), nbytes(*ring4[0]))
                 fig["int4 silu+gemv"] = (
                     time_ring(lambda w, p, gu=gu: int4_gemv.int4_gemv(silu_and_mul(gu), w, p),

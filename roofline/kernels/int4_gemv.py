@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
-from roofline.kernels.gemv import _silu_mul, m_bucket
+from roofline.kernels.gemv import _first, _mul_rn, _silu_mul, m_bucket
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
@@ -68,9 +68,33 @@ class Int4GemvConfig(NamedTuple):
 
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
 # (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
-TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int] | None] = {}
-# The same key for the SiLU-and-mul prologue (x = gate_up [M, 2K]); else TUNED_CONFIGS' entry.
-SILU_TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = {}
+# Llama-3.1-8B qkv / o / gate_up / down, 2026-11-24 (us, % of copy at one row): int4 8.3 / 6.4 /
+# 27.7 / 16.2 (54 / 47 / 76 / 65%; quant_gemv 28 / 23 / 44 / 26%); int8 12.5 / 9.3 / 44.6 / 25.0
+# (68 / 61 / 89 / 79%; quant_gemv 66 / 58 / 84 / 74%). At 4 and 16 rows int4 45 / 42 / 71 / 54%
+# and 35 / 20 / 67 / 30% (quant_gemv 2-11%).
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int] | None] = {
+    (4, 6144, 4096, 128, 1): (128, 8, 4, 4, 3),
+    (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
+    (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
+    (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 4),
+    (4, 4096, 4096, 128, 4): (64, 8, 1, 4, 3),
+    (4, 4096, 4096, 128, 16): (64, 2, 2, 4, 3),
+    (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 3),
+    (4, 28672, 4096, 128, 4): (64, 4, 1, 4, 3),
+    (4, 28672, 4096, 128, 16): (64, 1, 2, 4, 3),
+    (4, 4096, 14336, 128, 1): (64, 16, 1, 4, 4),
+    (4, 4096, 14336, 128, 4): (64, 8, 1, 4, 3),
+    (4, 4096, 14336, 128, 16): (64, 2, 1, 4, 3),
+    (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    (8, 4096, 4096, 4096, 1): (64, 16, 1, 4, 3),
+    (8, 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
+    (8, 4096, 14336, 14336, 1): (64, 16, 1, 4, 4),
+}
+# With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
+# N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
+PROLOGUE_TUNED_CONFIGS: dict[
+    tuple[str, int, int, int, int, int], tuple[int, int, int, int, int]
+] = {}
 
 
 def can_repack(k: int, group: int) -> bool:
@@ -199,6 +223,15 @@ def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvCo
     return cfg
 
 
+def prologue_heuristic(k: int, group: int) -> Int4GemvConfig:
+    """With a prologue (one row): 32 weight rows a program in 4 K-slices, so each program's x
+    (all of K, through registers) is 1/16 of its weight elements."""
+    cfg = Int4GemvConfig(128, 4, 1, 4, 3)
+    while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
+        cfg = cfg._replace(ksplit=cfg.ksplit // 2)
+    return cfg
+
+
 def pick_config(
     n: int,
     k: int,
@@ -206,13 +239,14 @@ def pick_config(
     m: int,
     device: torch.device,
     bits: int = 4,
-    silu_mul: bool = False,
+    prologue: str | None = None,
 ) -> Int4GemvConfig | None:
-    """The measured config of M's bucket, else the heuristic's; None where the table says the
-    other decode kernel is faster."""
+    """The measured config of M's bucket (and prologue), else the heuristic's; None where the
+    table says the other decode kernel is faster (no prologue)."""
     key = (bits, n, k, group, m_bucket(m))
-    if silu_mul and key in SILU_TUNED_CONFIGS:
-        return Int4GemvConfig(*SILU_TUNED_CONFIGS[key])
+    if prologue is not None:
+        tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
+        return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
     if key in TUNED_CONFIGS:
         tuned = TUNED_CONFIGS[key]
         return None if tuned is None else Int4GemvConfig(*tuned)
@@ -278,6 +312,18 @@ def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, 
 
 
 @triton.jit
+def _norm_tile(x, w, rstd, ASM: tl.constexpr):
+    """``w * (x * rstd).to(dtype)`` rounded as ``rms_norm`` rounds it, for one x tile; computed
+    once per element in the load layout (the reduction over an axis of one element keeps
+    Triton from recomputing it in the dot operand's replicated layout, as ``gemv._silu_mul``)."""
+    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+    out = (normed * w.to(tl.float32)).to(x.dtype)
+    if ASM:
+        out = tl.reduce(tl.reshape(out, (out.shape[0], 1, out.shape[1])), 1, _first)
+    return out
+
+
+@triton.jit
 def _scale_pair(ptrs, PAIR32: tl.constexpr):
     """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs."""
     if PAIR32:
@@ -298,6 +344,8 @@ def _int4_gemv_kernel(
     so_ptr,  # [N, K // GROUP, 2] (scale, offset)
     bias_ptr,
     out_ptr,  # [M, N]
+    norm_w_ptr,  # [K] RMSNorm weight (NORM)
+    residual_ptr,  # [M, N] added to the result (RESIDUAL)
     M,
     N,
     K,
@@ -306,6 +354,9 @@ def _int4_gemv_kernel(
     stride_qn,
     stride_so,
     stride_om,
+    stride_rm,
+    inv_k,  # fp32(1 / K): RMSNorm's mean factor
+    eps,
     BITS: tl.constexpr,  # 4, or 8 (two nibble planes of q + 128 per tile)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -315,6 +366,8 @@ def _int4_gemv_kernel(
     TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,  # x is the residual stream (one row): the GEMM's x is rms_norm(x) * w
+    RESIDUAL: tl.constexpr,  # out = residual + result, each rounded as separate kernels round
     ASM: tl.constexpr,  # compiled: lop3 inline asm and libdevice SiLU (not interpreted)
     PAIR32: tl.constexpr,  # 16-bit scale pairs: one 32-bit load each
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
@@ -354,6 +407,14 @@ def _int4_gemv_kernel(
         prefetch_l2(row_start[:, None] + offs_p[None, :])  # [BN, lines]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    if NORM:  # the row's fp32 statistic (BLOCK_M == 1), as rms_norm: sum of squares * (1 / K)
+        offs_s = tl.arange(0, 1024)
+        sq = tl.zeros((1024,), dtype=tl.float32)
+        for s0 in range(0, K, 1024):
+            xs0 = tl.load(x_ptr + s0 + offs_s, mask=offs_s < K - s0, other=0.0).to(tl.float32)
+            sq += _mul_rn(xs0, xs0, ASM)
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_k + eps)  # scalar
+        nw_ptrs = norm_w_ptr + (slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
     ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
@@ -367,6 +428,9 @@ def _int4_gemv_kernel(
                 a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
                 if SILU_MUL:
                     xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
+                    xt1 = xt
+                elif NORM:
+                    xt = _norm_tile(tl.load(x_ptrs + kg), tl.load(nw_ptrs + kg), rstd, ASM)
                     xt1 = xt
                 else:  # two loads of the same tile (one per dot's operand layout): both are
                     # pipelined by cp.async, where one tile feeding both dots would not be
@@ -390,20 +454,42 @@ def _int4_gemv_kernel(
         res += tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+    res = res.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:  # the GEMM's output rounded, then the add rounded: two eager ops' bits
+        r_ptrs = residual_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        res = (res.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, res, mask=mask)
 
 
 def supports(
     x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False, bits: int = 4
 ) -> bool:
     """Whether ``int4_gemv`` takes this x against a repacked weight (with its picked config)."""
-    m = x.shape[0]
     k = words.shape[1] * 32 // bits
-    if not 1 <= m <= MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, x.device, bits, silu_mul)
+    prologue = "silu" if silu_mul else None
+    return takes(x.shape[0], x.dtype, x.device, words, group, bits, prologue)
+
+
+def takes(
+    m: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    words: torch.Tensor,
+    group: int,
+    bits: int = 4,
+    prologue: str | None = None,
+) -> bool:
+    """``supports`` by shapes only (the fused decode layer asks before its inputs exist); the
+    norm prologue takes one row."""
+    k = words.shape[1] * 32 // bits
+    if not 1 <= m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if prologue == "norm" and m != 1:
+        return False
+    cfg = pick_config(words.shape[0], k, group, m, device, bits, prologue)
     return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None
 
 
@@ -414,13 +500,18 @@ def int4_gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
     bits: int = 4,
     config: Int4GemvConfig | None = None,
     warmup: bool = False,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``x @ dequantize(W)^T (+ bias)`` in one launch (see the module doc); ``silu_mul`` feeds
-    ``silu(x[:, :K]) * x[:, K:]``. ``config`` overrides the picked one (sweeps); one that cannot
-    run raises ValueError. ``warmup`` compiles without launching."""
+    """``x @ dequantize(W)^T (+ bias)`` in one launch (see the module doc). ``silu_mul`` feeds
+    ``silu(x[:, :K]) * x[:, K:]``; ``norm = (weight [K], eps)`` feeds ``rms_norm(x)`` (one
+    row), rounded as ``kernels.rmsnorm`` rounds it (only the fp32 sum's order differs);
+    ``residual [M, N]`` is added to the rounded result and the sum rounded (a decoder layer's
+    next residual stream). ``config`` overrides the picked one (sweeps); one that cannot run
+    raises ValueError. ``warmup`` compiles without launching."""
     check_device(x, words)
     if bits not in (4, 8):
         raise ValueError(f"int4_gemv: bits must be 4 or 8, got {bits}")
@@ -438,7 +529,12 @@ def int4_gemv(
     group = k // num_groups
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
-    cfg = config or pick_config(n, k, group, m, x.device, bits, silu_mul)
+    if norm is not None and (m != 1 or silu_mul or norm[0].shape != (k,)):
+        raise ValueError(f"int4_gemv: the norm prologue takes one row and a [{k}] weight")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"int4_gemv: residual must be [{m}, {n}] with contiguous rows")
+    prologue = "silu" if silu_mul else "norm" if norm is not None else None
+    cfg = config or pick_config(n, k, group, m, x.device, bits, prologue)
     if cfg is None:
         raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
@@ -458,10 +554,14 @@ def int4_gemv(
     if pdl:
         extra["launch_pdl"] = True
     launch(
-        x, words, scale_pairs, bias if bias is not None else scale_pairs, out, m, n, k, k_slice,
-        x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
+        x, words, scale_pairs, bias if bias is not None else scale_pairs, out,
+        norm[0] if norm is not None else x, residual if residual is not None else out,
+        m, n, k, k_slice, x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, 1.0 / k,
+        norm[1] if norm is not None else 0.0,
         BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
         KSPLIT=cfg.ksplit, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
+        NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_WORDS=prefetch if pdl else 32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip

@@ -17,8 +17,10 @@ statistic in its own order. The layer returns ``(h, None)``: to the next layer (
 to the final norm, ``residual=None`` means "x is the whole stream", as after the embedding.
 
 It applies (``applies``) where every GEMM of the layer would run the Triton skinny GEMM on
-16-bit weights (``layers.linear.skinny_gemm_applies``) with the unquantized method, at most
-``MAX_ROWS`` rows, a dense MLP, and no tensor-parallel all-reduce between a GEMM and its add.
+16-bit weights (``layers.linear.skinny_gemm_applies``) with the unquantized method, or
+``kernels.int4_gemv`` on a quantized layer's repacked weight (``gemv_words``: the same norm
+prologue, SiLU prologue and residual epilogue), at most ``MAX_ROWS`` rows, a dense MLP, and no
+tensor-parallel all-reduce between a GEMM and its add.
 ``ROOFLINE_FUSED_DECODE=0`` (or ``set_enabled(False)``) turns it off.
 """
 
@@ -53,6 +55,15 @@ def _plain_skinny(linear: nn.Module) -> bool:
     )
 
 
+def _gemv_linear(linear: nn.Module) -> bool:
+    """A quantized linear with the repacked weight ``kernels.int4_gemv`` reads."""
+    return (
+        isinstance(linear, MergedLinear)
+        and type(linear).forward is MergedLinear.forward
+        and getattr(linear, "gemv_words", None) is not None
+    )
+
+
 def layer_supports(layer: nn.Module) -> bool:
     """Shape-independent part of ``applies``: plain 16-bit linears, a dense MLP, no TP reduce."""
     from roofline.models.llama import LlamaMLP
@@ -63,7 +74,8 @@ def layer_supports(layer: nn.Module) -> bool:
         and attn.reduce is None
         and mlp.reduce is None
         and all(
-            _plain_skinny(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            _plain_skinny(m) or _gemv_linear(m)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         )
     )
 
@@ -78,11 +90,34 @@ def applies(layer: nn.Module, x: torch.Tensor) -> bool:
     return (
         layer.input_layernorm.weight.dtype == x.dtype
         and layer.post_attention_layernorm.weight.dtype == x.dtype
-        and skinny_gemm_applies(x, attn.qkv_proj.weight)
-        and _applies_to(m, attn.o_proj.weight, x)
-        and _applies_to(m, mlp.gate_up_proj.weight, x)
-        and _applies_to(m, mlp.down_proj.weight, x)
+        and _linear_applies(m, attn.qkv_proj, x, "norm", first=True)
+        and _linear_applies(m, attn.o_proj, x)
+        and _linear_applies(m, mlp.gate_up_proj, x, "norm")
+        and _linear_applies(m, mlp.down_proj, x, "silu")
     )
+
+
+def _linear_applies(
+    m: int, linear: MergedLinear, x: torch.Tensor, prologue: str | None = None, first=False
+) -> bool:
+    """int4_gemv's conditions with that prologue for a repacked quantized linear; else the
+    skinny GEMM's (the layer's first GEMM reads x itself: ``skinny_gemm_applies``)."""
+    if _gemv_linear(linear):
+        from roofline.kernels import int4_gemv
+
+        if prologue == "silu" and not _gemv_fuses_silu():
+            prologue = None  # a separate silu_and_mul launch, then the GEMV
+        words, group, bits = linear.gemv_words, linear.gemv_group, linear.gemv_bits
+        return int4_gemv.takes(m, x.dtype, x.device, words, group, bits, prologue)
+    if first:
+        return skinny_gemm_applies(x, linear.weight)
+    return _applies_to(m, linear.weight, x)
+
+
+def _gemv_fuses_silu() -> bool:
+    from roofline.quantization import common
+
+    return common.INT4_GEMV_FUSE_SILU
 
 
 def _applies_to(m: int, weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -96,6 +131,11 @@ def _applies_to(m: int, weight: torch.Tensor, x: torch.Tensor) -> bool:
 
 def norm_linear(linear: MergedLinear, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``linear(norm(h))`` in one kernel. h: [M, K] -> [M, N]."""
+    if _gemv_linear(linear):
+        from roofline.kernels.int4_gemv import int4_gemv
+
+        return int4_gemv(h, linear.gemv_words, linear.gemv_pairs, linear.bias,
+                         norm=(norm.weight, norm.eps), bits=linear.gemv_bits)  # fmt: skip
     from roofline.kernels.gemv import skinny_gemm
 
     return skinny_gemm(h, linear.weight, linear.bias, norm=(norm.weight, norm.eps))
@@ -105,6 +145,15 @@ def linear_add(
     linear: MergedLinear, x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
 ) -> torch.Tensor:
     """``residual + linear(x)`` (``linear(silu_and_mul(x))`` with ``silu_mul``) in one kernel."""
+    if _gemv_linear(linear):
+        from roofline.kernels.activation import silu_and_mul
+        from roofline.kernels.int4_gemv import int4_gemv
+
+        fuse = silu_mul and _gemv_fuses_silu()
+        if silu_mul and not fuse:
+            x = silu_and_mul(x)
+        return int4_gemv(x, linear.gemv_words, linear.gemv_pairs, linear.bias, silu_mul=fuse,
+                         residual=residual, bits=linear.gemv_bits)  # fmt: skip
     from roofline.kernels.gemv import skinny_gemm
 
     return skinny_gemm(x, linear.weight, linear.bias, silu_mul=silu_mul, residual=residual)

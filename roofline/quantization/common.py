@@ -60,9 +60,10 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 
 # int4 decode batches take kernels.int4_gemv (tensor cores, a repacked copy of the weight made by
 # prepare_kernel_layout); ROOFLINE_INT4_GEMV=0 keeps them on kernels.quant_gemv (A/B runs).
-# int8 takes it (as two nibble planes) only with ROOFLINE_INT8_GEMV=1.
+# int8 takes it too, as two nibble planes (H100, 8B shapes: 1.0-1.06x quant_gemv at one row,
+# 1.4-3x at 4-16 rows); ROOFLINE_INT8_GEMV=0 keeps int8 on quant_gemv.
 USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
-USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "0") != "0"
+USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
 # The down projection's SiLU-and-mul inside int4_gemv (else a separate silu_and_mul launch).
 INT4_GEMV_FUSE_SILU = os.environ.get("ROOFLINE_INT4_GEMV_FUSE_SILU", "0") != "0"
 
@@ -211,7 +212,7 @@ def silu_mul_linear(
 
 
 def prepare_kernel_layout(kind: str, layer: nn.Module) -> None:
-    """After loading: a CUDA int4 (int8 with ``USE_INT8_GEMV``) layer whose shape allows it gets
+    """After loading: a CUDA int4 or int8 layer whose shape allows it gets
     ``gemv_words`` and ``gemv_pairs``, the repacked copies ``kernels.int4_gemv`` reads for decode
     batches (the canonical tensors stay for the other paths), ``gemv_bits`` and ``gemv_group``."""
     layer.gemv_words = None

@@ -175,3 +175,67 @@ def test_tuned_none_leaves_the_shape_to_quant_gemv(monkeypatch: pytest.MonkeyPat
     assert ig.supports(torch.zeros(2, K, dtype=torch.bfloat16, device=DEVICE), words, 128)
     with pytest.raises(ValueError, match="not taken"):
         ig.int4_gemv(x, words, pairs)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_norm_prologue_and_residual_epilogue(bits: int) -> None:
+    """rms_norm inside the GEMV and the residual add after it: the bits of rms_norm, the GEMV
+    and the add run apart (on the GPU each program sums the statistic in its own order)."""
+    from roofline.kernels.rmsnorm import rms_norm
+
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    if bits == 4:
+        q = formats.quantize_int4(w, 128, False, torch.bfloat16)
+        words, pairs = ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets)
+    else:
+        q8 = formats.quantize_int8(w, K, torch.bfloat16)
+        words, pairs = ig.repack_int8(q8.qweight), ig.pack_scales(q8.scales, None)
+    words, pairs = words.to(DEVICE), pairs.to(DEVICE)
+    h = (torch.randn(1, K, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    norm_w = (torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(1, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cfg = ig.Int4GemvConfig(64, 8, 1, 4, 2)
+    got = ig.int4_gemv(h, words, pairs, norm=(norm_w, 1e-5), residual=residual, bits=bits,
+                       config=cfg)  # fmt: skip
+    plain = ig.int4_gemv(rms_norm(h, norm_w, 1e-5), words, pairs, bits=bits, config=cfg)
+    expected = (plain.float() + residual.float()).to(torch.bfloat16)
+    if ON_GPU:
+        assert_close(got, expected, torch.bfloat16)
+    else:
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="one row"):
+        ig.int4_gemv(h.expand(2, K).contiguous(), words, pairs, norm=(norm_w, 1e-5), bits=bits)
+
+
+def test_fused_decode_layer_calls_take_int4_gemv() -> None:
+    """layers.fused_decode's two GEMM entry points on a repacked quantized linear: the norm
+    prologue GEMM and the SiLU + residual GEMM equal the unfused kernels' composition."""
+    from torch import nn
+
+    from roofline.kernels.activation import silu_and_mul
+    from roofline.kernels.rmsnorm import rms_norm
+    from roofline.layers import fused_decode
+    from roofline.layers.linear import MergedLinear
+    from roofline.quantization.int4 import Int4LinearMethod
+
+    gen = torch.Generator().manual_seed(9)
+    layer = MergedLinear(K, [N], bias=False, method=Int4LinearMethod(128))
+    layer.method.load(layer, 0, "weight", torch.randn(N, K, generator=gen) / K**0.5)
+    layer = layer.to(DEVICE)
+    layer.gemv_words = ig.repack_int4(layer.qweight)  # what prepare_kernel_layout makes on CUDA
+    layer.gemv_pairs = ig.pack_scales(layer.scales, layer.offsets)
+    layer.gemv_bits, layer.gemv_group = 4, 128
+    assert fused_decode._gemv_linear(layer)
+    norm = nn.Module()
+    norm.weight = nn.Parameter((torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE))
+    norm.eps = 1e-5
+    h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = fused_decode.norm_linear(layer, norm, h)
+    expected = ig.int4_gemv(rms_norm(h, norm.weight, norm.eps), layer.gemv_words, layer.gemv_pairs)
+    assert_close(got, expected, torch.bfloat16)
+    gate_up = torch.randn(1, 2 * K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(1, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = fused_decode.linear_add(layer, gate_up, residual, silu_mul=True)
+    plain = ig.int4_gemv(silu_and_mul(gate_up), layer.gemv_words, layer.gemv_pairs)
+    assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
