@@ -6,8 +6,9 @@ repack round trip); per 8B shape at M = 1, 4, 16 the us, GB/s and % of copy of t
 GEMM, int8 ``quant_gemv``, int8 over ``int4_gemv``'s nibble planes, int4 ``quant_gemv`` and
 int4 ``int4_gemv`` (with ``--sweep`` first: ``int4_gemv`` configs at M = 1/4/16, int8 planes at
 M = 1, the SiLU-fused down projection; winners installed and printed as ``TUNED_CONFIGS``);
-then 8B batch-1 decode for bf16, int8, int8 over the planes (``int8/tc``) and int4, each beside
-its weight-bytes roofline, and a kernel profile of the int4 step.
+then 8B batch-1 decode for bf16, int8 and int4 (the fused decode layer: norms in the GEMVs'
+prologues, residual adds in their epilogues; ``/unfused``: without it), each beside its
+weight-bytes roofline, and a kernel profile of the int4 step.
 
 The full run (no ``--quick``):
 
@@ -64,6 +65,7 @@ from roofline.kernels.dequant_gemm import dequant_cublas_gemm, dequant_gemm, deq
 from roofline.kernels.fp8_quant import quantize_fp8_per_token
 from roofline.kernels.gemv import skinny_gemm
 from roofline.kernels.quant_gemv import QuantGemvConfig
+from roofline.layers import fused_decode
 from roofline.layers.linear import MergedLinear
 from roofline.quantization import common, formats
 from roofline.quantization.fp8 import _scaled_mm, w8a8_ref
@@ -407,6 +409,7 @@ def decode(
             common.USE_INT4_GEMV = variant != "old"  # int4/old: quant_gemv, no repack
             common.USE_INT8_GEMV = variant != "old"  # int8/old: quant_gemv, no planes
             common.GEMV_MAX_ROWS = 256 if variant == "gemv256" else common.DECODE_MAX_ROWS
+            fused_decode.set_enabled(variant != "unfused")  # x/unfused: norms, adds apart
             t0 = time.perf_counter()
             llm = LLM(
                 "llama-3.1-8b", load_format="dummy", device=DEVICE, max_model_len=1024,
@@ -441,6 +444,7 @@ def decode(
         finally:
             common.USE_QUANT_GEMV, common.GEMV_MAX_ROWS = True, common.DECODE_MAX_ROWS
             common.USE_INT4_GEMV, common.USE_INT8_GEMV = True, True
+            fused_decode.set_enabled(True)
             llm = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -535,14 +539,15 @@ def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "int4_gemv_tuned.txt"), "w") as f:
             f.write("".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items()))
-        # the decode runs below: the SiLU-fused down projection where the table measured it
-        # faster than silu_and_mul + the GEMV
-        down = [r for r in rows if r.startswith("down    M= 1")]
-        if down and "int4 silu fused" in down[0]:
-            fused_us = float(down[0].split("int4 silu fused")[1].split("us")[0])
-            split_us = float(down[0].split("int4 silu+gemv")[1].split("us")[0])
-            common.INT4_GEMV_FUSE_SILU = fused_us < split_us
-            print(f"int4 down at one row: SiLU fused {fused_us} us, separate {split_us} us")
+    # the decode runs below: the SiLU-fused down projection where the table measured it
+    # faster than silu_and_mul + the GEMV
+    down = [r for r in rows if r.startswith("down    M= 1")]
+    for bits in (4, 8):
+        if down and f"int{bits} silu fused" in down[0]:
+            fused_us = float(down[0].split(f"int{bits} silu fused")[1].split("us")[0])
+            split_us = float(down[0].split(f"int{bits} silu+gemv")[1].split("us")[0])
+            common.GEMV_FUSE_SILU[bits] = fused_us < split_us
+            print(f"int{bits} down at one row: SiLU fused {fused_us} us, apart {split_us} us")
 
 
 def quick(ceil, args) -> None:
@@ -552,7 +557,7 @@ def quick(ceil, args) -> None:
     bw = ceil.bandwidth_bytes_per_s
     int4_parity()
     shape_section(bw, args.sweep, args.out)
-    methods = ["bf16", "int8", "int8/tc", "int4"]
+    methods = ["bf16", "int8", "int8/unfused", "int4", "int4/unfused"]
     decode(ceil, methods, [1], 32, profiled=("int4",))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))

@@ -175,31 +175,69 @@ def sweep(
     return t, cfg
 
 
-def silu_sweep(gate_up: torch.Tensor, ring: list) -> Int4GemvConfig:
-    """A few configs for the SiLU-fused down projection at one row (its x costs more per
-    program: fewer K-slices, more rows); returns the fastest."""
+def prologue_sweep(prologue: str, bits: int, x: torch.Tensor, ring: list, **kw) -> tuple:
+    """A few configs for a GEMV with a prologue at one row ("silu": x = gate_up; "norm": x the
+    residual stream, ``kw`` its ``norm``): its x costs more per program, so fewer K-slices and
+    more rows. Returns (seconds, config) of the fastest whose result matches the unfused path."""
+    from roofline.kernels.rmsnorm import rms_norm
+
     cfgs = [
         Int4GemvConfig(bn, ks, t, w, 3)
         for bn, w in ((64, 4), (128, 4), (128, 8)) for ks in (2, 4, 8) for t in (1, 2)
     ]  # fmt: skip
-    k = gate_up.shape[1] // 2
-    cfgs = [c for c in cfgs if int4_gemv._resolve(c, k, 128) is not None]
-    run = partial(int4_gemv.int4_gemv, gate_up, silu_mul=True)
-    precompile([partial(run, *ring[0], config=c, warmup=True) for c in cfgs])
+    w0, p0 = ring[0]
+    k = w0.shape[1] * 32 // bits
+    group = k // p0.shape[1]
+    cfgs = [c for c in cfgs if int4_gemv._resolve(c, k, group) is not None]
+    run = partial(int4_gemv.int4_gemv, x, silu_mul=prologue == "silu", bits=bits, **kw)
+    precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
     results = sorted(
         (time_ring(lambda w, p, cfg=cfg: run(w, p, config=cfg), ring), cfg) for cfg in cfgs
     )
     print(
-        "  sweep int4 silu-fused down M= 1: "
-        + "; ".join(f"{tuple(c)} {t * 1e6:.1f} us" for t, c in results[:5]),
+        f"  sweep int{bits} {prologue}-fused M= 1: "
+        + "; ".join(f"{tuple(c)} {t * 1e6:.1f} us" for t, c in results[:4]),
         flush=True,
     )
-    ref = int4_gemv.int4_gemv(silu_and_mul(gate_up), *ring[0])
-    for _, cfg in results:  # the fastest whose result matches the unfused path
-        if rel_err(run(*ring[0], config=cfg), ref) < 1e-2:
-            return cfg
+    plain_x = silu_and_mul(x) if prologue == "silu" else rms_norm(x, *kw["norm"])
+    ref = int4_gemv.int4_gemv(plain_x, w0, p0, bits=bits)
+    for t, cfg in results:  # the fastest whose result matches the unfused path
+        if rel_err(run(w0, p0, config=cfg), ref) < 1e-2:
+            return t, cfg
         print(f"      {tuple(cfg)} is WRONG")
-    return int4_gemv.heuristic_config(ring[0][0].shape[0], k, 128, 1, 132)
+    return math.nan, int4_gemv.prologue_heuristic(k, group)
+
+
+def prologue_figures(
+    layer: str, n: int, k: int, rings: dict, fig: dict, tuned: dict, sweep: bool
+) -> None:
+    """One row: the GEMV with its prologue fused (the fused decode layer's kernel) vs the
+    prologue's own kernel (rms_norm / silu_and_mul) and the GEMV, for int4 and int8."""
+    from roofline.kernels.rmsnorm import rms_norm
+
+    prologue = "silu" if layer == "down" else "norm"
+    if prologue == "silu":
+        x = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+        kw: dict = {}
+        apart = silu_and_mul
+    else:
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        norm_w = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        kw = {"norm": (norm_w, 1e-5)}
+        apart = partial(rms_norm, weight=norm_w, eps=1e-5)
+    for bits, ring in rings.items():
+        group = 128 if bits == 4 else k
+        if sweep:
+            t, cfg = prologue_sweep(prologue, bits, x, ring, **kw)
+            if not math.isnan(t):
+                tuned[(prologue, bits, n, k, group, 1)] = tuple(cfg)
+                int4_gemv.PROLOGUE_TUNED_CONFIGS[(prologue, bits, n, k, group, 1)] = tuple(cfg)
+        fused = partial(int4_gemv.int4_gemv, x, silu_mul=prologue == "silu", bits=bits, **kw)
+        fig[f"int{bits} {prologue} fused"] = (time_ring(fused, ring), nbytes(*ring[0]))
+        fig[f"int{bits} {prologue}+gemv"] = (
+            time_ring(lambda w, p, b=bits: int4_gemv.int4_gemv(apart(x), w, p, bits=b), ring),
+            nbytes(*ring[0]),
+        )
 
 
 def candidates8(m: int) -> list[Int4GemvConfig]:
@@ -261,19 +299,9 @@ def shape_table(
                 nbytes(*canon4[0]),
             )
             fig["int4 new"] = (time_ring(new4, ring4), nbytes(*ring4[0]))
-            if layer == "down" and m == 1:  # the SiLU-and-mul: fused, or a launch before
-                gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
-                fused = partial(int4_gemv.int4_gemv, gu, silu_mul=True)
-                if m in sweep_ms:
-                    cfg = silu_sweep(gu, ring4)
-                    tuned[("silu", 4, n, k, 128, 1)] = tuple(cfg)
-                    int4_gemv.PROLOGUE_TUNED_CONFIGS[("silu", 4, n, k, 128, 1)] = tuple(cfg)
-                fig["int4 silu fused"] = (time_ring(fused, ring4), nbytes(*ring4[0]))
-                fig["int4 silu+gemv"] = (
-                    time_ring(lambda w, p, gu=gu: int4_gemv.int4_gemv(silu_and_mul(gu), w, p),
-                              ring4),
-                    nbytes(*ring4[0]),
-                )  # fmt: skip
+            if m == 1 and layer != "o":  # the fused decode layer's prologue GEMVs
+                rings = {4: ring4, 8: ring8n}
+                prologue_figures(layer, n, k, rings, fig, tuned, m in sweep_ms)
             for bits, old, new in ((4, "int4 qgemv", "int4 new"), (8, "int8 qgemv", "int8 new")):
                 if fig[old][0] < fig[new][0]:  # the decode runs below take quant_gemv here
                     int4_gemv.TUNED_CONFIGS[(bits, n, k, 128 if bits == 4 else k, bucket)] = None

@@ -105,7 +105,7 @@ def _linear_applies(
     if _gemv_linear(linear):
         from roofline.kernels import int4_gemv
 
-        if prologue == "silu" and not _gemv_fuses_silu():
+        if prologue == "silu" and not _gemv_fuses_silu(linear.gemv_bits):
             prologue = None  # a separate silu_and_mul launch, then the GEMV
         words, group, bits = linear.gemv_words, linear.gemv_group, linear.gemv_bits
         return int4_gemv.takes(m, x.dtype, x.device, words, group, bits, prologue)
@@ -114,10 +114,10 @@ def _linear_applies(
     return _applies_to(m, linear.weight, x)
 
 
-def _gemv_fuses_silu() -> bool:
+def _gemv_fuses_silu(bits: int) -> bool:
     from roofline.quantization import common
 
-    return common.INT4_GEMV_FUSE_SILU
+    return common.GEMV_FUSE_SILU[bits]
 
 
 def _applies_to(m: int, weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -149,7 +149,7 @@ def linear_add(
         from roofline.kernels.activation import silu_and_mul
         from roofline.kernels.int4_gemv import int4_gemv
 
-        fuse = silu_mul and _gemv_fuses_silu()
+        fuse = silu_mul and _gemv_fuses_silu(linear.gemv_bits)
         if silu_mul and not fuse:
             x = silu_and_mul(x)
         return int4_gemv(x, linear.gemv_words, linear.gemv_pairs, linear.bias, silu_mul=fuse,

@@ -64,8 +64,8 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 # 1.4-3x at 4-16 rows); ROOFLINE_INT8_GEMV=0 keeps int8 on quant_gemv.
 USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
 USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
-# The down projection's SiLU-and-mul inside int4_gemv (else a separate silu_and_mul launch).
-INT4_GEMV_FUSE_SILU = os.environ.get("ROOFLINE_INT4_GEMV_FUSE_SILU", "0") != "0"
+# The down projection's SiLU-and-mul inside int4_gemv, by bits (else a silu_and_mul launch).
+GEMV_FUSE_SILU = {4: False, 8: False}
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -197,7 +197,8 @@ def silu_mul_linear(
         from roofline.kernels import int4_gemv
         from roofline.kernels.activation import silu_and_mul
 
-        fused, bits = INT4_GEMV_FUSE_SILU, layer.gemv_bits
+        bits = layer.gemv_bits
+        fused = GEMV_FUSE_SILU[bits]
         x = gate_up if fused else silu_and_mul(gate_up)
         if int4_gemv.supports(x, words, layer.gemv_group, silu_mul=fused, bits=bits):
             return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, silu_mul=fused, bits=bits)

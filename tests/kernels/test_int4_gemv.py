@@ -208,7 +208,8 @@ def test_norm_prologue_and_residual_epilogue(bits: int) -> None:
         ig.int4_gemv(h.expand(2, K).contiguous(), words, pairs, norm=(norm_w, 1e-5), bits=bits)
 
 
-def test_fused_decode_layer_calls_take_int4_gemv() -> None:
+@pytest.mark.parametrize("fuse_silu", [False, True])
+def test_fused_decode_layer_calls_take_int4_gemv(fuse_silu: bool, monkeypatch) -> None:
     """layers.fused_decode's two GEMM entry points on a repacked quantized linear: the norm
     prologue GEMM and the SiLU + residual GEMM equal the unfused kernels' composition."""
     from torch import nn
@@ -217,8 +218,10 @@ def test_fused_decode_layer_calls_take_int4_gemv() -> None:
     from roofline.kernels.rmsnorm import rms_norm
     from roofline.layers import fused_decode
     from roofline.layers.linear import MergedLinear
+    from roofline.quantization import common
     from roofline.quantization.int4 import Int4LinearMethod
 
+    monkeypatch.setitem(common.GEMV_FUSE_SILU, 4, fuse_silu)
     gen = torch.Generator().manual_seed(9)
     layer = MergedLinear(K, [N], bias=False, method=Int4LinearMethod(128))
     layer.method.load(layer, 0, "weight", torch.randn(N, K, generator=gen) / K**0.5)
