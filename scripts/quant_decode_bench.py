@@ -132,7 +132,7 @@ def candidates(m: int) -> list[Int4GemvConfig]:
     ksplits = sorted({max(1, c // bm) for c in (8, 16, 32)} | ({4} if bm == 1 else set()))
     shapes = [(32, 2), (64, 4), (64, 2), (128, 4)] if m == 1 else [(32, 2), (64, 4)]
     tiles = (1, 2, 4) if m == 1 else (1, 2)
-    stages = (3, 4) if m == 1 else (2, 3)
+    stages = (2, 3, 4) if m == 1 else (2, 3)
     return [
         Int4GemvConfig(bn, ks, t, w, st)
         for bn, w in shapes for ks in ksplits for t in tiles for st in stages
@@ -182,8 +182,8 @@ def prologue_sweep(prologue: str, bits: int, x: torch.Tensor, ring: list, **kw) 
     from roofline.kernels.rmsnorm import rms_norm
 
     cfgs = [
-        Int4GemvConfig(bn, ks, t, w, 3)
-        for bn, w in ((64, 4), (128, 4), (128, 8)) for ks in (2, 4, 8) for t in (1, 2)
+        Int4GemvConfig(bn, ks, t, w, st)
+        for bn, w in ((64, 4), (128, 4)) for ks in (2, 4, 8) for t in (1, 2) for st in (2, 3)
     ]  # fmt: skip
     w0, p0 = ring[0]
     k = w0.shape[1] * 32 // bits
@@ -245,7 +245,7 @@ def candidates8(m: int) -> list[Int4GemvConfig]:
     return [
         Int4GemvConfig(bn, ks, t, w, st)
         for bn, w in ((32, 2), (64, 4), (128, 4)) for ks in (4, 8, 16) for t in (1, 2)
-        for st in (3, 4)
+        for st in (2, 3, 4)
         if bn // ks >= 1
     ]  # fmt: skip
 
