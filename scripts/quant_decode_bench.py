@@ -133,11 +133,16 @@ def candidates(m: int) -> list[Int4GemvConfig]:
     shapes = [(32, 2), (64, 4), (64, 2), (128, 4)] if m == 1 else [(32, 2), (64, 4)]
     tiles = (1, 2, 4) if m == 1 else (1, 2)
     stages = (2, 3, 4) if m == 1 else (2, 3)
+    split_k = [  # K parts over the grid: more rows a program, less x per program
+        Int4GemvConfig(bn, ks, t, w, st, kg)
+        for bn, w in ((64, 4), (128, 4)) for ks, kg in ((4, 2), (4, 4), (2, 4), (8, 2))
+        for t in (1, 2) for st in (2, 3)
+    ] if m == 1 else []  # fmt: skip
     return [
         Int4GemvConfig(bn, ks, t, w, st)
         for bn, w in shapes for ks in ksplits for t in tiles for st in stages
         if bn // ks >= 1 and ks * bm <= 32
-    ]  # fmt: skip
+    ] + split_k  # fmt: skip
 
 
 def sweep(
@@ -182,8 +187,8 @@ def prologue_sweep(prologue: str, bits: int, x: torch.Tensor, ring: list, **kw) 
     from roofline.kernels.rmsnorm import rms_norm
 
     cfgs = [
-        Int4GemvConfig(bn, ks, t, w, st)
-        for bn, w in ((64, 4), (128, 4)) for ks in (2, 4, 8) for t in (1, 2) for st in (2, 3)
+        Int4GemvConfig(bn, ks, t, w, 3, kg)
+        for bn, w in ((64, 4), (128, 4)) for ks in (2, 4, 8) for t in (1, 2) for kg in (1, 2)
     ]  # fmt: skip
     w0, p0 = ring[0]
     k = w0.shape[1] * 32 // bits

@@ -23,7 +23,10 @@ tensor cores, at any M up to 16:
   program's A rows are ``ksplit`` K-slices of ``block_n / ksplit`` weight rows and its x columns
   the same ``ksplit`` slices of x; only the diagonal blocks (slice of the row = slice of the
   column) are kept and summed once at the end. This spreads small-N layers over more programs
-  with no second launch and no atomics.
+  with no second launch and no atomics. ``kgrid`` further splits K over a second grid axis (each
+  program then reads only its part of x): partial sums go to a scratch buffer, and the row
+  block's last program to arrive (an arrival counter, zeroed again by that program) adds them
+  in part order, so results stay deterministic.
 * Scales and offsets are interleaved (``pack_scales``: ``[N, groups, 2]``, their own dtype) so a
   group's pair is one 32-bit load per row (16-bit scales; two loads for fp32 ones).
 * Programmatic dependent launch (``kernels.pdl``): a program prefetches the start of its weight
@@ -64,6 +67,7 @@ class Int4GemvConfig(NamedTuple):
     tiles: int  # 128-element tiles per loop step
     num_warps: int
     num_stages: int
+    kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
 
 
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
@@ -254,11 +258,12 @@ def pick_config(
 
 
 def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
-    """The K-slice length for this config, or None if it cannot run: each slice a whole number
-    of loop steps (so of 128-element tiles, which never straddle a group)."""
-    if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % cfg.ksplit:
+    """The K-slice length for this config (K / (kgrid * ksplit)), or None if it cannot run:
+    each slice a whole number of loop steps (so of 128-element tiles, which never straddle a
+    group)."""
+    if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
         return None
-    k_slice = k // cfg.ksplit
+    k_slice = k // (cfg.ksplit * cfg.kgrid)
     if k_slice % (TILE_K * cfg.tiles):
         return None
     return k_slice
@@ -346,10 +351,12 @@ def _int4_gemv_kernel(
     out_ptr,  # [M, N]
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
     residual_ptr,  # [M, N] added to the result (RESIDUAL)
+    part_ptr,  # [KGRID, N, BLOCK_M] fp32 partial sums (KGRID > 1)
+    count_ptr,  # [row blocks] int32 arrival counters, zero between launches (KGRID > 1)
     M,
     N,
     K,
-    k_slice,  # K // KSPLIT
+    k_slice,  # K // (KGRID * KSPLIT)
     stride_xm,
     stride_qn,
     stride_so,
@@ -363,6 +370,7 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
     BLOCK_M: tl.constexpr,  # x rows per slice (M's bucket)
     KSPLIT: tl.constexpr,
+    KGRID: tl.constexpr,  # K parts on grid axis 1
     TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,
@@ -387,6 +395,7 @@ def _int4_gemv_kernel(
     ROWS: tl.constexpr = BLOCK_N // KSPLIT
     COLS: tl.constexpr = KSPLIT * BLOCK_M
     pid = tl.program_id(0)
+    k_origin = tl.program_id(1) * (k_slice * KSPLIT)  # this program's K part
     r = tl.arange(0, BLOCK_N)
     slice_r = r // ROWS  # [BN]: the K-slice of each MMA row
     rows = tl.minimum(pid * ROWS + r % ROWS, N - 1).to(tl.int64)  # clamped: padding re-reads
@@ -395,16 +404,17 @@ def _int4_gemv_kernel(
     m_c = tl.minimum(c % BLOCK_M, M - 1).to(tl.int64)
     offs_w = tl.arange(0, 16)
     slice_words = k_slice // 128 * WPT
-    q_ptrs = q_ptr + (rows * stride_qn + slice_r * slice_words)[:, None] + offs_w[None, :]
-    x_ptrs = x_ptr + (m_c * stride_xm + slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
+    q_row = q_ptr + k_origin // 128 * WPT + rows * stride_qn + slice_r * slice_words  # [BN]
+    q_ptrs = q_row[:, None] + offs_w[None, :]
+    x_col = k_origin + m_c * stride_xm + slice_c * k_slice  # [C]
+    x_ptrs = x_ptr + x_col[None, :] + tl.arange(0, GK)[:, None]
     so_ptrs = so_ptr + rows * stride_so  # [BN]
     if GROUP <= 128:  # slices hold whole groups
-        so_ptrs += 2 * (slice_r * (k_slice // GROUP))
-    k_row = slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
+        so_ptrs += 2 * ((k_origin + slice_r * k_slice) // GROUP)
+    k_row = k_origin + slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
     if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
         offs_p = tl.minimum(tl.arange(0, PREFETCH_WORDS // 32) * 32, slice_words - 1)  # lines
-        row_start = q_ptr + rows * stride_qn + slice_r * slice_words  # [BN]
-        prefetch_l2(row_start[:, None] + offs_p[None, :])  # [BN, lines]
+        prefetch_l2(q_row[:, None] + offs_p[None, :])  # [BN, lines]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if NORM:  # the row's fp32 statistic (BLOCK_M == 1), as rms_norm: sum of squares * (1 / K)
@@ -414,7 +424,8 @@ def _int4_gemv_kernel(
             xs0 = tl.load(x_ptr + s0 + offs_s, mask=offs_s < K - s0, other=0.0).to(tl.float32)
             sq += _mul_rn(xs0, xs0, ASM)
         rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_k + eps)  # scalar
-        nw_ptrs = norm_w_ptr + (slice_c * k_slice)[None, :] + tl.arange(0, GK)[:, None]
+        nw_col = k_origin + slice_c * k_slice  # [C]
+        nw_ptrs = norm_w_ptr + nw_col[None, :] + tl.arange(0, GK)[:, None]
     ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
@@ -450,6 +461,27 @@ def _int4_gemv_kernel(
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
     offs_n = pid * ROWS + tl.arange(0, ROWS)
     offs_m = tl.arange(0, BLOCK_M)
+    if KGRID == 1:
+        _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
+                HAS_BIAS, RESIDUAL)  # fmt: skip
+    else:  # partial sums out; the row block's last program to arrive adds them in part order
+        rows_p = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * BLOCK_M + offs_m[None, :]
+        tl.store(part_ptr + tl.program_id(1) * N * BLOCK_M + rows_p, res)  # [ROWS, BM]
+        tl.debug_barrier()  # every thread's partials before the arrival (release, gpu scope)
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == KGRID - 1:
+            total = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
+            for part in range(KGRID):
+                total += tl.load(part_ptr + part * N * BLOCK_M + rows_p, cache_modifier=".cg")
+            tl.store(count_ptr + pid, 0)  # zero again for the next launch
+            _finish(total, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om,
+                    stride_rm, HAS_BIAS, RESIDUAL)  # fmt: skip
+
+
+@triton.jit
+def _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
+            HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    """Bias, rounding, the residual add and the masked store of a ``[ROWS, BM]`` fp32 result."""
     if HAS_BIAS:
         res += tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -460,6 +492,19 @@ def _int4_gemv_kernel(
         r = tl.load(r_ptrs, mask=mask, other=0.0)
         res = (res.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, res, mask=mask)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, num: int) -> torch.Tensor:
+    """Arrival counters for split-K row blocks, zero between launches (each launch's last
+    program zeroes its own); allocated (zeroed) once per device and grown when needed."""
+    counts = _COUNTERS.get(device)
+    if counts is None or counts.numel() < num:
+        counts = torch.zeros(max(num, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counts
+    return counts
 
 
 def supports(
@@ -542,7 +587,12 @@ def int4_gemv(
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rows = cfg.block_n // cfg.ksplit
-    grid = (triton.cdiv(n, rows),)
+    grid = (triton.cdiv(n, rows), cfg.kgrid)
+    if cfg.kgrid > 1:
+        parts = torch.empty(cfg.kgrid, n, m_bucket(m), dtype=torch.float32, device=x.device)
+        counts = _counters(x.device, grid[0])
+    else:
+        parts = counts = out
     launch = _int4_gemv_kernel.warmup if warmup else _int4_gemv_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     compiled = not is_interpret()
@@ -555,13 +605,14 @@ def int4_gemv(
         extra["launch_pdl"] = True
     launch(
         x, words, scale_pairs, bias if bias is not None else scale_pairs, out,
-        norm[0] if norm is not None else x, residual if residual is not None else out,
+        norm[0] if norm is not None else x, residual if residual is not None else out, parts,
+        counts,
         m, n, k, k_slice, x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, 1.0 / k,
         norm[1] if norm is not None else 0.0,
         BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
-        KSPLIT=cfg.ksplit, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
-        NORM=norm is not None, RESIDUAL=residual is not None,
+        KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
+        SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_WORDS=prefetch if pdl else 32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip

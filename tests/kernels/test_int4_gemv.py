@@ -59,6 +59,8 @@ CASES = [
     (32, True, 1, None),
     (32, False, 16, ig.Int4GemvConfig(32, 1, 2, 2, 2)),
     (256, False, 2, ig.Int4GemvConfig(64, 2, 2, 4, 2)),  # a group spans two tiles
+    (128, False, 1, ig.Int4GemvConfig(64, 4, 1, 4, 2, 2)),  # two K parts on the grid
+    (256, True, 3, ig.Int4GemvConfig(32, 2, 1, 2, 2, 2)),  # K parts that cut no group of 256
 ]
 
 
@@ -242,3 +244,19 @@ def test_fused_decode_layer_calls_take_int4_gemv(fuse_silu: bool, monkeypatch) -
     got = fused_decode.linear_add(layer, gate_up, residual, silu_mul=True)
     plain = ig.int4_gemv(silu_and_mul(gate_up), layer.gemv_words, layer.gemv_pairs)
     assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
+
+
+def test_split_k_over_the_grid_leaves_counters_zero() -> None:
+    """K parts on the grid: the last program of each row block adds the partials (bias and
+    residual once), and every arrival counter is zero again for the next launch."""
+    q, words, pairs = _weight(128, False, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(2, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    expected = (_reference(x, q, bias).float() + residual.float()).to(torch.bfloat16)
+    for kgrid in (2, 4, 2):
+        cfg = ig.Int4GemvConfig(32, 2, 1, 2, 2, kgrid)
+        got = ig.int4_gemv(x, words, pairs, bias, residual=residual, config=cfg)
+        assert_close(got, expected, torch.bfloat16)
+        assert int(ig._COUNTERS[x.device].abs().sum()) == 0
