@@ -530,8 +530,9 @@ def int4_parity() -> None:
 
 @section("decode GEMV per shape")
 def shape_section(copy_bw: float, sweep: bool, out_dir: str) -> None:
-    sweep_ms = (1, 4, 16) if sweep else ()
-    tuned, rows = quant_decode_bench.shape_table(copy_bw, (1, 4, 16), sweep_ms)
+    focus = quant_decode_bench.FOCUS
+    sweep_ms = ((1,) if focus else (1, 4, 16)) if sweep else ()
+    tuned, rows = quant_decode_bench.shape_table(copy_bw, (1,) if focus else (1, 4, 16), sweep_ms)
     SUMMARY["int4_gemv_tuned"] = {repr(k): v for k, v in tuned.items()}
     SUMMARY["decode_gemv_table"] = rows
     TABLE.extend(rows)
@@ -557,7 +558,9 @@ def quick(ceil, args) -> None:
     bw = ceil.bandwidth_bytes_per_s
     int4_parity()
     shape_section(bw, args.sweep, args.out)
-    methods = ["bf16", "int8", "int8/unfused", "int4", "int4/unfused"]
+    methods = ["int8", "int8/unfused", "int4", "int4/unfused"]
+    if not args.focus:
+        methods.insert(0, "bf16")
     decode(ceil, methods, [1], 32, profiled=("int4",))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
@@ -575,6 +578,10 @@ def main() -> None:
         "--sweep", action="store_true",
         help="with --quick: sweep int4_gemv configs (M = 1, 4, 16), install the winners",
     )  # fmt: skip
+    ap.add_argument(
+        "--focus", action="store_true",
+        help="with --quick --sweep: one row only, a few configs near the installed ones; no bf16",
+    )  # fmt: skip
     ap.add_argument("--extra", action="store_true", help="also logits error and offline W8A8")
     ap.add_argument(
         "--requests", type=int, default=96, help="offline throughput requests (256: full workload)"
@@ -587,6 +594,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
     if args.quick:
+        quant_decode_bench.FOCUS = args.focus
         quick(ceil, args)
         return
     parity(True)

@@ -25,6 +25,23 @@ from roofline.kernels.int4_gemv import Int4GemvConfig
 from roofline.quantization import formats
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+FOCUS = False  # --focus: one row, a few configs around the installed ones (a short second run)
+FOCUS_CONFIGS = [  # one row: the installed winners' families, two stages, K parts on the grid
+    Int4GemvConfig(*c)
+    for c in [
+        (128, 8, 4, 4, 2), (128, 8, 4, 4, 3), (128, 8, 2, 4, 2), (128, 8, 2, 4, 3),
+        (64, 16, 1, 4, 2), (64, 16, 1, 4, 4), (64, 16, 2, 4, 2), (128, 8, 1, 4, 2, 2),
+        (128, 4, 2, 4, 2, 2), (128, 4, 2, 4, 3, 2), (128, 4, 1, 4, 3, 4), (64, 4, 2, 4, 2, 4),
+        (64, 8, 1, 4, 3, 2), (128, 4, 4, 4, 2, 2),
+    ]
+]  # fmt: skip
+FOCUS_PROLOGUE = [
+    Int4GemvConfig(*c)
+    for c in [
+        (128, 4, 1, 4, 3), (128, 4, 2, 4, 3), (128, 8, 1, 4, 3), (64, 8, 1, 4, 3),
+        (128, 4, 1, 4, 3, 2), (128, 2, 2, 4, 3, 2), (128, 2, 1, 4, 3),
+    ]
+]  # fmt: skip
 RING_BYTES = 256 << 20
 DEVICE = "cuda"
 
@@ -128,6 +145,8 @@ def parity() -> float:
 
 def candidates(m: int) -> list[Int4GemvConfig]:
     """Configs for the sweep at M rows: the MMA's columns (K-slices x M's bucket) 8 to 32."""
+    if FOCUS:
+        return FOCUS_CONFIGS
     bm = min(16, triton.next_power_of_2(m))
     ksplits = sorted({max(1, c // bm) for c in (8, 16, 32)} | ({4} if bm == 1 else set()))
     shapes = [(32, 2), (64, 4), (64, 2), (128, 4)] if m == 1 else [(32, 2), (64, 4)]
@@ -186,7 +205,7 @@ def prologue_sweep(prologue: str, bits: int, x: torch.Tensor, ring: list, **kw) 
     more rows. Returns (seconds, config) of the fastest whose result matches the unfused path."""
     from roofline.kernels.rmsnorm import rms_norm
 
-    cfgs = [
+    cfgs = FOCUS_PROLOGUE if FOCUS else [
         Int4GemvConfig(bn, ks, t, w, 3, kg)
         for bn, w in ((64, 4), (128, 4)) for ks in (2, 4, 8) for t in (1, 2) for kg in (1, 2)
     ]  # fmt: skip
@@ -282,7 +301,7 @@ def shape_table(
             bucket = min(16, triton.next_power_of_2(m))
             fig: dict[str, tuple[float, int]] = {}
             sweeps = [(4, ring4, int4_gemv.int4_gemv_ref(x, q4.qweight, q4.scales, q4.offsets))]
-            if m == 1:
+            if m == 1 and not FOCUS:
                 sweeps.append((8, ring8n, (x.float() @ w8.T).to(x.dtype)))
             for bits, ring, ref in sweeps if m in sweep_ms else []:
                 t, cfg = sweep(bits, layer, x, ring, ref, copy_bw)
