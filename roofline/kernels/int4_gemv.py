@@ -72,21 +72,22 @@ class Int4GemvConfig(NamedTuple):
 
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
 # (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
-# Llama-3.1-8B qkv / o / gate_up / down, 2026-11-24 (us, % of copy at one row): int4 8.3 / 6.4 /
-# 27.7 / 16.2 (54 / 47 / 76 / 65%; quant_gemv 28 / 23 / 44 / 26%); int8 12.5 / 9.3 / 44.6 / 25.0
-# (68 / 61 / 89 / 79%; quant_gemv 66 / 58 / 84 / 74%). At 4 and 16 rows int4 45 / 42 / 71 / 54%
-# and 35 / 20 / 67 / 30% (quant_gemv 2-11%).
-TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, int] | None] = {
-    (4, 6144, 4096, 128, 1): (128, 8, 4, 4, 3),
+# Llama-3.1-8B qkv / o / gate_up / down on an H100 (scripts/gpu_quant.py --quick --sweep, two runs,
+# 2026-11-24), us and % of copy: one row int4 8.3 / 6.0 / 24.5 / 16.6 (56 / 51 / 88 / 65%;
+# quant_gemv 29 / 24 / 46 / 26%), int8 12.4 / 9.3 / 44.6 / 25.0 (71 / 61 / 89 / 79%; quant_gemv
+# 67 / 59 / 85 / 77%); 4 and 16 rows int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30% (quant_gemv
+# 2-11%).
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, ...] | None] = {
+    (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 2),
     (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
     (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
-    (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 4),
+    (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 3),
     (4, 4096, 4096, 128, 4): (64, 8, 1, 4, 3),
     (4, 4096, 4096, 128, 16): (64, 2, 2, 4, 3),
-    (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 3),
+    (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 2),
     (4, 28672, 4096, 128, 4): (64, 4, 1, 4, 3),
     (4, 28672, 4096, 128, 16): (64, 1, 2, 4, 3),
-    (4, 4096, 14336, 128, 1): (64, 16, 1, 4, 4),
+    (4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 4),
     (4, 4096, 14336, 128, 4): (64, 8, 1, 4, 3),
     (4, 4096, 14336, 128, 16): (64, 2, 1, 4, 3),
     (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
@@ -96,9 +97,17 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, int, int, int, in
 }
 # With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
 # N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
-PROLOGUE_TUNED_CONFIGS: dict[
-    tuple[str, int, int, int, int, int], tuple[int, int, int, int, int]
-] = {}
+# One row, same runs: int4 qkv / gate_up with the norm 9.8 / 26.9 us (rms_norm + GEMV 12.0 /
+# 27.7), int8 12.8 / 43.9 (13.9 / 49.6); down with the SiLU int4 20.6 (apart 18.4: not fused,
+# common.GEMV_FUSE_SILU), int8 26.6 (apart 30.7).
+PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int, int, int, int, int], tuple[int, ...]] = {
+    ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3),
+    ("norm", 4, 28672, 4096, 128, 1): (128, 8, 1, 4, 3),
+    ("norm", 8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    ("norm", 8, 28672, 4096, 4096, 1): (128, 8, 1, 4, 3),
+    ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2),
+    ("silu", 8, 4096, 14336, 14336, 1): (64, 8, 1, 4, 3),
+}
 
 
 def can_repack(k: int, group: int) -> bool:

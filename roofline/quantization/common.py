@@ -64,8 +64,9 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 # 1.4-3x at 4-16 rows); ROOFLINE_INT8_GEMV=0 keeps int8 on quant_gemv.
 USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
 USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
-# The down projection's SiLU-and-mul inside int4_gemv, by bits (else a silu_and_mul launch).
-GEMV_FUSE_SILU = {4: False, 8: False}
+# The down projection's SiLU-and-mul inside int4_gemv, by bits, else a silu_and_mul launch first
+# (H100, 8B down at one row: int4 fused 20.6 us vs 18.4 apart; int8 26.6 vs 30.7).
+GEMV_FUSE_SILU = {4: False, 8: True}
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
