@@ -7,10 +7,10 @@ to recover q, an FMA with x), so the GEMV is bound by instruction issue near 40%
 bandwidth at one row. Here the widening is half a logic op per element and the products run on
 tensor cores, at any M up to 16:
 
-* Repack (``repack_int4``): each row's K is cut into 128-element tiles of 16 int32 words; nibble
-  ``4h + i`` of word ``w`` holds element ``32 i + 2 w + h`` of the tile. One ``lop3`` per word
-  and nibble pair i, ``((word >> 4i) & 0x000F000F) | 0x43004300``, leaves two bf16 values
-  ``128 + q`` (fp16: ``0x64006400``, ``1024 + q``) for elements ``32 i + 2 w`` and
+* Repack (``int4_layout.repack_int4``): each row's K is cut into 128-element tiles of 16 int32
+  words; nibble ``4h + i`` of word ``w`` holds element ``32 i + 2 w + h`` of the tile. One
+  ``lop3`` per word and nibble pair i, ``((word >> 4i) & 0x000F000F) | 0x43004300``, leaves two
+  bf16 values ``128 + q`` (fp16: ``0x64006400``, ``1024 + q``) for elements ``32 i + 2 w`` and
   ``32 i + 2 w + 1``: exactly the register pair an MMA A-fragment holds for those two K
   columns. So the four pairs i concatenated are the tile's ``[rows, 128]`` A operand with K in
   natural order and x's tile is a contiguous load. The words are copied to shared memory by
@@ -27,8 +27,8 @@ tensor cores, at any M up to 16:
   program then reads only its part of x): partial sums go to a scratch buffer, and the row
   block's last program to arrive (an arrival counter, zeroed again by that program) adds them
   in part order, so results stay deterministic.
-* Scales and offsets are interleaved (``pack_scales``: ``[N, groups, 2]``, their own dtype) so a
-  group's pair is one 32-bit load per row (16-bit scales; two loads for fp32 ones).
+* Scales and offsets are interleaved (``int4_layout.pack_scales``: ``[N, groups, 2]``, their
+  own dtype) so a group's pair is one 32-bit load per row (16-bit scales; two loads for fp32).
 * Programmatic dependent launch (``kernels.pdl``): a program prefetches the start of its weight
   rows into L2, lets the next kernel launch, and only then waits for the previous one's x.
 
@@ -38,244 +38,48 @@ tensor cores, at any M up to 16:
   accumulator.
 
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
-bits), rounded once to x's dtype. ``int4_gemv_ref`` is the plain-torch reference. Configs:
-``TUNED_CONFIGS[(bits, N, K, group, m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --quick
---sweep``), else ``heuristic_config``.
+bits), rounded once to x's dtype. ``int4_layout.int4_gemv_ref`` is the plain-torch reference.
+Configs (``int4_gemv_configs``, re-exported here): ``TUNED_CONFIGS[(bits, N, K, group,
+m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --quick --sweep``), else ``heuristic_config``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels import check_device, is_interpret
 from roofline.kernels.gemv import _first, _mul_rn, _silu_mul, m_bucket
+from roofline.kernels.int4_gemv_configs import (
+    MAX_ROWS,
+    PROLOGUE_TUNED_CONFIGS,
+    TUNED_CONFIGS,
+    Int4GemvConfig,
+    _resolve,
+    heuristic_config,
+    pick_config,
+    prologue_heuristic,
+    takes,
+)
+from roofline.kernels.int4_layout import (
+    TILE_K,
+    can_repack,
+    int4_gemv_ref,
+    pack_scales,
+    repack_int4,
+    repack_int8,
+    unrepack_int4,
+    unrepack_int8,
+)
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
-from roofline.quantization import formats
 
-TILE_K = 128  # K elements per repacked tile (16 int32 words per row)
-TILE_WORDS = TILE_K // 8
-MAX_ROWS = 16
-
-
-class Int4GemvConfig(NamedTuple):
-    block_n: int  # MMA rows per program (weight rows x ksplit), 16 per warp or more
-    ksplit: int  # K-slices inside one program (the MMA's idle N columns); 1 = none
-    tiles: int  # 128-element tiles per loop step
-    num_warps: int
-    num_stages: int
-    kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
-
-
-# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
-# (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
-# Llama-3.1-8B qkv / o / gate_up / down on an H100 (scripts/gpu_quant.py --quick --sweep, two runs,
-# 2026-11-24), us and % of copy: one row int4 8.3 / 6.0 / 24.5 / 16.6 (56 / 51 / 88 / 65%;
-# quant_gemv 29 / 24 / 46 / 26%), int8 12.4 / 9.3 / 44.6 / 25.0 (71 / 61 / 89 / 79%; quant_gemv
-# 67 / 59 / 85 / 77%); 4 and 16 rows int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30% (quant_gemv
-# 2-11%).
-TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, ...] | None] = {
-    (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 2),
-    (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
-    (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
-    (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 3),
-    (4, 4096, 4096, 128, 4): (64, 8, 1, 4, 3),
-    (4, 4096, 4096, 128, 16): (64, 2, 2, 4, 3),
-    (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 2),
-    (4, 28672, 4096, 128, 4): (64, 4, 1, 4, 3),
-    (4, 28672, 4096, 128, 16): (64, 1, 2, 4, 3),
-    (4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 4),
-    (4, 4096, 14336, 128, 4): (64, 8, 1, 4, 3),
-    (4, 4096, 14336, 128, 16): (64, 2, 1, 4, 3),
-    (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
-    (8, 4096, 4096, 4096, 1): (64, 16, 1, 4, 3),
-    (8, 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
-    (8, 4096, 14336, 14336, 1): (64, 16, 1, 4, 4),
-}
-# With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
-# N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
-# One row, same runs: int4 qkv / gate_up with the norm 9.8 / 26.9 us (rms_norm + GEMV 12.0 /
-# 27.7), int8 12.8 / 43.9 (13.9 / 49.6); down with the SiLU int4 20.6 (apart 18.4: not fused,
-# common.GEMV_FUSE_SILU), int8 26.6 (apart 30.7).
-PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int, int, int, int, int], tuple[int, ...]] = {
-    ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3),
-    ("norm", 4, 28672, 4096, 128, 1): (128, 8, 1, 4, 3),
-    ("norm", 8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
-    ("norm", 8, 28672, 4096, 4096, 1): (128, 8, 1, 4, 3),
-    ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2),
-    ("silu", 8, 4096, 14336, 14336, 1): (64, 8, 1, 4, 3),
-}
-
-
-def can_repack(k: int, group: int) -> bool:
-    """Whether a weight with K inputs and this group size can take the repacked layout."""
-    return k % TILE_K == 0 and (group in (32, 64) or group % TILE_K == 0) and k % group == 0
-
-
-def _plane_words(q: torch.Tensor) -> torch.Tensor:  # [N, K // 128, 16] int32
-    """Values 0..15 ``[N, K]`` -> per 128-element tile, 16 words: nibble ``4h + i`` of word
-    ``w`` = element ``32 i + 2 w + h``."""
-    n, k = q.shape
-    if k % TILE_K:
-        raise ValueError(f"int4_gemv: K = {k} is not a multiple of {TILE_K}")
-    q = q.to(torch.int32).reshape(n, k // TILE_K, 4, TILE_WORDS, 2)  # [N, T, i, w, h]
-    q = q.permute(0, 1, 3, 4, 2).reshape(n, k // TILE_K, TILE_WORDS, 8)  # [N, T, w, 4h + i]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)  # [8]
-    words = (q << shifts).sum(dim=-1, dtype=torch.int64)  # [N, T, w], < 2^32
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _plane_values(words: torch.Tensor) -> torch.Tensor:  # [N, K] int64 values 0..15
-    """The inverse of ``_plane_words`` (``words``: ``[N, T, 16]``)."""
-    n, num_tiles, _ = words.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)  # [8]
-    nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # [N, T, w, 8]
-    nib = nib.reshape(n, num_tiles, TILE_WORDS, 2, 4)  # [N, T, w, h, i]
-    return nib.permute(0, 1, 4, 2, 3).reshape(n, num_tiles * TILE_K)
-
-
-REPACK_ROWS = 2048  # rows repacked at a time: the int32 temporaries stay ~2048 x K x 8 bytes
-
-
-def _by_rows(fn, qweight: torch.Tensor, words_per_row: int) -> torch.Tensor:
-    out = torch.empty(qweight.shape[0], words_per_row, dtype=torch.int32, device=qweight.device)
-    for r in range(0, qweight.shape[0], REPACK_ROWS):
-        out[r : r + REPACK_ROWS] = fn(qweight[r : r + REPACK_ROWS])
-    return out
-
-
-def repack_int4(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 8] int32
-    """Canonical int4 ``[N, K // 2]`` uint8 (low nibble = even k) -> the kernel's int32 words:
-    per 128-element tile, nibble ``4h + i`` of word ``w`` = element ``32 i + 2 w + h``."""
-
-    def rows(q: torch.Tensor) -> torch.Tensor:
-        return _plane_words(formats.unpack_int4(q)).reshape(q.shape[0], -1)
-
-    return _by_rows(rows, qweight, qweight.shape[1] // 4)
-
-
-def unrepack_int4(words: torch.Tensor) -> torch.Tensor:  # [N, K // 2] uint8
-    """The inverse of ``repack_int4``: the canonical nibble layout."""
-    tiles = words.reshape(words.shape[0], -1, TILE_WORDS)
-    return formats.pack_int4(_plane_values(tiles).to(torch.uint8))
-
-
-def repack_int8(qweight: torch.Tensor) -> torch.Tensor:  # [N, K // 4] int32
-    """Canonical int8 ``[N, K]`` -> two nibble planes of ``u = q + 128`` per 128-element tile
-    (16 words of low nibbles, then 16 of high nibbles), each laid out as ``repack_int4``'s."""
-
-    def rows(q: torch.Tensor) -> torch.Tensor:
-        u = (q.to(torch.int32) + 128).to(torch.uint8)  # [rows, K]
-        lo, hi = _plane_words(u & 15), _plane_words(u >> 4)  # [rows, T, 16] each
-        return torch.cat([lo, hi], dim=-1).reshape(q.shape[0], -1)
-
-    return _by_rows(rows, qweight, qweight.shape[1] // 4)
-
-
-def unrepack_int8(words: torch.Tensor) -> torch.Tensor:  # [N, K] int8
-    """The inverse of ``repack_int8``."""
-    tiles = words.reshape(words.shape[0], -1, 2 * TILE_WORDS)
-    lo = _plane_values(tiles[..., :TILE_WORDS].contiguous())
-    hi = _plane_values(tiles[..., TILE_WORDS:].contiguous())
-    return (lo + 16 * hi - 128).to(torch.int8)
-
-
-def pack_scales(scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """``[N, G]`` scales and offsets (None: zero, int8) -> ``[N, G, 2]`` pairs (scale, offset)
-    in the scales' dtype."""
-    if offsets is None:
-        offsets = torch.zeros_like(scales)
-    return torch.stack([scales, offsets.to(scales.dtype)], dim=-1).contiguous()
-
-
-def int4_gemv_ref(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # canonical [N, K // 2]
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # [M, N] in x's dtype
-    """x (fp32) times the exactly dequantized weight (fp32), bias in fp32, rounded once."""
-    q = formats.unpack_int4(qweight).float()  # [N, K]
-    k = q.shape[1]
-    group = k // scales.shape[1]
-    w = q * scales.float().repeat_interleave(group, 1) + offsets.float().repeat_interleave(group, 1)
-    out = x.float() @ w.T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
-
-
-def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvConfig:
-    """64 MMA rows (four warps), two tiles a step where K allows, three stages; the MMA's
-    columns filled with K-slices (one row: 8 slices of 8 weight rows), and more slices (up to 32
-    columns), then 32-row programs, until there are two programs per SM."""
-    bm = m_bucket(m)
-    cfg = Int4GemvConfig(64, max(1, 8 // bm), 2, 4, 3)
-    for tiles in (2, 1):
-        cfg = cfg._replace(tiles=tiles)
-        while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
-            cfg = cfg._replace(ksplit=cfg.ksplit // 2)
-        if _resolve(cfg, k, group) is not None:
-            break
-
-    def programs(c: Int4GemvConfig) -> int:
-        return triton.cdiv(n, c.block_n // c.ksplit)
-
-    while programs(cfg) < 2 * sms:
-        wider = cfg._replace(ksplit=cfg.ksplit * 2)
-        if wider.ksplit * bm <= 32 and _resolve(wider, k, group) is not None:
-            cfg = wider
-        elif cfg.block_n > 32:
-            cfg = cfg._replace(block_n=32, num_warps=2)
-        else:
-            break
-    return cfg
-
-
-def prologue_heuristic(k: int, group: int) -> Int4GemvConfig:
-    """With a prologue (one row): 32 weight rows a program in 4 K-slices, so each program's x
-    (all of K, through registers) is 1/16 of its weight elements."""
-    cfg = Int4GemvConfig(128, 4, 1, 4, 3)
-    while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
-        cfg = cfg._replace(ksplit=cfg.ksplit // 2)
-    return cfg
-
-
-def pick_config(
-    n: int,
-    k: int,
-    group: int,
-    m: int,
-    device: torch.device,
-    bits: int = 4,
-    prologue: str | None = None,
-) -> Int4GemvConfig | None:
-    """The measured config of M's bucket (and prologue), else the heuristic's; None where the
-    table says the other decode kernel is faster (no prologue)."""
-    key = (bits, n, k, group, m_bucket(m))
-    if prologue is not None:
-        tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
-        return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
-    if key in TUNED_CONFIGS:
-        tuned = TUNED_CONFIGS[key]
-        return None if tuned is None else Int4GemvConfig(*tuned)
-    return heuristic_config(n, k, group, m, num_sms(device))
-
-
-def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
-    """The K-slice length for this config (K / (kgrid * ksplit)), or None if it cannot run:
-    each slice a whole number of loop steps (so of 128-element tiles, which never straddle a
-    group)."""
-    if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
-        return None
-    k_slice = k // (cfg.ksplit * cfg.kgrid)
-    if k_slice % (TILE_K * cfg.tiles):
-        return None
-    return k_slice
+__all__ = [
+    "MAX_ROWS", "PROLOGUE_TUNED_CONFIGS", "TILE_K", "TUNED_CONFIGS", "Int4GemvConfig",
+    "_resolve", "can_repack", "heuristic_config", "int4_gemv", "int4_gemv_ref", "pack_scales",
+    "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports", "takes",
+    "unrepack_int4", "unrepack_int8",
+]  # fmt: skip
 
 
 @triton.jit
@@ -525,26 +329,6 @@ def supports(
         return False
     prologue = "silu" if silu_mul else None
     return takes(x.shape[0], x.dtype, x.device, words, group, bits, prologue)
-
-
-def takes(
-    m: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    words: torch.Tensor,
-    group: int,
-    bits: int = 4,
-    prologue: str | None = None,
-) -> bool:
-    """``supports`` by shapes only (the fused decode layer asks before its inputs exist); the
-    norm prologue takes one row."""
-    k = words.shape[1] * 32 // bits
-    if not 1 <= m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if prologue == "norm" and m != 1:
-        return False
-    cfg = pick_config(words.shape[0], k, group, m, device, bits, prologue)
-    return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None
 
 
 def int4_gemv(

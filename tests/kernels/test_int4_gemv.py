@@ -39,7 +39,9 @@ def test_repack_round_trip_and_placement(monkeypatch: pytest.MonkeyPatch) -> Non
     q = torch.randint(0, 16, (3, 256), generator=gen, dtype=torch.uint8)
     packed = formats.pack_int4(q)
     words = ig.repack_int4(packed)
-    monkeypatch.setattr(ig, "REPACK_ROWS", 2)  # repacked two rows at a time: the same words
+    from roofline.kernels import int4_layout
+
+    monkeypatch.setattr(int4_layout, "REPACK_ROWS", 2)  # two rows at a time: the same words
     assert torch.equal(ig.repack_int4(packed), words)
     assert words.dtype == torch.int32 and words.shape == (3, 32)
     assert torch.equal(ig.unrepack_int4(words), packed)

@@ -1,0 +1,154 @@
+"""Launch configurations of ``kernels.int4_gemv``: the measured tables (H100, Llama-3.1-8B
+shapes, ``scripts/gpu_quant.py --quick --sweep``), the heuristics for other shapes, and the
+checks of whether a config (or the kernel at all) can take a weight."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from roofline.kernels import num_sms
+from roofline.kernels.gemv import m_bucket
+from roofline.kernels.int4_layout import TILE_K, can_repack
+
+MAX_ROWS = 16
+
+
+class Int4GemvConfig(NamedTuple):
+    block_n: int  # MMA rows per program (weight rows x ksplit), 16 per warp or more
+    ksplit: int  # K-slices inside one program (the MMA's idle N columns); 1 = none
+    tiles: int  # 128-element tiles per loop step
+    num_warps: int
+    num_stages: int
+    kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
+
+
+# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
+# (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
+# Llama-3.1-8B qkv / o / gate_up / down on an H100 (scripts/gpu_quant.py --quick --sweep, two runs,
+# 2026-11-24), us and % of copy: one row int4 8.3 / 6.0 / 24.5 / 16.6 (56 / 51 / 88 / 65%;
+# quant_gemv 29 / 24 / 46 / 26%), int8 12.4 / 9.3 / 44.6 / 25.0 (71 / 61 / 89 / 79%; quant_gemv
+# 67 / 59 / 85 / 77%); 4 and 16 rows int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30% (quant_gemv
+# 2-11%).
+TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, ...] | None] = {
+    (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 2),
+    (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
+    (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
+    (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 3),
+    (4, 4096, 4096, 128, 4): (64, 8, 1, 4, 3),
+    (4, 4096, 4096, 128, 16): (64, 2, 2, 4, 3),
+    (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 2),
+    (4, 28672, 4096, 128, 4): (64, 4, 1, 4, 3),
+    (4, 28672, 4096, 128, 16): (64, 1, 2, 4, 3),
+    (4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 4),
+    (4, 4096, 14336, 128, 4): (64, 8, 1, 4, 3),
+    (4, 4096, 14336, 128, 16): (64, 2, 1, 4, 3),
+    (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    (8, 4096, 4096, 4096, 1): (64, 16, 1, 4, 3),
+    (8, 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
+    (8, 4096, 14336, 14336, 1): (64, 16, 1, 4, 4),
+}
+# With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
+# N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
+# One row, same runs: int4 qkv / gate_up with the norm 9.8 / 26.9 us (rms_norm + GEMV 12.0 /
+# 27.7), int8 12.8 / 43.9 (13.9 / 49.6); down with the SiLU int4 20.6 (apart 18.4: not fused,
+# common.GEMV_FUSE_SILU), int8 26.6 (apart 30.7).
+PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int, int, int, int, int], tuple[int, ...]] = {
+    ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3),
+    ("norm", 4, 28672, 4096, 128, 1): (128, 8, 1, 4, 3),
+    ("norm", 8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    ("norm", 8, 28672, 4096, 4096, 1): (128, 8, 1, 4, 3),
+    ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2),
+    ("silu", 8, 4096, 14336, 14336, 1): (64, 8, 1, 4, 3),
+}
+
+
+def heuristic_config(n: int, k: int, group: int, m: int, sms: int) -> Int4GemvConfig:
+    """64 MMA rows (four warps), two tiles a step where K allows, three stages; the MMA's
+    columns filled with K-slices (one row: 8 slices of 8 weight rows), and more slices (up to 32
+    columns), then 32-row programs, until there are two programs per SM."""
+    bm = m_bucket(m)
+    cfg = Int4GemvConfig(64, max(1, 8 // bm), 2, 4, 3)
+    for tiles in (2, 1):
+        cfg = cfg._replace(tiles=tiles)
+        while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
+            cfg = cfg._replace(ksplit=cfg.ksplit // 2)
+        if _resolve(cfg, k, group) is not None:
+            break
+
+    def programs(c: Int4GemvConfig) -> int:
+        return triton.cdiv(n, c.block_n // c.ksplit)
+
+    while programs(cfg) < 2 * sms:
+        wider = cfg._replace(ksplit=cfg.ksplit * 2)
+        if wider.ksplit * bm <= 32 and _resolve(wider, k, group) is not None:
+            cfg = wider
+        elif cfg.block_n > 32:
+            cfg = cfg._replace(block_n=32, num_warps=2)
+        else:
+            break
+    return cfg
+
+
+def prologue_heuristic(k: int, group: int) -> Int4GemvConfig:
+    """With a prologue (one row): 32 weight rows a program in 4 K-slices, so each program's x
+    (all of K, through registers) is 1/16 of its weight elements."""
+    cfg = Int4GemvConfig(128, 4, 1, 4, 3)
+    while cfg.ksplit > 1 and _resolve(cfg, k, group) is None:
+        cfg = cfg._replace(ksplit=cfg.ksplit // 2)
+    return cfg
+
+
+def pick_config(
+    n: int,
+    k: int,
+    group: int,
+    m: int,
+    device: torch.device,
+    bits: int = 4,
+    prologue: str | None = None,
+) -> Int4GemvConfig | None:
+    """The measured config of M's bucket (and prologue), else the heuristic's; None where the
+    table says the other decode kernel is faster (no prologue)."""
+    key = (bits, n, k, group, m_bucket(m))
+    if prologue is not None:
+        tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
+        return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
+    if key in TUNED_CONFIGS:
+        tuned = TUNED_CONFIGS[key]
+        return None if tuned is None else Int4GemvConfig(*tuned)
+    return heuristic_config(n, k, group, m, num_sms(device))
+
+
+def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
+    """The K-slice length for this config (K / (kgrid * ksplit)), or None if it cannot run:
+    each slice a whole number of loop steps (so of 128-element tiles, which never straddle a
+    group)."""
+    if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
+        return None
+    k_slice = k // (cfg.ksplit * cfg.kgrid)
+    if k_slice % (TILE_K * cfg.tiles):
+        return None
+    return k_slice
+
+
+def takes(
+    m: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    words: torch.Tensor,
+    group: int,
+    bits: int = 4,
+    prologue: str | None = None,
+) -> bool:
+    """``supports`` by shapes only (the fused decode layer asks before its inputs exist); the
+    norm prologue takes one row."""
+    k = words.shape[1] * 32 // bits
+    if not 1 <= m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if prologue == "norm" and m != 1:
+        return False
+    cfg = pick_config(words.shape[0], k, group, m, device, bits, prologue)
+    return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None
