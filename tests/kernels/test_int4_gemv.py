@@ -100,7 +100,10 @@ def test_heuristic_fills_the_gpu_and_resolves() -> None:
             cfg = ig.heuristic_config(n, k, 128, m, 132)
             assert ig._resolve(cfg, k, 128) is not None, (n, k, m, cfg)
             assert cfg.ksplit * ig.m_bucket(m) <= 32
-            assert n // (cfg.block_n // cfg.ksplit) >= 2 * 132 or cfg.block_n == 32
+            wider = cfg._replace(ksplit=2 * cfg.ksplit, tiles=1)
+            assert n // (cfg.block_n // cfg.ksplit) >= 2 * 132 or (
+                wider.ksplit * ig.m_bucket(m) > 32 or ig._resolve(wider, k, 128) is None
+            )
 
 
 def test_refusals() -> None:
