@@ -2,8 +2,10 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
-* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``):
-  ``kernels.quant_gemv`` (magic-number unpacking, tuned per shape) where it takes the weight;
+* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``): int4 and int8
+  layers ``kernels.int4_gemv`` (tensor cores over the repacked copy ``prepare_kernel_layout``
+  made after loading) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
+  unpacking, tuned per shape);
 * CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
   widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
   or dequantize + cuBLAS where its table measured that faster (``ROOFLINE_QUANT_MIXED_GEMM=0``:
