@@ -361,7 +361,7 @@ def build_executor(
     backend = args.distributed_executor_backend or "mp"
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
-    check_shardable(model_config, world_size)
+    check_shardable(model_config, world_size, args.enable_expert_parallel)
     from roofline.quantization.registry import check_tensor_parallel
 
     check_tensor_parallel(quant_config, model_config, world_size)
@@ -379,5 +379,6 @@ def build_executor(
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         quant_config=quant_config,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     return make_executor(spec, world_size, backend)

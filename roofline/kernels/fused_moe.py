@@ -18,6 +18,13 @@ work; ``P = num_tokens * top_k`` pairs in all, pair ``p`` belongs to token ``p /
   block) and reads only the selected experts' rows; the down GEMV runs one program per (token,
   column block) that loops over the token's k experts, so the routing weights and the top-k sum
   happen in its fp32 accumulator (one launch, one store).
+* Quantized experts (int8 or fp8 e4m3 with per-channel scales, ``quantization/moe.py``): both
+  paths load 1-byte weight tiles, widen them in registers (exact: int8 and e4m3 values are
+  bf16 values) and apply each output channel's scale to the fp32 accumulator once after the K
+  loop (``w = q s`` factors out of the sum): half the bytes of bf16 experts, no dequantized copy.
+* Expert parallelism: an id equal to ``E`` marks a pair whose expert another rank holds; it
+  gets its own sorted run, whose blocks read nothing and store zeros (``distributed/
+  expert_parallel.py``).
 
 ``fused_moe_ref`` loops over experts in plain torch (HF transformers' order) and is the
 definition both paths are tested against.
@@ -60,18 +67,28 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: a loop over the experts
-    that received a token (a host sync: reference and CPU path only)."""
+    that received a token (a host sync: reference and CPU path only). Quantized experts (int8 /
+    fp8 with per-channel scales ``[E, N]``) are dequantized to x's dtype one expert at a time;
+    ids equal to ``E`` (``NOT_LOCAL``) are skipped."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     for expert in torch.unique(topk_ids).tolist():
+        if expert == num_experts:  # NOT_LOCAL: another rank's expert
+            continue
         if not 0 <= expert < num_experts:
             raise ValueError(f"expert id {expert} out of range [0, {num_experts})")
         token_idx, slot = torch.where(topk_ids == expert)
-        h = F.linear(x[token_idx], w13[expert])  # [n, 2I]
+        up_w, down_w = w13[expert], w2[expert]
+        if w13_scale is not None and w2_scale is not None:
+            up_w = (up_w.float() * w13_scale[expert].float()[:, None]).to(x.dtype)
+            down_w = (down_w.float() * w2_scale[expert].float()[:, None]).to(x.dtype)
+        h = F.linear(x[token_idx], up_w)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        h = F.linear(F.silu(gate) * up, down_w)  # [n, H]
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
@@ -127,6 +144,15 @@ def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _widen(w, DTYPE: tl.constexpr):
+    """A weight tile in the activation dtype: 16-bit tiles as they are, int8 / fp8 through fp32
+    (every value exact in bf16/fp16/fp32)."""
+    if w.dtype == DTYPE:
+        return w
+    return w.to(tl.float32).to(DTYPE)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -171,15 +197,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-    N, K, num_pairs, a_rows_div, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
+    N, K, num_pairs, num_experts, a_rows_div, stride_am, stride_we, stride_wn, stride_se,
+    stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
     A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
     output row is the pair. SILU_MUL: accumulate gate (rows n) and up (rows N + n) together and
-    store silu(gate) * up [., N]."""
+    store silu(gate) * up [., N]. HAS_SCALE: the weight is int8/fp8, widened to ``a``'s dtype
+    tile by tile, its per-channel scale ``s [E, N(, +N)]`` applied to the accumulator. A block
+    of the not-local sentinel expert (``num_experts``) reads no weight: the down GEMM stores
+    zeros for its pairs, the gate/up GEMM nothing."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -191,6 +222,13 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    out_ty = out_ptr.dtype.element_ty
+    if expert >= num_experts:  # pairs routed to another rank's experts
+        if MUL_WEIGHT:
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ty)
+            out_ptrs = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, zeros, mask=row_ok[:, None] & n_ok[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -200,13 +238,17 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, _widen(w, a.dtype), acc, input_precision=PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(a, _widen(w_up, a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
+    if HAS_SCALE:  # w = q * s per output channel: s factors out of the K sum
+        s_ptrs = s_ptr + expert * stride_se + offs_n
+        acc *= tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up *= tl.load(s_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         acc = _silu_mul(acc, acc_up, out_ty)
     if MUL_WEIGHT:
@@ -218,17 +260,19 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, weights_ptr,
+    N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_om,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
     pairs (input row = pair), weighted and summed in fp32. Products accumulate elementwise in a
     [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once after the loop; the K loop is pipelined
-    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``)."""
+    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
+    the not-local sentinel expert (``num_experts``) reads nothing and adds zero; HAS_SCALE: an
+    int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -238,6 +282,8 @@ def _moe_gemv_kernel(
     for j in tl.static_range(PAIRS_PER_PROGRAM):
         pair = row * PAIRS_PER_PROGRAM + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        local = expert < num_experts
+        expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
         w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -246,7 +292,7 @@ def _moe_gemv_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
             a = a.to(tl.float32)[None, :]
-            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :] & local
             w_ptrs = w_rows + k0 + offs_k[None, :]
             w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * a
@@ -256,27 +302,43 @@ def _moe_gemv_kernel(
                 )
                 acc_up += w_up.to(tl.float32) * a
         res = tl.sum(acc, axis=1)  # [BLOCK_N]
+        res_up = tl.sum(acc_up, axis=1)
+        if HAS_SCALE:
+            s_ptrs = s_ptr + expert * stride_se + offs_n
+            res *= tl.load(s_ptrs, mask=n_ok & local, other=0.0).to(tl.float32)
+            if SILU_MUL:
+                res_up *= tl.load(s_ptrs + N, mask=n_ok & local, other=0.0).to(tl.float32)
         if SILU_MUL:
-            res = _silu_mul(res, tl.sum(acc_up, axis=1), out_ty)
+            res = _silu_mul(res, res_up, out_ty)
         if MUL_WEIGHT:
             res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
-        total += res
+        total += tl.where(local, res, 0.0)
     tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
 
 
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
+GEMV_CONFIG_8BIT = dict(BLOCK_K=512)
+"""int8/fp8 experts: twice the K per step, the same 4 KiB of weights in flight per tile."""
 
 
-def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+def warm_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
-    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype."""
+    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype.
+    ``scales``: (w13_scale, w2_scale) of quantized experts."""
     num_experts, _, hidden = w13.shape
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
     if key in _WARMED:
         return
     _WARMED.add(key)
+    s13, s2 = scales if scales is not None else (None, None)
     counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
     for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
         counts.add(-(-per_expert * num_experts // top_k))
@@ -284,7 +346,7 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) ->
         xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
         ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
         weights = torch.ones(num_tokens, top_k, dtype=x.dtype, device=x.device)
-        fused_moe(xs, w13, w2, weights, ids % num_experts)
+        fused_moe(xs, w13, w2, weights, ids % num_experts, w13_scale=s13, w2_scale=s2)
 
 
 _WARMED: set[tuple] = set()
@@ -304,7 +366,14 @@ def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, 
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
 
 
-def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> None:
+def _check_shapes(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> None:
     num_experts, two_inter, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} does not match w13 {tuple(w13.shape)}")
@@ -315,6 +384,24 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     for t in (x, w13, w2):
         if t.stride(-1) != 1:
             raise ValueError("fused_moe needs the last dim of x and the weights contiguous")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("quantized experts need both w13_scale and w2_scale")
+    if w13_scale is None:
+        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+            raise ValueError(f"16-bit experts must be in x's dtype {x.dtype}, got {w13.dtype}")
+        return
+    if w13.dtype not in QUANT_DTYPES or w2.dtype != w13.dtype:
+        raise ValueError(f"quantized experts must be int8 or fp8 e4m3, got {w13.dtype}")
+    for scale, w in ((w13_scale, w13), (w2_scale, w2)):
+        if tuple(scale.shape) != tuple(w.shape[:2]) or scale.stride(-1) != 1:
+            raise ValueError(
+                f"per-channel expert scales must be [E, N] = {tuple(w.shape[:2])} and "
+                f"contiguous, got {tuple(scale.shape)}"
+            )
+
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+"""Expert weight dtypes the kernels widen in registers (with per-channel scales)."""
 
 
 def fused_moe(
@@ -324,13 +411,19 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     force_path: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
     GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
     (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
-    depends on shapes only."""
+    depends on shapes only.
+
+    Quantized experts: ``w13``/``w2`` int8 or fp8 e4m3 with per-channel scales ``w13_scale
+    [E, 2I]`` and ``w2_scale [E, H]`` (``w = q * s``). An id equal to ``E`` (``NOT_LOCAL``: the
+    pair's expert lives on another expert-parallel rank) contributes nothing and reads nothing."""
     check_device(x, w13, w2, topk_weights, topk_ids)
-    _check_shapes(x, w13, w2, topk_ids)
+    _check_shapes(x, w13, w2, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -340,41 +433,49 @@ def fused_moe(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
+    has_scale = w13_scale is not None
+    s13 = w13_scale if has_scale else w13  # a placeholder pointer when unquantized
+    s2 = w2_scale if has_scale else w2
     small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
     path = force_path or ("gemv" if small else "grouped")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)
+        if w13.element_size() == 1:  # keep ~4 KiB of weights per tile step
+            cfg.update(GEMV_CONFIG_8BIT)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, act, ids, weights, inter, hidden,
-            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False, **cfg,
+            x, w13, s13, act, ids, weights, inter, hidden, num_experts,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), act.stride(0),
+            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
+            HAS_SCALE=has_scale, **cfg,
         )  # fmt: skip
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-            act, w2, out, ids, weights, hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True, **cfg,
+            act, w2, s2, out, ids, weights, hidden, inter, num_experts,
+            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), out.stride(0),
+            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
+            HAS_SCALE=has_scale, **cfg,
         )  # fmt: skip
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
     block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
-    align = moe_align(ids, num_experts, block_m)
+    align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    for a, w, dst, n, k, div, silu in (
-        (x, w13, act, inter, hidden, top_k, True),
-        (act, w2, per_pair, hidden, inter, 1, False),
+    for a, w, sc, dst, n, k, div, silu in (
+        (x, w13, s13, act, inter, hidden, top_k, True),
+        (act, w2, s2, per_pair, hidden, inter, 1, False),
     ):
         cfg = _gemm_config(num_pairs, num_experts, silu)
         grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
         _moe_gemm_kernel[grid](
-            a, w, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded, weights,
-            n, k, num_pairs, div, a.stride(0), w.stride(0), w.stride(1), dst.stride(0),
-            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, **cfg,
+            a, w, sc, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded,
+            weights, n, k, num_pairs, num_experts, div, a.stride(0), w.stride(0), w.stride(1),
+            sc.stride(0), dst.stride(0),
+            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, HAS_SCALE=has_scale, **cfg,
         )  # fmt: skip
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,210 @@
+"""How a sparse MoE layer (``layers.moe.FusedMoE``) stores, loads and multiplies its stacked
+expert weights: the MoE counterpart of ``LinearMethod``, handed out by
+``QuantizationConfig.get_moe_method``.
+
+A method registers ``w13_weight [E, 2I, H]`` (each expert's gate rows, then its up rows) and
+``w2_weight [E, H, I]`` on the layer, in its own dtype, plus whatever the kernel reads beside
+them; ``load(layer, which, experts, rows, tensor)`` takes one checkpoint tensor (one expert's
+``[rows, K]`` or a stack ``[E', rows, K]``) for the ``rows`` of ``which`` (``w13``/``w2``) of the
+local ``experts`` as it streams in, quantizing it there, so loading never holds more than one
+16-bit tensor beyond the final weights; ``apply(layer, x, topk_weights, topk_ids)`` runs the
+fused kernel (CUDA) or the reference loop (CPU).
+
+* ``UnquantizedMoEMethod``: 16-bit (or fp32) experts, today's path.
+* ``PerChannelMoEMethod`` (``int8``, ``fp8``): int8 or fp8 e4m3 weights with one scale per
+  output channel and expert, ``w13_scale [E, 2I]``, ``w2_scale [E, H]`` (int8: the model dtype,
+  ``s = max|w| / 127``; fp8: fp32, ``s = max|w| / 448``): the canonical per-channel layouts of
+  ``quantization/formats.py`` stacked over the experts. Quantizing a row needs only that row,
+  so each expert (and each tensor-parallel slice of rows) quantizes on its own, exactly as the
+  whole stack would. The fused kernel widens the 1-byte tiles in registers and applies the
+  scales after the K loop; the CPU dequantizes the touched experts per call (correct, not fast).
+  ``fp8-w8a8`` models keep fp8 weight-only experts (the activations of a decode-sized expert
+  GEMM are a few rows: quantizing them buys nothing).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from roofline.quantization import formats
+
+EXPERT_TENSORS = ("w13", "w2")
+
+
+class MoEMethod(ABC):
+    """Storage, loading and the kernel of a MoE layer's experts (see the module doc)."""
+
+    quantized: bool = True
+    name: str = "16-bit"
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register ``w13_weight``/``w2_weight`` (and their scales) for ``num_experts`` local
+        experts of ``intermediate_size`` local columns."""
+
+    @abstractmethod
+    def load(
+        self,
+        layer: nn.Module,
+        which: str,
+        experts: slice,
+        rows: slice,
+        tensor: torch.Tensor,
+    ) -> None:
+        """Copy (quantizing) ``tensor`` into ``rows`` of ``<which>_weight[experts]``."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    @abstractmethod
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``; ids index the local experts, ``E_local`` = not here."""
+
+    def weight_bytes(self, layer: nn.Module, num_experts: int = 1) -> int:
+        """Bytes ``num_experts`` experts' weights (and scales) occupy: what a step reads per
+        touched expert."""
+        total = 0
+        for which in EXPERT_TENSORS:
+            for suffix in ("weight", "scale"):
+                t = getattr(layer, f"{which}_{suffix}", None)
+                if t is not None:
+                    total += t[0].numel() * t.element_size()
+        return total * num_experts
+
+
+def _target(layer: nn.Module, which: str, suffix: str) -> torch.Tensor:
+    if which not in EXPERT_TENSORS:
+        raise ValueError(f"expert tensor must be one of {EXPERT_TENSORS}, got {which!r}")
+    return getattr(layer, f"{which}_{suffix}")
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+class UnquantizedMoEMethod(MoEMethod):
+    """16-bit or fp32 experts in the model dtype."""
+
+    quantized = False
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        e, i, h = num_experts, intermediate_size, hidden_size
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=params_dtype))
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=params_dtype))
+
+    def load(
+        self, layer: nn.Module, which: str, experts: slice, rows: slice, tensor: torch.Tensor
+    ) -> None:
+        target = _target(layer, which, "weight")[experts, rows]  # [E', rows, K]
+        _copy(target, tensor.unsqueeze(0) if tensor.dim() == 2 else tensor, which)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        from roofline.kernels import fused_moe as kernels
+
+        if x.is_cuda:
+            return kernels.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return kernels.fused_moe_ref(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+
+class PerChannelMoEMethod(MoEMethod):
+    """int8 or fp8 e4m3 experts with per-(expert, output channel) scales (see the module doc)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in ("int8", "fp8"):
+            raise ValueError(f"per-channel MoE quantization is int8 or fp8, not {kind!r}")
+        self.kind = kind
+        self.name = kind
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        e, i, h = num_experts, intermediate_size, hidden_size
+        qdtype = torch.int8 if self.kind == "int8" else formats.FP8_DTYPE
+        sdtype = params_dtype if self.kind == "int8" else torch.float32
+        frozen = dict(requires_grad=False)
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=qdtype), **frozen)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=qdtype), **frozen)
+        layer.w13_scale = nn.Parameter(torch.zeros(e, 2 * i, dtype=sdtype), **frozen)
+        layer.w2_scale = nn.Parameter(torch.zeros(e, h, dtype=sdtype), **frozen)
+
+    def load(
+        self, layer: nn.Module, which: str, experts: slice, rows: slice, tensor: torch.Tensor
+    ) -> None:
+        qtarget = _target(layer, which, "weight")[experts, rows]  # [E', rows, K]
+        starget = _target(layer, which, "scale")[experts, rows]  # [E', rows]
+        if tensor.dtype in (torch.int8, formats.FP8_DTYPE):
+            raise ValueError(
+                f"{which}: a {tensor.dtype} expert tensor without its scales; quantized MoE "
+                "checkpoints are not supported (quantize a 16-bit checkpoint on the fly)"
+            )
+        k = qtarget.shape[-1]
+        if tensor.shape[-1] != k or tensor.numel() != qtarget.numel():
+            raise ValueError(
+                f"{which}: checkpoint shape {tuple(tensor.shape)} != {tuple(qtarget.shape)}"
+            )
+        w = tensor.to(qtarget.device).reshape(-1, k)  # [E' * rows, K]
+        if self.kind == "int8":
+            q, s = formats.quantize_int8(w, k, starget.dtype)  # [n, K], [n, 1]
+        else:
+            q, s = formats.quantize_fp8(w)  # [n, K] fp8, [n] fp32
+        _copy(qtarget, q.reshape(qtarget.shape), which)
+        _copy(starget, s.reshape(starget.shape).to(starget.dtype), f"{which} scales")
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        from roofline.kernels import fused_moe as kernels
+
+        fn = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
+        return fn(
+            x,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_weights,
+            topk_ids,
+            w13_scale=layer.w13_scale,
+            w2_scale=layer.w2_scale,
+        )
+
+
+MOE_METHODS = {"int8": "int8", "fp8": "fp8", "fp8-w8a8": "fp8"}
+"""On-the-fly quantization names -> the per-channel kind their experts take."""
+
+
+def moe_method_for(quantization: str) -> MoEMethod | None:
+    """The expert method of an on-the-fly scheme (None: the scheme has none for experts)."""
+    kind = MOE_METHODS.get(quantization)
+    return None if kind is None else PerChannelMoEMethod(kind)
