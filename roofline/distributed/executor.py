@@ -353,6 +353,7 @@ def build_executor(
 ):
     """The engine's executor for ``args.tensor_parallel_size > 1`` (validated first, before
     any worker starts)."""
+    from roofline.distributed.expert_parallel import resolve_dispatch_name
     from roofline.distributed.sharding import check_shardable
 
     world_size = args.tensor_parallel_size
@@ -380,5 +381,6 @@ def build_executor(
         enforce_eager=args.enforce_eager,
         quant_config=quant_config,
         enable_expert_parallel=args.enable_expert_parallel,
+        expert_parallel_dispatch=resolve_dispatch_name(),
     )
     return make_executor(spec, world_size, backend)

@@ -219,7 +219,7 @@ class AllToAllDispatch:
         per_pair = torch.empty_like(back)
         per_pair[order] = back  # [P, H] in pair order
         weights = topk_weights[lo:hi].reshape(-1, 1)  # [P, 1]
-        mine = (per_pair * weights).view(hi - lo, top_k, -1).sum(dim=1, dtype=torch.float32)
+        mine = (per_pair * weights).view(hi - lo, top_k, x.shape[1]).sum(1, dtype=torch.float32)
         padded = x.new_zeros(share, x.shape[1])  # [share, H]
         padded[: hi - lo] = mine.to(x.dtype)
         parts = [torch.empty_like(padded) for _ in range(n)]
@@ -231,11 +231,18 @@ DISPATCH_ENV = "ROOFLINE_EP_DISPATCH"
 DISPATCHES = {"replicated": ReplicatedDispatch, "all_to_all": AllToAllDispatch}
 
 
-def make_dispatch(
-    placement: ExpertPlacement, parallel: ParallelContext
-) -> ReplicatedDispatch | AllToAllDispatch:
-    """The dispatch ``ROOFLINE_EP_DISPATCH`` names (``replicated`` by default)."""
+def resolve_dispatch_name() -> str:
+    """The dispatch ``ROOFLINE_EP_DISPATCH`` names in the engine's process (``replicated`` by
+    default); the executor hands it to every worker in its spec."""
     name = os.environ.get(DISPATCH_ENV, "replicated")
     if name not in DISPATCHES:
         raise ValueError(f"{DISPATCH_ENV} must be one of {sorted(DISPATCHES)}, got {name!r}")
+    return name
+
+
+def make_dispatch(
+    name: str, placement: ExpertPlacement, parallel: ParallelContext
+) -> ReplicatedDispatch | AllToAllDispatch:
+    if name not in DISPATCHES:
+        raise ValueError(f"expert-parallel dispatch must be one of {sorted(DISPATCHES)}")
     return DISPATCHES[name](placement, parallel)

@@ -39,6 +39,8 @@ class ParallelContext:
     expert_parallel: bool = False
     """MoE layers place whole experts over this group (``enable_expert_parallel``) instead of
     splitting every expert's columns (``distributed/expert_parallel.py``)."""
+    expert_parallel_dispatch: str = "replicated"
+    """How tokens reach their experts' ranks: ``replicated`` or ``all_to_all``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -54,6 +54,8 @@ class WorkerSpec:
     """The model's quantization (its methods slice their own tensors where they must)."""
     enable_expert_parallel: bool = False
     """MoE layers: whole experts per rank (``distributed/expert_parallel.py``)."""
+    expert_parallel_dispatch: str = "replicated"
+    """``replicated`` or ``all_to_all`` (``ROOFLINE_EP_DISPATCH`` in the engine's process)."""
 
 
 class Worker:
@@ -70,6 +72,7 @@ class Worker:
         self.rank = rank
         self.parallel = init_parallel(rank, world_size, init_method, device)
         self.parallel.expert_parallel = spec.enable_expert_parallel
+        self.parallel.expert_parallel_dispatch = spec.expert_parallel_dispatch
         cfg = spec.model_config
         layout = ShardLayout.of(cfg, rank, world_size, spec.enable_expert_parallel)
         if spec.dummy:

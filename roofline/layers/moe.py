@@ -60,7 +60,9 @@ class FusedMoE(nn.Module):
         self.reduce = None
         if parallel.is_parallel and expert_parallel:
             self.placement = ExpertPlacement(num_experts, parallel.rank, parallel.world_size)
-            self.dispatch = make_dispatch(self.placement, parallel)
+            self.dispatch = make_dispatch(
+                parallel.expert_parallel_dispatch, self.placement, parallel
+            )
         elif parallel.is_parallel:  # tensor-parallel experts: I / n columns of each
             if intermediate_size % parallel.world_size:
                 raise ValueError(
