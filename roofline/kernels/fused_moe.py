@@ -32,6 +32,8 @@ definition both paths are tested against.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -39,6 +41,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.moe_align import moe_align
+from roofline.quantization import formats
 
 GEMV_MAX_TOKENS = 2
 GEMV_MAX_PAIRS = 16
@@ -68,11 +71,13 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_offset: torch.Tensor | None = None,
+    w2_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: a loop over the experts
     that received a token (a host sync: reference and CPU path only). Quantized experts (int8 /
-    fp8 with per-channel scales ``[E, N]``) are dequantized to x's dtype one expert at a time;
-    ids equal to ``E`` (``NOT_LOCAL``) are skipped."""
+    fp8 with per-channel scales ``[E, N]``, int4 with group scales and offsets) are dequantized
+    to x's dtype one expert at a time; ids equal to ``E`` (``NOT_LOCAL``) are skipped."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     for expert in torch.unique(topk_ids).tolist():
@@ -83,14 +88,28 @@ def fused_moe_ref(
         token_idx, slot = torch.where(topk_ids == expert)
         up_w, down_w = w13[expert], w2[expert]
         if w13_scale is not None and w2_scale is not None:
-            up_w = (up_w.float() * w13_scale[expert].float()[:, None]).to(x.dtype)
-            down_w = (down_w.float() * w2_scale[expert].float()[:, None]).to(x.dtype)
+            o13 = None if w13_offset is None else w13_offset[expert]
+            o2 = None if w2_offset is None else w2_offset[expert]
+            up_w = dequantize_expert(up_w, w13_scale[expert], o13, x.dtype)
+            down_w = dequantize_expert(down_w, w2_scale[expert], o2, x.dtype)
         h = F.linear(x[token_idx], up_w)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, down_w)  # [n, H]
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
+
+
+def dequantize_expert(
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """One expert's ``[N, K]`` weight in ``dtype``: int8 / fp8 ``q * s`` per channel, int4
+    (uint8 ``[N, K // 2]``) ``q * s + o`` per group (``quantization.formats``)."""
+    if q.dtype == torch.uint8:
+        if offsets is None:
+            raise ValueError("int4 experts need offsets")
+        return formats.dequantize_int4(q, scales, offsets, dtype)
+    return (q.float() * scales.float()[:, None]).to(dtype)
 
 
 @triton.jit
@@ -106,9 +125,27 @@ def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
 def _widen(w, DTYPE: tl.constexpr):
     """A weight tile in the activation dtype: 16-bit tiles as they are, int8 / fp8 through fp32
     (every value exact in bf16/fp16/fp32)."""
-    if w.dtype == DTYPE:
-        return w
-    return w.to(tl.float32).to(DTYPE)
+    if w.dtype != DTYPE:
+        w = w.to(tl.float32).to(DTYPE)
+    return w
+
+
+@triton.jit
+def _load_weight(rows, s_rows, o_rows, k, mask, QUANT: tl.constexpr, GROUP: tl.constexpr):
+    """A weight tile at element columns ``k`` of the rows ``rows`` points at (broadcast shapes).
+    QUANT 0/1: the 16-bit / 8-bit values as stored. QUANT 2 (int4, two per byte, low nibble
+    first, rows addressed in bytes): ``q * s + offset`` in fp32 with the group's ``s_rows`` /
+    ``o_rows`` ``[., K // GROUP]`` (each byte and group value read once per element from L1; the
+    DRAM bytes are the packed ones)."""
+    if QUANT == 2:
+        packed = tl.load(rows + k // 2, mask=mask, other=0, eviction_policy="evict_first")
+        q = ((packed >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
+        scale = tl.load(s_rows + k // GROUP, mask=mask, other=0.0).to(tl.float32)
+        offset = tl.load(o_rows + k // GROUP, mask=mask, other=0.0).to(tl.float32)
+        w = q * scale + offset
+    else:
+        w = tl.load(rows + k, mask=mask, other=0.0, eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
@@ -156,18 +193,19 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-    N, K, num_pairs, num_experts, a_rows_div, stride_am, stride_we, stride_wn, stride_se,
-    stride_om,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    weights_ptr, N, K, num_pairs, num_experts, a_rows_div, stride_am, stride_we, stride_wn,
+    stride_se, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
     A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
     output row is the pair. SILU_MUL: accumulate gate (rows n) and up (rows N + n) together and
-    store silu(gate) * up [., N]. HAS_SCALE: the weight is int8/fp8, widened to ``a``'s dtype
-    tile by tile, its per-channel scale ``s [E, N(, +N)]`` applied to the accumulator. A block
+    store silu(gate) * up [., N]. QUANT 1: the weight is int8/fp8, widened to ``a``'s dtype
+    tile by tile, its per-channel scale ``s [E, N(, +N)]`` applied to the accumulator; QUANT 2:
+    int4 with group scales and offsets ``[E, N(, +N), K // GROUP]``, dequantized per tile. A block
     of the not-local sentinel expert (``num_experts``) reads no weight: the down GEMM stores
     zeros for its pairs, the gate/up GEMM nothing."""
     pid_m = tl.program_id(0)
@@ -190,20 +228,33 @@ def _moe_gemm_kernel(
         return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    w_rows = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # [1, BN]
+    w_ptrs = w_rows + offs_k[:, None]  # [BK, BN] (16/8-bit: elements)
+    s_rows = s_ptr + expert * stride_se + offs_n[None, :] * stride_sn  # [1, BN]
+    o_rows = o_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+    up = N * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        if QUANT == 2:  # int4: bytes and groups addressed from the element index
+            k = (k0 + offs_k)[:, None]  # [BK, 1]
+            w = _load_weight(w_rows, s_rows, o_rows, k, w_mask, QUANT, GROUP)  # [BK, BN]
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = tl.dot(a, _widen(w, a.dtype), acc, input_precision=PRECISION)
         if SILU_MUL:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if QUANT == 2:
+                w_up = _load_weight(w_rows + N * stride_wn, s_rows + up, o_rows + up, k, w_mask,
+                                    QUANT, GROUP)  # fmt: skip
+            else:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             acc_up = tl.dot(a, _widen(w_up, a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_SCALE:  # w = q * s per output channel: s factors out of the K sum
+    if QUANT == 1:  # w = q * s per output channel: s factors out of the K sum
         s_ptrs = s_ptr + expert * stride_se + offs_n
         acc *= tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
@@ -219,19 +270,20 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, weights_ptr,
-    N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_om,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr,
+    N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
     pairs (input row = pair), weighted and summed in fp32. Products accumulate elementwise in a
     [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once after the loop; the K loop is pipelined
     (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
-    the not-local sentinel expert (``num_experts``) reads nothing and adds zero; HAS_SCALE: an
-    int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum."""
+    the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
+    int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
+    QUANT 2: int4 with group scales and offsets, dequantized per tile."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -245,6 +297,9 @@ def _moe_gemv_kernel(
         expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
         w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+        s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn  # [BLOCK_N, 1]
+        o_rows = o_ptr + expert * stride_se + offs_n[:, None] * stride_sn
+        up = N * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -252,17 +307,16 @@ def _moe_gemv_kernel(
             a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
             a = a.to(tl.float32)[None, :]
             w_mask = n_ok[:, None] & k_ok[None, :] & local
-            w_ptrs = w_rows + k0 + offs_k[None, :]
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            k = (k0 + offs_k)[None, :]  # [1, BLOCK_K]
+            w = _load_weight(w_rows, s_rows, o_rows, k, w_mask, QUANT, GROUP)
             acc += w.to(tl.float32) * a
             if SILU_MUL:
-                w_up = tl.load(
-                    w_ptrs + N * stride_wn, mask=w_mask, other=0.0, eviction_policy="evict_first"
-                )
+                w_up = _load_weight(w_rows + N * stride_wn, s_rows + up, o_rows + up, k, w_mask,
+                                    QUANT, GROUP)  # fmt: skip
                 acc_up += w_up.to(tl.float32) * a
         res = tl.sum(acc, axis=1)  # [BLOCK_N]
         res_up = tl.sum(acc_up, axis=1)
-        if HAS_SCALE:
+        if QUANT == 1:
             s_ptrs = s_ptr + expert * stride_se + offs_n
             res *= tl.load(s_ptrs, mask=n_ok & local, other=0.0).to(tl.float32)
             if SILU_MUL:
@@ -287,17 +341,16 @@ def warm_up(
     w13: torch.Tensor,
     w2: torch.Tensor,
     top_k: int,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quant: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
     each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype.
-    ``scales``: (w13_scale, w2_scale) of quantized experts."""
+    ``quant``: the scales (and int4 offsets) of quantized experts, as ``fused_moe`` takes them."""
     num_experts, _, hidden = w13.shape
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
     if key in _WARMED:
         return
     _WARMED.add(key)
-    s13, s2 = scales if scales is not None else (None, None)
     counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
     for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
         counts.add(-(-per_expert * num_experts // top_k))
@@ -305,7 +358,7 @@ def warm_up(
         xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
         ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
         weights = torch.ones(num_tokens, top_k, dtype=x.dtype, device=x.device)
-        fused_moe(xs, w13, w2, weights, ids % num_experts, w13_scale=s13, w2_scale=s2)
+        fused_moe(xs, w13, w2, weights, ids % num_experts, **(quant or {}))
 
 
 _WARMED: set[tuple] = set()
@@ -325,18 +378,32 @@ def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, 
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
 
 
-def _check_shapes(
+class ExpertLayout(NamedTuple):
+    """How ``fused_moe``'s expert stacks are stored (see ``_layout``)."""
+
+    quant: int
+    """0: 16-bit in x's dtype; 1: int8 / fp8 with per-channel scales; 2: int4 with groups."""
+    group13: int
+    """Group size along H of w13 (int4), else 0."""
+    group2: int
+    """Group size along I of w2 (int4), else 0."""
+
+
+def _layout(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     ids: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-) -> None:
-    num_experts, two_inter, hidden = w13.shape
+    scales: tuple[torch.Tensor | None, ...],
+) -> ExpertLayout:
+    """Check the stacks against x and each other (int4 stacks hold two elements per byte)."""
+    w13_scale, w2_scale, w13_offset, w2_offset = scales
+    packed = 2 if w13.dtype == torch.uint8 else 1
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * packed
+    inter = two_inter // 2
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} does not match w13 {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+    if tuple(w2.shape) != (num_experts, hidden, inter // packed) or w2.dtype != w13.dtype:
         raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
     if ids.shape[0] != x.shape[0]:
         raise ValueError("one row of top-k ids per token")
@@ -345,22 +412,38 @@ def _check_shapes(
             raise ValueError("fused_moe needs the last dim of x and the weights contiguous")
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("quantized experts need both w13_scale and w2_scale")
-    if w13_scale is None:
-        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+    if w13_scale is None or w2_scale is None:
+        if w13.dtype != x.dtype:
             raise ValueError(f"16-bit experts must be in x's dtype {x.dtype}, got {w13.dtype}")
-        return
-    if w13.dtype not in QUANT_DTYPES or w2.dtype != w13.dtype:
-        raise ValueError(f"quantized experts must be int8 or fp8 e4m3, got {w13.dtype}")
-    for scale, w in ((w13_scale, w13), (w2_scale, w2)):
-        if tuple(scale.shape) != tuple(w.shape[:2]) or scale.stride(-1) != 1:
-            raise ValueError(
-                f"per-channel expert scales must be [E, N] = {tuple(w.shape[:2])} and "
-                f"contiguous, got {tuple(scale.shape)}"
-            )
+        return ExpertLayout(0, 0, 0)
+    if packed == 1:
+        if w13.dtype not in QUANT_DTYPES:
+            raise ValueError(f"quantized experts must be int8, fp8 e4m3 or int4, got {w13.dtype}")
+        for scale, w in ((w13_scale, w13), (w2_scale, w2)):
+            if tuple(scale.shape) != tuple(w.shape[:2]) or not scale.is_contiguous():
+                raise ValueError(
+                    f"per-channel expert scales must be [E, N] = {tuple(w.shape[:2])} and "
+                    f"contiguous, got {tuple(scale.shape)}"
+                )
+        return ExpertLayout(1, 0, 0)
+    groups = []
+    for scale, offset, w, k in (
+        (w13_scale, w13_offset, w13, hidden),
+        (w2_scale, w2_offset, w2, inter),
+    ):
+        if offset is None or scale.dim() != 3 or tuple(scale.shape[:2]) != tuple(w.shape[:2]):
+            raise ValueError("int4 experts need scales and offsets [E, N, K // group]")
+        if offset.shape != scale.shape or not (scale.is_contiguous() and offset.is_contiguous()):
+            raise ValueError("int4 expert offsets must match their scales (contiguous)")
+        if k % scale.shape[2]:
+            raise ValueError(f"{scale.shape[2]} groups do not divide K = {k}")
+        groups.append(k // scale.shape[2])
+    return ExpertLayout(2, groups[0], groups[1])
 
 
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-"""Expert weight dtypes the kernels widen in registers (with per-channel scales)."""
+"""Expert weight dtypes the kernels widen in registers (with per-channel scales); uint8
+stacks are int4 (two per byte)."""
 
 
 def fused_moe(
@@ -372,6 +455,8 @@ def fused_moe(
     force_path: str | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    w13_offset: torch.Tensor | None = None,
+    w2_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
     GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
@@ -379,12 +464,14 @@ def fused_moe(
     depends on shapes only.
 
     Quantized experts: ``w13``/``w2`` int8 or fp8 e4m3 with per-channel scales ``w13_scale
-    [E, 2I]`` and ``w2_scale [E, H]`` (``w = q * s``). An id equal to ``E`` (``NOT_LOCAL``: the
-    pair's expert lives on another expert-parallel rank) contributes nothing and reads nothing."""
+    [E, 2I]`` and ``w2_scale [E, H]`` (``w = q * s``), or int4 (uint8 ``[E, N, K // 2]``, low
+    nibble first) with group scales and offsets ``[E, N, K // group]`` (``w = q * s + o``). An
+    id equal to ``E`` (``NOT_LOCAL``: the pair's expert lives on another expert-parallel rank)
+    contributes nothing and reads nothing."""
     check_device(x, w13, w2, topk_weights, topk_ids)
-    _check_shapes(x, w13, w2, topk_ids, w13_scale, w2_scale)
+    layout = _layout(x, w13, w2, topk_ids, (w13_scale, w2_scale, w13_offset, w2_offset))
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden = w13.shape
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     inter = two_inter // 2
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
@@ -392,30 +479,32 @@ def fused_moe(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    has_scale = w13_scale is not None
-    s13 = w13_scale if has_scale else w13  # a placeholder pointer when unquantized
-    s2 = w2_scale if has_scale else w2
+    s13 = w13 if w13_scale is None else w13_scale  # a placeholder pointer when unquantized
+    s2 = w2 if w2_scale is None else w2_scale
+    o13 = s13 if w13_offset is None else w13_offset
+    o2 = s2 if w2_offset is None else w2_offset
+    sn13, sn2 = (s13.stride(1), s2.stride(1)) if layout.quant == 2 else (1, 1)
     small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
     path = force_path or ("gemv" if small else "grouped")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)
-        if w13.element_size() == 1:  # keep ~4 KiB of weights per tile step
+        if layout.quant:  # keep ~4 KiB of weights per tile step
             cfg.update(GEMV_CONFIG_8BIT)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, act, ids, weights, inter, hidden, num_experts,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), act.stride(0),
+            x, w13, s13, o13, act, ids, weights, inter, hidden, num_experts,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
             PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
-            HAS_SCALE=has_scale, **cfg,
+            QUANT=layout.quant, GROUP=layout.group13, **cfg,
         )  # fmt: skip
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-            act, w2, s2, out, ids, weights, hidden, inter, num_experts,
-            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), out.stride(0),
+            act, w2, s2, o2, out, ids, weights, hidden, inter, num_experts,
+            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
             PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
-            HAS_SCALE=has_scale, **cfg,
+            QUANT=layout.quant, GROUP=layout.group2, **cfg,
         )  # fmt: skip
         return out
     if path != "grouped":
@@ -425,16 +514,17 @@ def fused_moe(
     align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    for a, w, sc, dst, n, k, div, silu in (
-        (x, w13, s13, act, inter, hidden, top_k, True),
-        (act, w2, s2, per_pair, hidden, inter, 1, False),
+    for a, w, sc, off, sn, group, dst, n, k, div, silu in (
+        (x, w13, s13, o13, sn13, layout.group13, act, inter, hidden, top_k, True),
+        (act, w2, s2, o2, sn2, layout.group2, per_pair, hidden, inter, 1, False),
     ):
         cfg = _gemm_config(num_pairs, num_experts, silu)
         grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
         _moe_gemm_kernel[grid](
-            a, w, sc, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded,
+            a, w, sc, off, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded,
             weights, n, k, num_pairs, num_experts, div, a.stride(0), w.stride(0), w.stride(1),
-            sc.stride(0), dst.stride(0),
-            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, HAS_SCALE=has_scale, **cfg,
+            sc.stride(0), sn, dst.stride(0),
+            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, QUANT=layout.quant,
+            GROUP=group, **cfg,
         )  # fmt: skip
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -91,7 +91,7 @@ class FusedMoE(nn.Module):
             from roofline.kernels.fused_moe import route, warm_up
 
             if not self._warmed:  # the first (eager) forward compiles every variant
-                warm_up(x, self.w13_weight, self.w2_weight, self.top_k, self._scales())
+                warm_up(x, self.w13_weight, self.w2_weight, self.top_k, self.quant_tensors())
                 self._warmed = True
             weights, ids = route(logits, self.top_k, self.renormalize)  # [num_tokens, top_k]
         else:
@@ -110,9 +110,10 @@ class FusedMoE(nn.Module):
         another rank's)."""
         return self.method.apply(self, x, topk_weights, local_ids)
 
-    def _scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        scale = getattr(self, "w13_scale", None)
-        return None if scale is None else (scale, self.w2_scale)
+    def quant_tensors(self) -> dict[str, torch.Tensor]:
+        """The experts' scales and offsets by ``fused_moe``'s argument names (empty: 16-bit)."""
+        names = ("w13_scale", "w2_scale", "w13_offset", "w2_offset")
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
 
     def load_router(self, tensor: torch.Tensor) -> None:
         self.gate.load(0, "weight", tensor)

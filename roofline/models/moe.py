@@ -37,7 +37,7 @@ def moe_method(
     if method is None:
         raise ValueError(
             f"{cfg.architecture}: {quant_config.name} has no quantized expert kernels; "
-            "MoE models take quantization='int8', 'fp8' or 'fp8-w8a8' (or none)"
+            "MoE models take quantization='int8', 'int4[-asym][-g<N>]', 'fp8' or 'fp8-w8a8'"
         )
     return method
 

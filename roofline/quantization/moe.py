@@ -11,6 +11,9 @@ local ``experts`` as it streams in, quantizing it there, so loading never holds 
 fused kernel (CUDA) or the reference loop (CPU).
 
 * ``UnquantizedMoEMethod``: 16-bit (or fp32) experts, today's path.
+* ``GroupInt4MoEMethod`` (``int4``, ``int4-g32/64/128``, ``int4-asym*``): the canonical int4
+  layout stacked over the experts (two per byte, group scales and offsets), unpacked and
+  dequantized tile by tile in the kernel.
 * ``PerChannelMoEMethod`` (``int8``, ``fp8``): int8 or fp8 e4m3 weights with one scale per
   output channel and expert, ``w13_scale [E, 2I]``, ``w2_scale [E, H]`` (int8: the model dtype,
   ``s = max|w| / 127``; fp8: fp32, ``s = max|w| / 448``): the canonical per-channel layouts of
@@ -66,7 +69,6 @@ class MoEMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
-    @abstractmethod
     def apply(
         self,
         layer: nn.Module,
@@ -74,14 +76,21 @@ class MoEMethod(ABC):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; ids index the local experts, ``E_local`` = not here."""
+        """``x [T, H]`` -> ``[T, H]``; ids index the local experts, ``E_local`` = not here. The
+        fused kernels on CUDA, the (dequantizing) reference loop elsewhere; the layer's
+        ``quant_tensors()`` carry the scales and offsets."""
+        from roofline.kernels import fused_moe as kernels
+
+        fn = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
+        quant = layer.quant_tensors()
+        return fn(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, **quant)
 
     def weight_bytes(self, layer: nn.Module, num_experts: int = 1) -> int:
         """Bytes ``num_experts`` experts' weights (and scales) occupy: what a step reads per
         touched expert."""
         total = 0
         for which in EXPERT_TENSORS:
-            for suffix in ("weight", "scale"):
+            for suffix in ("weight", "scale", "offset"):
                 t = getattr(layer, f"{which}_{suffix}", None)
                 if t is not None:
                     total += t[0].numel() * t.element_size()
@@ -123,15 +132,6 @@ class UnquantizedMoEMethod(MoEMethod):
     ) -> None:
         target = _target(layer, which, "weight")[experts, rows]  # [E', rows, K]
         _copy(target, tensor.unsqueeze(0) if tensor.dim() == 2 else tensor, which)
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        from roofline.kernels import fused_moe as kernels
-
-        if x.is_cuda:
-            return kernels.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return kernels.fused_moe_ref(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
 class PerChannelMoEMethod(MoEMethod):
@@ -183,21 +183,60 @@ class PerChannelMoEMethod(MoEMethod):
         _copy(qtarget, q.reshape(qtarget.shape), which)
         _copy(starget, s.reshape(starget.shape).to(starget.dtype), f"{which} scales")
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        from roofline.kernels import fused_moe as kernels
 
-        fn = kernels.fused_moe if x.is_cuda else kernels.fused_moe_ref
-        return fn(
-            x,
-            layer.w13_weight,
-            layer.w2_weight,
-            topk_weights,
-            topk_ids,
-            w13_scale=layer.w13_scale,
-            w2_scale=layer.w2_scale,
-        )
+class GroupInt4MoEMethod(MoEMethod):
+    """int4 experts, two per byte (``w13_weight`` uint8 ``[E, 2I, H // 2]``, low nibble first),
+    with scales and offsets per group of ``group_size`` input elements ``[E, N, K // group]``
+    in the model dtype: ``w = q * s + offset`` (symmetric: ``offset = -8 s``; asymmetric: a
+    zero point). The fused kernel unpacks and dequantizes each tile in registers."""
+
+    def __init__(self, group_size: int, symmetric: bool = True) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.name = f"int4-g{group_size}" if symmetric else f"int4-asym-g{group_size}"
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        e, i, h, g = num_experts, intermediate_size, hidden_size, self.group_size
+        for k in (h, i):
+            if k % g or k % 2:
+                raise ValueError(
+                    f"{self.name}: group size {g} does not divide the experts' {k} input "
+                    "features (hidden size and moe_intermediate_size per rank)"
+                )
+        frozen = dict(requires_grad=False)
+        for which, n, k in (("w13", 2 * i, h), ("w2", h, i)):
+            w = torch.empty(e, n, k // 2, dtype=torch.uint8)
+            setattr(layer, f"{which}_weight", nn.Parameter(w, **frozen))
+            for part in ("scale", "offset"):
+                t = torch.zeros(e, n, k // g, dtype=params_dtype)
+                setattr(layer, f"{which}_{part}", nn.Parameter(t, **frozen))
+
+    def load(
+        self, layer: nn.Module, which: str, experts: slice, rows: slice, tensor: torch.Tensor
+    ) -> None:
+        qtarget = _target(layer, which, "weight")[experts, rows]  # [E', rows, K // 2]
+        starget = _target(layer, which, "scale")[experts, rows]  # [E', rows, K // group]
+        otarget = _target(layer, which, "offset")[experts, rows]
+        k = qtarget.shape[-1] * 2
+        if not tensor.is_floating_point() or tensor.shape[-1] != k:
+            raise ValueError(
+                f"{which}: expected a 16/32-bit [.., {k}] expert tensor to quantize, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if tensor.numel() != starget.shape[0] * starget.shape[1] * k:
+            raise ValueError(f"{which}: checkpoint shape {tuple(tensor.shape)} does not fit")
+        w = tensor.to(qtarget.device).reshape(-1, k)  # [E' * rows, K]
+        q = formats.quantize_int4(w, self.group_size, self.symmetric, starget.dtype)
+        _copy(qtarget, q.qweight.reshape(qtarget.shape), which)
+        _copy(starget, q.scales.reshape(starget.shape), f"{which} scales")
+        _copy(otarget, q.offsets.reshape(otarget.shape), f"{which} offsets")
 
 
 MOE_METHODS = {"int8": "int8", "fp8": "fp8", "fp8-w8a8": "fp8"}
@@ -205,6 +244,7 @@ MOE_METHODS = {"int8": "int8", "fp8": "fp8", "fp8-w8a8": "fp8"}
 
 
 def moe_method_for(quantization: str) -> MoEMethod | None:
-    """The expert method of an on-the-fly scheme (None: the scheme has none for experts)."""
+    """The expert method of an on-the-fly int8 / fp8 scheme (None: no per-channel experts;
+    int4 schemes build :class:`GroupInt4MoEMethod` from their group, see the registry)."""
     kind = MOE_METHODS.get(quantization)
     return None if kind is None else PerChannelMoEMethod(kind)

@@ -29,7 +29,7 @@ from roofline.quantization.base import LinearMethod, QuantizationConfig, Unquant
 from roofline.quantization.fp8 import Fp8LinearMethod, check_fp8_device
 from roofline.quantization.int4 import INT4_GROUP_SIZES, Int4LinearMethod
 from roofline.quantization.int8 import Int8LinearMethod
-from roofline.quantization.moe import MoEMethod, moe_method_for
+from roofline.quantization.moe import GroupInt4MoEMethod, MoEMethod, moe_method_for
 
 ON_THE_FLY = ("int8", "int4", "int4-asym", "fp8", "fp8-w8a8")
 CHECKPOINT_FORMATS = ("gptq", "awq", "fp8", "gguf")
@@ -53,6 +53,9 @@ class OnTheFlyConfig(QuantizationConfig):
         return self.lm_head
 
     def get_moe_method(self, prefix: str) -> MoEMethod | None:
+        match = _INT4.match(self.name)
+        if match is not None:
+            return GroupInt4MoEMethod(int(match["group"] or 128), match["asym"] is None)
         return moe_method_for(self.name)
 
     def planner_precision(self) -> tuple[str, str | None, int]:

@@ -1,6 +1,7 @@
-"""Fused MoE with quantized experts (int8 / fp8 e4m3, per-channel scales) against the
-dequantize-then-reference loop, on both kernel paths; and the expert-parallel ``NOT_LOCAL`` id,
-which must contribute nothing whichever path runs it."""
+"""Fused MoE with quantized experts (int8 / fp8 e4m3 with per-channel scales, int4 with group
+scales and offsets, symmetric or with zero points) against the dequantize-then-reference loop,
+on both kernel paths; and the expert-parallel ``NOT_LOCAL`` id, which must contribute nothing
+whichever path runs it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from roofline.kernels.fused_moe import fused_moe, fused_moe_ref, route_ref
 from roofline.quantization import formats
-from roofline.quantization.moe import PerChannelMoEMethod
+from roofline.quantization.moe import GroupInt4MoEMethod, PerChannelMoEMethod
 
 
 def _experts(num_experts: int, hidden: int, inter: int, gen: torch.Generator):
@@ -25,7 +26,10 @@ def _quantized(kind: str, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtyp
     halves of the experts and, for w13, the gate and up rows apart, as a checkpoint would)."""
     num_experts, two_inter, hidden = w13.shape
     layer = nn.Module()
-    method = PerChannelMoEMethod(kind)
+    if kind.startswith("int4"):  # groups of 16: every test shape's K splits into them
+        method = GroupInt4MoEMethod(16, symmetric=kind == "int4")
+    else:
+        method = PerChannelMoEMethod(kind)
     method.create_weights(layer, num_experts, two_inter // 2, hidden, dtype)
     half, inter = num_experts // 2, two_inter // 2
     for experts in (slice(0, half), slice(half, num_experts)):
@@ -35,7 +39,7 @@ def _quantized(kind: str, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtyp
     return layer.to(DEVICE)
 
 
-def test_per_channel_layout_is_the_canonical_one() -> None:
+def test_expert_layouts_are_the_canonical_ones() -> None:
     """Each expert's rows quantize exactly as ``formats`` quantizes that expert's matrix."""
     gen = torch.Generator().manual_seed(0)
     w13, w2 = _experts(4, 32, 16, gen)
@@ -47,13 +51,20 @@ def test_per_channel_layout_is_the_canonical_one() -> None:
     q8, s8 = formats.quantize_fp8(w2[1])
     assert torch.equal(layer.w2_weight[1].view(torch.uint8), q8.view(torch.uint8))
     assert torch.equal(layer.w2_scale[1], s8) and layer.w2_scale.dtype == torch.float32
+    layer = _quantized("int4-asym", w13, w2, torch.float32).cpu()
+    q4 = formats.quantize_int4(w13[3], 16, False, torch.float32)
+    assert torch.equal(layer.w13_weight[3], q4.qweight)
+    assert torch.equal(layer.w13_offset[3], q4.offsets)
 
 
 SHAPES = [(1, 8, 2, 64, 48), (2, 16, 4, 64, 32), (37, 8, 2, 32, 48), (100, 2, 1, 32, 16)]
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+KIND_DTYPES = [("int8", torch.float32), ("int8", torch.bfloat16), ("fp8", torch.bfloat16)]
+KIND_DTYPES += [("int4", torch.float32), ("int4-asym", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", SHAPES)
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
 def test_quantized_experts_match_dequantized_reference(
@@ -68,7 +79,7 @@ def test_quantized_experts_match_dequantized_reference(
     logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE)
     weights, ids = route_ref(logits, top_k, renormalize=True)
     weights = weights.to(dtype)
-    scales = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+    scales = {n: t for n, t in layer.named_parameters() if not n.endswith("weight")}
     out = fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, force_path=path, **scales)
     # the reference: each touched expert dequantized (in fp32 here), then the plain loop
     ref = fused_moe_ref(
@@ -79,7 +90,7 @@ def test_quantized_experts_match_dequantized_reference(
     # and against the unquantized experts: the quantization error stays small
     full = fused_moe_ref(x.float(), w13.to(DEVICE), w2.to(DEVICE), weights.float(), ids)
     err = (out.float() - full).abs().max() / full.abs().max()
-    assert err < (0.03 if kind == "int8" else 0.12)
+    assert err < {"int8": 0.03, "fp8": 0.12}.get(kind, 0.25)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -132,3 +143,11 @@ def test_bad_quantized_arguments_are_refused() -> None:
         )  # fmt: skip
     with pytest.raises(ValueError, match="int8 or fp8"):
         PerChannelMoEMethod("int4")
+    int4 = _quantized("int4", w13, w2, torch.float32)
+    with pytest.raises(ValueError, match="offsets"):
+        fused_moe(
+            x, int4.w13_weight, int4.w2_weight, w, ids,
+            w13_scale=int4.w13_scale, w2_scale=int4.w2_scale,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="group size 32 does not divide the experts' 48"):
+        GroupInt4MoEMethod(32).create_weights(nn.Module(), 2, 48, 64, torch.float32)
