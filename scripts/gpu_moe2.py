@@ -3,13 +3,13 @@ try/except so one failure does not hide the others; a short table last. Expert p
 needs several GPUs (not lent here): it is tested on the CPU with gloo
 (tests/distributed/test_ep_*.py).
 
-1. Parity: ``fused_moe`` with int8 / fp8 per-channel experts (decode GEMV and grouped GEMM
-   paths) against the dequantize-then-reference loop at Qwen3-30B-A3B and Mixtral-8x7B layer
-   shapes; the expert-parallel NOT_LOCAL id (pairs of another rank's experts add nothing); a
-   quantized layer captured in a CUDA graph and replayed on new inputs.
+1. Parity: ``fused_moe`` with int8 / fp8 per-channel and int4 g128 experts (decode GEMV and
+   grouped GEMM paths) against the dequantize-then-reference loop at Qwen3-30B-A3B and
+   Mixtral-8x7B layer shapes; the expert-parallel NOT_LOCAL id (pairs of another rank's
+   experts add nothing); a quantized layer captured in a CUDA graph and replayed.
 2. The MoE layer alone (routing + fused experts, replayed from a CUDA graph) at 1, 16 and 256
-   tokens in bf16, int8 and fp8: microseconds, GB/s over the bytes of the experts the batch
-   touches (1 byte per weight + scales when quantized), % of the measured copy bandwidth.
+   tokens in bf16, int8, fp8 and int4 (g128): microseconds, GB/s over the bytes of the experts
+   the batch touches (the quantized bytes with scales), % of the measured copy bandwidth.
    Full run only: a sweep of the 8-bit decode GEMV tiles at 1 token.
 3. Qwen3-30B-A3B batch-1 decode in bf16, int8 and fp8 (``LLM(..., quantization=...)``, experts
    and linear layers quantized on the fly): tok/s and % of the planner's active-parameter
@@ -43,7 +43,7 @@ from roofline.quantization import formats
 SUMMARY: dict[str, object] = {}
 TABLE: list[tuple[str, str]] = []
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
-KINDS = ("bf16", "int8", "fp8")
+KINDS = ("bf16", "int8", "fp8", "int4")
 DEVICE = "cuda"
 
 
@@ -77,18 +77,29 @@ def experts(kind: str, e: int, h: int, i: int, gen: torch.Generator):
     out = []
     for w in (w13, w2):
         flat = w.reshape(-1, w.shape[-1])
+        if kind == "int4":  # group 128, symmetric (quantization="int4")
+            q4 = formats.quantize_int4(flat, 128, True, torch.bfloat16)
+            rows = (*w.shape[:2], -1)
+            out.append(
+                (q4.qweight.reshape(rows), q4.scales.reshape(rows), q4.offsets.reshape(rows))
+            )
+            continue
         if kind == "int8":
             q, s = formats.quantize_int8(flat, flat.shape[1], torch.bfloat16)
         else:
             q, s = formats.quantize_fp8(flat)
-        out.append((q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous()))
+        out.append((q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous(), None))
     del w13, w2
-    (q13, s13), (q2, s2) = out
-    return q13, q2, (s13, s2), router
+    (q13, s13, o13), (q2, s2, o2) = out
+    return q13, q2, (s13, s2, o13, o2), router
 
 
 def scale_kwargs(scales) -> dict:
-    return {} if scales is None else dict(w13_scale=scales[0], w2_scale=scales[1])
+    """fused_moe's quantization arguments from ``experts``' (scales, offsets) tuple."""
+    if scales is None:
+        return {}
+    names = ("w13_scale", "w2_scale", "w13_offset", "w2_offset")
+    return {n: t for n, t in zip(names, scales) if t is not None}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,7 +115,7 @@ def check(name: str, ok: bool, detail: str) -> int:
 
 def parity_tokens(kind, model, w13, w2, scales, router, k, num_tokens, gen) -> int:
     """Both paths against the dequantized reference, and the NOT_LOCAL half (another rank)."""
-    e, h = w13.shape[0], w13.shape[2]
+    e, h = w13.shape[0], router.shape[1]
     sk = scale_kwargs(scales)
     x = torch.randn(num_tokens, h, device=DEVICE, generator=gen).bfloat16()
     w, ids = fm.route_ref(x @ router.T, k, True)
@@ -118,7 +129,7 @@ def parity_tokens(kind, model, w13, w2, scales, router, k, num_tokens, gen) -> i
     ref_half = fm.fused_moe_ref(
         x.float(), w13, w2, (w * mine).float(), torch.where(mine, ids, 0), **sk
     )
-    local_sk = {n: t[:half] for n, t in sk.items()}
+    local_sk = {n: t[:half] for n, t in sk.items()}  # this rank's experts' scales
     out = fm.fused_moe(x, w13[:half], w2[:half], w, torch.where(mine, ids, half), **local_sk)
     err = rel_err(out, ref_half)
     bad += check(f"{model} {kind} T={num_tokens} NOT_LOCAL", err < 2e-2, f"rel err {err:.1e}")
@@ -128,7 +139,7 @@ def parity_tokens(kind, model, w13, w2, scales, router, k, num_tokens, gen) -> i
 def graph_replay(kind, w13, w2, scales, router, k, num_tokens, gen) -> int:
     """The quantized layer captured once, replayed on new inputs: the eager result."""
     sk = scale_kwargs(scales)
-    x = torch.randn(num_tokens, w13.shape[2], device=DEVICE, generator=gen).bfloat16()
+    x = torch.randn(num_tokens, router.shape[1], device=DEVICE, generator=gen).bfloat16()
 
     def layer():
         w, ids = fm.route(x @ router.T, k, True)
@@ -151,7 +162,7 @@ def parity() -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     bad = 0
     for model, (e, k, h, i) in SHAPES.items():
-        for kind in ("int8", "fp8"):
+        for kind in ("int8", "fp8", "int4"):
             weights = experts(kind, e, h, i, gen)
             for num_tokens in (1, 3, 16, 256):
                 bad += parity_tokens(kind, model, *weights, k, num_tokens, gen)
@@ -180,7 +191,7 @@ def time_layer(x, router, w13, w2, scales, top_k: int, path: str | None = None) 
 def expert_bytes(w13, w2, scales) -> int:
     total = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
     if scales is not None:
-        total += sum(s[0].numel() * s.element_size() for s in scales)
+        total += sum(s[0].numel() * s.element_size() for s in scales if s is not None)
     return total
 
 
@@ -207,7 +218,7 @@ def kernel_bench(ceil: Ceilings, sweep: bool) -> None:
                 f"{r['gbs']:6.0f} GB/s ({r['pct']:5.1f}% of copy)",
                 flush=True,
             )
-        if sweep and kind != "bf16":
+        if sweep and kind in ("int8", "fp8"):
             x = torch.randn(1, h, device=DEVICE, generator=gen).bfloat16()
             saved = dict(fm.GEMV_CONFIG_8BIT)
             best = None
