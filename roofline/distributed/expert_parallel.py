@@ -130,8 +130,11 @@ def check_expert_split(num_experts: int, ep_size: int) -> None:
         )
 
 
-def check_moe_parallel(cfg: ModelConfig, world_size: int, expert_parallel: bool) -> None:
-    """Raise a ValueError when ``cfg``'s experts cannot go over ``world_size`` ranks."""
+def check_moe_parallel(
+    cfg: ModelConfig, world_size: int, expert_parallel: bool, group_size: int | None = None
+) -> None:
+    """Raise a ValueError when ``cfg``'s experts cannot go over ``world_size`` ranks
+    (``group_size``: the experts' quantization group, which a rank's columns must keep whole)."""
     if not cfg.num_experts:
         if expert_parallel:
             raise ValueError(
@@ -147,6 +150,12 @@ def check_moe_parallel(cfg: ModelConfig, world_size: int, expert_parallel: bool)
         raise ValueError(
             f"moe_intermediate_size {cfg.moe_intermediate_size} does not split over "
             f"{world_size} ranks; pass enable_expert_parallel to place whole experts instead"
+        )
+    elif group_size and cfg.moe_intermediate_size // world_size % group_size:
+        raise ValueError(
+            f"each rank's {cfg.moe_intermediate_size // world_size} expert columns do not split "
+            f"into quantization groups of {group_size}; pass enable_expert_parallel (whole "
+            "experts per rank) or choose a smaller group"
         )
 
 

@@ -148,8 +148,12 @@ class LLMEngine:
             args.quantize_lm_head,
             str(source.path) if source.kind == "gguf" else None,
         )
+        experts = quant_config.get_moe_method("experts") if quant_config is not None else None
         check_moe_parallel(
-            self.model_config, args.tensor_parallel_size, args.enable_expert_parallel
+            self.model_config,
+            args.tensor_parallel_size,
+            args.enable_expert_parallel,
+            getattr(experts, "group_size", None),
         )
         self.tokenizer = load_tokenizer(source)
         dummy = args.load_format == "dummy" or source.kind == "config"

@@ -20,7 +20,7 @@ from roofline.distributed.expert_parallel import parse_expert_tensor
 from roofline.distributed.parallel_state import SINGLE, ParallelContext
 from roofline.layers.moe import FusedMoE
 from roofline.models.llama import LlamaForCausalLM
-from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from roofline.quantization.moe import MoEMethod
 
 _SPARSE_BLOCKS = ("mlp", "block_sparse_moe")
@@ -42,6 +42,32 @@ def moe_method(
     return method
 
 
+class _DenseMlpsUnquantized(QuantizationConfig):
+    """``quant_config`` for building the Llama layers, except that the dense MLPs of sparse
+    layers (replaced by ``FusedMoE`` right after) get the 16-bit method: their sizes need not
+    fit the scheme's groups (under tensor parallelism ``intermediate_size / tp``)."""
+
+    def __init__(self, inner: QuantizationConfig, cfg: ModelConfig) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sparse = {
+            f"model.layers.{i}.mlp."
+            for i in range(cfg.num_hidden_layers)
+            if i not in cfg.dense_mlp_layers
+        }
+
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        if prefix.rsplit(".", 1)[0] + "." in self.sparse:
+            return UnquantizedLinearMethod()
+        return self.inner.get_linear_method(prefix)
+
+    def quantizes_lm_head(self) -> bool:
+        return self.inner.quantizes_lm_head()
+
+    def get_moe_method(self, prefix: str) -> MoEMethod | None:
+        return self.inner.get_moe_method(prefix)
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose MLPs (except ``cfg.dense_mlp_layers``) are sparse MoE blocks."""
 
@@ -55,7 +81,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
             raise ValueError(f"{cfg.architecture} needs num_experts and num_experts_per_tok > 0")
         moe_method(quant_config, cfg, "model.layers.0.mlp.experts")  # refused before building
-        super().__init__(cfg, max_positions, quant_config, parallel)
+        dense = quant_config
+        if quant_config is not None:  # the sparse layers' dense MLPs are placeholders, replaced
+            dense = _DenseMlpsUnquantized(quant_config, cfg)  # below: no quantized shapes for them
+        super().__init__(cfg, max_positions, dense, parallel)
         for i, layer in enumerate(self.layers):
             if i not in cfg.dense_mlp_layers:
                 layer.mlp = FusedMoE(

@@ -165,6 +165,8 @@ def check_tensor_parallel(
         "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
         "mlp.down_proj": cfg.intermediate_size,
     }
+    if cfg.num_experts and not cfg.dense_mlp_layers:  # no dense MLP (MoE experts: their own check)
+        del row_parallel["mlp.down_proj"]
     for module, in_features in row_parallel.items():
         method = quant_config.get_linear_method(f"model.layers.0.{module}")
         group = getattr(method, "group_size", None)

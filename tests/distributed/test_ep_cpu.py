@@ -76,10 +76,20 @@ def test_tensor_parallel_experts_match_single_process(tiny):
     _check(path, expected)
 
 
+def test_int4_experts_under_expert_parallel_match_single_process(tiny):
+    """Whole experts quantize on their rank exactly as in one process (int4 g32 also keeps the
+    attention's row-parallel groups whole), so the tokens are the same."""
+    path, _ = tiny("mixtral")
+    expected = _generate(LLM(str(path), **ENGINE, quantization="int4-g32"))
+    _check(path, expected, enable_expert_parallel=True, quantization="int4-g32")
+
+
 def test_bad_expert_parallel_arguments_are_refused(tiny, tmp_path):
     path, _ = tiny("mixtral")  # 4 experts
     with pytest.raises(ValueError, match="4 experts do not split evenly over 3"):
         LLM(str(path), **ENGINE, tensor_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="80 expert columns do not split into quantization groups"):
+        LLM(str(path), **ENGINE, tensor_parallel_size=2, quantization="int4-g32")
     dense = tmp_path / "dense"
     tiny_hf_model("llama", dense, num_hidden_layers=1)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
