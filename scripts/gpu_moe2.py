@@ -1,7 +1,7 @@
 """Quantized MoE experts on one GPU (random weights from roofline/model_configs), each section in
 try/except so one failure does not hide the others; a short table last. Expert parallelism
-needs several GPUs (not lent here): it is tested on the CPU with gloo
-(tests/distributed/test_ep_*.py).
+needs several GPUs: section 4 runs only with 2+ visible (it is tested on the CPU with gloo,
+tests/distributed/test_ep_*.py).
 
 1. Parity: ``fused_moe`` with int8 / fp8 per-channel and int4 g128 experts (decode GEMV and
    grouped GEMM paths) against the dequantize-then-reference loop at Qwen3-30B-A3B and
@@ -16,6 +16,9 @@ needs several GPUs (not lent here): it is tested on the CPU with gloo
    roofline at each precision's bytes; greedy tokens of the three compared. ``--quick`` (the
    first check, ~90 s): 8 of the 48 layers, parity at Qwen3 shapes only, no sweep; the full run
    loads all 48 (bf16 ~61 GB, last) and adds Mixtral shapes and the GEMV sweep.
+
+4. (2+ GPUs) a tiny Qwen3-MoE in fp32 at TP = 2 + EP against one GPU (greedy tokens), and
+   Qwen3-30B-A3B bf16 decode steps with experts placed whole (EP = 2) vs split (TP = 2).
 
     python scripts/gpu_moe2.py --quick     # first check
     python scripts/gpu_moe2.py             # full
@@ -317,11 +320,55 @@ def decode(ceil: Ceilings, num_layers: int, steps: int) -> None:
         TABLE.append((f"{kind} vs bf16 greedy agreement", str(agree)))
 
 
+@section("expert parallelism (2+ GPUs)")
+def expert_parallel(ceil: Ceilings, quick: bool) -> None:
+    """fp32 greedy parity of a tiny Qwen3-MoE at TP = 2 + EP against one GPU, then Qwen3-30B-A3B
+    (48 layers, bf16) decode with experts placed whole (EP) vs split by columns (TP)."""
+    if torch.cuda.device_count() < 2:
+        TABLE.append(("expert parallelism", "skipped (1 GPU; tested on the CPU with gloo)"))
+        return
+    from tests.e2e.hf_reference import tiny_hf_model
+
+    path = Path(tempfile.mkdtemp()) / "tiny-qwen3-moe"
+    tiny_hf_model("qwen3_moe", path, num_hidden_layers=2)
+    got = {}
+    for label, kw in (
+        ("1 GPU", {}),
+        ("TP=2 + EP", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ):
+        llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=256, **kw)
+        got[label] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+    same = got["1 GPU"] == got["TP=2 + EP"]
+    TABLE.append(("tiny qwen3-moe fp32 TP=2+EP vs 1 GPU greedy", "identical" if same else "BAD"))
+    for label, kw in (("experts split (TP=2)", {}), ("EP=2", dict(enable_expert_parallel=True))):
+        llm = LLM(
+            "qwen3-30b-a3b",
+            load_format="dummy",
+            device="cuda",
+            tensor_parallel_size=2,
+            max_model_len=1024,
+            max_num_seqs=32,
+            **kw,
+        )
+        rows = latency.run(llm.llm_engine, ceil, [1] if quick else [1, 32], 128, 64)
+        print(latency.format_rows(rows), flush=True)
+        for r in rows:
+            TABLE.append(
+                (f"qwen3-30b-a3b {label} bs={r.batch_size}", f"{r.step_ms_p50:.3f} ms/step")
+            )
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="the first check: 8 layers, no sweep")
-    ap.add_argument("--skip", default="", help="comma-separated: parity,kernel,decode")
+    ap.add_argument("--skip", default="", help="comma-separated: parity,kernel,decode,ep")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
@@ -338,6 +385,8 @@ def main() -> None:
         kernel_bench(ceil, sweep=not args.quick)
     if "decode" not in skip:
         decode(ceil, 8 if args.quick else 48, 32 if args.quick else 128)
+    if "ep" not in skip:
+        expert_parallel(ceil, args.quick)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
     width = max(len(k) for k, _ in TABLE) if TABLE else 0
     for k, v in TABLE:
