@@ -149,6 +149,18 @@ def _load_weight(rows, s_rows, o_rows, k, mask, QUANT: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
+def _int4_products(rows, s_rows, o_rows, u, g, mask, a_lo, a_hi):
+    """``w[2u] a[2u] + w[2u+1] a[2u+1]`` per byte ``u`` of int4 rows (``[BLOCK_N, BLOCK_K]``
+    bytes): one byte, one scale and one offset load per two weights."""
+    packed = tl.load(rows + u, mask=mask, other=0, eviction_policy="evict_first")
+    scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.load(o_rows + g, mask=mask, other=0.0).to(tl.float32)
+    w_lo = (packed & 0xF).to(tl.float32) * scale + offset
+    w_hi = (packed >> 4).to(tl.float32) * scale + offset
+    return w_lo * a_lo + w_hi * a_hi
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -283,7 +295,8 @@ def _moe_gemv_kernel(
     (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
     the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
     int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
-    QUANT 2: int4 with group scales and offsets, dequantized per tile."""
+    QUANT 2: int4 with group scales and offsets; ``K`` then counts bytes, each holding the
+    weights of elements 2u (low nibble) and 2u + 1 of one group."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -304,16 +317,28 @@ def _moe_gemv_kernel(
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
-            a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
-            a = a.to(tl.float32)[None, :]
             w_mask = n_ok[:, None] & k_ok[None, :] & local
-            k = (k0 + offs_k)[None, :]  # [1, BLOCK_K]
-            w = _load_weight(w_rows, s_rows, o_rows, k, w_mask, QUANT, GROUP)
-            acc += w.to(tl.float32) * a
-            if SILU_MUL:
-                w_up = _load_weight(w_rows + N * stride_wn, s_rows + up, o_rows + up, k, w_mask,
-                                    QUANT, GROUP)  # fmt: skip
-                acc_up += w_up.to(tl.float32) * a
+            if QUANT == 2:  # K counts bytes: element 2u (low nibble) and 2u + 1 (high)
+                u = k0 + offs_k  # [BLOCK_K] byte columns
+                a_lo = tl.load(a_ptr + a_row * stride_am + 2 * u, mask=k_ok, other=0.0)
+                a_hi = tl.load(a_ptr + a_row * stride_am + 2 * u + 1, mask=k_ok, other=0.0)
+                a_lo = a_lo.to(tl.float32)[None, :]
+                a_hi = a_hi.to(tl.float32)[None, :]
+                g = (2 * u // GROUP)[None, :]  # both nibbles of a byte share its group
+                acc += _int4_products(w_rows, s_rows, o_rows, u[None, :], g, w_mask, a_lo, a_hi)
+                if SILU_MUL:
+                    acc_up += _int4_products(w_rows + N * stride_wn, s_rows + up, o_rows + up,
+                                             u[None, :], g, w_mask, a_lo, a_hi)  # fmt: skip
+            else:
+                a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
+                a = a.to(tl.float32)[None, :]
+                w_ptrs = w_rows + (k0 + offs_k)[None, :]
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+                acc += w.to(tl.float32) * a
+                if SILU_MUL:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0,
+                                   eviction_policy="evict_first")  # fmt: skip
+                    acc_up += w_up.to(tl.float32) * a
         res = tl.sum(acc, axis=1)  # [BLOCK_N]
         res_up = tl.sum(acc_up, axis=1)
         if QUANT == 1:
@@ -494,14 +519,15 @@ def fused_moe(
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
+        units = 2 if layout.quant == 2 else 1  # int4: the K loop runs over bytes
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, o13, act, ids, weights, inter, hidden, num_experts,
+            x, w13, s13, o13, act, ids, weights, inter, hidden // units, num_experts,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
             PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
             QUANT=layout.quant, GROUP=layout.group13, **cfg,
         )  # fmt: skip
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-            act, w2, s2, o2, out, ids, weights, hidden, inter, num_experts,
+            act, w2, s2, o2, out, ids, weights, hidden, inter // units, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
             PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
             QUANT=layout.quant, GROUP=layout.group2, **cfg,
