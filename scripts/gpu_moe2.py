@@ -11,9 +11,10 @@ tests/distributed/test_ep_*.py).
    tokens in bf16, int8, fp8 and int4 (g128): microseconds, GB/s over the bytes of the experts
    the batch touches (the quantized bytes with scales), % of the measured copy bandwidth.
    Full run only: a sweep of the 8-bit decode GEMV tiles at 1 token.
-3. Qwen3-30B-A3B batch-1 decode in bf16, int8 and fp8 (``LLM(..., quantization=...)``, experts
-   and linear layers quantized on the fly): tok/s and % of the planner's active-parameter
-   roofline at each precision's bytes; greedy tokens of the three compared. ``--quick`` (the
+3. Qwen3-30B-A3B batch-1 decode in bf16, int8 and fp8 (and int4 g128 in the full run;
+   ``LLM(..., quantization=...)``, experts and linear layers quantized on the fly): tok/s and
+   % of the planner's active-parameter roofline at each precision's bytes; greedy tokens of
+   the quantized engines compared with bf16. ``--quick`` (the
    first check, ~90 s): 8 of the 48 layers, parity at Qwen3 shapes only, no sweep; the full run
    loads all 48 (bf16 ~61 GB, last) and adds Mixtral shapes and the GEMV sweep.
 
@@ -273,28 +274,27 @@ PROMPTS = [list(range(100 + 7 * j, 164 + 7 * j)) for j in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@section("Qwen3-30B-A3B batch-1 decode: bf16 vs int8 vs fp8")
-def decode(ceil: Ceilings, num_layers: int, steps: int) -> None:
-    model = "qwen3-30b-a3b" if num_layers == 48 else config_with_layers("qwen3-30b-a3b", num_layers)
-    tokens = {}
-    for kind in ("int8", "fp8", "bf16"):  # bf16 last: the largest
+def decode_one(model: str, kind: str, ceil: Ceilings, num_layers: int, steps: int) -> list:
+    """One engine of ``kind``: its batch-1 decode row, then its greedy tokens on PROMPTS."""
+    box: list = []
+    try:
         t0 = time.perf_counter()
-        llm = LLM(
-            model,
-            load_format="dummy",
-            device=DEVICE,
-            quantization=None if kind == "bf16" else kind,
-            max_model_len=1024,
-            max_num_seqs=8,
-            kv_cache_memory_bytes=2 << 30,
+        box.append(
+            LLM(
+                model,
+                load_format="dummy",
+                device=DEVICE,
+                quantization=None if kind == "bf16" else kind,
+                max_model_len=1024,
+                max_num_seqs=8,
+                kv_cache_memory_bytes=2 << 30,
+            )
         )
+        engine = box[0].llm_engine
         torch.cuda.synchronize()
         gib = torch.cuda.memory_allocated() / 2**30
-        print(
-            f"{kind}: loaded in {time.perf_counter() - t0:.1f}s, {gib:.1f} GiB allocated",
-            flush=True,
-        )
-        rows = latency.run(llm.llm_engine, ceil, [1], 128, steps)
+        print(f"{kind}: loaded in {time.perf_counter() - t0:.1f}s, {gib:.1f} GiB", flush=True)
+        rows = latency.run(engine, ceil, [1], 128, steps)
         print(latency.format_rows(rows), flush=True)
         r = rows[0]
         SUMMARY[f"decode_{kind}_{num_layers}l"] = latency.as_dicts(rows)
@@ -305,13 +305,26 @@ def decode(ceil: Ceilings, num_layers: int, steps: int) -> None:
                 f"({r.roofline_step_ms:.2f} ms)",
             )
         )
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        tokens[kind] = [o.outputs[0].token_ids for o in outs]
-        llm.llm_engine.shutdown()
-        del llm, outs
+        outs = box[0].generate(PROMPTS, GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        if box:
+            box.pop().llm_engine.shutdown()
         gc.collect()
         torch.cuda.empty_cache()
-    for kind in ("int8", "fp8"):
+
+
+@section("Qwen3-30B-A3B batch-1 decode: bf16 vs int8 vs fp8 (vs int4)")
+def decode(ceil: Ceilings, num_layers: int, steps: int, kinds: tuple[str, ...]) -> None:
+    model = "qwen3-30b-a3b" if num_layers == 48 else config_with_layers("qwen3-30b-a3b", num_layers)
+    tokens = {}
+    for kind in kinds:  # bf16 last: the largest
+        try:
+            tokens[kind] = decode_one(model, kind, ceil, num_layers, steps)
+        except Exception:  # noqa: BLE001 - the next precision still runs
+            traceback.print_exc()
+            TABLE.append((f"qwen3-30b-a3b {num_layers}l {kind}", "FAILED"))
+    for kind in (k for k in kinds if k != "bf16" and k in tokens and "bf16" in tokens):
         agree = [
             next((n for n, (a, b) in enumerate(zip(q, ref)) if a != b), len(ref))
             for q, ref in zip(tokens[kind], tokens["bf16"])
@@ -384,7 +397,8 @@ def main() -> None:
     if "kernel" not in skip:
         kernel_bench(ceil, sweep=not args.quick)
     if "decode" not in skip:
-        decode(ceil, 8 if args.quick else 48, 32 if args.quick else 128)
+        kinds = ("int8", "fp8", "bf16") if args.quick else ("int8", "fp8", "int4", "bf16")
+        decode(ceil, 8 if args.quick else 48, 32 if args.quick else 128, kinds)
     if "ep" not in skip:
         expert_parallel(ceil, args.quick)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
