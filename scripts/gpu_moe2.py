@@ -10,19 +10,21 @@ tests/distributed/test_ep_*.py).
 2. The MoE layer alone (routing + fused experts, replayed from a CUDA graph) at 1, 16 and 256
    tokens in bf16, int8, fp8 and int4 (g128): microseconds, GB/s over the bytes of the experts
    the batch touches (the quantized bytes with scales), % of the measured copy bandwidth.
-   Full run only: a sweep of the 8-bit decode GEMV tiles at 1 token.
+   ``--sweep``: the 8-bit decode GEMV's tiles at 1 token and the grouped GEMM's K tile,
+   stages and widening (Triton conversions vs the int8 magic number + TF32) at 16 and 256.
 3. Qwen3-30B-A3B batch-1 decode in bf16, int8 and fp8 (and int4 g128 in the full run;
    ``LLM(..., quantization=...)``, experts and linear layers quantized on the fly): tok/s and
-   % of the planner's active-parameter roofline at each precision's bytes; greedy tokens of
-   the quantized engines compared with bf16. ``--quick`` (the
-   first check, ~90 s): 8 of the 48 layers, parity at Qwen3 shapes only, no sweep; the full run
-   loads all 48 (bf16 ~61 GB, last) and adds Mixtral shapes and the GEMV sweep.
+   % of the planner's active-parameter roofline at each precision's bytes (random weights are
+   drawn differently per precision, so tokens are not compared: section 1 prints each
+   scheme's error on the MoE layer against the 16-bit experts it was made from). ``--quick`` (the
+   first check, ~90 s): 8 of the 48 layers, parity at Qwen3 shapes only; the full run loads
+   all 48 (bf16 ~61 GB, last) and adds Mixtral shapes.
 
 4. (2+ GPUs) a tiny Qwen3-MoE in fp32 at TP = 2 + EP against one GPU (greedy tokens), and
    Qwen3-30B-A3B bf16 decode steps with experts placed whole (EP = 2) vs split (TP = 2).
 
-    python scripts/gpu_moe2.py --quick     # first check
-    python scripts/gpu_moe2.py             # full
+    python scripts/gpu_moe2.py --quick [--sweep]    # first check (with the 8-bit sweep)
+    python scripts/gpu_moe2.py                      # full
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def experts(kind: str, e: int, h: int, i: int, gen: torch.Generator):
         else:
             q, s = formats.quantize_fp8(flat)
         out.append((q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous(), None))
-    del w13, w2
+    ORIGINALS[kind] = (w13, w2)  # the 16-bit experts they were made from
     (q13, s13, o13), (q2, s2, o2) = out
     return q13, q2, (s13, s2, o13, o2), router
+
+
+ORIGINALS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def scale_kwargs(scales) -> dict:
@@ -138,6 +143,12 @@ def parity_tokens(kind, model, w13, w2, scales, router, k, num_tokens, gen) -> i
     out = fm.fused_moe(x, w13[:half], w2[:half], w, torch.where(mine, ids, half), **local_sk)
     err = rel_err(out, ref_half)
     bad += check(f"{model} {kind} T={num_tokens} NOT_LOCAL", err < 2e-2, f"rel err {err:.1e}")
+    if num_tokens == 16 and kind in ORIGINALS:  # what quantizing the experts costs the layer
+        o13, o2 = ORIGINALS[kind]
+        full = fm.fused_moe_ref(x.float(), o13.float(), o2.float(), w.float(), ids)
+        q_err = ((ref - full).norm() / full.norm()).item()
+        print(f"{model} {kind}: layer output vs the 16-bit experts, rel L2 error {q_err:.2e}")
+        TABLE.append((f"{model} {kind} quantization error (layer, rel L2)", f"{q_err:.2e}"))
     return bad
 
 
@@ -176,6 +187,7 @@ def parity(models: tuple[str, ...]) -> None:
                 for num_tokens in (1, 64):
                     bad += graph_replay(kind, *weights, k, num_tokens, gen)
             del weights
+            ORIGINALS.clear()
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
 
 
@@ -199,6 +211,57 @@ def expert_bytes(w13, w2, scales) -> int:
     if scales is not None:
         total += sum(s[0].numel() * s.element_size() for s in scales if s is not None)
     return total
+
+
+GEMV_SWEEP = [  # (BLOCK_N, BLOCK_K, NUM_STAGES, WIDEN); WIDEN 1 changes int8 only
+    (8, 512, 3, 0), (8, 512, 4, 0), (16, 512, 3, 0), (8, 1024, 3, 0), (16, 1024, 3, 0),
+    (8, 512, 3, 1), (16, 512, 3, 1), (8, 1024, 3, 1),
+]  # fmt: skip
+GEMM_SWEEP = [  # (BLOCK_K, num_stages, WIDEN) over the default tiles of each token count
+    (64, 4, 0), (128, 4, 0), (128, 3, 0), (64, 4, 1), (128, 4, 1), (128, 3, 1), (256, 3, 1),
+]  # fmt: skip
+
+
+def sweep_one(kind, label, overrides, table, key_cfg, run) -> None:
+    """Time ``run`` under each config in ``key_cfg`` written into ``overrides``; report the best."""
+    saved = dict(overrides)
+    best = None
+    for cfg in key_cfg:
+        overrides.clear()
+        overrides.update(saved | cfg)
+        try:
+            t = run()
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit
+            print(f"  {kind} {label} {cfg}: {exc!r:.100}")
+            continue
+        print(f"  {kind} {label} {cfg}: {1e6 * t:7.1f} us", flush=True)
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    overrides.clear()
+    overrides.update(saved)
+    if best is not None:
+        table.append((f"sweep {kind} {label} best", f"{1e6 * best[0]:.1f} us {best[1]}"))
+        SUMMARY.setdefault("sweep", {})[f"{kind} {label}"] = (1e6 * best[0], best[1])
+
+
+def sweep_configs(kind, w13, w2, scales, router, k, gen) -> None:
+    """The 8-bit decode GEMV's tiles at 1 token, the grouped GEMM's K tile, stages and
+    widening at 16 and 256 tokens (the layer replayed from a CUDA graph each time)."""
+    h = router.shape[1]
+    wide = (0, 1) if kind == "int8" else (0,)
+    x = torch.randn(1, h, device=DEVICE, generator=gen).bfloat16()
+    gemv = [
+        dict(BLOCK_N=n, BLOCK_K=bk, NUM_STAGES=st, WIDEN=w)
+        for n, bk, st, w in GEMV_SWEEP
+        if w in wide
+    ]
+    sweep_one(kind, "gemv T=1", fm.GEMV_CONFIG_8BIT, TABLE, gemv,
+              lambda: time_layer(x, router, w13, w2, scales, k, "gemv"))  # fmt: skip
+    gemm = [dict(BLOCK_K=bk, num_stages=st, WIDEN=w) for bk, st, w in GEMM_SWEEP]
+    for num_tokens in (16, 256):
+        xt = torch.randn(num_tokens, h, device=DEVICE, generator=gen).bfloat16()
+        sweep_one(kind, f"grouped T={num_tokens}", fm.GEMM_CONFIG_8BIT, TABLE, gemm,
+                  lambda xt=xt: time_layer(xt, router, w13, w2, scales, k))  # fmt: skip
 
 
 @section("MoE layer alone: bf16 vs int8 vs fp8")
@@ -225,32 +288,9 @@ def kernel_bench(ceil: Ceilings, sweep: bool) -> None:
                 flush=True,
             )
         if sweep and kind in ("int8", "fp8"):
-            x = torch.randn(1, h, device=DEVICE, generator=gen).bfloat16()
-            saved = dict(fm.GEMV_CONFIG_8BIT)
-            best = None
-            for bn in (8, 16):
-                for bk in (256, 512, 1024):
-                    for stages in (3, 4):
-                        fm.GEMV_CONFIG_8BIT.clear()
-                        fm.GEMV_CONFIG_8BIT.update(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages)
-                        try:
-                            t = time_layer(x, router, w13, w2, scales, k, "gemv")
-                        except Exception as exc:  # noqa: BLE001 - a config that does not fit
-                            print(f"  {kind} gemv N={bn} K={bk} S={stages}: {exc!r:.80}")
-                            continue
-                        print(f"  {kind} gemv N={bn} K={bk} S={stages}: {1e6 * t:6.1f} us")
-                        if best is None or t < best[0]:
-                            best = (t, bn, bk, stages)
-            fm.GEMV_CONFIG_8BIT.clear()
-            fm.GEMV_CONFIG_8BIT.update(saved)
-            if best:
-                TABLE.append(
-                    (
-                        f"gemv sweep {kind} T=1 best",
-                        f"{1e6 * best[0]:.1f} us N={best[1]} K={best[2]} S={best[3]}",
-                    )
-                )
+            sweep_configs(kind, w13, w2, scales, router, k, gen)
         del w13, w2, scales, router
+        ORIGINALS.clear()
     SUMMARY["kernel"] = rows
     for r in rows:
         TABLE.append(
@@ -324,13 +364,9 @@ def decode(ceil: Ceilings, num_layers: int, steps: int, kinds: tuple[str, ...]) 
         except Exception:  # noqa: BLE001 - the next precision still runs
             traceback.print_exc()
             TABLE.append((f"qwen3-30b-a3b {num_layers}l {kind}", "FAILED"))
-    for kind in (k for k in kinds if k != "bf16" and k in tokens and "bf16" in tokens):
-        agree = [
-            next((n for n, (a, b) in enumerate(zip(q, ref)) if a != b), len(ref))
-            for q, ref in zip(tokens[kind], tokens["bf16"])
-        ]
-        print(f"{kind} greedy tokens equal to bf16 before the first difference (of 24): {agree}")
-        TABLE.append((f"{kind} vs bf16 greedy agreement", str(agree)))
+    # (no token comparison across precisions: random weights are drawn differently for
+    # quantized and 16-bit layers; the parity section measures the quantization error instead)
+    print({k: len(t[0]) for k, t in tokens.items()})
 
 
 @section("expert parallelism (2+ GPUs)")
@@ -350,7 +386,8 @@ def expert_parallel(ceil: Ceilings, quick: bool) -> None:
         ("TP=2 + EP", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ):
         llm = LLM(str(path), dtype="float32", device="cuda", max_model_len=256, **kw)
-        got[label] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        got[label] = [o.outputs[0].token_ids for o in outs]
         llm.llm_engine.shutdown()
         del llm
         gc.collect()
@@ -380,7 +417,8 @@ def expert_parallel(ceil: Ceilings, quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="the first check: 8 layers, no sweep")
+    ap.add_argument("--quick", action="store_true", help="the first check: 8 layers")
+    ap.add_argument("--sweep", action="store_true", help="sweep the 8-bit kernel configs")
     ap.add_argument("--skip", default="", help="comma-separated: parity,kernel,decode,ep")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -395,7 +433,7 @@ def main() -> None:
     if "parity" not in skip:
         parity(("qwen3-30b-a3b",) if args.quick else tuple(SHAPES))
     if "kernel" not in skip:
-        kernel_bench(ceil, sweep=not args.quick)
+        kernel_bench(ceil, sweep=args.sweep)
     if "decode" not in skip:
         kinds = ("int8", "fp8", "bf16") if args.quick else ("int8", "fp8", "int4", "bf16")
         decode(ceil, 8 if args.quick else 48, 32 if args.quick else 128, kinds)

@@ -122,6 +122,31 @@ def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _to_f32(w):
+    """A weight tile in fp32. int8 by the magic-number trick, integer ops only (no conversion
+    unit): ``q + 128`` OR-ed into the mantissa of fp32 ``2^23`` is ``2^23 + q + 128``, one
+    subtraction leaves ``q`` exactly; other dtypes by conversion."""
+    if w.dtype == tl.int8:
+        bits = (w.to(tl.int32) + 128) | 0x4B000000
+        f = bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        f = w.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _expert_dot(a, w, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + a @ w``. WIDEN 0: w widened to a's dtype (bf16/fp16 tensor cores); WIDEN 1: both
+    operands in fp32 (``_to_f32``) on TF32 tensor cores, exact for int8 / fp8 weights times
+    16-bit activations (at most 8 significant bits each), fewer conversions per weight."""
+    if WIDEN == 1:
+        acc = tl.dot(a.to(tl.float32), _to_f32(w), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, _widen(w, a.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _widen(w, DTYPE: tl.constexpr):
     """A weight tile in the activation dtype: 16-bit tiles as they are, int8 / fp8 through fp32
     (every value exact in bf16/fp16/fp32)."""
@@ -210,7 +235,7 @@ def _moe_gemm_kernel(
     stride_se, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
     A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
@@ -256,14 +281,14 @@ def _moe_gemm_kernel(
             w = _load_weight(w_rows, s_rows, o_rows, k, w_mask, QUANT, GROUP)  # [BK, BN]
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(a, _widen(w, a.dtype), acc, input_precision=PRECISION)
+        acc = _expert_dot(a, w, acc, PRECISION, WIDEN)
         if SILU_MUL:
             if QUANT == 2:
                 w_up = _load_weight(w_rows + N * stride_wn, s_rows + up, o_rows + up, k, w_mask,
                                     QUANT, GROUP)  # fmt: skip
             else:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, _widen(w_up, a.dtype), acc_up, input_precision=PRECISION)
+            acc_up = _expert_dot(a, w_up, acc_up, PRECISION, WIDEN)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if QUANT == 1:  # w = q * s per output channel: s factors out of the K sum
@@ -287,6 +312,7 @@ def _moe_gemv_kernel(
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -334,11 +360,17 @@ def _moe_gemv_kernel(
                 a = a.to(tl.float32)[None, :]
                 w_ptrs = w_rows + (k0 + offs_k)[None, :]
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                acc += w.to(tl.float32) * a
+                if WIDEN == 1:
+                    acc += _to_f32(w) * a
+                else:
+                    acc += w.to(tl.float32) * a
                 if SILU_MUL:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0,
                                    eviction_policy="evict_first")  # fmt: skip
-                    acc_up += w_up.to(tl.float32) * a
+                    if WIDEN == 1:
+                        acc_up += _to_f32(w_up) * a
+                    else:
+                        acc_up += w_up.to(tl.float32) * a
         res = tl.sum(acc, axis=1)  # [BLOCK_N]
         res_up = tl.sum(acc_up, axis=1)
         if QUANT == 1:
@@ -357,8 +389,13 @@ def _moe_gemv_kernel(
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
-GEMV_CONFIG_8BIT = dict(BLOCK_K=512)
-"""int8/fp8 experts: twice the K per step, the same 4 KiB of weights in flight per tile."""
+GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
+"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
+512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
+GEMM_CONFIG_8BIT: dict[str, int] = dict(WIDEN=0)
+"""Overrides of ``_gemm_config`` for quantized experts (``WIDEN`` 1: TF32 tensor cores on fp32
+operands, see ``_expert_dot``; ``BLOCK_K``, ``num_stages``, ... as ``scripts/gpu_moe2.py``
+sweeps them)."""
 
 
 def warm_up(
@@ -514,6 +551,7 @@ def fused_moe(
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)
+        cfg["WIDEN"] = 0
         if layout.quant:  # keep ~4 KiB of weights per tile step
             cfg.update(GEMV_CONFIG_8BIT)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
@@ -536,7 +574,11 @@ def fused_moe(
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
-    block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
+    cfgs = {s: _gemm_config(num_pairs, num_experts, s) | dict(WIDEN=0) for s in (True, False)}
+    for cfg in cfgs.values():
+        if layout.quant:
+            cfg.update(GEMM_CONFIG_8BIT)
+    block_m = cfgs[True]["BLOCK_M"]  # both GEMMs read the same alignment
     align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -544,7 +586,7 @@ def fused_moe(
         (x, w13, s13, o13, sn13, layout.group13, act, inter, hidden, top_k, True),
         (act, w2, s2, o2, sn2, layout.group2, per_pair, hidden, inter, 1, False),
     ):
-        cfg = _gemm_config(num_pairs, num_experts, silu)
+        cfg = cfgs[silu]
         grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
         _moe_gemm_kernel[grid](
             a, w, sc, off, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded,

@@ -93,6 +93,27 @@ def test_quantized_experts_match_dequantized_reference(
     assert err < {"int8": 0.03, "fp8": 0.12}.get(kind, 0.25)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("num_tokens,path", [(2, "gemv"), (37, "grouped")])
+def test_tf32_widening_matches_reference(kind, num_tokens, path, monkeypatch) -> None:
+    """WIDEN 1: int8 widened by the magic-number trick, fp32 operands on TF32 tensor cores (the
+    grouped GEMM) or CUDA cores (the GEMV): still the dequantized reference."""
+    from roofline.kernels import fused_moe as mod
+
+    monkeypatch.setitem(mod.GEMV_CONFIG_8BIT, "WIDEN", 1)
+    monkeypatch.setitem(mod.GEMM_CONFIG_8BIT, "WIDEN", 1)
+    gen = torch.Generator().manual_seed(11)
+    w13, w2 = _experts(8, 64, 48, gen)
+    layer = _quantized(kind, w13, w2, torch.bfloat16)
+    x = torch.randn(num_tokens, 64, generator=gen).bfloat16().to(DEVICE)
+    weights, ids = route_ref(torch.randn(num_tokens, 8, generator=gen).to(DEVICE), 2, True)
+    scales = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+    out = fused_moe(x, layer.w13_weight, layer.w2_weight, weights.bfloat16(), ids,
+                    force_path=path, **scales)  # fmt: skip
+    ref = fused_moe_ref(x.float(), layer.w13_weight, layer.w2_weight, weights, ids, **scales)
+    assert_close(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize(
     "num_tokens,path", [(1, "gemv"), (2, "gemv"), (1, "grouped"), (40, "grouped")]
