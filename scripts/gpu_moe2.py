@@ -257,6 +257,9 @@ def sweep_configs(kind, w13, w2, scales, router, k, gen) -> None:
     ]
     sweep_one(kind, "gemv T=1", fm.GEMV_CONFIG_8BIT, TABLE, gemv,
               lambda: time_layer(x, router, w13, w2, scales, k, "gemv"))  # fmt: skip
+    down = [dict(BLOCK_N=n, NUM_STAGES=st) for n in (2, 4, 8) for st in (3, 4)]
+    sweep_one(kind, "gemv down T=1", fm.GEMV_DOWN_8BIT, TABLE, down,
+              lambda: time_layer(x, router, w13, w2, scales, k, "gemv"))  # fmt: skip
     gemm = [dict(BLOCK_K=bk, num_stages=st, WIDEN=w) for bk, st, w in GEMM_SWEEP]
     for num_tokens in (16, 256):
         xt = torch.randn(num_tokens, h, device=DEVICE, generator=gen).bfloat16()

@@ -392,6 +392,10 @@ in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kern
 GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
 """Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
 512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
+GEMV_DOWN_8BIT: dict[str, int] = {}
+"""Overrides of the quantized down GEMV only (one program per token and column block, looping
+over the token's k experts: fewer programs than the gate/up GEMV, so smaller ``BLOCK_N`` may
+pay)."""
 GEMM_CONFIG_8BIT: dict[str, int] = dict(WIDEN=0)
 """Overrides of ``_gemm_config`` for quantized experts (``WIDEN`` 1: TF32 tensor cores on fp32
 operands, see ``_expert_dot``; ``BLOCK_K``, ``num_stages``, ... as ``scripts/gpu_moe2.py``
@@ -564,7 +568,9 @@ def fused_moe(
             PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
             QUANT=layout.quant, GROUP=layout.group13, **cfg,
         )  # fmt: skip
-        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        if layout.quant:
+            cfg.update(GEMV_DOWN_8BIT)
+        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg["BLOCK_N"]))](
             act, w2, s2, o2, out, ids, weights, hidden, inter // units, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
             PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
