@@ -214,12 +214,10 @@ def expert_bytes(w13, w2, scales) -> int:
 
 
 GEMV_SWEEP = [  # (BLOCK_N, BLOCK_K, NUM_STAGES, WIDEN); WIDEN 1 changes int8 only
-    (8, 512, 3, 0), (8, 512, 4, 0), (16, 512, 3, 0), (8, 1024, 3, 0), (16, 1024, 3, 0),
-    (8, 512, 3, 1), (16, 512, 3, 1), (8, 1024, 3, 1),
+    (8, 512, 3, 0), (16, 512, 3, 0), (8, 1024, 3, 0), (8, 512, 3, 1), (16, 512, 3, 1),
 ]  # fmt: skip
-GEMM_SWEEP = [  # (BLOCK_K, num_stages, WIDEN) over the default tiles of each token count
-    (64, 4, 0), (128, 4, 0), (128, 3, 0), (64, 4, 1), (128, 4, 1), (128, 3, 1), (256, 3, 1),
-]  # fmt: skip
+GEMV_DOWN_SWEEP = [(2, 3), (4, 3)]  # (BLOCK_N, NUM_STAGES) of the down GEMV alone
+GEMM_SWEEP = [(64, 4, 0), (128, 3, 0), (64, 4, 1), (128, 3, 1)]  # (BLOCK_K, num_stages, WIDEN)
 
 
 def sweep_one(kind, label, overrides, table, key_cfg, run) -> None:
@@ -257,7 +255,7 @@ def sweep_configs(kind, w13, w2, scales, router, k, gen) -> None:
     ]
     sweep_one(kind, "gemv T=1", fm.GEMV_CONFIG_8BIT, TABLE, gemv,
               lambda: time_layer(x, router, w13, w2, scales, k, "gemv"))  # fmt: skip
-    down = [dict(BLOCK_N=n, NUM_STAGES=st) for n in (2, 4, 8) for st in (3, 4)]
+    down = [dict(BLOCK_N=n, NUM_STAGES=st) for n, st in GEMV_DOWN_SWEEP]
     sweep_one(kind, "gemv down T=1", fm.GEMV_DOWN_8BIT, TABLE, down,
               lambda: time_layer(x, router, w13, w2, scales, k, "gemv"))  # fmt: skip
     gemm = [dict(BLOCK_K=bk, num_stages=st, WIDEN=w) for bk, st, w in GEMM_SWEEP]
