@@ -156,33 +156,16 @@ def _widen(w, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_weight(rows, s_rows, o_rows, k, mask, QUANT: tl.constexpr, GROUP: tl.constexpr):
-    """A weight tile at element columns ``k`` of the rows ``rows`` points at (broadcast shapes).
-    QUANT 0/1: the 16-bit / 8-bit values as stored. QUANT 2 (int4, two per byte, low nibble
-    first, rows addressed in bytes): ``q * s + offset`` in fp32 with the group's ``s_rows`` /
-    ``o_rows`` ``[., K // GROUP]`` (each byte and group value read once per element from L1; the
-    DRAM bytes are the packed ones)."""
-    if QUANT == 2:
-        packed = tl.load(rows + k // 2, mask=mask, other=0, eviction_policy="evict_first")
-        q = ((packed >> ((k % 2) * 4).to(tl.uint8)) & 0xF).to(tl.float32)
-        scale = tl.load(s_rows + k // GROUP, mask=mask, other=0.0).to(tl.float32)
-        offset = tl.load(o_rows + k // GROUP, mask=mask, other=0.0).to(tl.float32)
-        w = q * scale + offset
-    else:
-        w = tl.load(rows + k, mask=mask, other=0.0, eviction_policy="evict_first")
-    return w
-
-
-@triton.jit
-def _int4_products(rows, s_rows, o_rows, u, g, mask, a_lo, a_hi):
-    """``w[2u] a[2u] + w[2u+1] a[2u+1]`` per byte ``u`` of int4 rows (``[BLOCK_N, BLOCK_K]``
-    bytes): one byte, one scale and one offset load per two weights."""
+def _int4_tile(rows, s_rows, o_rows, u, g, mask):
+    """Bytes ``u`` of int4 rows (two weights each: element ``2u`` in the low nibble, ``2u + 1``
+    in the high one) dequantized, ``q * s + offset`` in fp32, with the scale and offset of group
+    ``g`` (every byte of the tile in that group): ``(w_lo, w_hi)``."""
     packed = tl.load(rows + u, mask=mask, other=0, eviction_policy="evict_first")
     scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
     offset = tl.load(o_rows + g, mask=mask, other=0.0).to(tl.float32)
     w_lo = (packed & 0xF).to(tl.float32) * scale + offset
     w_hi = (packed >> 4).to(tl.float32) * scale + offset
-    return w_lo * a_lo + w_hi * a_hi
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -270,27 +253,38 @@ def _moe_gemm_kernel(
     s_rows = s_ptr + expert * stride_se + offs_n[None, :] * stride_sn  # [1, BN]
     o_rows = o_ptr + expert * stride_se + offs_n[None, :] * stride_sn
     up = N * stride_sn
+    offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes per row
+    a_base = a_ptr + a_row[:, None] * stride_am  # [BLOCK_M, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        if QUANT == 2:  # int4: bytes and groups addressed from the element index
-            k = (k0 + offs_k)[:, None]  # [BK, 1]
-            w = _load_weight(w_rows, s_rows, o_rows, k, w_mask, QUANT, GROUP)  # [BK, BN]
+        if QUANT == 2:  # int4: BLOCK_K elements = BLOCK_K / 2 bytes, all in group k0 / GROUP
+            u = k0 // 2 + offs_u  # [BK / 2] byte columns
+            u_ok = offs_u < (K - k0) // 2
+            a_mask = row_ok[:, None] & u_ok[None, :]
+            a_lo = tl.load(a_base + 2 * u[None, :], mask=a_mask, other=0.0)  # [BM, BK / 2]
+            a_hi = tl.load(a_base + 2 * u[None, :] + 1, mask=a_mask, other=0.0)
+            w_mask = u_ok[:, None] & n_ok[None, :]
+            g = k0 // GROUP
+            w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[:, None], g, w_mask)
+            acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc, input_precision=PRECISION)
+            if SILU_MUL:
+                w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
+                                        u[:, None], g, w_mask)  # fmt: skip
+                acc_up = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
         else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = _expert_dot(a, w, acc, PRECISION, WIDEN)
-        if SILU_MUL:
-            if QUANT == 2:
-                w_up = _load_weight(w_rows + N * stride_wn, s_rows + up, o_rows + up, k, w_mask,
-                                    QUANT, GROUP)  # fmt: skip
-            else:
+            acc = _expert_dot(a, w, acc, PRECISION, WIDEN)
+            if SILU_MUL:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = _expert_dot(a, w_up, acc_up, PRECISION, WIDEN)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                acc_up = _expert_dot(a, w_up, acc_up, PRECISION, WIDEN)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if QUANT == 1:  # w = q * s per output channel: s factors out of the K sum
         s_ptrs = s_ptr + expert * stride_se + offs_n
         acc *= tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -344,17 +338,19 @@ def _moe_gemv_kernel(
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
             w_mask = n_ok[:, None] & k_ok[None, :] & local
-            if QUANT == 2:  # K counts bytes: element 2u (low nibble) and 2u + 1 (high)
+            if QUANT == 2:  # K counts bytes (2u: low nibble, 2u + 1: high), one group a step
                 u = k0 + offs_k  # [BLOCK_K] byte columns
                 a_lo = tl.load(a_ptr + a_row * stride_am + 2 * u, mask=k_ok, other=0.0)
                 a_hi = tl.load(a_ptr + a_row * stride_am + 2 * u + 1, mask=k_ok, other=0.0)
                 a_lo = a_lo.to(tl.float32)[None, :]
                 a_hi = a_hi.to(tl.float32)[None, :]
-                g = (2 * u // GROUP)[None, :]  # both nibbles of a byte share its group
-                acc += _int4_products(w_rows, s_rows, o_rows, u[None, :], g, w_mask, a_lo, a_hi)
+                g = 2 * k0 // GROUP
+                w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[None, :], g, w_mask)
+                acc += w_lo * a_lo + w_hi * a_hi
                 if SILU_MUL:
-                    acc_up += _int4_products(w_rows + N * stride_wn, s_rows + up, o_rows + up,
-                                             u[None, :], g, w_mask, a_lo, a_hi)  # fmt: skip
+                    w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
+                                            u[None, :], g, w_mask)  # fmt: skip
+                    acc_up += w_lo * a_lo + w_hi * a_hi
             else:
                 a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
                 a = a.to(tl.float32)[None, :]
@@ -392,11 +388,13 @@ in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kern
 GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
 """Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
 512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
+GEMV_CONFIG_INT4 = dict(BLOCK_N=16, NUM_STAGES=4)
+"""int4 experts: a K step is one group (64 bytes a row at group 128), so more rows a program."""
 GEMV_DOWN_8BIT: dict[str, int] = {}
 """Overrides of the quantized down GEMV only (one program per token and column block, looping
 over the token's k experts: fewer programs than the gate/up GEMV, so smaller ``BLOCK_N`` may
 pay)."""
-GEMM_CONFIG_8BIT: dict[str, int] = dict(WIDEN=0)
+GEMM_CONFIG_8BIT: dict[str, int] = dict(BLOCK_K=128, WIDEN=0)
 """Overrides of ``_gemm_config`` for quantized experts (``WIDEN`` 1: TF32 tensor cores on fp32
 operands, see ``_expert_dot``; ``BLOCK_K``, ``num_stages``, ... as ``scripts/gpu_moe2.py``
 sweeps them)."""
@@ -501,8 +499,8 @@ def _layout(
             raise ValueError("int4 experts need scales and offsets [E, N, K // group]")
         if offset.shape != scale.shape or not (scale.is_contiguous() and offset.is_contiguous()):
             raise ValueError("int4 expert offsets must match their scales (contiguous)")
-        if k % scale.shape[2]:
-            raise ValueError(f"{scale.shape[2]} groups do not divide K = {k}")
+        if k % scale.shape[2] or k // scale.shape[2] not in (32, 64, 128):
+            raise ValueError(f"int4 experts need groups of 32, 64 or 128 dividing K = {k}")
         groups.append(k // scale.shape[2])
     return ExpertLayout(2, groups[0], groups[1])
 
@@ -558,6 +556,8 @@ def fused_moe(
         cfg["WIDEN"] = 0
         if layout.quant:  # keep ~4 KiB of weights per tile step
             cfg.update(GEMV_CONFIG_8BIT)
+        if layout.quant == 2:  # one group of both K dims a step (the scale a vector)
+            cfg.update(GEMV_CONFIG_INT4, BLOCK_K=min(layout.group13, layout.group2) // 2)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
@@ -584,6 +584,8 @@ def fused_moe(
     for cfg in cfgs.values():
         if layout.quant:
             cfg.update(GEMM_CONFIG_8BIT)
+        if layout.quant == 2:  # a K step within one group (and at least 16 bytes for the dot)
+            cfg["BLOCK_K"] = max(32, min(cfg["BLOCK_K"], layout.group13, layout.group2))
     block_m = cfgs[True]["BLOCK_M"]  # both GEMMs read the same alignment
     align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()

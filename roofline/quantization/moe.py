@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from roofline.quantization import formats
+from roofline.quantization.int4 import INT4_GROUP_SIZES
 
 EXPERT_TENSORS = ("w13", "w2")
 
@@ -191,6 +192,8 @@ class GroupInt4MoEMethod(MoEMethod):
     zero point). The fused kernel unpacks and dequantizes each tile in registers."""
 
     def __init__(self, group_size: int, symmetric: bool = True) -> None:
+        if group_size not in INT4_GROUP_SIZES:  # the kernels step through K a group at a time
+            raise ValueError(f"int4 expert groups must be one of {INT4_GROUP_SIZES}")
         self.group_size = group_size
         self.symmetric = symmetric
         self.name = f"int4-g{group_size}" if symmetric else f"int4-asym-g{group_size}"

@@ -26,8 +26,8 @@ def _quantized(kind: str, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtyp
     halves of the experts and, for w13, the gate and up rows apart, as a checkpoint would)."""
     num_experts, two_inter, hidden = w13.shape
     layer = nn.Module()
-    if kind.startswith("int4"):  # groups of 16: every test shape's K splits into them
-        method = GroupInt4MoEMethod(16, symmetric=kind == "int4")
+    if kind.startswith("int4"):  # groups of 32 (int4 test shapes have K a multiple of 32)
+        method = GroupInt4MoEMethod(32, symmetric=kind == "int4")
     else:
         method = PerChannelMoEMethod(kind)
     method.create_weights(layer, num_experts, two_inter // 2, hidden, dtype)
@@ -42,7 +42,7 @@ def _quantized(kind: str, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtyp
 def test_expert_layouts_are_the_canonical_ones() -> None:
     """Each expert's rows quantize exactly as ``formats`` quantizes that expert's matrix."""
     gen = torch.Generator().manual_seed(0)
-    w13, w2 = _experts(4, 32, 16, gen)
+    w13, w2 = _experts(4, 32, 32, gen)
     layer = _quantized("int8", w13, w2, torch.float32).cpu()
     q = formats.quantize_int8(w13[2], 32, torch.float32)
     assert torch.equal(layer.w13_weight[2], q.qweight)
@@ -52,7 +52,7 @@ def test_expert_layouts_are_the_canonical_ones() -> None:
     assert torch.equal(layer.w2_weight[1].view(torch.uint8), q8.view(torch.uint8))
     assert torch.equal(layer.w2_scale[1], s8) and layer.w2_scale.dtype == torch.float32
     layer = _quantized("int4-asym", w13, w2, torch.float32).cpu()
-    q4 = formats.quantize_int4(w13[3], 16, False, torch.float32)
+    q4 = formats.quantize_int4(w13[3], 32, False, torch.float32)
     assert torch.equal(layer.w13_weight[3], q4.qweight)
     assert torch.equal(layer.w13_offset[3], q4.offsets)
 
@@ -72,6 +72,8 @@ def test_quantized_experts_match_dequantized_reference(
 ) -> None:
     if path == "gemv" and num_tokens > 2:
         pytest.skip("the GEMV path serves decode sizes")
+    if kind.startswith("int4") and inter % 32:
+        inter = 64  # whole groups of 32
     gen = torch.Generator().manual_seed(num_tokens * 7 + hidden)
     w13, w2 = _experts(num_experts, hidden, inter, gen)
     layer = _quantized(kind, w13, w2, dtype)
@@ -149,7 +151,7 @@ def test_not_local_pairs_contribute_nothing(quantized, num_tokens, path) -> None
 
 def test_bad_quantized_arguments_are_refused() -> None:
     gen = torch.Generator().manual_seed(9)
-    w13, w2 = _experts(2, 32, 16, gen)
+    w13, w2 = _experts(2, 32, 32, gen)
     layer = _quantized("int8", w13, w2, torch.float32)
     x = torch.randn(1, 32).to(DEVICE)
     w, ids = torch.ones(1, 1).to(DEVICE), torch.zeros(1, 1, dtype=torch.long).to(DEVICE)
@@ -172,3 +174,5 @@ def test_bad_quantized_arguments_are_refused() -> None:
         )  # fmt: skip
     with pytest.raises(ValueError, match="group size 32 does not divide the experts' 48"):
         GroupInt4MoEMethod(32).create_weights(nn.Module(), 2, 48, 64, torch.float32)
+    with pytest.raises(ValueError, match="groups must be one of"):
+        GroupInt4MoEMethod(16)
