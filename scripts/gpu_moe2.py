@@ -367,7 +367,7 @@ def decode(ceil: Ceilings, num_layers: int, steps: int, kinds: tuple[str, ...]) 
             TABLE.append((f"qwen3-30b-a3b {num_layers}l {kind}", "FAILED"))
     # (no token comparison across precisions: random weights are drawn differently for
     # quantized and 16-bit layers; the parity section measures the quantization error instead)
-    print({k: len(t[0]) for k, t in tokens.items()})
+    print("greedy tokens generated per prompt:", {k: len(t[0]) for k, t in tokens.items()})
 
 
 @section("expert parallelism (2+ GPUs)")
