@@ -14,6 +14,7 @@ and ``...experts.E.{w1,w3,w2}.weight`` (gate, up, down). Stacked forms are also 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from roofline.config import ModelConfig
 from roofline.distributed.expert_parallel import parse_expert_tensor
@@ -63,6 +64,12 @@ class _DenseMlpsUnquantized(QuantizationConfig):
 
     def quantizes_lm_head(self) -> bool:
         return self.inner.quantizes_lm_head()
+
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module | None:
+        return self.inner.embedding(num_embeddings, embedding_dim)
+
+    def planner_precision(self) -> tuple[str, str | None, int]:
+        return self.inner.planner_precision()
 
     def get_moe_method(self, prefix: str) -> MoEMethod | None:
         return self.inner.get_moe_method(prefix)
