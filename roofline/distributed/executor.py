@@ -353,6 +353,7 @@ def build_executor(
 ):
     """The engine's executor for ``args.tensor_parallel_size > 1`` (validated first, before
     any worker starts)."""
+    from roofline.distributed.expert_parallel import resolve_dispatch_name
     from roofline.distributed.sharding import check_shardable
 
     world_size = args.tensor_parallel_size
@@ -361,7 +362,7 @@ def build_executor(
     backend = args.distributed_executor_backend or "mp"
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, got {backend!r}")
-    check_shardable(model_config, world_size)
+    check_shardable(model_config, world_size, args.enable_expert_parallel)
     from roofline.quantization.registry import check_tensor_parallel
 
     check_tensor_parallel(quant_config, model_config, world_size)
@@ -379,5 +380,7 @@ def build_executor(
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         quant_config=quant_config,
+        enable_expert_parallel=args.enable_expert_parallel,
+        expert_parallel_dispatch=resolve_dispatch_name(),
     )
     return make_executor(spec, world_size, backend)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from roofline.config import ModelConfig
+from roofline.distributed.expert_parallel import parse_expert_tensor
 from roofline.distributed.sharding import ShardLayout, TensorSlice, weight_slice
 from roofline.models.weights import ModelSource, _safetensors_files, iter_weights
 from roofline.quantization.base import LinearMethod, QuantizationConfig
@@ -37,6 +38,8 @@ def iter_sharded_weights(
         for file in _safetensors_files(source.path):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if not layout.keeps(name):
+                        continue  # another rank's expert: never read
                     method = _own_slicer(quant_config, name)
                     if method is not None:
                         yield name, _method_slice(method, name, f.get_tensor(name), cfg, layout)
@@ -47,6 +50,8 @@ def iter_sharded_weights(
                     yield name, _read_slice(part, shape, sl)
         return
     for name, tensor in iter_weights(source):
+        if not layout.keeps(name):
+            continue
         method = _own_slicer(quant_config, name)
         if method is not None:
             yield name, _method_slice(method, name, tensor, cfg, layout)
@@ -62,6 +67,8 @@ def _own_slicer(quant_config: QuantizationConfig | None, name: str) -> LinearMet
     parts = name.removeprefix("model.").split(".")
     if len(parts) < 2 or parts[0] not in ("layers", "lm_head"):
         return None  # embeddings and final norm: never a quantized linear's tensors
+    if parse_expert_tensor(name) is not None:
+        return None  # experts: sliced by the layout, quantized by the layer's MoE method
     module = PACKED.get(parts[-2], parts[-2])
     prefix = ".".join(["model", *parts[:-2], module] if parts[0] == "layers" else parts[:-1])
     method = quant_config.get_linear_method(prefix)
@@ -102,24 +109,31 @@ def _pad(t: torch.Tensor, sl: TensorSlice) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=sl.dim)
 
 
-def dummy_checkpoint(
-    cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device, std: float = 0.02
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A random checkpoint under HF names, one full tensor at a time: N(0, std) matrices, unit
-    norms, zero biases (as ``init_dummy_weights``), each tensor from its own name's seed."""
+def dummy_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor of a random model of ``cfg``, under HF names, with its shape
+    (MoE layers: the router and per-expert tensors, Qwen3-MoE's names)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
+        mlp: tuple[tuple[str, tuple[int, int]], ...] = (
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        )
+        if cfg.num_experts and layer not in cfg.dense_mlp_layers:
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            per_expert = (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi)))
+            mlp = (("mlp.gate", (e, h)),) + tuple(
+                (f"mlp.experts.{x}.{proj}", shape) for x in range(e) for proj, shape in per_expert
+            )
         for name, shape in (
             ("self_attn.q_proj", (q, h)),
             ("self_attn.k_proj", (kv, h)),
             ("self_attn.v_proj", (kv, h)),
             ("self_attn.o_proj", (h, q)),
-            ("mlp.gate_proj", (i, h)),
-            ("mlp.up_proj", (i, h)),
-            ("mlp.down_proj", (h, i)),
+            *mlp,
         ):
             shapes[p + name + ".weight"] = shape
         if cfg.attention_bias:
@@ -133,7 +147,23 @@ def dummy_checkpoint(
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for name, shape in shapes.items():
+    return shapes
+
+
+def dummy_checkpoint(
+    cfg: ModelConfig,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    std: float = 0.02,
+    layout: ShardLayout | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A random checkpoint under HF names, one full tensor at a time: N(0, std) matrices, unit
+    norms, zero biases (as ``init_dummy_weights``), each tensor from its own name's seed; the
+    tensors ``layout`` does not keep (other ranks' experts) are not drawn."""
+    for name, shape in dummy_shapes(cfg).items():
+        if layout is not None and not layout.keeps(name):
+            continue
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith("bias"):
@@ -148,5 +178,5 @@ def dummy_checkpoint(
 def iter_dummy_sharded(
     cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device, layout: ShardLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in dummy_checkpoint(cfg, seed, dtype, device):
+    for name, tensor in dummy_checkpoint(cfg, seed, dtype, device, layout=layout):
         yield name, apply_slice(tensor, layout.slice_of(name, tuple(tensor.shape), cfg.head_dim))

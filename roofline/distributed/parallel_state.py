@@ -36,6 +36,11 @@ class ParallelContext:
     """The ``torch.distributed`` process group (None only when ``world_size == 1``)."""
     custom_allreduce: Any = field(default=None, repr=False)
     """A ``CustomAllReduce`` for small messages on CUDA, or None (NCCL/gloo only)."""
+    expert_parallel: bool = False
+    """MoE layers place whole experts over this group (``enable_expert_parallel``) instead of
+    splitting every expert's columns (``distributed/expert_parallel.py``)."""
+    expert_parallel_dispatch: str = "replicated"
+    """How tokens reach their experts' ranks: ``replicated`` or ``all_to_all``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

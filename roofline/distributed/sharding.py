@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from roofline.config import ModelConfig
+from roofline.distributed.expert_parallel import (
+    ExpertTensor,
+    check_moe_parallel,
+    parse_expert_tensor,
+)
 
 Kind = Literal["column", "row", "vocab", "replicated"]
 
@@ -61,10 +66,17 @@ class ShardLayout:
     intermediate_size: int
     vocab_per_rank: int
     """Embedding / LM-head rows per rank (``ceil(vocab / tp)``)."""
+    expert_parallel: bool = False
+    """MoE experts placed whole over the ranks (else each expert's columns split)."""
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    """Columns of each local expert (``I / tp`` unless expert-parallel)."""
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, world_size: int) -> ShardLayout:
-        check_shardable(cfg, world_size)
+    def of(
+        cls, cfg: ModelConfig, rank: int, world_size: int, expert_parallel: bool = False
+    ) -> ShardLayout:
+        check_shardable(cfg, world_size, expert_parallel)
         kv = cfg.num_key_value_heads
         local_kv = max(kv // world_size, 1)
         kv_start = rank * local_kv if kv >= world_size else rank * kv // world_size
@@ -76,7 +88,21 @@ class ShardLayout:
             kv_head_start=kv_start,
             intermediate_size=cfg.intermediate_size // world_size,
             vocab_per_rank=-(-cfg.vocab_size // world_size),
+            expert_parallel=expert_parallel and world_size > 1,
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size
+            // (1 if expert_parallel else world_size),
         )
+
+    def keeps(self, name: str) -> bool:
+        """Whether this rank loads tensor ``name`` at all (False: another rank's expert)."""
+        if not self.expert_parallel:
+            return True
+        where = parse_expert_tensor(name)
+        if where is None or where.expert is None:
+            return True
+        per = self.num_experts // self.world_size
+        return self.rank * per <= where.expert < (self.rank + 1) * per
 
     def kind(self, name: str) -> Kind:
         """The role of an HF-named checkpoint tensor (``model.layers.0.mlp.up_proj.weight``)."""
@@ -92,8 +118,13 @@ class ShardLayout:
 
     def slice_of(self, name: str, shape: tuple[int, ...], head_dim: int) -> TensorSlice | None:
         """This rank's slice of the tensor ``name`` of ``shape`` (None: it keeps all of it)."""
+        if self.world_size == 1:
+            return None
+        where = parse_expert_tensor(name) if self.num_experts else None
+        if where is not None:
+            return self._expert_slice(name, where, shape)
         kind = self.kind(name)
-        if kind == "replicated" or self.world_size == 1:
+        if kind == "replicated":
             return None
         module = name.split(".")[-2]
         if kind == "vocab":
@@ -127,6 +158,28 @@ class ShardLayout:
         per = cols // self.world_size
         return TensorSlice(len(shape) - 1, self.rank * per, per, per)
 
+    def _expert_slice(
+        self, name: str, where: ExpertTensor, shape: tuple[int, ...]
+    ) -> TensorSlice | None:
+        """Expert parallelism: one expert whole, a stack ``[E, ., .]`` cut to this rank's
+        experts. Tensor-parallel experts: ``I / tp`` rows of gate/up, columns of down."""
+        if self.expert_parallel:
+            if where.expert is not None:
+                return None
+            per = self.num_experts // self.world_size
+            return TensorSlice(0, self.rank * per, per, per)
+        inter = self.moe_intermediate_size
+        stacked = 1 if where.expert is None else 0
+        if where.proj == "gate_up":
+            raise ValueError(
+                f"{name}: a fused gate_up expert stack cannot be split by columns; pass "
+                "enable_expert_parallel to place whole experts instead"
+            )
+        dim = stacked if where.proj in ("gate", "up") else len(shape) - 1
+        if shape[dim] != inter * self.world_size:
+            raise ValueError(f"{name}: {shape[dim]} columns do not split into {inter} per rank")
+        return TensorSlice(dim, self.rank * inter, inter, inter)
+
 
 def weight_slice(
     layout: ShardLayout, name: str, cfg: ModelConfig
@@ -147,14 +200,14 @@ def weight_slice(
     return "in", layout.rank * k, k
 
 
-def check_shardable(cfg: ModelConfig, world_size: int) -> None:
-    """Raise a ValueError when ``cfg`` cannot split over ``world_size`` ranks."""
+def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = False) -> None:
+    """Raise a ValueError when ``cfg`` cannot split over ``world_size`` ranks (its experts
+    placed whole when ``expert_parallel``)."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    check_moe_parallel(cfg, world_size, expert_parallel)
     if world_size == 1:
         return
-    if getattr(cfg, "num_experts", 0):
-        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"{heads} attention heads do not split over {world_size} ranks")

@@ -52,6 +52,10 @@ class WorkerSpec:
     enforce_eager: bool
     quant_config: QuantizationConfig | None = None
     """The model's quantization (its methods slice their own tensors where they must)."""
+    enable_expert_parallel: bool = False
+    """MoE layers: whole experts per rank (``distributed/expert_parallel.py``)."""
+    expert_parallel_dispatch: str = "replicated"
+    """``replicated`` or ``all_to_all`` (``ROOFLINE_EP_DISPATCH`` in the engine's process)."""
 
 
 class Worker:
@@ -67,8 +71,10 @@ class Worker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.rank = rank
         self.parallel = init_parallel(rank, world_size, init_method, device)
+        self.parallel.expert_parallel = spec.enable_expert_parallel
+        self.parallel.expert_parallel_dispatch = spec.expert_parallel_dispatch
         cfg = spec.model_config
-        layout = ShardLayout.of(cfg, rank, world_size)
+        layout = ShardLayout.of(cfg, rank, world_size, spec.enable_expert_parallel)
         if spec.dummy:
             weights = iter_dummy_sharded(cfg, spec.seed, spec.dtype, device, layout)
         else:

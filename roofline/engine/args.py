@@ -53,6 +53,9 @@ _HELP = {
     "tensor_parallel_size": "shard the model over this many GPUs (CPU: gloo processes)",
     "distributed_executor_backend": "mp (one worker process per rank; the default above 1 "
     "rank) or ray (one actor per GPU in a placement group); unset at 1 rank: in-process",
+    "enable_expert_parallel": "MoE models under tensor parallelism: place whole experts over "
+    "the ranks (E / tp each; tokens dispatched to their experts' ranks) instead of splitting "
+    "every expert's columns; attention stays tensor-parallel",
     "kv_cache_dtype": "KV page storage: auto (the model dtype), fp8 (e4m3) or int8, quantized "
     "per token and head (about half the bytes of bf16 pages)",
     "quantization": "weight quantization: int8, int4 (g128; int4-g32/-g64, int4-asym[-g<N>]), "
@@ -105,6 +108,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     quantize_lm_head: bool = False

@@ -29,6 +29,7 @@ from roofline.config import ModelConfig
 from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.outputs import RequestUpdate, SchedulerOutput, TokenLogprobs
 from roofline.core.scheduler import Scheduler
+from roofline.distributed.expert_parallel import check_moe_parallel
 from roofline.engine.args import EngineArgs
 from roofline.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from roofline.engine.prompt import tokenize_prompt
@@ -146,6 +147,13 @@ class LLMEngine:
             device,
             args.quantize_lm_head,
             str(source.path) if source.kind == "gguf" else None,
+        )
+        experts = quant_config.get_moe_method("experts") if quant_config is not None else None
+        check_moe_parallel(
+            self.model_config,
+            args.tensor_parallel_size,
+            args.enable_expert_parallel,
+            getattr(experts, "group_size", None),
         )
         self.tokenizer = load_tokenizer(source)
         dummy = args.load_format == "dummy" or source.kind == "config"

@@ -18,6 +18,13 @@ work; ``P = num_tokens * top_k`` pairs in all, pair ``p`` belongs to token ``p /
   block) and reads only the selected experts' rows; the down GEMV runs one program per (token,
   column block) that loops over the token's k experts, so the routing weights and the top-k sum
   happen in its fp32 accumulator (one launch, one store).
+* Quantized experts (int8 or fp8 e4m3 with per-channel scales, ``quantization/moe.py``): both
+  paths load 1-byte weight tiles, widen them in registers (exact: int8 and e4m3 values are
+  bf16 values) and apply each output channel's scale to the fp32 accumulator once after the K
+  loop (``w = q s`` factors out of the sum): half the bytes of bf16 experts, no dequantized copy.
+* Expert parallelism: an id equal to ``E`` marks a pair whose expert another rank holds; it
+  gets its own sorted run, whose blocks read nothing and store zeros (``distributed/
+  expert_parallel.py``).
 
 ``fused_moe_ref`` loops over experts in plain torch (HF transformers' order) and is the
 definition both paths are tested against.
@@ -33,6 +40,8 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
+from roofline.kernels.moe_align import moe_align
+from roofline.quantization import formats
 
 GEMV_MAX_TOKENS = 2
 GEMV_MAX_PAIRS = 16
@@ -60,61 +69,47 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_offset: torch.Tensor | None = None,
+    w2_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: a loop over the experts
-    that received a token (a host sync: reference and CPU path only)."""
+    that received a token (a host sync: reference and CPU path only). Quantized experts (int8 /
+    fp8 with per-channel scales ``[E, N]``, int4 with group scales and offsets) are dequantized
+    to x's dtype one expert at a time; ids equal to ``E`` (``NOT_LOCAL``) are skipped."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     for expert in torch.unique(topk_ids).tolist():
+        if expert == num_experts:  # NOT_LOCAL: another rank's expert
+            continue
         if not 0 <= expert < num_experts:
             raise ValueError(f"expert id {expert} out of range [0, {num_experts})")
         token_idx, slot = torch.where(topk_ids == expert)
-        h = F.linear(x[token_idx], w13[expert])  # [n, 2I]
+        up_w, down_w = w13[expert], w2[expert]
+        if w13_scale is not None and w2_scale is not None:
+            o13 = None if w13_offset is None else w13_offset[expert]
+            o2 = None if w2_offset is None else w2_offset[expert]
+            up_w = dequantize_expert(up_w, w13_scale[expert], o13, x.dtype)
+            down_w = dequantize_expert(down_w, w2_scale[expert], o2, x.dtype)
+        h = F.linear(x[token_idx], up_w)  # [n, 2I]
         gate, up = h.chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        h = F.linear(F.silu(gate) * up, down_w)  # [n, H]
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
 
 
-class MoeAlignment(NamedTuple):
-    """Pairs sorted by expert, each expert's run padded to ``block_m`` rows (device tensors)."""
-
-    sorted_pair_ids: torch.Tensor
-    """[max_padded] int32: pair index per row of the sorted list; ``P`` marks a padding row."""
-    block_expert_ids: torch.Tensor
-    """[max_padded // block_m] int32: the expert of each block (``E`` past the padded end)."""
-    num_padded: torch.Tensor
-    """[1] int64: rows in use (the sum of the padded runs); later blocks are skipped."""
-
-
-def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Static bound of the sorted list: every touched expert (at most min(E, P)) pads at most
-    ``block_m - 1`` rows; rounded up to whole blocks."""
-    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-rows // block_m) * block_m
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """Group the ``P = T * k`` pairs by expert (stable: ascending pair order within an expert)
-    with device ops only, so it runs inside a CUDA graph."""
-    flat = topk_ids.reshape(-1).long()  # [P]
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync for its size)
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    pad_end = torch.cumsum(padded, 0)  # [E]
-    raw_start = torch.cumsum(counts, 0) - counts  # [E]
-    order = torch.sort(flat, stable=True).indices  # [P] pair ids, grouped by expert
-    expert_of = flat[order]  # [P]
-    rank = torch.arange(num_pairs, device=device) - raw_start[expert_of]  # [P] rank in its run
-    dest = pad_end[expert_of] - padded[expert_of] + rank  # [P] row in the sorted list
-    rows = max_padded_rows(num_pairs, num_experts, block_m)
-    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, rows, block_m, device=device)  # [num_blocks]
-    block_expert = torch.searchsorted(pad_end, block_starts, right=True).to(torch.int32)
-    return MoeAlignment(sorted_ids, block_expert, pad_end[-1:])
+def dequantize_expert(
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """One expert's ``[N, K]`` weight in ``dtype``: int8 / fp8 ``q * s`` per channel, int4
+    (uint8 ``[N, K // 2]``) ``q * s + o`` per group (``quantization.formats``)."""
+    if q.dtype == torch.uint8:
+        if offsets is None:
+            raise ValueError("int4 experts need offsets")
+        return formats.dequantize_int4(q, scales, offsets, dtype)
+    return (q.float() * scales.float()[:, None]).to(dtype)
 
 
 @triton.jit
@@ -124,6 +119,53 @@ def _silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
     g = gate.to(OUT_DTYPE).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
     return act * up.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _to_f32(w):
+    """A weight tile in fp32. int8 by the magic-number trick, integer ops only (no conversion
+    unit): ``q + 128`` OR-ed into the mantissa of fp32 ``2^23`` is ``2^23 + q + 128``, one
+    subtraction leaves ``q`` exactly; other dtypes by conversion."""
+    if w.dtype == tl.int8:
+        bits = (w.to(tl.int32) + 128) | 0x4B000000
+        f = bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        f = w.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _expert_dot(a, w, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """``acc + a @ w``. WIDEN 0: w widened to a's dtype (bf16/fp16 tensor cores); WIDEN 1: both
+    operands in fp32 (``_to_f32``) on TF32 tensor cores, exact for int8 / fp8 weights times
+    16-bit activations (at most 8 significant bits each), fewer conversions per weight."""
+    if WIDEN == 1:
+        acc = tl.dot(a.to(tl.float32), _to_f32(w), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, _widen(w, a.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _widen(w, DTYPE: tl.constexpr):
+    """A weight tile in the activation dtype: 16-bit tiles as they are, int8 / fp8 through fp32
+    (every value exact in bf16/fp16/fp32)."""
+    if w.dtype != DTYPE:
+        w = w.to(tl.float32).to(DTYPE)
+    return w
+
+
+@triton.jit
+def _int4_tile(rows, s_rows, o_rows, u, g, mask):
+    """Bytes ``u`` of int4 rows (two weights each: element ``2u`` in the low nibble, ``2u + 1``
+    in the high one) dequantized, ``q * s + offset`` in fp32, with the scale and offset of group
+    ``g`` (every byte of the tile in that group): ``(w_lo, w_hi)``."""
+    packed = tl.load(rows + u, mask=mask, other=0, eviction_policy="evict_first")
+    scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.load(o_rows + g, mask=mask, other=0.0).to(tl.float32)
+    w_lo = (packed & 0xF).to(tl.float32) * scale + offset
+    w_hi = (packed >> 4).to(tl.float32) * scale + offset
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -171,15 +213,21 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-    N, K, num_pairs, a_rows_div, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    weights_ptr, N, K, num_pairs, num_experts, a_rows_div, stride_am, stride_we, stride_wn,
+    stride_se, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Rows of block ``pid_m`` of the sorted pairs times their expert's weight [N(, +N), K]^T.
     A row of ``a`` is ``pair // a_rows_div`` (the token for gate/up, the pair for down); the
     output row is the pair. SILU_MUL: accumulate gate (rows n) and up (rows N + n) together and
-    store silu(gate) * up [., N]."""
+    store silu(gate) * up [., N]. QUANT 1: the weight is int8/fp8, widened to ``a``'s dtype
+    tile by tile, its per-channel scale ``s [E, N(, +N)]`` applied to the accumulator; QUANT 2:
+    int4 with group scales and offsets ``[E, N(, +N), K // GROUP]``, dequantized per tile. A block
+    of the not-local sentinel expert (``num_experts``) reads no weight: the down GEMM stores
+    zeros for its pairs, the gate/up GEMM nothing."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -191,22 +239,57 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    out_ty = out_ptr.dtype.element_ty
+    if expert >= num_experts:  # pairs routed to another rank's experts
+        if MUL_WEIGHT:
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ty)
+            out_ptrs = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, zeros, mask=row_ok[:, None] & n_ok[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    w_rows = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # [1, BN]
+    w_ptrs = w_rows + offs_k[:, None]  # [BK, BN] (16/8-bit: elements)
+    s_rows = s_ptr + expert * stride_se + offs_n[None, :] * stride_sn  # [1, BN]
+    o_rows = o_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+    up = N * stride_sn
+    offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes per row
+    a_base = a_ptr + a_row[:, None] * stride_am  # [BLOCK_M, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if QUANT == 2:  # int4: BLOCK_K elements = BLOCK_K / 2 bytes, all in group k0 / GROUP
+            u = k0 // 2 + offs_u  # [BK / 2] byte columns
+            u_ok = offs_u < (K - k0) // 2
+            a_mask = row_ok[:, None] & u_ok[None, :]
+            a_lo = tl.load(a_base + 2 * u[None, :], mask=a_mask, other=0.0)  # [BM, BK / 2]
+            a_hi = tl.load(a_base + 2 * u[None, :] + 1, mask=a_mask, other=0.0)
+            w_mask = u_ok[:, None] & n_ok[None, :]
+            g = k0 // GROUP
+            w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[:, None], g, w_mask)
+            acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc, input_precision=PRECISION)
+            if SILU_MUL:
+                w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
+                                        u[:, None], g, w_mask)  # fmt: skip
+                acc_up = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc_up, input_precision=PRECISION)
+                acc_up = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc_up, input_precision=PRECISION)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            acc = _expert_dot(a, w, acc, PRECISION, WIDEN)
+            if SILU_MUL:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+                acc_up = _expert_dot(a, w_up, acc_up, PRECISION, WIDEN)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if QUANT == 1:  # w = q * s per output channel: s factors out of the K sum
+        s_ptrs = s_ptr + expert * stride_se + offs_n
+        acc *= tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
+            acc_up *= tl.load(s_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         acc = _silu_mul(acc, acc_up, out_ty)
     if MUL_WEIGHT:
@@ -218,17 +301,22 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr,
+    N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
     pairs (input row = pair), weighted and summed in fp32. Products accumulate elementwise in a
     [BLOCK_N, BLOCK_K] fp32 tile, reduced over K once after the loop; the K loop is pipelined
-    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``)."""
+    (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
+    the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
+    int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
+    QUANT 2: int4 with group scales and offsets; ``K`` then counts bytes, each holding the
+    weights of elements 2u (low nibble) and 2u + 1 of one group."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -238,40 +326,90 @@ def _moe_gemv_kernel(
     for j in tl.static_range(PAIRS_PER_PROGRAM):
         pair = row * PAIRS_PER_PROGRAM + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        local = expert < num_experts
+        expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
         w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+        s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn  # [BLOCK_N, 1]
+        o_rows = o_ptr + expert * stride_se + offs_n[:, None] * stride_sn
+        up = N * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
-            a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
-            a = a.to(tl.float32)[None, :]
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w_ptrs = w_rows + k0 + offs_k[None, :]
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * a
-            if SILU_MUL:
-                w_up = tl.load(
-                    w_ptrs + N * stride_wn, mask=w_mask, other=0.0, eviction_policy="evict_first"
-                )
-                acc_up += w_up.to(tl.float32) * a
+            w_mask = n_ok[:, None] & k_ok[None, :] & local
+            if QUANT == 2:  # K counts bytes (2u: low nibble, 2u + 1: high), one group a step
+                u = k0 + offs_k  # [BLOCK_K] byte columns
+                a_lo = tl.load(a_ptr + a_row * stride_am + 2 * u, mask=k_ok, other=0.0)
+                a_hi = tl.load(a_ptr + a_row * stride_am + 2 * u + 1, mask=k_ok, other=0.0)
+                a_lo = a_lo.to(tl.float32)[None, :]
+                a_hi = a_hi.to(tl.float32)[None, :]
+                g = 2 * k0 // GROUP
+                w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[None, :], g, w_mask)
+                acc += w_lo * a_lo + w_hi * a_hi
+                if SILU_MUL:
+                    w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
+                                            u[None, :], g, w_mask)  # fmt: skip
+                    acc_up += w_lo * a_lo + w_hi * a_hi
+            else:
+                a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
+                a = a.to(tl.float32)[None, :]
+                w_ptrs = w_rows + (k0 + offs_k)[None, :]
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+                if WIDEN == 1:
+                    acc += _to_f32(w) * a
+                else:
+                    acc += w.to(tl.float32) * a
+                if SILU_MUL:
+                    w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0,
+                                   eviction_policy="evict_first")  # fmt: skip
+                    if WIDEN == 1:
+                        acc_up += _to_f32(w_up) * a
+                    else:
+                        acc_up += w_up.to(tl.float32) * a
         res = tl.sum(acc, axis=1)  # [BLOCK_N]
+        res_up = tl.sum(acc_up, axis=1)
+        if QUANT == 1:
+            s_ptrs = s_ptr + expert * stride_se + offs_n
+            res *= tl.load(s_ptrs, mask=n_ok & local, other=0.0).to(tl.float32)
+            if SILU_MUL:
+                res_up *= tl.load(s_ptrs + N, mask=n_ok & local, other=0.0).to(tl.float32)
         if SILU_MUL:
-            res = _silu_mul(res, tl.sum(acc_up, axis=1), out_ty)
+            res = _silu_mul(res, res_up, out_ty)
         if MUL_WEIGHT:
             res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
-        total += res
+        total += tl.where(local, res, 0.0)
     tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
 
 
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
+GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
+"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
+512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
+GEMV_CONFIG_INT4 = dict(BLOCK_N=16, NUM_STAGES=4)
+"""int4 experts: a K step is one group (64 bytes a row at group 128), so more rows a program."""
+GEMV_DOWN_8BIT: dict[str, int] = {}
+"""Overrides of the quantized down GEMV only (one program per token and column block, looping
+over the token's k experts: fewer programs than the gate/up GEMV, so smaller ``BLOCK_N`` may
+pay)."""
+GEMM_CONFIG_8BIT: dict[str, int] = dict(BLOCK_K=128, WIDEN=0)
+"""Overrides of ``_gemm_config`` for quantized experts (``WIDEN`` 1: TF32 tensor cores on fp32
+operands, see ``_expert_dot``; ``BLOCK_K``, ``num_stages``, ... as ``scripts/gpu_moe2.py``
+sweeps them)."""
 
 
-def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+def warm_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    quant: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
-    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype."""
+    each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype.
+    ``quant``: the scales (and int4 offsets) of quantized experts, as ``fused_moe`` takes them."""
     num_experts, _, hidden = w13.shape
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
     if key in _WARMED:
@@ -284,7 +422,7 @@ def warm_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) ->
         xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
         ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
         weights = torch.ones(num_tokens, top_k, dtype=x.dtype, device=x.device)
-        fused_moe(xs, w13, w2, weights, ids % num_experts)
+        fused_moe(xs, w13, w2, weights, ids % num_experts, **(quant or {}))
 
 
 _WARMED: set[tuple] = set()
@@ -304,17 +442,72 @@ def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, 
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
 
 
-def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> None:
-    num_experts, two_inter, hidden = w13.shape
+class ExpertLayout(NamedTuple):
+    """How ``fused_moe``'s expert stacks are stored (see ``_layout``)."""
+
+    quant: int
+    """0: 16-bit in x's dtype; 1: int8 / fp8 with per-channel scales; 2: int4 with groups."""
+    group13: int
+    """Group size along H of w13 (int4), else 0."""
+    group2: int
+    """Group size along I of w2 (int4), else 0."""
+
+
+def _layout(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    scales: tuple[torch.Tensor | None, ...],
+) -> ExpertLayout:
+    """Check the stacks against x and each other (int4 stacks hold two elements per byte)."""
+    w13_scale, w2_scale, w13_offset, w2_offset = scales
+    packed = 2 if w13.dtype == torch.uint8 else 1
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * packed
+    inter = two_inter // 2
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} does not match w13 {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+    if tuple(w2.shape) != (num_experts, hidden, inter // packed) or w2.dtype != w13.dtype:
         raise ValueError(f"w2 {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}")
     if ids.shape[0] != x.shape[0]:
         raise ValueError("one row of top-k ids per token")
     for t in (x, w13, w2):
         if t.stride(-1) != 1:
             raise ValueError("fused_moe needs the last dim of x and the weights contiguous")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("quantized experts need both w13_scale and w2_scale")
+    if w13_scale is None or w2_scale is None:
+        if w13.dtype != x.dtype:
+            raise ValueError(f"16-bit experts must be in x's dtype {x.dtype}, got {w13.dtype}")
+        return ExpertLayout(0, 0, 0)
+    if packed == 1:
+        if w13.dtype not in QUANT_DTYPES:
+            raise ValueError(f"quantized experts must be int8, fp8 e4m3 or int4, got {w13.dtype}")
+        for scale, w in ((w13_scale, w13), (w2_scale, w2)):
+            if tuple(scale.shape) != tuple(w.shape[:2]) or not scale.is_contiguous():
+                raise ValueError(
+                    f"per-channel expert scales must be [E, N] = {tuple(w.shape[:2])} and "
+                    f"contiguous, got {tuple(scale.shape)}"
+                )
+        return ExpertLayout(1, 0, 0)
+    groups = []
+    for scale, offset, w, k in (
+        (w13_scale, w13_offset, w13, hidden),
+        (w2_scale, w2_offset, w2, inter),
+    ):
+        if offset is None or scale.dim() != 3 or tuple(scale.shape[:2]) != tuple(w.shape[:2]):
+            raise ValueError("int4 experts need scales and offsets [E, N, K // group]")
+        if offset.shape != scale.shape or not (scale.is_contiguous() and offset.is_contiguous()):
+            raise ValueError("int4 expert offsets must match their scales (contiguous)")
+        if k % scale.shape[2] or k // scale.shape[2] not in (32, 64, 128):
+            raise ValueError(f"int4 experts need groups of 32, 64 or 128 dividing K = {k}")
+        groups.append(k // scale.shape[2])
+    return ExpertLayout(2, groups[0], groups[1])
+
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+"""Expert weight dtypes the kernels widen in registers (with per-channel scales); uint8
+stacks are int4 (two per byte)."""
 
 
 def fused_moe(
@@ -324,15 +517,25 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     force_path: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_offset: torch.Tensor | None = None,
+    w2_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
     GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
     (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
-    depends on shapes only."""
+    depends on shapes only.
+
+    Quantized experts: ``w13``/``w2`` int8 or fp8 e4m3 with per-channel scales ``w13_scale
+    [E, 2I]`` and ``w2_scale [E, H]`` (``w = q * s``), or int4 (uint8 ``[E, N, K // 2]``, low
+    nibble first) with group scales and offsets ``[E, N, K // group]`` (``w = q * s + o``). An
+    id equal to ``E`` (``NOT_LOCAL``: the pair's expert lives on another expert-parallel rank)
+    contributes nothing and reads nothing."""
     check_device(x, w13, w2, topk_weights, topk_ids)
-    _check_shapes(x, w13, w2, topk_ids)
+    layout = _layout(x, w13, w2, topk_ids, (w13_scale, w2_scale, w13_offset, w2_offset))
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden = w13.shape
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     inter = two_inter // 2
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
@@ -340,41 +543,64 @@ def fused_moe(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
+    s13 = w13 if w13_scale is None else w13_scale  # a placeholder pointer when unquantized
+    s2 = w2 if w2_scale is None else w2_scale
+    o13 = s13 if w13_offset is None else w13_offset
+    o2 = s2 if w2_offset is None else w2_offset
+    sn13, sn2 = (s13.stride(1), s2.stride(1)) if layout.quant == 2 else (1, 1)
     small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
     path = force_path or ("gemv" if small else "grouped")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)
+        cfg["WIDEN"] = 0
+        if layout.quant:  # keep ~4 KiB of weights per tile step
+            cfg.update(GEMV_CONFIG_8BIT)
+        if layout.quant == 2:  # one group of both K dims a step (the scale a vector)
+            cfg.update(GEMV_CONFIG_INT4, BLOCK_K=min(layout.group13, layout.group2) // 2)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
+        units = 2 if layout.quant == 2 else 1  # int4: the K loop runs over bytes
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, act, ids, weights, inter, hidden,
-            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False, **cfg,
+            x, w13, s13, o13, act, ids, weights, inter, hidden // units, num_experts,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
+            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
+            QUANT=layout.quant, GROUP=layout.group13, **cfg,
         )  # fmt: skip
-        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-            act, w2, out, ids, weights, hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True, **cfg,
+        if layout.quant:
+            cfg.update(GEMV_DOWN_8BIT)
+        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg["BLOCK_N"]))](
+            act, w2, s2, o2, out, ids, weights, hidden, inter // units, num_experts,
+            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
+            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
+            QUANT=layout.quant, GROUP=layout.group2, **cfg,
         )  # fmt: skip
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
-    block_m = _gemm_config(num_pairs, num_experts, True)["BLOCK_M"]
-    align = moe_align(ids, num_experts, block_m)
+    cfgs = {s: _gemm_config(num_pairs, num_experts, s) | dict(WIDEN=0) for s in (True, False)}
+    for cfg in cfgs.values():
+        if layout.quant:
+            cfg.update(GEMM_CONFIG_8BIT)
+        if layout.quant == 2:  # a K step within one group (and at least 16 bytes for the dot)
+            cfg["BLOCK_K"] = max(32, min(cfg["BLOCK_K"], layout.group13, layout.group2))
+    block_m = cfgs[True]["BLOCK_M"]  # both GEMMs read the same alignment
+    align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    for a, w, dst, n, k, div, silu in (
-        (x, w13, act, inter, hidden, top_k, True),
-        (act, w2, per_pair, hidden, inter, 1, False),
+    for a, w, sc, off, sn, group, dst, n, k, div, silu in (
+        (x, w13, s13, o13, sn13, layout.group13, act, inter, hidden, top_k, True),
+        (act, w2, s2, o2, sn2, layout.group2, per_pair, hidden, inter, 1, False),
     ):
-        cfg = _gemm_config(num_pairs, num_experts, silu)
+        cfg = cfgs[silu]
         grid = (num_blocks, triton.cdiv(n, cfg["BLOCK_N"]))
         _moe_gemm_kernel[grid](
-            a, w, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded, weights,
-            n, k, num_pairs, div, a.stride(0), w.stride(0), w.stride(1), dst.stride(0),
-            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, **cfg,
+            a, w, sc, off, dst, align.sorted_pair_ids, align.block_expert_ids, align.num_padded,
+            weights, n, k, num_pairs, num_experts, div, a.stride(0), w.stride(0), w.stride(1),
+            sc.stride(0), sn, dst.stride(0),
+            SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, QUANT=layout.quant,
+            GROUP=group, **cfg,
         )  # fmt: skip
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

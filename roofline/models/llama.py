@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.parallel = parallel
-        shard = ShardLayout.of(cfg, parallel.rank, parallel.world_size)
+        shard = ShardLayout.of(cfg, parallel.rank, parallel.world_size, parallel.expert_parallel)
         self.shard = shard
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max(max_positions, 1), cfg.rope_theta, cfg.rope_scaling

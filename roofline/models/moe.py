@@ -14,22 +14,65 @@ and ``...experts.E.{w1,w3,w2}.weight`` (gate, up, down). Stacked forms are also 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from roofline.config import ModelConfig
+from roofline.distributed.expert_parallel import parse_expert_tensor
+from roofline.distributed.parallel_state import SINGLE, ParallelContext
 from roofline.layers.moe import FusedMoE
 from roofline.models.llama import LlamaForCausalLM
-from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from roofline.quantization.moe import MoEMethod
 
 _SPARSE_BLOCKS = ("mlp", "block_sparse_moe")
-_EXPERT_PROJ = {
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
-    "w1": "gate",
-    "w3": "up",
-    "w2": "down",
-    "gate_up_proj": "gate_up",
-}
+
+
+def moe_method(
+    quant_config: QuantizationConfig | None, cfg: ModelConfig, prefix: str
+) -> MoEMethod | None:
+    """The method of the experts at ``prefix`` (None: 16-bit), or a ValueError for a scheme
+    that has no expert kernels (before any weight loads)."""
+    if quant_config is None or quant_config.name == "none":
+        return None
+    method = quant_config.get_moe_method(prefix)
+    if method is None:
+        raise ValueError(
+            f"{cfg.architecture}: {quant_config.name} has no quantized expert kernels; "
+            "MoE models take quantization='int8', 'int4[-asym][-g<N>]', 'fp8' or 'fp8-w8a8'"
+        )
+    return method
+
+
+class _DenseMlpsUnquantized(QuantizationConfig):
+    """``quant_config`` for building the Llama layers, except that the dense MLPs of sparse
+    layers (replaced by ``FusedMoE`` right after) get the 16-bit method: their sizes need not
+    fit the scheme's groups (under tensor parallelism ``intermediate_size / tp``)."""
+
+    def __init__(self, inner: QuantizationConfig, cfg: ModelConfig) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sparse = {
+            f"model.layers.{i}.mlp."
+            for i in range(cfg.num_hidden_layers)
+            if i not in cfg.dense_mlp_layers
+        }
+
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        if prefix.rsplit(".", 1)[0] + "." in self.sparse:
+            return UnquantizedLinearMethod()
+        return self.inner.get_linear_method(prefix)
+
+    def quantizes_lm_head(self) -> bool:
+        return self.inner.quantizes_lm_head()
+
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module | None:
+        return self.inner.embedding(num_embeddings, embedding_dim)
+
+    def planner_precision(self) -> tuple[str, str | None, int]:
+        return self.inner.planner_precision()
+
+    def get_moe_method(self, prefix: str) -> MoEMethod | None:
+        return self.inner.get_moe_method(prefix)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -40,17 +83,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         cfg: ModelConfig,
         max_positions: int,
         quant_config: QuantizationConfig | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         if cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0:
             raise ValueError(f"{cfg.architecture} needs num_experts and num_experts_per_tok > 0")
-        if quant_config is not None and quant_config.name != "none":
-            # the experts are this model's own stacked parameters: a quantized method for them
-            # (FusedMoE's counterpart of LinearMethod) does not exist yet
-            raise ValueError(
-                f"{cfg.architecture}: quantized MoE models ({quant_config.name}) are not "
-                "supported yet; run the 16-bit checkpoint"
-            )
-        super().__init__(cfg, max_positions, quant_config)
+        moe_method(quant_config, cfg, "model.layers.0.mlp.experts")  # refused before building
+        dense = quant_config
+        if quant_config is not None:  # the sparse layers' dense MLPs are placeholders, replaced
+            dense = _DenseMlpsUnquantized(quant_config, cfg)  # below: no quantized shapes for them
+        super().__init__(cfg, max_positions, dense, parallel)
         for i, layer in enumerate(self.layers):
             if i not in cfg.dense_mlp_layers:
                 layer.mlp = FusedMoE(
@@ -59,6 +100,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                     cfg.num_experts,
                     cfg.num_experts_per_tok,
                     cfg.norm_topk_prob,
+                    method=moe_method(quant_config, cfg, f"model.layers.{i}.mlp.experts"),
+                    parallel=parallel,
+                    expert_parallel=parallel.expert_parallel,
                 )
 
     def moe_layers(self) -> list[tuple[int, FusedMoE]]:
@@ -71,23 +115,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         block = self.layers[int(parts[1])].mlp
         if not isinstance(block, FusedMoE):
             return False  # a dense layer's MLP: the usual path
-        rest = parts[3:]
-        if rest == ["gate", "weight"]:
+        if parts[3:] == ["gate", "weight"]:
             block.load_router(tensor)
             return True
-        if rest[0] != "experts":
+        where = parse_expert_tensor(name)
+        if where is None:
             return False
-        if len(rest) == 4 and rest[1].isdigit() and rest[3] == "weight":  # one expert
-            expert: int | None = int(rest[1])
-            proj = rest[2]
-        elif len(rest) in (2, 3) and rest[-1] in ("weight", rest[1]):  # stacked over experts
-            expert, proj = None, rest[1]
-        else:
-            raise KeyError(f"checkpoint tensor {name!r}: unknown expert tensor layout")
-        if proj not in _EXPERT_PROJ:
-            raise KeyError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}")
-        block.load_expert(expert, _EXPERT_PROJ[proj], tensor)
+        block.load_expert(where.expert, where.proj, tensor)
         return True
+
+    def process_weights_after_loading(self) -> None:
+        for _, block in self.moe_layers():
+            block.process_weights_after_loading()
+        super().process_weights_after_loading()
 
     def _check_loaded(self, loaded: set[str]) -> None:
         missing = []
@@ -96,7 +136,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             missing += [f"layers.{i}.mlp.{g}" for g in gaps]
             if not gaps:  # the router as a loaded linear layer, the experts as parameters
                 loaded.add(f"layers.{i}.mlp.gate.weight#0")
-                loaded.update(f"layers.{i}.mlp.{p}" for p in ("w13_weight", "w2_weight"))
+                own = block.named_parameters(recurse=False)  # the experts' weights and scales
+                loaded.update(f"layers.{i}.mlp.{n}" for n, _ in own)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
         super()._check_loaded(loaded)

@@ -27,10 +27,13 @@ CUDA, MKL's packed single-row GEMM on the CPU, ``F.linear`` elsewhere.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from roofline.quantization.moe import MoEMethod
 
 ShardAxis = Literal["out", "in"]
 """Which dimension of the (unquantized) weight ``[out_features, in_features]`` a slice cuts."""
@@ -126,6 +129,11 @@ class QuantizationConfig(ABC):
     def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module | None:
         """A token embedding kept in the checkpoint's quantized form (its parameter ``weight``
         takes the checkpoint tensor as stored), or None for the float ``nn.Embedding``."""
+        return None
+
+    def get_moe_method(self, prefix: str) -> MoEMethod | None:
+        """The method of the MoE experts at ``prefix`` (``model.layers.3.mlp.experts``); None
+        when this scheme has no quantized expert kernels (a MoE model then refuses it)."""
         return None
 
 

@@ -29,6 +29,7 @@ from roofline.quantization.base import LinearMethod, QuantizationConfig, Unquant
 from roofline.quantization.fp8 import Fp8LinearMethod, check_fp8_device
 from roofline.quantization.int4 import INT4_GROUP_SIZES, Int4LinearMethod
 from roofline.quantization.int8 import Int8LinearMethod
+from roofline.quantization.moe import GroupInt4MoEMethod, MoEMethod, moe_method_for
 
 ON_THE_FLY = ("int8", "int4", "int4-asym", "fp8", "fp8-w8a8")
 CHECKPOINT_FORMATS = ("gptq", "awq", "fp8", "gguf")
@@ -50,6 +51,12 @@ class OnTheFlyConfig(QuantizationConfig):
 
     def quantizes_lm_head(self) -> bool:
         return self.lm_head
+
+    def get_moe_method(self, prefix: str) -> MoEMethod | None:
+        match = _INT4.match(self.name)
+        if match is not None:
+            return GroupInt4MoEMethod(int(match["group"] or 128), match["asym"] is None)
+        return moe_method_for(self.name)
 
     def planner_precision(self) -> tuple[str, str | None, int]:
         if self.name == "int8":
@@ -158,6 +165,8 @@ def check_tensor_parallel(
         "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
         "mlp.down_proj": cfg.intermediate_size,
     }
+    if cfg.num_experts and not cfg.dense_mlp_layers:  # no dense MLP (MoE experts: their own check)
+        del row_parallel["mlp.down_proj"]
     for module, in_features in row_parallel.items():
         method = quant_config.get_linear_method(f"model.layers.0.{module}")
         group = getattr(method, "group_size", None)

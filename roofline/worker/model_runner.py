@@ -29,6 +29,7 @@ from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogpr
 from roofline.distributed.parallel_state import SINGLE, ParallelContext
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.linear import MergedLinear
+from roofline.layers.moe import FusedMoE
 from roofline.layers.sampler import Sampler, SamplerOutput
 from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
@@ -626,7 +627,7 @@ def init_dummy_weights(
     quantized = {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, MergedLinear) and module.method.quantized
+        if isinstance(module, MergedLinear | FusedMoE) and module.method.quantized
     }
     for name, param in model.named_parameters():
         owner, _, kind = name.rpartition(".")
@@ -641,6 +642,9 @@ def init_dummy_weights(
         else:
             param.normal_(0.0, std, generator=gen)
     for module in quantized.values():
+        if isinstance(module, FusedMoE):  # its experts, through its method (the router above)
+            module.init_dummy_weights(gen, std, dtype)
+            continue
         for shard, size in enumerate(module.output_sizes):
             weight = torch.empty(
                 size, module.in_features, dtype=dtype or torch.float32, device=device

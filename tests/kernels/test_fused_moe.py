@@ -7,14 +7,8 @@ import pytest
 import torch
 from kernel_utils import DEVICE, ON_GPU, assert_close
 
-from roofline.kernels.fused_moe import (
-    fused_moe,
-    fused_moe_ref,
-    max_padded_rows,
-    moe_align,
-    route,
-    route_ref,
-)
+from roofline.kernels.fused_moe import fused_moe, fused_moe_ref, route, route_ref
+from roofline.kernels.moe_align import max_padded_rows, moe_align
 
 
 def _host_grouping(ids: torch.Tensor, num_experts: int, block_m: int) -> dict[int, list[int]]:
