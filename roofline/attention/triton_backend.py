@@ -20,6 +20,7 @@ from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
 from roofline.kernels.prefill_attention import prefill_attention
+from roofline.kernels.prefix_gather import PrefixGatherer
 from roofline.kernels.verify_attention import verify_attention
 
 
@@ -57,6 +58,7 @@ class TritonAttentionBackend:
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
         self.decode_num_splits = decode_num_splits
+        self._prefix = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
 
     def forward(
         self,
@@ -112,4 +114,5 @@ class TritonAttentionBackend:
             v_scale=v_scale,
             k_new=k,  # this step's keys (rotated in place) and values, for the "tma" variants
             v_new=v,
+            prefix=self._prefix.gather(q, k, v, k_cache, v_cache, meta, k_scale),
         )

@@ -49,6 +49,7 @@ from roofline.spec_decode.decoder import SpecDecoder
 from roofline.structured_output.engine_hooks import GrammarWaits
 from roofline.worker.graph_mode import CUDA_GRAPH_MODES
 from roofline.worker.model_runner import ModelRunner, StepHandle
+from roofline.worker.startup import precompile_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -213,9 +214,12 @@ class LLMEngine:
                 cuda_graph_mode="none" if args.enforce_eager else args.cuda_graph_mode,
                 max_sampled_rows=sampled_rows,
             )
+            graphs = device.type == "cuda" and not args.enforce_eager
+            graphs = graphs and args.cuda_graph_mode != "none"
             if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
+                precompile_kernels(self.runner, graphs)  # all at once, on a thread pool
                 self.runner.warmup()
-            if device.type == "cuda" and not args.enforce_eager and args.cuda_graph_mode != "none":
+            if graphs:
                 self.runner.capture_cuda_graphs()
                 if self.spec is not None:  # verification graphs, the adaptive switch
                     self.spec.prepare(self.runner)

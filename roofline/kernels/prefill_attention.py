@@ -27,6 +27,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.decode_attention import scale_args
+from roofline.kernels.prefix_gather import GatheredPrefix
 from roofline.quantization.kv_cache import dequantize
 
 LOG2E = 1.4426950408889634
@@ -35,7 +36,7 @@ LOG2E = 1.4426950408889634
 # them. "_hf": heads fastest in the launch order (all heads' longest tiles first, the query heads
 # of one KV head side by side in L2) instead of tiles fastest. Chosen from the H100 sweep of
 # scripts/gpu_kernels.py.
-VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws")
+VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf")
 # H100, 8192-token causal prompt, 32/8 heads, d 128 (scripts/gpu_kernels.py): base 355-358
 # TFLOP/s, base_hf 342, tma 406, tma_ws 409, tma_hf 462 (all 128 x 128 tiles, 8 warps, 3
 # stages); the whole Llama-3.1-8B prefill at 74.2% (base) / 78.8% (tma_hf) of the matmul rate
@@ -310,11 +311,13 @@ def prefill_attention(
     k_new: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the step's keys
     v_new: torch.Tensor | None = None,  # (already in the cache too), for the "tma" variants
     variant: str | None = None,
+    prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
     With ``k_new``/``v_new`` (this step's rows, as stored) and a "tma" variant (default
     ``DEFAULT_VARIANT``), the step's own keys are read from them through tensor descriptors
-    and only the cached prefix from the pages. The tile/launch overrides exist for sweeps."""
+    and only the cached prefix from the pages, or, for the requests ``prefix`` gathered, from
+    its contiguous rows. The tile/launch overrides exist for sweeps."""
     check_device(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -341,7 +344,8 @@ def prefill_attention(
             return tma.prefill_attention_tma(
                 q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 scale * LOG2E, out, block_m, block_n, num_warps, num_stages,
-                warp_spec=variant == "tma_ws", heads_fast=variant.endswith("_hf"),
+                warp_spec=variant.startswith("tma_ws"), heads_fast=variant.endswith("_hf"),
+                prefix=prefix,
             )  # fmt: skip
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels.prefill_attention import _attend_block
+from roofline.kernels.prefix_gather import GatheredPrefix
 
 
 @triton.jit
@@ -49,15 +50,63 @@ def _attend_new(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_gathered_prefix(
+    acc, m_i, l_i, q, kp_desc, vp_desc, p_row, col, ctx_len, offs_m, scale_log2e,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold a gathered prefix in: keys ``0 .. ctx_len`` at descriptor rows ``p_row + j``."""
+    prefix_full = ctx_len // BLOCK_N * BLOCK_N
+    for j0 in range(0, prefix_full, BLOCK_N):
+        acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, kp_desc, vp_desc, p_row, col, j0, offs_m,
+                                    scale_log2e, BLOCK_N, False, PRECISION)  # fmt: skip
+    if prefix_full < ctx_len:  # keys j < ctx_len: the causal mask of a row at ctx_len - 1
+        last = offs_m * 0 + (ctx_len - 1)
+        acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, kp_desc, vp_desc, p_row, col, prefix_full,
+                                    last, scale_log2e, BLOCK_N, True, PRECISION)  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_paged_prefix(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head, ctx_len, offs_m,
+    offs_d, scale_log2e, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold a prefix in from the pages (the last, partial block through the causal path, whose
+    q_pos bound holds for every key)."""
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    d_mask = offs_d < HEAD_DIM
+    q_pos = ctx_len + offs_m
+    prefix_full = ctx_len // BLOCK_N * BLOCK_N
+    for n0 in range(0, prefix_full, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_head, v_head, k_head, v_head, bt_row, n0, ctx_len, q_pos,
+            stride_kp, stride_ks, stride_vp, stride_vs, 0, 0, offs_d, d_mask, scale_log2e,
+            PAGE_SIZE, BLOCK_N, False, PRECISION, False,
+        )  # fmt: skip
+    if prefix_full < ctx_len:
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_head, v_head, k_head, v_head, bt_row, prefix_full, ctx_len,
+            q_pos, stride_kp, stride_ks, stride_vp, stride_vs, 0, 0, offs_d, d_mask,
+            scale_log2e, PAGE_SIZE, BLOCK_N, True, PRECISION, False,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "search_steps", "stride_bt"])
 def _prefill_tma_kernel(
-    q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr,
-    seq_lens_ptr, out_ptr, scale_log2e, num_reqs, num_tiles, search_steps,
+    q_desc, k_desc, v_desc, kp_desc, vp_desc, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    query_start_loc_ptr, prefix_start_loc_ptr, seq_lens_ptr, out_ptr, scale_log2e, num_reqs,
+    num_tiles, search_steps,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_ot,
     stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
-    HEADS_FAST: tl.constexpr,
+    HEADS_FAST: tl.constexpr, PREFIX_TMA: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FAST:  # grid (heads, tiles)
         tile = num_tiles - 1 - tl.program_id(1)  # last tiles (longest causal rows) first
@@ -89,30 +138,33 @@ def _prefill_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    col = kv_head * HEAD_DIM
     # Cached prefix: every key precedes every row; only the last, partial block is masked (its
-    # keys past the prefix), through the causal path, whose q_pos bound holds for every key.
-    if ctx_len > 0:
-        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-        d_mask = offs_d < HEAD_DIM
-        q_pos = ctx_len + offs_m
-        prefix_full = ctx_len // BLOCK_N * BLOCK_N
-        for n0 in range(0, prefix_full, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q, k_head, v_head, k_head, v_head, bt_row, n0, ctx_len, q_pos,
-                stride_kp, stride_ks, stride_vp, stride_vs, 0, 0, offs_d, d_mask, scale_log2e,
-                PAGE_SIZE, BLOCK_N, False, PRECISION, False,
+    # keys past the prefix). PREFIX_TMA: prefixes of long chunks were gathered into contiguous
+    # rows (``kernels/prefix_gather.py``), this request's from ``prefix_start_loc[req]`` (-1:
+    # not gathered), read as boxes like the chunk's own keys; the others from the pages.
+    if PREFIX_TMA:
+        p_row = tl.load(prefix_start_loc_ptr + req)
+        if (p_row >= 0) & (ctx_len > 0):
+            acc, m_i, l_i = _attend_gathered_prefix(
+                acc, m_i, l_i, q, kp_desc, vp_desc, p_row, col, ctx_len, offs_m, scale_log2e,
+                BLOCK_N, PRECISION,
             )  # fmt: skip
-        if prefix_full < ctx_len:
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q, k_head, v_head, k_head, v_head, bt_row, prefix_full, ctx_len,
-                q_pos, stride_kp, stride_ks, stride_vp, stride_vs, 0, 0, offs_d, d_mask,
-                scale_log2e, PAGE_SIZE, BLOCK_N, True, PRECISION, False,
+        elif ctx_len > 0:
+            acc, m_i, l_i = _attend_paged_prefix(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head,
+                ctx_len, offs_m, offs_d, scale_log2e, stride_kp, stride_ks, stride_kh,
+                stride_vp, stride_vs, stride_vh, stride_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                PRECISION,
             )  # fmt: skip
+    elif ctx_len > 0:
+        acc, m_i, l_i = _attend_paged_prefix(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head, ctx_len,
+            offs_m, offs_d, scale_log2e, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, stride_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N, PRECISION,
+        )  # fmt: skip
 
     # This chunk's keys: blocks left of the tile's first row unmasked, the diagonal ones masked.
-    col = kv_head * HEAD_DIM
     full_end = (first_row + 1) // BLOCK_N * BLOCK_N
     for j0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, m_i, l_i = _attend_new(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, offs_m,
@@ -160,29 +212,40 @@ def prefill_attention_tma(
     num_stages: int,
     warp_spec: bool = False,
     heads_fast: bool = False,
+    prefix: GatheredPrefix | None = None,
 ) -> torch.Tensor:
+    """``prefix``: the cached prefixes gathered into contiguous rows (``gather_prefix``), read
+    through descriptors too; None: the prefix is gathered from the pages inside the kernel."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     num_reqs = query_start_loc.shape[0] - 1
     q2 = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1],
                           [block_m, head_dim])  # fmt: skip
-    k2, v2 = (
-        TensorDescriptor(
-            t, [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1], [block_n, head_dim]
-        )  # fmt: skip
-        for t in (k_new, v_new)
-    )
+    k2, v2 = (_rows_desc(t, block_n) for t in (k_new, v_new))
+    kp2, vp2, prefix_start = k2, v2, query_start_loc  # unused unless PREFIX_TMA
+    if prefix is not None:
+        kp2, vp2 = (_rows_desc(t, block_n) for t in (prefix.k, prefix.v))
+        prefix_start = prefix.start_loc
     num_tiles = num_tokens // block_m + num_reqs
     grid = (num_heads, num_tiles) if heads_fast else (num_tiles, num_heads)
     _prefill_tma_kernel[grid](
-        q2, k2, v2, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, scale_log2e,
-        num_reqs, num_tiles, max(1, (num_reqs - 1).bit_length() + 1),
+        q2, k2, v2, kp2, vp2, k_cache, v_cache, block_table, query_start_loc, prefix_start,
+        seq_lens, out, scale_log2e, num_reqs, num_tiles, max(1, (num_reqs - 1).bit_length() + 1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WARP_SPEC=warp_spec,
-        HEADS_FAST=heads_fast, num_warps=num_warps, num_stages=num_stages,
+        HEADS_FAST=heads_fast, PREFIX_TMA=prefix is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _rows_desc(t: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """A 2-D descriptor over ``t`` [rows, num_kv_heads, head_dim] (rows strided, heads
+    contiguous) with ``[block_n, head_dim]`` boxes."""
+    rows, num_kv_heads, head_dim = t.shape
+    return TensorDescriptor(t, [rows, num_kv_heads * head_dim], [t.stride(0), 1],
+                            [block_n, head_dim])  # fmt: skip

@@ -1,0 +1,185 @@
+"""Triton compiles of many kernel specialisations at once: a dry run records, a thread pool builds.
+
+A cold start compiles every specialisation the engine's warm-up and graph capture launch, one
+after the other on the launching thread: per kernel the Triton pipeline (mostly LLVM and
+``ptxas``, a subprocess) and, at its first launch, the C launcher stub for its signature (``gcc``,
+another subprocess). Both release the GIL, so they parallelise over threads. ``ParallelCompiler``
+is the mechanism: while its ``dry_run()`` context is open, a launch that would compile is not
+launched; its specialisation (the arguments Triton's ``jit_cache_hook`` receives, exactly what the
+launch would have compiled) is submitted to a pool of threads that compiles it and builds its
+launcher, and a no-op stand-in sits in the kernel's in-memory cache so later launches of the same
+specialisation cost only their binding. ``finish()`` waits for the pool and puts the compiled
+kernels in their caches (Triton's ``jit_post_compile_hook`` is called for each, as a compile
+would), so the real launches that follow find every kernel compiled. A specialisation whose
+compile failed is left out: the real launch compiles it again and raises its error where it
+always did.
+
+A dry run computes nothing with Triton: outputs of skipped kernels hold whatever memory they got.
+Run under it only code whose control flow and indexing do not depend on Triton kernels' outputs
+(``worker/startup.py`` decides which models qualify).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _NullKernel:
+    """Stands in a kernel cache during a dry run: launching it does nothing."""
+
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
+NULL_KERNEL = _NullKernel()
+
+
+@dataclass
+class _Pending:
+    jit: Any  # triton.runtime.jit.JITFunction
+    device: int
+    key: str
+    compile_args: dict
+    future: Future
+
+
+@dataclass
+class CompileStats:
+    """What one dry run compiled."""
+
+    num_kernels: int = 0
+    """Specialisations submitted to the pool."""
+    num_failed: int = 0
+    """Of those, the ones whose compile raised (left to the real launch)."""
+    wait_s: float = 0.0
+    """Seconds ``finish()`` waited for the pool after the dry run ended."""
+    names: list[str] = field(default_factory=list)
+
+
+def default_num_threads() -> int:
+    """Compile threads: the CPUs this process may run on (each compile spends most of its time
+    in LLVM and in ``ptxas``/``gcc`` subprocesses)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 32))
+
+
+class ParallelCompiler:
+    def __init__(self, num_threads: int | None = None) -> None:
+        self.num_threads = num_threads or default_num_threads()
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="triton-compile")
+        self._pending: list[_Pending] = []
+        self._thread: int | None = None
+        self._lock = threading.Lock()
+        self.stats = CompileStats()
+
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[ParallelCompiler]:
+        """Launches on this thread that would compile submit their compile instead and launch
+        nothing; launches of kernels already compiled run as usual."""
+        from triton import knobs
+
+        previous = knobs.runtime.jit_cache_hook
+        self._thread = threading.get_ident()
+
+        def hook(**kwargs: Any) -> bool:
+            if threading.get_ident() == self._thread and self._submit(**kwargs):
+                return True
+            return bool(previous(**kwargs)) if previous is not None else False
+
+        knobs.runtime.jit_cache_hook = hook
+        try:
+            yield self
+        finally:
+            knobs.runtime.jit_cache_hook = previous
+            self._thread = None
+
+    def _submit(self, *, key: str, fn: Any, compile: dict, **_: Any) -> bool:
+        jit = fn.jit_function
+        device = compile["device"]
+        kernel_cache = jit.device_caches[device][0]
+        kernel_cache[key] = NULL_KERNEL  # later dry launches of this specialisation: no-op
+        future = self._pool.submit(_compile, jit, device, compile)
+        with self._lock:
+            self._pending.append(_Pending(jit, device, key, compile, future))
+            self.stats.names.append(jit.fn.__name__)
+        return True
+
+    def finish(self) -> CompileStats:
+        """Wait for every submitted compile and install the kernels; returns the stats."""
+        from triton import knobs
+
+        t0 = time.perf_counter()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for p in pending:
+            kernel_cache = p.jit.device_caches[p.device][0]
+            try:
+                kernel, options = p.future.result()
+            except Exception:  # noqa: BLE001 - the real launch compiles it again and raises
+                self.stats.num_failed += 1
+                if kernel_cache.get(p.key) is NULL_KERNEL:
+                    del kernel_cache[p.key]
+                continue
+            kernel_cache[p.key] = kernel
+            c = p.compile_args
+            p.jit._call_hook(
+                knobs.runtime.jit_post_compile_hook, p.key, c["signature"], p.device,
+                c["constants"], options, c["configs"], False,
+            )  # fmt: skip
+        self.stats.num_kernels += len(pending)
+        self.stats.wait_s += time.perf_counter() - t0
+        return self.stats
+
+    def close(self) -> None:
+        """Drop the stand-ins of anything not finished and stop the pool."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for p in pending:
+            p.future.cancel()
+            kernel_cache = p.jit.device_caches[p.device][0]
+            if kernel_cache.get(p.key) is NULL_KERNEL:
+                del kernel_cache[p.key]
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _compile(jit: Any, device: int, compile_args: dict) -> tuple[Any, Any]:
+    """What ``JITFunction._do_compile`` does for one specialisation (the arguments its cache hook
+    saw), then the launcher stub its first launch would build."""
+    _, _, target, backend, _ = jit.device_caches[device]
+    spec = json.loads(compile_args["specialization_data"])
+    options = backend.parse_options(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    )
+    src = jit.ASTSource(jit, compile_args["signature"], compile_args["constants"],
+                        compile_args["configs"][0])  # fmt: skip
+    kernel = jit.compile(src, target=target, options=options.__dict__)
+    _build_launcher(kernel)
+    return kernel, options
+
+
+def _build_launcher(kernel: Any) -> None:
+    """Build (and cache on disk) the C launcher of ``kernel``'s signature, which its first
+    launch would otherwise build on the launching thread; the launch then loads it."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the first launch builds it and reports any error
+        pass

@@ -1,0 +1,159 @@
+"""Start-up compiles on a thread pool (``kernels/parallel_compile.py``, ``worker/startup.py``).
+
+No GPU here: a stand-in Triton driver reports an sm_90 device, so kernel launches on CPU tensors
+go through Triton's real launch path (binding, specialisation, cache hooks) and compile real
+sm_90 code on the pool; the launches themselves are skipped by the dry run, which is the point.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from roofline.kernels import count_jit_compiles  # noqa: E402
+from roofline.kernels.parallel_compile import NULL_KERNEL, ParallelCompiler  # noqa: E402
+from roofline.worker import startup  # noqa: E402
+
+
+def _scale(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * factor, mask=mask)
+
+
+class _Launcher:
+    built: list[str] = []
+
+    def __init__(self, src, metadata) -> None:  # noqa: ANN001
+        _Launcher.built.append(metadata.name)
+
+
+class _FakeDriver:
+    """What Triton's launch path asks the active driver, for an sm_90 device 0."""
+
+    launcher_cls = _Launcher
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    previous = driver._active
+    driver.set_active(_FakeDriver())
+    _Launcher.built.clear()
+    try:
+        yield JITFunction(_scale)  # compiled, whatever TRITON_INTERPRET says
+    finally:
+        driver._active = previous
+
+
+def test_dry_run_compiles_each_specialisation_once_and_installs_it(fake_gpu):
+    kernel = fake_gpu
+    x = torch.ones(64)
+    out = torch.full((64,), 7.0)
+    compiler = ParallelCompiler(num_threads=2)
+    with count_jit_compiles() as compiled:
+        with compiler.dry_run():
+            for block in (16, 32, 16, 32, 16):  # two specialisations, launched five times
+                kernel[(4,)](x, out, 64, 2.0, BLOCK=block)
+            cache = kernel.device_caches[0][0]
+            assert len(cache) == 2 and all(k is NULL_KERNEL for k in cache.values())
+        assert compiled == []  # nothing is compiled before finish()
+        stats = compiler.finish()
+    compiler.close()
+    assert torch.equal(out, torch.full((64,), 7.0))  # no launch ran
+    assert stats.num_kernels == 2 and stats.num_failed == 0
+    assert compiled == ["_scale", "_scale"]  # the post-compile hook saw both, once each
+    kernels = list(kernel.device_caches[0][0].values())
+    assert sorted(k.metadata.num_warps for k in kernels) == [4, 4]
+    assert all(k is not NULL_KERNEL and "cubin" in k.asm for k in kernels)
+    assert sorted(_Launcher.built) == ["_scale", "_scale"]  # launchers built on the pool
+    # The same launches outside the dry run find the kernels: no compile, no hook.
+    with count_jit_compiles() as compiled_again:
+        for block in (16, 32):
+            key_count = len(kernel.device_caches[0][0])
+            with pytest.raises(Exception):  # noqa: B017 - the fake driver cannot launch
+                kernel[(4,)](x, out, 64, 2.0, BLOCK=block)
+            assert len(kernel.device_caches[0][0]) == key_count
+    assert compiled_again == []
+
+
+def test_failed_compile_is_left_to_the_real_launch(fake_gpu):
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+    compiler = ParallelCompiler(num_threads=1)
+    with compiler.dry_run():
+        kernel[(1,)](x, out, 64, 2.0, BLOCK=48)  # not a power of two: tl.arange refuses it
+    stats = compiler.finish()
+    compiler.close()
+    assert stats.num_kernels == 1 and stats.num_failed == 1
+    assert kernel.device_caches[0][0] == {}  # no stand-in left: the real launch compiles
+
+
+def test_other_threads_compile_as_usual_during_a_dry_run(fake_gpu):
+    import threading
+
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+    compiler = ParallelCompiler(num_threads=1)
+    errors: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            kernel[(4,)](x, out, 64, 2.0, BLOCK=16)
+        except BaseException as e:  # noqa: BLE001 - the fake driver cannot launch
+            errors.append(e)
+
+    with compiler.dry_run():
+        t = threading.Thread(target=launch)
+        t.start()
+        t.join()
+    compiler.finish()
+    compiler.close()
+    assert compiler.stats.num_kernels == 0  # the other thread's launch was not intercepted
+    (compiled,) = kernel.device_caches[0][0].values()
+    assert compiled is not NULL_KERNEL and len(errors) == 1
+
+
+def test_eager_graph_capture_runs_the_captured_code_and_restores_torch():
+    saved = torch.cuda.CUDAGraph, torch.cuda.graph
+    ran = []
+    with startup.eager_graph_capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=None):
+            ran.append(1)
+        assert graph.pool() is None and torch.cuda.graph_pool_handle() is None
+        graph.replay()
+    assert ran == [1]
+    assert (torch.cuda.CUDAGraph, torch.cuda.graph) == saved
+
+
+def test_precompile_does_not_apply_off_cuda_or_to_moe(monkeypatch):
+    from types import SimpleNamespace
+
+    from roofline.layers.moe import FusedMoE
+
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    cpu_runner = SimpleNamespace(device=torch.device("cpu"), model=dense)
+    assert startup.precompile_kernels(cpu_runner, graphs=True) is None
+    assert startup.qualifies(dense)
+    moe = torch.nn.Sequential(FusedMoE.__new__(FusedMoE))
+    torch.nn.Module.__init__(moe[0])
+    assert not startup.qualifies(moe)
+    monkeypatch.setenv("ROOFLINE_PARALLEL_COMPILE", "0")
+    assert not startup.enabled()
