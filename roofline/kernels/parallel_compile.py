@@ -87,7 +87,10 @@ class ParallelCompiler:
         self._pending: list[_Pending] = []
         self._thread: int | None = None
         self._lock = threading.Lock()
+        self._preloads: list[Future] = []
         self.stats = CompileStats()
+        self.specializations: list[tuple[str, str, str]] = []
+        """What the dry runs found: (module, kernel name, Triton's specialization data)."""
 
     @contextlib.contextmanager
     def dry_run(self) -> Iterator[ParallelCompiler]:
@@ -119,7 +122,20 @@ class ParallelCompiler:
         with self._lock:
             self._pending.append(_Pending(jit, device, key, compile, future))
             self.stats.names.append(jit.fn.__name__)
+            self.specializations.append(
+                (jit.fn.__module__, jit.fn.__name__, compile["specialization_data"])
+            )
         return True
+
+    def preload(self, specializations: list[tuple[str, str, str]], device: int) -> None:
+        """Load (from Triton's disk cache, else compile) recorded specialisations on the pool,
+        each into its kernel's in-memory cache: ``(module, kernel name, specialization data)``
+        as ``specializations`` lists them after a dry run. Entries that no longer resolve or
+        load are counted as failed and left to their first launch."""
+        for module, name, spec in specializations:
+            future = self._pool.submit(_preload, module, name, spec, device)
+            with self._lock:
+                self._preloads.append(future)
 
     def finish(self) -> CompileStats:
         """Wait for every submitted compile and install the kernels; returns the stats."""
@@ -128,6 +144,13 @@ class ParallelCompiler:
         t0 = time.perf_counter()
         with self._lock:
             pending, self._pending = self._pending, []
+            preloads, self._preloads = self._preloads, []
+        for future in preloads:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - its first launch compiles it
+                self.stats.num_failed += 1
+        self.stats.num_kernels += len(preloads)
         for p in pending:
             kernel_cache = p.jit.device_caches[p.device][0]
             try:
@@ -172,6 +195,20 @@ def _compile(jit: Any, device: int, compile_args: dict) -> tuple[Any, Any]:
     kernel = jit.compile(src, target=target, options=options.__dict__)
     _build_launcher(kernel)
     return kernel, options
+
+
+def _preload(module: str, name: str, spec: str, device: int) -> None:
+    """``JITFunction.preload`` of one recorded specialisation on ``device`` (the pool's threads
+    start on device 0), then its launcher."""
+    import importlib
+
+    import torch
+
+    jit = getattr(importlib.import_module(module), name)
+    on_device = torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
+    with on_device:
+        kernel = jit.preload(spec)
+    _build_launcher(kernel)
 
 
 def _build_launcher(kernel: Any) -> None:

@@ -18,10 +18,14 @@ before. ``ROOFLINE_PARALLEL_COMPILE=0`` turns the dry run off.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,25 +63,105 @@ def precompile_kernels(
     except ImportError:  # no Triton: nothing to compile
         return None
     t0 = time.perf_counter()
+    manifest = manifest_path(runner, graphs)
+    recorded = read_manifest(manifest)
     compiler = ParallelCompiler(num_threads)
     try:
-        with compiler.dry_run(), eager_graph_capture():
-            runner.warmup()
-            if graphs:
-                runner.capture_cuda_graphs()
+        if recorded is not None:  # a start-up like this one ran before: load what it found
+            compiler.preload(recorded, _device_index(runner.device))
+        else:
+            with compiler.dry_run(), eager_graph_capture():
+                runner.warmup()
+                if graphs:
+                    runner.capture_cuda_graphs()
         dry_s = time.perf_counter() - t0
         stats = compiler.finish()
+    except Exception:  # noqa: BLE001 - the start-up that follows compiles what is missing
+        logger.warning("parallel kernel compile failed; compiling at first launch", exc_info=True)
+        return None
     finally:
         _drop_graphs(runner)
         compiler.close()
         torch.cuda.synchronize(runner.device)
+    if recorded is None and stats.num_failed == 0:
+        write_manifest(manifest, compiler.specializations)
     logger.info(
-        "compiled %d kernel specialisations on %d threads in %.2f s (dry run %.2f s, then "
-        "waited %.2f s; %d failed, left to their first launch)",
-        stats.num_kernels, compiler.num_threads, time.perf_counter() - t0, dry_s, stats.wait_s,
-        stats.num_failed,
+        "%s %d kernel specialisations on %d threads in %.2f s (%s %.2f s, then waited %.2f s; "
+        "%d failed, left to their first launch)",
+        "loaded" if recorded is not None else "compiled", stats.num_kernels, compiler.num_threads,
+        time.perf_counter() - t0, "submitting" if recorded is not None else "dry run", dry_s,
+        stats.wait_s, stats.num_failed,
     )  # fmt: skip
     return stats
+
+
+# ------------------------------------------------------------------ the manifest (warm starts)
+# After a dry run, the specialisations it found are written beside Triton's cache, under a key
+# of everything that decides them; a later start with the same key loads them on the pool
+# without a dry run (from the disk cache, or compiled if it was emptied). Anything the manifest
+# misses compiles at its first launch, as without it.
+_KEY_SOURCES = ("kernels", "layers", "attention", "worker", "models", "quantization")
+
+
+def manifest_path(runner: ModelRunner, graphs: bool) -> Path | None:
+    """Where this start-up's manifest lives (None: no Triton cache directory)."""
+    try:
+        import triton
+        from triton import knobs
+
+        cache_dir = knobs.cache.dir
+    except (ImportError, AttributeError):
+        return None
+    if not cache_dir:
+        return None
+    digest = hashlib.sha256()
+    device = runner.device
+    for part in (
+        repr(runner.model_config), repr(runner.scheduler_config), repr(runner.cache_config),
+        repr(runner.dtype), repr(runner.quant_config), graphs, runner.mixed is not None,
+        runner.cascade is not None, runner.max_sampled_rows, runner.parallel.world_size,
+        torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+        torch.__version__, triton.__version__, _sources_digest(),
+    ):  # fmt: skip
+        digest.update(repr(part).encode())
+    return Path(cache_dir) / "roofline-startup" / f"{digest.hexdigest()[:32]}.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_digest() -> str:
+    """The roofline sources that decide which kernels launch with which arguments."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in _KEY_SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def read_manifest(path: Path | None) -> list[tuple[str, str, str]] | None:
+    if path is None or os.environ.get("ROOFLINE_STARTUP_MANIFEST", "1") == "0":
+        return None
+    try:
+        entries = json.loads(path.read_text())
+        return [(str(m), str(n), str(spec)) for m, n, spec in entries]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def write_manifest(path: Path | None, entries: list[tuple[str, str, str]]) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: every start does the dry run
+        logger.debug("could not write the start-up manifest %s", path, exc_info=True)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _drop_graphs(runner: ModelRunner) -> None:

@@ -28,6 +28,9 @@ def _scale(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * factor, mask=mask)
 
 
+_scale = JITFunction(_scale)  # compiled, whatever TRITON_INTERPRET says
+
+
 class _Launcher:
     built: list[str] = []
 
@@ -56,8 +59,9 @@ def fake_gpu(tmp_path, monkeypatch):
     previous = driver._active
     driver.set_active(_FakeDriver())
     _Launcher.built.clear()
+    _scale.device_caches.clear()
     try:
-        yield JITFunction(_scale)  # compiled, whatever TRITON_INTERPRET says
+        yield _scale
     finally:
         driver._active = previous
 
@@ -152,8 +156,39 @@ def test_precompile_does_not_apply_off_cuda_or_to_moe(monkeypatch):
     cpu_runner = SimpleNamespace(device=torch.device("cpu"), model=dense)
     assert startup.precompile_kernels(cpu_runner, graphs=True) is None
     assert startup.qualifies(dense)
-    moe = torch.nn.Sequential(FusedMoE.__new__(FusedMoE))
-    torch.nn.Module.__init__(moe[0])
-    assert not startup.qualifies(moe)
+
+    class _Experts(FusedMoE):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)  # the type is what counts, not the weights
+
+    assert not startup.qualifies(torch.nn.Sequential(torch.nn.Linear(2, 2), _Experts()))
     monkeypatch.setenv("ROOFLINE_PARALLEL_COMPILE", "0")
     assert not startup.enabled()
+
+
+def test_manifest_round_trip_preloads_what_the_dry_run_found(fake_gpu, tmp_path):
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+    compiler = ParallelCompiler(num_threads=2)
+    with compiler.dry_run():
+        for block in (16, 32, 16):
+            kernel[(4,)](x, out, 64, 2.0, BLOCK=block)
+    compiler.finish()
+    compiler.close()
+    keys = sorted(kernel.device_caches[0][0])
+    path = tmp_path / "m" / "key.json"
+    startup.write_manifest(path, compiler.specializations)
+    entries = startup.read_manifest(path)
+    assert entries is not None and len(entries) == 2
+    assert {(m, n) for m, n, _ in entries} == {(_scale.fn.__module__, "_scale")}
+    # A later start: nothing in memory, the manifest loads both (disk hits) on the pool.
+    kernel.device_caches.clear()
+    later = ParallelCompiler(num_threads=2)
+    later.preload(entries + [("no.such.module", "_k", "{}")], device=0)
+    stats = later.finish()
+    later.close()
+    assert stats.num_kernels == 3 and stats.num_failed == 1  # the stale entry is left out
+    assert sorted(kernel.device_caches[0][0]) == keys
+    assert startup.read_manifest(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("not json")
+    assert startup.read_manifest(tmp_path / "bad.json") is None

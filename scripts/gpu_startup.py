@@ -1,0 +1,407 @@
+"""Issue 13, start-up and prefill: cold and warm start-up of the Llama-3.1-8B engine, broken down,
+with the parallel kernel compiles on and off; then the 8192-token prefill and 2,048-token chunks
+over an 8k cached prefix as % of the matmul rate, and batch-1 decode (regression).
+
+    python scripts/gpu_startup.py [--quick]
+
+Start-up runs in fresh processes (``--child``), each with its own Triton cache directory: "cold"
+starts from an empty one, "warm" reuses the one its cold run filled. Each child prints one
+``STARTUP {json}`` line: seconds per phase (exclusive of nested phases, the device synchronised
+at each phase's end), the engine's construction time (what BENCHMARKS.md reports as start-up),
+the process's whole time, compile counts and the greedy tokens of two prompts (on and off must
+agree). The parent then loads the engine once more (warm cache) for the prefill and decode
+figures. Sections print their errors and go on; a table closes the run.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.perf_counter()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+
+ENGINE_KW = dict(
+    max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.55
+)  # gpu_suite.py's 8B start-up
+PROMPTS = [[1, 450, 7483, 310, 278, 4799], list(range(100, 164))]
+SUMMARY: list[tuple[str, str]] = []
+
+
+# ------------------------------------------------------------------------- start-up (child)
+class Phases:
+    """Wall seconds per phase, each exclusive of the phases nested in it; phases nested in the
+    dry run are named "dry run: ..."."""
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.results: dict[str, object] = {}
+
+    def wrap(self, owner, attr: str, label=None) -> None:  # noqa: ANN001
+        import torch
+
+        fn = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003
+            name = label(args) if callable(label) else (label or attr)
+            if any(s[0] == "parallel compile" for s in self.stack):
+                name = f"dry run: {name}"
+            self.stack.append([name, 0.0])
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                self.results[name] = out
+                return out
+            finally:
+                dt = time.perf_counter() - t0
+                _, nested = self.stack.pop()
+                self.seconds[name] += dt - nested
+                if self.stack:
+                    self.stack[-1][1] += dt
+
+        setattr(owner, attr, wrapped)
+
+
+def child(parallel: bool) -> None:
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    import roofline.engine.llm_engine as le
+    import roofline.worker.model_runner as mr
+    from roofline import LLM, SamplingParams
+    from roofline.kernels import count_jit_compiles
+    from roofline.worker import cuda_graph, graph_mode
+
+    t_roofline = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    t_cuda = time.perf_counter() - t0
+
+    ph = Phases()
+    ph.wrap(le, "load_tokenizer", "tokenizer")
+    ph.wrap(mr.ModelRunner, "__init__", "runner: KV pool, rest")
+    ph.wrap(mr.ModelRunner, "_build_model", "model build (meta)")
+    ph.wrap(mr, "materialize", "model on device (empty)")
+    ph.wrap(mr, "init_dummy_weights", "weight init (random)")
+    ph.wrap(le, "precompile_kernels", "parallel compile")
+    ph.wrap(mr.ModelRunner, "warmup", "warm-up forwards")
+    ph.wrap(mr.ModelRunner, "capture_cuda_graphs", "capture: rest")
+    ph.wrap(cuda_graph.DecodeGraphs, "capture", lambda a: f"capture: {type(a[0]).__name__}")
+    ph.wrap(graph_mode.MixedStepPath, "capture", "capture: MixedGraphs")
+    t0 = time.perf_counter()
+    with count_jit_compiles() as compiled:
+        llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **ENGINE_KW)
+        torch.cuda.synchronize()
+    t_engine = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with count_jit_compiles() as late:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = ph.results.get("parallel compile")
+    report = {
+        "parallel": parallel,
+        "engine_s": t_engine,
+        "process_s": time.perf_counter() - T_PROCESS,
+        "phases": {
+            "import torch": t_torch,
+            "import roofline": t_roofline,
+            "CUDA init": t_cuda,
+            **ph.seconds,
+            "engine, other": t_engine - sum(ph.seconds.values()),
+        },
+        "jit_compiles": len(compiled),
+        "late_compiles": sorted(set(late)),
+        "precompiled": None if stats is None else stats.num_kernels,
+        "precompile_failed": None if stats is None else stats.num_failed,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "threads": os.cpu_count(),
+    }
+    print("STARTUP " + json.dumps(report), flush=True)
+
+
+def run_child(cache_dir: str, parallel: bool, label: str) -> dict | None:
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, ROOFLINE_PARALLEL_COMPILE=str(int(parallel)))
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(int(parallel))],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("STARTUP "):
+            rep = json.loads(line[len("STARTUP ") :])
+            rep["wall_s"] = wall
+            print(f"  {label}: engine {rep['engine_s']:.1f} s, process {rep['process_s']:.1f} s "
+                  f"(wall {wall:.1f} s), {rep['jit_compiles']} kernels compiled/loaded, "
+                  f"precompiled {rep['precompiled']} ({rep['precompile_failed']} failed), "
+                  f"late compiles {rep['late_compiles']}", flush=True)  # fmt: skip
+            return rep
+    print(f"  {label}: FAILED rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return None
+
+
+def startup_section(quick: bool) -> tuple[dict, str]:
+    print("\n=== start-up: Llama-3.1-8B, dummy weights, fresh processes", flush=True)
+    root = tempfile.mkdtemp(prefix="roofline-startup-")
+    off_dir, on_dir = os.path.join(root, "off"), os.path.join(root, "on")
+    runs = {}
+    runs["cold, before (sequential)"] = run_child(off_dir, False, "cold, sequential compiles")
+    runs["cold, parallel"] = run_child(on_dir, True, "cold, parallel compiles")
+    runs["warm, parallel"] = run_child(on_dir, True, "warm, parallel compiles")
+    if not quick:
+        runs["warm, before (sequential)"] = run_child(off_dir, False, "warm, sequential")
+    good = {k: v for k, v in runs.items() if v is not None}
+    names: list[str] = []
+    for rep in good.values():
+        names += [n for n in rep["phases"] if n not in names]
+    cols = list(good)
+    print(f"  {'phase (s)':>34} " + " ".join(f"{c[:16]:>16}" for c in cols))
+    for n in names:
+        vals = [good[c]["phases"].get(n) for c in cols]
+        print(f"  {n[:34]:>34} " + " ".join(f"{'' if v is None else f'{v:.2f}':>16}" for v in vals))
+    print(
+        f"  {'engine construction':>34} " + " ".join(f"{good[c]['engine_s']:>16.2f}" for c in cols)
+    )
+    print(f"  {'whole process':>34} " + " ".join(f"{good[c]['process_s']:>16.2f}" for c in cols))
+    toks = [tuple(map(tuple, r["tokens"])) for r in good.values()]
+    same = len(set(toks)) == 1
+    print(f"  greedy tokens identical across runs: {same}", flush=True)
+    for c in cols:
+        SUMMARY.append((f"8B start-up, {c}", f"{good[c]['engine_s']:.1f} s engine, "
+                        f"{good[c]['process_s']:.1f} s process"))  # fmt: skip
+    SUMMARY.append(("start-up tokens identical", str(same)))
+    return good, on_dir
+
+
+# ------------------------------------------------------------------------------ prefill
+def section(name: str):
+    def wrap(fn):
+        def run(*a, **kw):
+            print(f"\n=== {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            except Exception:  # noqa: BLE001 - report and go on
+                traceback.print_exc()
+                SUMMARY.append((name, "FAILED"))
+            finally:
+                print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+        return run
+
+    return wrap
+
+
+def timed_generate(llm, prompts_fn, n: int = 3) -> float:  # noqa: ANN001
+    """Median wall seconds of ``llm.generate`` (one output token) over ``n`` prompts."""
+    import torch
+
+    from roofline import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    times = []
+    for i in range(n):
+        prompt = prompts_fn(i)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_split(llm, prompt: list[int]) -> tuple[float, dict[str, float]]:  # noqa: ANN001
+    """(wall s, device ms per op group) of one generate of ``prompt`` under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from roofline import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    groups = {"attention": ("_prefill",), "rmsnorm": ("rms_norm",),
+              "rope+kv store": ("rotary", "kv_store", "store_kv"), "silu*mul": ("silu",),
+              "prefix gather": ("index_select", "indexselect", "index_kernel"),
+              "GEMM": ("gemm", "nvjet", "cutlass", "sm90", "xmma", "skinny")}  # fmt: skip
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            low = e.name.lower()
+            g = next((g for g, keys in groups.items() if any(k in low for k in keys)), "other")
+            totals[g] += e.device_time / 1e3
+    return wall, dict(totals)
+
+
+def print_split(label: str, wall: float, totals: dict[str, float]) -> None:
+    total = sum(totals.values())
+    parts = ", ".join(f"{g} {t:.1f}" for g, t in sorted(totals.items(), key=lambda kv: -kv[1]))
+    print(f"  {label}: wall {wall * 1e3:.1f} ms (profiled), kernels {total:.1f} ms: {parts}; "
+          f"not covered by kernels {wall * 1e3 - total:.1f} ms", flush=True)  # fmt: skip
+
+
+@section("prefill: Llama-3.1-8B, 8192 tokens and 2048-token chunks over an 8k cached prefix")
+def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
+    from roofline.kernels import prefill_attention as pa
+    from roofline.kernels import prefix_gather
+    from roofline.planner.roofline import step_cost
+
+    cfg = llm.llm_engine.model_config
+    gpu = ceil.as_gpu_spec()
+    rate = ceil.matmul_flops_per_s
+    base = list(range(100, 100 + 8192))
+    llm.generate([base[:512]], None, use_tqdm=False)  # compiles, allocator
+    cost = step_cost(cfg, gpu, num_prefill_tokens=8192)
+
+    def fresh(i: int) -> list[int]:
+        llm.llm_engine.kv_manager.reset_prefix_cache()
+        return [5 + i] + base[1:]
+
+    variants = ["tma_hf"] if quick else ["tma_hf", "tma_ws_hf", "tma"]
+    default = pa.DEFAULT_VARIANT
+    for variant in variants:
+        pa.DEFAULT_VARIANT = variant
+        try:
+            timed_generate(llm, fresh, 1)  # this variant's compiles
+            t = timed_generate(llm, fresh)
+        finally:
+            pa.DEFAULT_VARIANT = default
+        pct = 100 * cost.flops / t / rate
+        print(f"  8192-token prefill, {variant}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} "
+              f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
+        SUMMARY.append((f"8B prefill 8192 ({variant})", f"{t * 1e3:.0f} ms, {pct:.1f}% of matmul"))
+    print_split("8192 fresh", *kernel_split(llm, fresh(7)))
+
+    # 2048-token chunks over a cached 8192-token prefix (a prefix-cache hit: one step each)
+    chunk_cost = step_cost(cfg, gpu, prefill_chunks=[(2048, 8192)])
+    llm.llm_engine.kv_manager.reset_prefix_cache()
+    llm.generate([base], None, use_tqdm=False)  # the prefix, cached
+
+    fresh_suffixes = iter(range(20000, 120000, 2100))  # each chunk new: no prefix hit past 8k
+
+    def chunk(i: int) -> list[int]:
+        start = next(fresh_suffixes)
+        return base + list(range(start, start + 2048))
+
+    for label, min_q in (("prefix gathered (TMA)", prefix_gather.MIN_QUERY_LEN),
+                         ("prefix from the pages", 1 << 30)):  # fmt: skip
+        prefix_gather.MIN_QUERY_LEN = min_q
+        try:
+            timed_generate(llm, chunk, 1)
+            t = timed_generate(llm, chunk)
+        finally:
+            prefix_gather.MIN_QUERY_LEN = 128
+        pct = 100 * chunk_cost.flops / t / rate
+        print(
+            f"  2048-token chunk over 8192 cached, {label}: {t * 1e3:.1f} ms, "
+            f"{chunk_cost.flops / t / 1e12:.0f} TFLOP/s = {pct:.1f}% of matmul",
+            flush=True,
+        )
+        SUMMARY.append((f"8B chunk 2048 over 8k, {label}", f"{t * 1e3:.1f} ms, {pct:.1f}%"))
+    print_split("2048 chunk over 8k", *kernel_split(llm, chunk(9)))
+
+
+@section("attention alone: 2048-token chunk over an 8192-token paged prefix (32/8 heads, d 128)")
+def chunk_attention_section() -> None:
+    import torch
+
+    from roofline.bench.ceilings import time_fn
+    from roofline.kernels.prefill_attention import causal_attention_flops, prefill_attention
+    from roofline.kernels.prefix_gather import gather_prefix, plan_prefix
+
+    dev = torch.device("cuda")
+    h, hk, d, ps, ctx, n = 32, 8, 128, 16, 8192, 2048
+    total = ctx + n
+    pages = torch.randperm(total // ps, device=dev, dtype=torch.int32)
+    kc = torch.randn(total // ps, ps, hk, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16)
+    bt = pages[None]
+    k_new = kc[pages[ctx // ps :].long()].reshape(n, hk, d)
+    v_new = vc[pages[ctx // ps :].long()].reshape(n, hk, d)
+    qsl = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    sl = torch.tensor([total], device=dev, dtype=torch.int32)
+    flops = causal_attention_flops([total], [n], h, d)
+    args = (q, kc, vc, bt, qsl, sl, d**-0.5, n)
+    plan = plan_prefix(bt, [total], [n], ps)
+    pref = gather_prefix(plan, kc, vc)
+    ref = prefill_attention(*args, k_new=k_new, v_new=v_new)
+    out = prefill_attention(*args, k_new=k_new, v_new=v_new, prefix=pref)
+    err = (out.float() - ref.float()).abs().max().item()
+    print(f"  gathered vs paged prefix: max abs diff {err:.3g}")
+    runs = {
+        "paged prefix (TMA chunk)": lambda: prefill_attention(*args, k_new=k_new, v_new=v_new),
+        "gathered prefix, kernel only": lambda: prefill_attention(
+            *args, k_new=k_new, v_new=v_new, prefix=pref
+        ),
+        "gathered prefix + the gather": lambda: prefill_attention(
+            *args, k_new=k_new, v_new=v_new, prefix=gather_prefix(plan, kc, vc)
+        ),
+    }
+    for name, fn in runs.items():
+        t = time_fn(fn, dev, iters=10)
+        print(f"  {name}: {t * 1e6:.0f} us, {flops / t / 1e12:.0f} TFLOP/s", flush=True)
+        SUMMARY.append((f"chunk attention, {name}", f"{flops / t / 1e12:.0f} TF/s"))
+
+
+@section("decode: Llama-3.1-8B batch 1 (regression: >= 169 tok/s)")
+def decode_section(llm, ceil) -> None:  # noqa: ANN001
+    from roofline.bench import latency
+
+    rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
+    print(latency.format_rows(rows), flush=True)
+    SUMMARY.append(("8B batch-1 decode", f"{rows[0].output_tok_s:.1f} tok/s"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        child(bool(args.child))
+        return
+    t_all = time.perf_counter()
+    cache = None
+    try:
+        _, cache = startup_section(args.quick)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        SUMMARY.append(("start-up", "FAILED"))
+    if cache is not None:
+        os.environ["TRITON_CACHE_DIR"] = cache  # warm: the parallel cold run filled it
+    import torch
+
+    from roofline import LLM
+    from roofline.bench.ceilings import measure
+
+    ceil = measure(torch.device("cuda"), torch.bfloat16)
+    print(f"\nceilings: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+    kw = dict(ENGINE_KW, max_model_len=12288, gpu_memory_utilization=0.6)
+    llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
+    prefill_section(llm, ceil, args.quick)
+    chunk_attention_section()
+    decode_section(llm, ceil)
+    print(f"\n=== summary ({time.perf_counter() - t_all:.0f} s)")
+    for name, val in SUMMARY:
+        print(f"  {name:>48}: {val}")
+
+
+if __name__ == "__main__":
+    main()
