@@ -82,7 +82,7 @@ def child(parallel: bool) -> None:
     import roofline.worker.model_runner as mr
     from roofline import LLM, SamplingParams
     from roofline.kernels import count_jit_compiles
-    from roofline.worker import cuda_graph, graph_mode
+    from roofline.worker import cuda_graph, graph_mode, startup
 
     t_roofline = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def child(parallel: bool) -> None:
     ph.wrap(mr.ModelRunner, "_build_model", "model build (meta)")
     ph.wrap(mr, "materialize", "model on device (empty)")
     ph.wrap(mr, "init_dummy_weights", "weight init (random)")
-    ph.wrap(le, "precompile_kernels", "parallel compile")
+    ph.wrap(startup.StartupCompiles, "run", "parallel compile")
     ph.wrap(mr.ModelRunner, "warmup", "warm-up forwards")
     ph.wrap(mr.ModelRunner, "capture_cuda_graphs", "capture: rest")
     ph.wrap(cuda_graph.DecodeGraphs, "capture", lambda a: f"capture: {type(a[0]).__name__}")

@@ -49,7 +49,7 @@ from roofline.spec_decode.decoder import SpecDecoder
 from roofline.structured_output.engine_hooks import GrammarWaits
 from roofline.worker.graph_mode import CUDA_GRAPH_MODES
 from roofline.worker.model_runner import ModelRunner, StepHandle
-from roofline.worker.startup import precompile_kernels
+from roofline.worker.startup import StartupCompiles
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,8 @@ class LLMEngine:
             args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None
         ):
             raise ValueError("speculative decoding under tensor parallelism is not supported yet")
+        # Triton's set-up (and a known start-up's kernels) on a thread pool from here on
+        compiles = StartupCompiles.begin(args, device, self.model_config, self.scheduler_config)
         self.spec: SpecDecoder | None = None
         """Speculative decoding (None: off); built before the target so that, on CUDA, the
         target's KV budget sees the draft's memory."""
@@ -217,7 +219,7 @@ class LLMEngine:
             graphs = device.type == "cuda" and not args.enforce_eager
             graphs = graphs and args.cuda_graph_mode != "none"
             if device.type != "cpu":  # nothing to compile on the CPU: a first answer sooner
-                precompile_kernels(self.runner, graphs)  # all at once, on a thread pool
+                compiles.run(self.runner, graphs)  # every kernel it needs, on the pool
                 self.runner.warmup()
             if graphs:
                 self.runner.capture_cuda_graphs()

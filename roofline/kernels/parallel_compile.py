@@ -88,6 +88,7 @@ class ParallelCompiler:
         self._thread: int | None = None
         self._lock = threading.Lock()
         self._preloads: list[Future] = []
+        self._setup: list[Future] = []
         self.stats = CompileStats()
         self.specializations: list[tuple[str, str, str]] = []
         """What the dry runs found: (module, kernel name, Triton's specialization data)."""
@@ -127,6 +128,13 @@ class ParallelCompiler:
             )
         return True
 
+    def prepare(self) -> None:
+        """Start Triton's one-time set-up on the pool: its active driver (CUDA utilities
+        built with ``gcc`` on a cold cache) and the key of its own sources (a hash of the
+        compiler library), which the first compile or cache lookup would otherwise compute."""
+        with self._lock:
+            self._setup.append(self._pool.submit(_prepare))
+
     def preload(self, specializations: list[tuple[str, str, str]], device: int) -> None:
         """Load (from Triton's disk cache, else compile) recorded specialisations on the pool,
         each into its kernel's in-memory cache: ``(module, kernel name, specialization data)``
@@ -145,6 +153,10 @@ class ParallelCompiler:
         with self._lock:
             pending, self._pending = self._pending, []
             preloads, self._preloads = self._preloads, []
+            setup, self._setup = self._setup, []
+        for future in setup:  # a failure here shows again where Triton needs it
+            with contextlib.suppress(Exception):
+                future.result()
         for future in preloads:
             try:
                 future.result()
@@ -182,9 +194,28 @@ class ParallelCompiler:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+_KEY_LOCK = threading.Lock()
+
+
+def _triton_key() -> None:
+    """Triton's source key, computed once (threads arriving meanwhile wait for it)."""
+    from triton.runtime.cache import triton_key
+
+    with _KEY_LOCK:
+        triton_key()
+
+
+def _prepare() -> None:
+    _triton_key()
+    from triton.runtime import driver
+
+    driver.active.get_current_target()
+
+
 def _compile(jit: Any, device: int, compile_args: dict) -> tuple[Any, Any]:
     """What ``JITFunction._do_compile`` does for one specialisation (the arguments its cache hook
     saw), then the launcher stub its first launch would build."""
+    _triton_key()
     _, _, target, backend, _ = jit.device_caches[device]
     spec = json.loads(compile_args["specialization_data"])
     options = backend.parse_options(
@@ -204,6 +235,7 @@ def _preload(module: str, name: str, spec: str, device: int) -> None:
 
     import torch
 
+    _triton_key()
     jit = getattr(importlib.import_module(module), name)
     on_device = torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
     with on_device:

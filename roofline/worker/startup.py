@@ -1,14 +1,15 @@
 """A CUDA runner's start-up compiles: every Triton kernel its warm-up and graph capture launch,
 compiled at once on a thread pool before they run for real.
 
-``precompile_kernels(runner, graphs)`` runs the runner's ``warmup()`` and, with ``graphs``, its
+``StartupCompiles.run(runner, graphs)`` runs the runner's ``warmup()`` and, with ``graphs``, its
 ``capture_cuda_graphs()`` once as a dry run (``kernels/parallel_compile.py``): Triton launches
 that would compile submit their compile to the pool and launch nothing, and graph capture runs
 its forwards eagerly (``torch.cuda.CUDAGraph``/``torch.cuda.graph`` stand-ins for the length of
 the dry run), so every specialisation the real start-up needs is found in one pass of host work
 while the pool compiles them. The graphs the dry run made are dropped; the engine then warms up
-and captures as before, finding every kernel compiled. On a warm Triton cache the pool loads the
-kernels from disk, also in parallel.
+and captures as before, finding every kernel compiled. The specialisations found are written to a
+manifest beside Triton's cache; a later start-up with the same key loads them on the pool from
+the start of the engine's construction (overlapping the model's build), with no dry run.
 
 Only models whose forward indexes nothing with a Triton kernel's output qualify (the dry run
 leaves those outputs unwritten): MoE models route tokens with a Triton kernel, so they start as
@@ -50,49 +51,80 @@ def qualifies(model: torch.nn.Module) -> bool:
     return not any(isinstance(m, FusedMoE) for m in model.modules())
 
 
-def precompile_kernels(
-    runner: ModelRunner, graphs: bool, num_threads: int | None = None
-) -> CompileStats | None:
-    """Compile, in parallel, every Triton kernel ``runner.warmup()`` (and with ``graphs``
-    ``runner.capture_cuda_graphs()``) will launch. None when it does not apply (not CUDA, no
-    Triton, a model that does not qualify, or turned off)."""
-    if runner.device.type != "cuda" or not enabled() or not qualifies(runner.model):
-        return None
-    try:
-        from roofline.kernels.parallel_compile import ParallelCompiler
-    except ImportError:  # no Triton: nothing to compile
-        return None
-    t0 = time.perf_counter()
-    manifest = manifest_path(runner, graphs)
-    recorded = read_manifest(manifest)
-    compiler = ParallelCompiler(num_threads)
-    try:
-        if recorded is not None:  # a start-up like this one ran before: load what it found
-            compiler.preload(recorded, _device_index(runner.device))
-        else:
-            with compiler.dry_run(), eager_graph_capture():
-                runner.warmup()
-                if graphs:
-                    runner.capture_cuda_graphs()
-        dry_s = time.perf_counter() - t0
-        stats = compiler.finish()
-    except Exception:  # noqa: BLE001 - the start-up that follows compiles what is missing
-        logger.warning("parallel kernel compile failed; compiling at first launch", exc_info=True)
-        return None
-    finally:
-        _drop_graphs(runner)
-        compiler.close()
-        torch.cuda.synchronize(runner.device)
-    if recorded is None and stats.num_failed == 0:
-        write_manifest(manifest, compiler.specializations)
-    logger.info(
-        "%s %d kernel specialisations on %d threads in %.2f s (%s %.2f s, then waited %.2f s; "
-        "%d failed, left to their first launch)",
-        "loaded" if recorded is not None else "compiled", stats.num_kernels, compiler.num_threads,
-        time.perf_counter() - t0, "submitting" if recorded is not None else "dry run", dry_s,
-        stats.wait_s, stats.num_failed,
-    )  # fmt: skip
-    return stats
+class StartupCompiles:
+    """One engine start-up's kernel compiles. Begun before anything is built: Triton's own
+    initialisation (its cache key, its CUDA utilities) starts on the pool, and where a manifest
+    of an earlier start-up with the same key exists, its kernels start loading too, while the
+    tokenizer, the model and the KV pool are built. ``run(runner, graphs)``, just before the
+    runner's warm-up, does the dry run when there was no manifest and waits for the pool."""
+
+    def __init__(self, device: torch.device, key: tuple, num_threads: int | None = None) -> None:
+        self.device = device
+        self.compiler = None
+        self.manifest: Path | None = None
+        self.recorded: list[tuple[str, str, str]] | None = None
+        self.t0 = time.perf_counter()
+        if device.type != "cuda" or not enabled():
+            return
+        try:
+            from roofline.kernels.parallel_compile import ParallelCompiler
+        except ImportError:  # no Triton: nothing to compile
+            return
+        self.compiler = ParallelCompiler(num_threads)
+        self.compiler.prepare()
+        self.manifest = manifest_path(key, device)
+        self.recorded = read_manifest(self.manifest)
+        if self.recorded is not None:  # a start-up like this one ran before: load what it found
+            self.compiler.preload(self.recorded, _device_index(device))
+
+    @classmethod
+    def begin(cls, args: Any, device: torch.device, *configs: Any) -> StartupCompiles:
+        """For ``LLMEngine``: its ``EngineArgs`` and resolved configs are the key; nothing is
+        done for a tensor-parallel engine (its workers start their own runners)."""
+        if args.tensor_parallel_size != 1 or args.distributed_executor_backend is not None:
+            device = torch.device("cpu")  # the no-op
+        return cls(device, (repr(args), *map(repr, configs)))
+
+    def run(self, runner: ModelRunner, graphs: bool) -> CompileStats | None:
+        """Compile, in parallel, every Triton kernel ``runner.warmup()`` (and with ``graphs``
+        ``runner.capture_cuda_graphs()``) will launch. None when it does not apply (not CUDA,
+        no Triton, a model that does not qualify, turned off, or already run)."""
+        compiler, self.compiler = self.compiler, None
+        if compiler is None:
+            return None
+        dry = self.recorded is None and qualifies(runner.model)
+        t_dry = time.perf_counter()
+        try:
+            if dry:
+                with compiler.dry_run(), eager_graph_capture():
+                    runner.warmup()
+                    if graphs:
+                        runner.capture_cuda_graphs()
+            t_dry = time.perf_counter() - t_dry
+            stats = compiler.finish()
+        except Exception:  # noqa: BLE001 - the start-up that follows compiles what is missing
+            logger.warning("parallel compile failed; compiling at first launch", exc_info=True)
+            return None
+        finally:
+            _drop_graphs(runner)
+            compiler.close()
+            torch.cuda.synchronize(runner.device)
+        if dry and stats.num_failed == 0:
+            write_manifest(self.manifest, compiler.specializations)
+        logger.info(
+            "%s %d kernel specialisations on %d threads, %.2f s since the engine began (dry "
+            "run %.2f s, then waited %.2f s; %d failed, left to their first launch)",
+            "compiled" if dry else "loaded", stats.num_kernels, compiler.num_threads,
+            time.perf_counter() - self.t0, t_dry if dry else 0.0, stats.wait_s,
+            stats.num_failed,
+        )  # fmt: skip
+        return stats
+
+    def close(self) -> None:
+        """Stop the pool without running (when the engine's start-up went another way)."""
+        compiler, self.compiler = self.compiler, None
+        if compiler is not None:
+            compiler.close()
 
 
 # ------------------------------------------------------------------ the manifest (warm starts)
@@ -103,8 +135,8 @@ def precompile_kernels(
 _KEY_SOURCES = ("kernels", "layers", "attention", "worker", "models", "quantization")
 
 
-def manifest_path(runner: ModelRunner, graphs: bool) -> Path | None:
-    """Where this start-up's manifest lives (None: no Triton cache directory)."""
+def manifest_path(key: tuple, device: torch.device) -> Path | None:
+    """Where the manifest of a start-up keyed by ``key`` lives (None: no Triton cache)."""
     try:
         import triton
         from triton import knobs
@@ -115,12 +147,8 @@ def manifest_path(runner: ModelRunner, graphs: bool) -> Path | None:
     if not cache_dir:
         return None
     digest = hashlib.sha256()
-    device = runner.device
     for part in (
-        repr(runner.model_config), repr(runner.scheduler_config), repr(runner.cache_config),
-        repr(runner.dtype), repr(runner.quant_config), graphs, runner.mixed is not None,
-        runner.cascade is not None, runner.max_sampled_rows, runner.parallel.world_size,
-        torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+        *key, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
         torch.__version__, triton.__version__, _sources_digest(),
     ):  # fmt: skip
         digest.update(repr(part).encode())

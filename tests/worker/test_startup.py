@@ -154,7 +154,8 @@ def test_precompile_does_not_apply_off_cuda_or_to_moe(monkeypatch):
 
     dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
     cpu_runner = SimpleNamespace(device=torch.device("cpu"), model=dense)
-    assert startup.precompile_kernels(cpu_runner, graphs=True) is None
+    compiles = startup.StartupCompiles(torch.device("cpu"), ("key",))
+    assert compiles.compiler is None and compiles.run(cpu_runner, graphs=True) is None
     assert startup.qualifies(dense)
 
     class _Experts(FusedMoE):
