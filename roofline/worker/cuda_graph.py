@@ -75,8 +75,10 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its pool
             ctx = ForwardContext(self._meta(bs), self.kv_caches, self.backend)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                self.model(ids, pos, ctx)
+            # one eager forward first, as the mixed graphs do: Triton compiles (or finds) its
+            # kernels, cuBLAS picks its own and allocates its workspace (a second one, as
+            # before, only lengthened the start-up)
+            self.model(ids, pos, ctx)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
