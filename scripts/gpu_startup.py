@@ -359,6 +359,66 @@ def chunk_attention_section() -> None:
         SUMMARY.append((f"chunk attention, {name}", f"{flops / t / 1e12:.0f} TF/s"))
 
 
+@section("attention alone: 8192-token prompt in the model's layout (q/k/v views of one QKV row)")
+def fresh_attention_section(quick: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from roofline.bench.ceilings import time_fn
+    from roofline.kernels.prefill_attention import causal_attention_flops, prefill_attention
+
+    dev = torch.device("cuda")
+    h, hk, d, ps, n = 32, 8, 128, 16, 8192
+    qkv = torch.randn(n, (h + 2 * hk) * d, device=dev, dtype=torch.bfloat16)
+    q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(n, h, d), k.view(n, hk, d), v.view(n, hk, d)  # strided, as in the model
+    pages = torch.arange(n // ps, device=dev, dtype=torch.int32)
+    kc, vc = k.reshape(n // ps, ps, hk, d).contiguous(), v.reshape(n // ps, ps, hk, d).contiguous()
+    qsl = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    sl = torch.tensor([n], device=dev, dtype=torch.int32)
+    flops = causal_attention_flops([n], [n], h, d)
+    args = (q, kc, vc, pages[None], qsl, sl, d**-0.5, n)
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, D] views
+    backends = torch.nn.attention.SDPBackend
+    runs = {
+        "ours, tma_hf": lambda: prefill_attention(*args, k_new=k, v_new=v, variant="tma_hf"),
+        "ours, tma_ws_hf": lambda: prefill_attention(
+            *args, k_new=k, v_new=v, variant="tma_ws_hf"
+        ),  # fmt: skip
+    }
+    sdpa = {
+        "SDPA flash, gqa views": (backends.FLASH_ATTENTION, False),
+        "SDPA cudnn, gqa views": (backends.CUDNN_ATTENTION, False),
+        "SDPA cudnn, K/V repeated": (backends.CUDNN_ATTENTION, True),
+    }
+    if quick:
+        sdpa.pop("SDPA flash, gqa views")
+    for name, (backend, repeat) in sdpa.items():
+
+        def run(backend=backend, repeat=repeat) -> torch.Tensor:
+            kk, vv = kh, vh
+            if repeat:
+                kk, vv = (t.repeat_interleave(h // hk, dim=1) for t in (kh, vh))
+            with torch.nn.attention.sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qh, kk, vv, is_causal=True,
+                                                      enable_gqa=not repeat)  # fmt: skip
+
+        runs[name] = run
+    ref = prefill_attention(*args, k_new=k, v_new=v)
+    for name, fn in runs.items():
+        try:
+            out = fn()
+            if out.dim() == 4:
+                out = out[0].transpose(0, 1)
+            err = (out.float() - ref.float()).abs().max().item()
+            t = time_fn(fn, dev, iters=10)
+            tf = flops / t / 1e12
+            print(f"  {name}: {t * 1e3:.2f} ms, {tf:.0f} TFLOP/s (max diff {err:.2g})", flush=True)
+            SUMMARY.append((f"8k attention, {name}", f"{flops / t / 1e12:.0f} TF/s"))
+        except Exception as e:  # noqa: BLE001 - a backend torch cannot run here
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 @section("decode: Llama-3.1-8B batch 1 (regression: >= 169 tok/s)")
 def decode_section(llm, ceil) -> None:  # noqa: ANN001
     from roofline.bench import latency
@@ -393,14 +453,17 @@ def main() -> None:
     ceil = measure(torch.device("cuda"), torch.bfloat16)
     print(f"\nceilings: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
-    kw = dict(ENGINE_KW, max_model_len=12288, gpu_memory_utilization=0.6)
-    llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
-    prefill_section(llm, ceil, args.quick)
-    chunk_attention_section()
-    decode_section(llm, ceil)
-    print(f"\n=== summary ({time.perf_counter() - t_all:.0f} s)")
-    for name, val in SUMMARY:
-        print(f"  {name:>48}: {val}")
+    try:
+        kw = dict(ENGINE_KW, max_model_len=12288, gpu_memory_utilization=0.6)
+        llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
+        prefill_section(llm, ceil, args.quick)
+        chunk_attention_section()
+        fresh_attention_section(args.quick)
+        decode_section(llm, ceil)
+    finally:
+        print(f"\n=== summary ({time.perf_counter() - t_all:.0f} s)")
+        for name, val in SUMMARY:
+            print(f"  {name:>48}: {val}")
 
 
 if __name__ == "__main__":
