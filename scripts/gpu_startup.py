@@ -28,6 +28,9 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
 ENGINE_KW = dict(
     max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.55
 )  # gpu_suite.py's 8B start-up
@@ -133,6 +136,7 @@ def child(parallel: bool) -> None:
 
 def run_child(cache_dir: str, parallel: bool, label: str) -> dict | None:
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, ROOFLINE_PARALLEL_COMPILE=str(int(parallel)))
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, __file__, "--child", str(int(parallel))],
