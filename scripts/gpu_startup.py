@@ -244,11 +244,15 @@ def kernel_split(llm, prompt: list[int]) -> tuple[float, dict[str, float]]:  # n
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     totals: dict[str, float] = collections.defaultdict(float)
+    per_name: dict[str, float] = collections.defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             low = e.name.lower()
             g = next((g for g, keys in groups.items() if any(k in low for k in keys)), "other")
             totals[g] += e.device_time / 1e3
+            per_name[e.name[:70]] += e.device_time / 1e3
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    print("    top kernels (ms): " + "; ".join(f"{n} {t:.1f}" for n, t in top))
     return wall, dict(totals)
 
 
