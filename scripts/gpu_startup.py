@@ -21,6 +21,8 @@ T_PROCESS = time.perf_counter()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -263,6 +265,24 @@ def print_split(label: str, wall: float, totals: dict[str, float]) -> None:
           f"not covered by kernels {wall * 1e3 - total:.1f} ms", flush=True)  # fmt: skip
 
 
+def _cudnn_prefill(fallback, q, k_cache, v_cache, block_table, qsl, seq_lens, scale,  # noqa: ANN001, ANN003
+                   max_query_len, **kw):  # fmt: skip
+    """torch SDPA (cuDNN) for one fresh prompt in the model's layout (reference point only)."""
+    import torch
+    import torch.nn.functional as F
+
+    k_new, v_new = kw.get("k_new"), kw.get("v_new")
+    if qsl.shape[0] != 2 or max_query_len != q.shape[0] or k_new is None or kw.get("prefix"):
+        return fallback(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, max_query_len,
+                        **kw)  # fmt: skip
+    group = q.shape[1] // k_new.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, H, N, D] view
+    kh, vh = (t.transpose(0, 1)[None].repeat_interleave(group, dim=1) for t in (k_new, v_new))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    return o[0].transpose(0, 1)
+
+
 @section("prefill: Llama-3.1-8B, 8192 tokens and 2048-token chunks over an 8k cached prefix")
 def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
     from roofline.kernels import prefill_attention as pa
@@ -280,15 +300,24 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         llm.llm_engine.kv_manager.reset_prefix_cache()
         return [5 + i] + base[1:]
 
-    variants = ["tma_hf"] if quick else ["tma_hf", "tma_ws_hf", "tma"]
+    variants = ["tma_hf", "cudnn"] if quick else ["tma_hf", "tma_ws_hf", "tma", "cudnn"]
     default = pa.DEFAULT_VARIANT
+    backend_mod = importlib.import_module("roofline.attention.triton_backend")
+    backend_fn = backend_mod.prefill_attention
     for variant in variants:
-        pa.DEFAULT_VARIANT = variant
+        if variant == "cudnn":  # a measuring stick, not shipped: cuDNN SDPA on fresh prompts
+            backend_mod.prefill_attention = functools.partial(_cudnn_prefill, backend_fn)
+        else:
+            pa.DEFAULT_VARIANT = variant
         try:
             timed_generate(llm, fresh, 1)  # this variant's compiles
             t = timed_generate(llm, fresh)
+        except Exception as e:  # noqa: BLE001
+            print(f"  8192-token prefill, {variant}: {type(e).__name__}: {str(e)[:200]}")
+            continue
         finally:
             pa.DEFAULT_VARIANT = default
+            backend_mod.prefill_attention = backend_fn
         pct = 100 * cost.flops / t / rate
         print(f"  8192-token prefill, {variant}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} "
               f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
