@@ -81,6 +81,9 @@ def default_num_threads() -> int:
 
 
 class ParallelCompiler:
+    """A pool of compile threads, fed by dry runs (``dry_run``) or by recorded
+    specialisations (``preload``); ``finish`` waits and installs, ``close`` stops the pool."""
+
     def __init__(self, num_threads: int | None = None) -> None:
         self.num_threads = num_threads or default_num_threads()
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="triton-compile")

@@ -193,3 +193,46 @@ def test_manifest_round_trip_preloads_what_the_dry_run_found(fake_gpu, tmp_path)
     assert startup.read_manifest(tmp_path / "missing.json") is None
     (tmp_path / "bad.json").write_text("not json")
     assert startup.read_manifest(tmp_path / "bad.json") is None
+
+
+def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
+    """The engine's path: a dry run of warm-up and capture (graphs eager) compiles on the pool
+    and writes the manifest; a second start-up with the same key preloads without a dry run."""
+    for name, value in (("synchronize", None), ("get_device_name", "fake"),
+                        ("get_device_capability", (9, 0))):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value: _v)
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+
+    class Runner:
+        device = torch.device("cuda", 0)
+        model = torch.nn.Linear(2, 2)
+        graphs = cascade_graphs = mixed = None
+        warmups = 0
+
+        def warmup(self) -> None:
+            self.warmups += 1
+            kernel[(4,)](x, out, 64, 2.0, BLOCK=16)
+
+        def capture_cuda_graphs(self) -> None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=None):
+                kernel[(4,)](x, out, 64, 2.0, BLOCK=32)
+            self.graphs = graph
+
+    runner = Runner()
+    first = startup.StartupCompiles(runner.device, ("same key",), num_threads=2)
+    assert first.recorded is None and first.manifest is not None
+    stats = first.run(runner, graphs=True)
+    assert stats is not None and stats.num_kernels == 2 and stats.num_failed == 0
+    assert runner.warmups == 1 and runner.graphs is None  # the dry run's stand-in is dropped
+    assert first.manifest.exists() and first.run(runner, graphs=True) is None  # once only
+    kernel.device_caches.clear()
+    second = startup.StartupCompiles(runner.device, ("same key",), num_threads=2)
+    assert second.recorded is not None and len(second.recorded) == 2
+    stats = second.run(runner, graphs=True)
+    assert stats.num_kernels == 2 and runner.warmups == 1  # preloaded, no dry run
+    assert len(kernel.device_caches[0][0]) == 2
+    other = startup.StartupCompiles(runner.device, ("another key",), num_threads=1)
+    assert other.recorded is None
+    other.close()
