@@ -29,6 +29,7 @@ from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.triton_backend import store_step_kv
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.prefill_attention import prefill_attention
+from roofline.kernels.prefix_gather import GatheredPrefix
 
 
 @dataclass(kw_only=True)  # keyword fields: the base may gain defaulted ones
@@ -81,7 +82,8 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
-        return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
+        return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k, v, prefix)
 
 
 def split_attention(
@@ -92,6 +94,9 @@ def split_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the rows stored
+    v_new: torch.Tensor | None = None,  # (for the descriptor kernel, prefill_attention_tma.py)
+    prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     d = meta.decode_slots
@@ -122,5 +127,8 @@ def split_attention(
             out=out,
             k_scale=k_scale,
             v_scale=v_scale,
+            k_new=k_new,
+            v_new=v_new,
+            prefix=prefix,
         )
     return out

@@ -58,7 +58,7 @@ class TritonAttentionBackend:
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
         self.decode_num_splits = decode_num_splits
-        self._prefix = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
+        self.prefix_gather = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
 
     def forward(
         self,
@@ -114,5 +114,5 @@ class TritonAttentionBackend:
             v_scale=v_scale,
             k_new=k,  # this step's keys (rotated in place) and values, for the "tma" variants
             v_new=v,
-            prefix=self._prefix.gather(q, k, v, k_cache, v_cache, meta, k_scale),
+            prefix=self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale),
         )

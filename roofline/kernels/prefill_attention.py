@@ -337,7 +337,7 @@ def prefill_attention(
     variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
-    if variant.startswith("tma") and k_scale is None and max_query_len >= 64:
+    if variant.startswith("tma") and k_scale is None:
         from roofline.kernels import prefill_attention_tma as tma
 
         if tma.tma_applies(q, k_new, v_new):

@@ -125,7 +125,9 @@ def _prefill_tma_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     first_row = (tile - (q_start // BLOCK_M + req)) * BLOCK_M
-    if first_row >= q_len:
+    # first_row < 0: a tile before the first request's, when that request starts past row 0
+    # (attention/split_backend.py gives the decode rows at the front to the decode kernel)
+    if (first_row < 0) | (first_row >= q_len):
         return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len

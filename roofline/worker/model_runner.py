@@ -209,6 +209,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             # (start, num_new) per request: 16 cached tokens before most chunks
             mixed = [[(16, q), (40, 1), (0, 3), (20, 1)] for q in (16, 32, 64, 128)]
+            mixed.insert(0, [(0, 128)])  # a fresh chunk of 128+ rows: no prefix to gather
             if self.mixed is not None:  # decode rows first: the split path's kernels too
                 mixed += [[(40, 1), (20, 1), (16, q), (0, 3)] for q in (16, 32, 64, 128)]
             pages = sum(-(-(a + n) // self.page_size) for a, n in mixed[-1])

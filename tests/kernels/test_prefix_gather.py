@@ -111,3 +111,49 @@ def test_backend_plans_once_per_step(small_min_query_len, monkeypatch):
     assert len(calls) == 1
     scale = torch.ones(1, device=DEVICE)
     assert gatherer.gather(batch.q, k, v, batch.k_cache, batch.v_cache, meta, scale) is None
+
+
+def test_split_path_reads_step_rows_and_gathered_prefix(small_min_query_len):
+    """A decode-first mixed step through the split backend: 20 decode rows (the prefill part
+    starts past the first tiles, which must exit), a long chunk over a gathered prefix, a
+    short one over its pages."""
+    from roofline.attention.split_backend import SplitAttentionBackend
+    from roofline.attention.triton_backend import TritonAttentionBackend
+    from roofline.worker.host_batch import HostBatch
+    from roofline.worker.mixed_graph import eager_split_metadata
+
+    num_decodes = 20
+    query_lens = [1] * num_decodes + [MIN_Q + 3, 17]
+    context_lens = [5 + 3 * i for i in range(num_decodes)] + [37, 40]
+    b = make_paged(query_lens, context_lens, 4, 2, HEAD_DIM, PAGE, torch.float32, seed=5)
+    host = HostBatch(PAGE)
+    for q_len, seq_len in zip(query_lens, b.seq_lens_list, strict=True):
+        host.input_ids.extend([0] * q_len)
+        host.query_start.append(host.query_start[-1] + q_len)
+        host.seq_lens.append(seq_len)
+    n = host.num_tokens
+    as_i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    bt = b.block_table.to(DEVICE)
+    meta = eager_split_metadata(
+        host, num_decodes, as_i64(host.query_start), as_i64(host.seq_lens),
+        torch.full((n,), -1, dtype=torch.int64, device=DEVICE),
+        bt[:num_decodes].clone(), bt[num_decodes:].clone(),
+    )  # fmt: skip
+    k = torch.cat([ks[c:] for ks, c in zip(b.k_seqs, context_lens, strict=True)])
+    v = torch.cat([vs[c:] for vs, c in zip(b.v_seqs, context_lens, strict=True)])
+    backend = SplitAttentionBackend(TritonAttentionBackend())
+    gathered = []
+    real_gather = backend.base.prefix_gather.gather
+
+    def spy(*a, **kw):
+        got = real_gather(*a, **kw)
+        gathered.append(got)
+        return got
+
+    backend.base.prefix_gather.gather = spy
+    out = backend.forward(b.q, k, v, b.k_cache, b.v_cache, meta, HEAD_DIM**-0.5)
+    ref = prefill_attention_ref(b.q, b.k_cache, b.v_cache, bt, b.query_start_loc,
+                                b.seq_lens, HEAD_DIM**-0.5)  # fmt: skip
+    assert_close(out, ref, torch.float32)
+    (got,) = gathered
+    assert got is not None and got.start_loc.tolist() == [0, -1]  # the long chunk only

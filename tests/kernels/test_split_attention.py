@@ -63,8 +63,11 @@ def test_split_matches_reference_and_padding_changes_nothing(dtype: torch.dtype)
     )
     assert eager.num_reqs == 3 and eager.decode_slots == 3 and eager.max_query_len == 23
     backend = SplitAttentionBackend(TritonAttentionBackend())
-    k_new = torch.zeros(n, 2, HEAD_DIM, dtype=dtype, device=DEVICE)  # stored to slot -1: nowhere
-    out = backend.forward(q, k_new, k_new, kc, vc, eager, scale)
+    # the step's own K/V rows, as the model passes them (stored to slot -1 here: nowhere; the
+    # descriptor kernel reads them from these tensors, the pages hold the same values)
+    k_new = torch.cat([ks[c:] for ks, c in zip(b.k_seqs, context_lens, strict=True)]).to(DEVICE)
+    v_new = torch.cat([vs[c:] for vs, c in zip(b.v_seqs, context_lens, strict=True)]).to(DEVICE)
+    out = backend.forward(q, k_new, v_new, kc, vc, eager, scale)
     ref = prefill_attention_ref(q, kc, vc, bt, _i32(host.query_start), _i32(host.seq_lens), scale)
     assert_close(out, ref, dtype)
 
@@ -86,7 +89,9 @@ def test_split_matches_reference_and_padding_changes_nothing(dtype: torch.dtype)
         decode_block_table=bt_dec, decode_max_seq_len=256, decode_num_splits=4,
     )  # fmt: skip
     k_pad = torch.zeros(bucket, 2, HEAD_DIM, dtype=dtype, device=DEVICE)
-    out_pad = backend.forward(q_pad, k_pad, k_pad, kc, vc, padded, scale)
+    v_pad = torch.zeros_like(k_pad)
+    k_pad[:n], v_pad[:n] = k_new, v_new
+    out_pad = backend.forward(q_pad, k_pad, v_pad, kc, vc, padded, scale)
     assert torch.isfinite(out_pad.float()).all()  # padding rows included
     assert_close(out_pad[:num_decodes], out[:num_decodes], dtype)  # another split count
     if not ON_GPU or dtype == torch.float32:  # same kernel, same rows, same order
