@@ -48,6 +48,11 @@ def store_step_kv(
     return k_scale, v_scale
 
 
+TMA_MIN_QUERY_LEN = 64
+"""Longest query of a step from which this backend hands the descriptor kernel the step's rows
+(the split backend, whose prefill part holds no decode rows, always does)."""
+
+
 class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True
@@ -112,7 +117,10 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             k_scale=k_scale,
             v_scale=v_scale,
-            k_new=k,  # this step's keys (rotated in place) and values, for the "tma" variants
-            v_new=v,
+            # this step's keys (rotated in place) and values, for the "tma" variants, once a
+            # chunk is long enough (decode rows in this path get a query tile each: a
+            # descriptor box of the step's keys per row would be read for one useful row)
+            k_new=k if meta.max_query_len >= TMA_MIN_QUERY_LEN else None,
+            v_new=v if meta.max_query_len >= TMA_MIN_QUERY_LEN else None,
             prefix=self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale),
         )

@@ -314,8 +314,9 @@ def prefill_attention(
     prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
-    With ``k_new``/``v_new`` (this step's rows, as stored) and a "tma" variant (default
-    ``DEFAULT_VARIANT``), the step's own keys are read from them through tensor descriptors
+    With ``k_new``/``v_new`` (this step's rows, as stored; the caller decides when they pay)
+    and a "tma" variant (default ``DEFAULT_VARIANT``), the step's own keys are read from them
+    through tensor descriptors
     and only the cached prefix from the pages, or, for the requests ``prefix`` gathered, from
     its contiguous rows. The tile/launch overrides exist for sweeps."""
     check_device(q, k_cache, v_cache)
