@@ -300,7 +300,10 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         llm.llm_engine.kv_manager.reset_prefix_cache()
         return [5 + i] + base[1:]
 
-    variants = ["tma_hf", "cudnn"] if quick else ["tma_hf", "tma_ws_hf", "tma", "cudnn"]
+    # "base": the paged kernel, what the split (mixed-step) path ran before this branch
+    variants = ["tma_hf", "base", "cudnn"]
+    if not quick:
+        variants += ["tma_ws_hf", "tma"]
     default = pa.DEFAULT_VARIANT
     backend_mod = importlib.import_module("roofline.attention.triton_backend")
     backend_fn = backend_mod.prefill_attention
@@ -335,14 +338,20 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         start = next(fresh_suffixes)
         return base + list(range(start, start + 2048))
 
-    for label, min_q in (("prefix gathered (TMA)", prefix_gather.MIN_QUERY_LEN),
-                         ("prefix from the pages", 1 << 30)):  # fmt: skip
+    min_query_len = prefix_gather.MIN_QUERY_LEN
+    for label, min_q, variant in (
+        ("prefix gathered (TMA)", min_query_len, default),
+        ("prefix from the pages", 1 << 30, default),
+        ("all from the pages (before)", 1 << 30, "base"),
+    ):
         prefix_gather.MIN_QUERY_LEN = min_q
+        pa.DEFAULT_VARIANT = variant
         try:
             timed_generate(llm, chunk, 1)
             t = timed_generate(llm, chunk)
         finally:
-            prefix_gather.MIN_QUERY_LEN = 128
+            prefix_gather.MIN_QUERY_LEN = min_query_len
+            pa.DEFAULT_VARIANT = default
         pct = 100 * chunk_cost.flops / t / rate
         print(
             f"  2048-token chunk over 8192 cached, {label}: {t * 1e3:.1f} ms, "
