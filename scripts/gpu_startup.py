@@ -280,7 +280,9 @@ def _cudnn_prefill(fallback, q, k_cache, v_cache, block_table, qsl, seq_lens, sc
     kh, vh = (t.transpose(0, 1)[None].repeat_interleave(group, dim=1) for t in (k_new, v_new))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    return o[0].transpose(0, 1)
+    o = o[0].transpose(0, 1)  # [N, H, D]
+    out = kw.get("out")
+    return o if out is None else out.copy_(o)  # the split path reads its own buffer
 
 
 @section("prefill: Llama-3.1-8B, 8192 tokens and 2048-token chunks over an 8k cached prefix")
@@ -305,11 +307,13 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
     if not quick:
         variants += ["tma_ws_hf", "tma"]
     default = pa.DEFAULT_VARIANT
-    backend_mod = importlib.import_module("roofline.attention.triton_backend")
-    backend_fn = backend_mod.prefill_attention
+    # both backends' module-level name (cuda_graph_mode full: the split one takes prefills)
+    mods = [importlib.import_module(f"roofline.attention.{m}_backend") for m in ("triton", "split")]
+    backend_fn = pa.prefill_attention
     for variant in variants:
         if variant == "cudnn":  # a measuring stick, not shipped: cuDNN SDPA on fresh prompts
-            backend_mod.prefill_attention = functools.partial(_cudnn_prefill, backend_fn)
+            for mod in mods:
+                mod.prefill_attention = functools.partial(_cudnn_prefill, backend_fn)
         else:
             pa.DEFAULT_VARIANT = variant
         try:
@@ -320,7 +324,8 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
             continue
         finally:
             pa.DEFAULT_VARIANT = default
-            backend_mod.prefill_attention = backend_fn
+            for mod in mods:
+                mod.prefill_attention = backend_fn
         pct = 100 * cost.flops / t / rate
         print(f"  8192-token prefill, {variant}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} "
               f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
