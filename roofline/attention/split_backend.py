@@ -11,7 +11,9 @@ store (RoPE fused):
   block table (slots past the real decodes have length 0: the kernel writes zeros there);
 * ``prefill_attention`` over all of ``q`` with the metadata's base fields, which describe only
   the requests after the decodes (their query ranges are absolute rows, starting at ``D``); it
-  runs second, so it overwrites whatever the decode launch wrote on prefill rows.
+  runs second, so it overwrites whatever the decode launch wrote on prefill rows. It gets the
+  step's own K/V rows (the descriptor kernel reads the chunks' keys from them) and, in eager
+  steps, the long chunks' gathered prefixes (``kernels/prefix_gather.py``).
 
 Every per-request value is read on the device and the grids depend only on the slot counts, the
 token count and the tile size: the same metadata serves an eager step (exact sizes, views of the
