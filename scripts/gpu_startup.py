@@ -130,6 +130,7 @@ def child(parallel: bool) -> None:
         "late_compiles": sorted(set(late)),
         "precompiled": None if stats is None else stats.num_kernels,
         "precompile_failed": None if stats is None else stats.num_failed,
+        "compile_wait_s": None if stats is None else stats.wait_s,
         "tokens": [o.outputs[0].token_ids for o in outs],
         "threads": os.cpu_count(),
     }
@@ -151,7 +152,8 @@ def run_child(cache_dir: str, parallel: bool, label: str) -> dict | None:
             rep["wall_s"] = wall
             print(f"  {label}: engine {rep['engine_s']:.1f} s, process {rep['process_s']:.1f} s "
                   f"(wall {wall:.1f} s), {rep['jit_compiles']} kernels compiled/loaded, "
-                  f"precompiled {rep['precompiled']} ({rep['precompile_failed']} failed), "
+                  f"precompiled {rep['precompiled']} ({rep['precompile_failed']} failed, "
+                  f"waited {rep['compile_wait_s'] or 0:.2f} s after the dry run), "
                   f"late compiles {rep['late_compiles']}", flush=True)  # fmt: skip
             return rep
     print(f"  {label}: FAILED rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
