@@ -8,11 +8,11 @@ is the mechanism: while its ``dry_run()`` context is open, a launch that would c
 launched; its specialisation (the arguments Triton's ``jit_cache_hook`` receives, exactly what the
 launch would have compiled) is submitted to a pool of threads that compiles it and builds its
 launcher, and a no-op stand-in sits in the kernel's in-memory cache so later launches of the same
-specialisation cost only their binding. ``finish()`` waits for the pool and puts the compiled
-kernels in their caches (Triton's ``jit_post_compile_hook`` is called for each, as a compile
-would), so the real launches that follow find every kernel compiled. A specialisation whose
-compile failed is left out: the real launch compiles it again and raises its error where it
-always did.
+specialisation cost only their binding. ``finish()`` puts the compiled kernels in their caches
+(Triton's ``jit_post_compile_hook`` is called for each, as a compile would), either waiting for
+the pool or leaving a deferred entry for each kernel still compiling, which its first launch
+waits for; the real launches that follow compile nothing. A specialisation whose compile failed
+is left out: the real launch compiles it again and raises its error where it always did.
 
 A dry run computes nothing with Triton: outputs of skipped kernels hold whatever memory they got.
 Run under it only code whose control flow and indexing do not depend on Triton kernels' outputs
@@ -67,6 +67,9 @@ class CompileStats:
     """Of those, the ones whose compile raised (left to the real launch)."""
     wait_s: float = 0.0
     """Seconds ``finish()`` waited for the pool after the dry run ended."""
+    num_deferred: int = 0
+    """Kernels still compiling when ``finish(wait=False)`` returned (their first launch
+    waits)."""
     names: list[str] = field(default_factory=list)
 
 
@@ -148,10 +151,12 @@ class ParallelCompiler:
             with self._lock:
                 self._preloads.append(future)
 
-    def finish(self) -> CompileStats:
-        """Wait for every submitted compile and install the kernels; returns the stats."""
-        from triton import knobs
-
+    def finish(self, wait: bool = True) -> CompileStats:
+        """Install the compiled kernels; returns the stats. ``wait``: wait for every compile
+        and preload first. Otherwise a dry run's kernel still compiling gets a deferred entry
+        whose first launch waits for it (compile tails overlap the host work that follows;
+        the counts of failures then cover only what had finished), and preloads finish in
+        the background (a launch that comes first compiles or loads its kernel itself)."""
         t0 = time.perf_counter()
         with self._lock:
             pending, self._pending = self._pending, []
@@ -161,32 +166,26 @@ class ParallelCompiler:
             with contextlib.suppress(Exception):
                 future.result()
         for future in preloads:
+            if not wait and not future.done():
+                continue
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - its first launch compiles it
                 self.stats.num_failed += 1
         self.stats.num_kernels += len(preloads)
         for p in pending:
-            kernel_cache = p.jit.device_caches[p.device][0]
-            try:
-                kernel, options = p.future.result()
-            except Exception:  # noqa: BLE001 - the real launch compiles it again and raises
+            if not wait and not p.future.done():
+                p.jit.device_caches[p.device][0][p.key] = _Deferred(p)
+                self.stats.num_deferred += 1
+            elif not _install(p):
                 self.stats.num_failed += 1
-                if kernel_cache.get(p.key) is NULL_KERNEL:
-                    del kernel_cache[p.key]
-                continue
-            kernel_cache[p.key] = kernel
-            c = p.compile_args
-            p.jit._call_hook(
-                knobs.runtime.jit_post_compile_hook, p.key, c["signature"], p.device,
-                c["constants"], options, c["configs"], False,
-            )  # fmt: skip
         self.stats.num_kernels += len(pending)
         self.stats.wait_s += time.perf_counter() - t0
         return self.stats
 
-    def close(self) -> None:
-        """Drop the stand-ins of anything not finished and stop the pool."""
+    def close(self, wait: bool = True) -> None:
+        """Drop the stand-ins of anything not finished and stop the pool (``wait=False``:
+        compiles that deferred entries wait for go on in the background)."""
         with self._lock:
             pending, self._pending = self._pending, []
         for p in pending:
@@ -194,7 +193,49 @@ class ParallelCompiler:
             kernel_cache = p.jit.device_caches[p.device][0]
             if kernel_cache.get(p.key) is NULL_KERNEL:
                 del kernel_cache[p.key]
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=wait, cancel_futures=wait)
+
+
+def _install(p: _Pending) -> Any:
+    """Put a finished compile's kernel in its cache, as ``JITFunction._do_compile`` would (the
+    post-compile hook included); None (and the stand-in removed) if the compile failed."""
+    from triton import knobs
+
+    kernel_cache = p.jit.device_caches[p.device][0]
+    try:
+        kernel, options = p.future.result()
+    except Exception:  # noqa: BLE001 - the real launch compiles it again and raises
+        entry = kernel_cache.get(p.key)
+        if entry is NULL_KERNEL or isinstance(entry, _Deferred):
+            del kernel_cache[p.key]
+        return None
+    kernel_cache[p.key] = kernel
+    c = p.compile_args
+    p.jit._call_hook(
+        knobs.runtime.jit_post_compile_hook, p.key, c["signature"], p.device, c["constants"],
+        options, c["configs"], False,
+    )  # fmt: skip
+    return kernel
+
+
+class _Deferred:
+    """A kernel still compiling on the pool, in its kernel's cache: Triton's launch calls
+    ``result()`` (as for its own asynchronous compiles), which waits and installs it; if the
+    pool's compile failed, the launching thread compiles it (and raises what that raises)."""
+
+    def __init__(self, pending: _Pending) -> None:
+        self.pending = pending
+
+    def result(self) -> Any:
+        p = self.pending
+        kernel = _install(p)
+        if kernel is None:  # compile here, as the launch would have
+            c = p.compile_args
+            _, _, _, backend, _ = p.jit.device_caches[p.device]
+            options = _parse_options(backend, c["specialization_data"])
+            kernel = p.jit._do_compile(p.key, c["signature"], p.device, c["constants"], options,
+                                       c["configs"][0], False)  # fmt: skip
+        return kernel
 
 
 _KEY_LOCK = threading.Lock()
@@ -220,15 +261,21 @@ def _compile(jit: Any, device: int, compile_args: dict) -> tuple[Any, Any]:
     saw), then the launcher stub its first launch would build."""
     _triton_key()
     _, _, target, backend, _ = jit.device_caches[device]
-    spec = json.loads(compile_args["specialization_data"])
-    options = backend.parse_options(
-        {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
-    )
+    options = _parse_options(backend, compile_args["specialization_data"])
     src = jit.ASTSource(jit, compile_args["signature"], compile_args["constants"],
                         compile_args["configs"][0])  # fmt: skip
     kernel = jit.compile(src, target=target, options=options.__dict__)
     _build_launcher(kernel)
     return kernel, options
+
+
+def _parse_options(backend: Any, specialization_data: str) -> Any:
+    """The launch's backend options from its specialisation data (as ``JITFunction.preload``
+    reads them)."""
+    spec = json.loads(specialization_data)
+    return backend.parse_options(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    )
 
 
 def _preload(module: str, name: str, spec: str, device: int) -> None:

@@ -94,6 +94,7 @@ class StartupCompiles:
             return None
         dry = self.recorded is None and qualifies(runner.model)
         t_dry = time.perf_counter()
+        stats = None
         try:
             if dry:
                 with compiler.dry_run(), eager_graph_capture():
@@ -101,21 +102,22 @@ class StartupCompiles:
                     if graphs:
                         runner.capture_cuda_graphs()
             t_dry = time.perf_counter() - t_dry
-            stats = compiler.finish()
+            # kernels still compiling are waited for at their first launch in the warm-up
+            stats = compiler.finish(wait=False)
         except Exception:  # noqa: BLE001 - the start-up that follows compiles what is missing
             logger.warning("parallel compile failed; compiling at first launch", exc_info=True)
             return None
         finally:
             _drop_graphs(runner)
-            compiler.close()
+            compiler.close(wait=stats is None)
             torch.cuda.synchronize(runner.device)
         if dry and stats.num_failed == 0:
             write_manifest(self.manifest, compiler.specializations)
         logger.info(
             "%s %d kernel specialisations on %d threads, %.2f s since the engine began (dry "
-            "run %.2f s, then waited %.2f s; %d failed, left to their first launch)",
+            "run %.2f s; %d still compiling, %d failed: left to their first launch)",
             "compiled" if dry else "loaded", stats.num_kernels, compiler.num_threads,
-            time.perf_counter() - self.t0, t_dry if dry else 0.0, stats.wait_s,
+            time.perf_counter() - self.t0, t_dry if dry else 0.0, stats.num_deferred,
             stats.num_failed,
         )  # fmt: skip
         return stats

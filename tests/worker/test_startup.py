@@ -7,6 +7,9 @@ sm_90 code on the pool; the launches themselves are skipped by the dry run, whic
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -110,8 +113,6 @@ def test_failed_compile_is_left_to_the_real_launch(fake_gpu):
 
 
 def test_other_threads_compile_as_usual_during_a_dry_run(fake_gpu):
-    import threading
-
     kernel = fake_gpu
     x, out = torch.ones(64), torch.zeros(64)
     compiler = ParallelCompiler(num_threads=1)
@@ -232,7 +233,35 @@ def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
     assert second.recorded is not None and len(second.recorded) == 2
     stats = second.run(runner, graphs=True)
     assert stats.num_kernels == 2 and runner.warmups == 1  # preloaded, no dry run
+    deadline = time.monotonic() + 120  # preloads may finish after run() (in the background)
+    while len(kernel.device_caches[0][0]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(kernel.device_caches[0][0]) == 2
     other = startup.StartupCompiles(runner.device, ("another key",), num_threads=1)
     assert other.recorded is None
     other.close()
+
+
+def test_unfinished_compiles_are_waited_for_at_their_first_launch(fake_gpu):
+    from roofline.kernels.parallel_compile import _Deferred
+
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+    compiler = ParallelCompiler(num_threads=1)
+    gate = threading.Event()
+    compiler._pool.submit(gate.wait)  # the pool's one thread is busy: nothing compiles yet
+    with compiler.dry_run():
+        kernel[(4,)](x, out, 64, 2.0, BLOCK=16)
+        kernel[(1,)](x, out, 64, 2.0, BLOCK=48)  # fails to compile (not a power of two)
+    stats = compiler.finish(wait=False)
+    compiler.close(wait=False)
+    assert stats.num_deferred == 2 and stats.num_failed == 0
+    good, bad = kernel.device_caches[0][0].values()
+    assert isinstance(good, _Deferred) and isinstance(bad, _Deferred)
+    gate.set()
+    with count_jit_compiles() as compiled:
+        compiled_kernel = good.result()  # waits for the pool, installs the kernel
+    assert compiled == ["_scale"] and "cubin" in compiled_kernel.asm
+    assert list(kernel.device_caches[0][0].values())[0] is compiled_kernel
+    with pytest.raises(Exception, match="arange"):  # compiled again here: the same error
+        bad.result()
