@@ -152,11 +152,10 @@ class ParallelCompiler:
                 self._preloads.append(future)
 
     def finish(self, wait: bool = True) -> CompileStats:
-        """Install the compiled kernels; returns the stats. ``wait``: wait for every compile
-        and preload first. Otherwise a dry run's kernel still compiling gets a deferred entry
-        whose first launch waits for it (compile tails overlap the host work that follows;
-        the counts of failures then cover only what had finished), and preloads finish in
-        the background (a launch that comes first compiles or loads its kernel itself)."""
+        """Wait for the preloads and install the dry runs' kernels; returns the stats.
+        ``wait``: wait for every compile first. Otherwise a kernel still compiling gets a
+        deferred entry whose first launch waits for it (compile tails overlap the host work
+        that follows; the failure count then covers only what had finished)."""
         t0 = time.perf_counter()
         with self._lock:
             pending, self._pending = self._pending, []
@@ -165,9 +164,9 @@ class ParallelCompiler:
         for future in setup:  # a failure here shows again where Triton needs it
             with contextlib.suppress(Exception):
                 future.result()
+        # preloads install themselves from their threads: one left running would show as a
+        # compile in the middle of serving
         for future in preloads:
-            if not wait and not future.done():
-                continue
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - its first launch compiles it
