@@ -55,8 +55,9 @@ class StartupCompiles:
     """One engine start-up's kernel compiles. Begun before anything is built: Triton's own
     initialisation (its cache key, its CUDA utilities) starts on the pool, and where a manifest
     of an earlier start-up with the same key exists, its kernels start loading too, while the
-    tokenizer, the model and the KV pool are built. ``run(runner, graphs)``, just before the
-    runner's warm-up, does the dry run when there was no manifest and waits for the pool."""
+    model and the KV pool are built. ``run(runner, graphs)``, just before the runner's warm-up,
+    does the dry run when there was no manifest, waits for the preloads and installs what the
+    pool compiled (what is still compiling is waited for at its first launch)."""
 
     def __init__(self, device: torch.device, key: tuple, num_threads: int | None = None) -> None:
         self.device = device
@@ -121,12 +122,6 @@ class StartupCompiles:
             stats.num_failed,
         )  # fmt: skip
         return stats
-
-    def close(self) -> None:
-        """Stop the pool without running (when the engine's start-up went another way)."""
-        compiler, self.compiler = self.compiler, None
-        if compiler is not None:
-            compiler.close()
 
 
 # ------------------------------------------------------------------ the manifest (warm starts)

@@ -235,7 +235,7 @@ def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
     assert len(kernel.device_caches[0][0]) == 2
     other = startup.StartupCompiles(runner.device, ("another key",), num_threads=1)
     assert other.recorded is None
-    other.close()
+    other.compiler.close()
 
 
 def test_unfinished_compiles_are_waited_for_at_their_first_launch(fake_gpu):
