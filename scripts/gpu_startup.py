@@ -472,6 +472,29 @@ def fresh_attention_section(quick: bool) -> None:
             print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+@section("GEMMs of the prefill step alone (cuBLAS through torch), 8192 and 2048 rows")
+def gemm_section(ceil) -> None:  # noqa: ANN001
+    import torch
+    import torch.nn.functional as F
+
+    from roofline.bench.ceilings import time_fn
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+              ("down", 4096, 14336)]  # fmt: skip
+    for rows in (8192, 2048):
+        parts = []
+        for name, n, k in shapes:
+            a = torch.randn(rows, k, device=dev, dtype=dt)
+            w = torch.randn(n, k, device=dev, dtype=dt)
+            t = time_fn(lambda a=a, w=w: F.linear(a, w), dev, iters=10)
+            tf = 2 * rows * n * k / t / 1e12
+            parts.append(f"{name} {tf:.0f} ({100 * tf * 1e12 / ceil.matmul_flops_per_s:.0f}%)")
+            del a, w
+        print(f"  {rows} rows, TFLOP/s: " + ", ".join(parts), flush=True)
+        SUMMARY.append((f"prefill GEMMs at {rows} rows", ", ".join(parts)))
+
+
 @section("decode: Llama-3.1-8B batch 1 (regression: >= 169 tok/s)")
 def decode_section(llm, ceil) -> None:  # noqa: ANN001
     from roofline.bench import latency
@@ -512,6 +535,7 @@ def main() -> None:
         prefill_section(llm, ceil, args.quick)
         chunk_attention_section()
         fresh_attention_section(args.quick)
+        gemm_section(ceil)
         decode_section(llm, ceil)
     finally:
         print(f"\n=== summary ({time.perf_counter() - t_all:.0f} s)")
