@@ -260,6 +260,45 @@ def kernel_split(llm, prompt: list[int]) -> tuple[float, dict[str, float]]:  # n
     return wall, dict(totals)
 
 
+def step_timeline(llm, prompt: list[int], label: str) -> None:  # noqa: ANN001
+    """Where one generate's wall time goes: host work before the step is launched, the host's
+    launch of it, the device's span from the launch's first to its last queued work (events),
+    and what follows on the host (waiting included)."""
+    import torch
+
+    from roofline import SamplingParams
+    from roofline.worker.model_runner import ModelRunner
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    marks: dict[str, object] = {}
+    original = ModelRunner.launch_batch
+
+    def launch_batch(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        marks["enter"] = time.perf_counter()
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        out = original(self, *args, **kwargs)
+        ev1.record()
+        marks["exit"], marks["events"] = time.perf_counter(), (ev0, ev1)
+        return out
+
+    ModelRunner.launch_batch = launch_batch
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        ModelRunner.launch_batch = original
+    ev0, ev1 = marks["events"]
+    span = ev0.elapsed_time(ev1)  # ms
+    pre = (marks["enter"] - t0) * 1e3
+    launch = (marks["exit"] - marks["enter"]) * 1e3
+    print(f"  {label} timeline: wall {wall * 1e3:.1f} ms = host before the launch {pre:.1f} + "
+          f"device span {span:.1f} (the host launched it in {launch:.1f}) + after "
+          f"{wall * 1e3 - pre - span:.1f}", flush=True)  # fmt: skip
+
+
 def print_split(label: str, wall: float, totals: dict[str, float]) -> None:
     total = sum(totals.values())
     parts = ", ".join(f"{g} {t:.1f}" for g, t in sorted(totals.items(), key=lambda kv: -kv[1]))
@@ -333,6 +372,7 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
               f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
         SUMMARY.append((f"8B prefill 8192 ({variant})", f"{t * 1e3:.0f} ms, {pct:.1f}% of matmul"))
     print_split("8192 fresh", *kernel_split(llm, fresh(7)))
+    step_timeline(llm, fresh(8), "8192 fresh")
 
     # 2048-token chunks over a cached 8192-token prefix (a prefix-cache hit: one step each)
     chunk_cost = step_cost(cfg, gpu, prefill_chunks=[(2048, 8192)])
@@ -367,6 +407,7 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         )
         SUMMARY.append((f"8B chunk 2048 over 8k, {label}", f"{t * 1e3:.1f} ms, {pct:.1f}%"))
     print_split("2048 chunk over 8k", *kernel_split(llm, chunk(9)))
+    step_timeline(llm, chunk(10), "2048 chunk over 8k")
 
 
 @section("attention alone: 2048-token chunk over an 8192-token paged prefix (32/8 heads, d 128)")
