@@ -274,6 +274,8 @@ def step_timeline(llm, prompt: list[int], label: str) -> None:  # noqa: ANN001
     original = ModelRunner.launch_batch
 
     def launch_batch(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if "enter" in marks:  # the step's first launch only
+            return original(self, *args, **kwargs)
         marks["enter"] = time.perf_counter()
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
