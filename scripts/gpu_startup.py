@@ -21,8 +21,6 @@ T_PROCESS = time.perf_counter()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import functools  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -308,26 +306,6 @@ def print_split(label: str, wall: float, totals: dict[str, float]) -> None:
           f"not covered by kernels {wall * 1e3 - total:.1f} ms", flush=True)  # fmt: skip
 
 
-def _cudnn_prefill(fallback, q, k_cache, v_cache, block_table, qsl, seq_lens, scale,  # noqa: ANN001, ANN003
-                   max_query_len, **kw):  # fmt: skip
-    """torch SDPA (cuDNN) for one fresh prompt in the model's layout (reference point only)."""
-    import torch
-    import torch.nn.functional as F
-
-    k_new, v_new = kw.get("k_new"), kw.get("v_new")
-    if qsl.shape[0] != 2 or max_query_len != q.shape[0] or k_new is None or kw.get("prefix"):
-        return fallback(q, k_cache, v_cache, block_table, qsl, seq_lens, scale, max_query_len,
-                        **kw)  # fmt: skip
-    group = q.shape[1] // k_new.shape[1]
-    qh = q.transpose(0, 1)[None]  # [1, H, N, D] view
-    kh, vh = (t.transpose(0, 1)[None].repeat_interleave(group, dim=1) for t in (k_new, v_new))
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    o = o[0].transpose(0, 1)  # [N, H, D]
-    out = kw.get("out")
-    return o if out is None else out.copy_(o)  # the split path reads its own buffer
-
-
 @section("prefill: Llama-3.1-8B, 8192 tokens and 2048-token chunks over an 8k cached prefix")
 def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
     from roofline.kernels import prefill_attention as pa
@@ -345,18 +323,15 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         llm.llm_engine.kv_manager.reset_prefix_cache()
         return [5 + i] + base[1:]
 
-    # "base": the paged kernel, what the split (mixed-step) path ran before this branch
+    # "base": the paged kernel, what the split (mixed-step) path ran before this branch;
+    # "cudnn": fresh prompts through cuDNN (attention/fresh_prefill.py, off by default)
     variants = ["tma_hf", "base", "cudnn"]
     if not quick:
         variants += ["tma_ws_hf", "tma"]
     default = pa.DEFAULT_VARIANT
-    # both backends' module-level name (cuda_graph_mode full: the split one takes prefills)
-    mods = [importlib.import_module(f"roofline.attention.{m}_backend") for m in ("triton", "split")]
-    backend_fn = pa.prefill_attention
     for variant in variants:
-        if variant == "cudnn":  # a measuring stick, not shipped: cuDNN SDPA on fresh prompts
-            for mod in mods:
-                mod.prefill_attention = functools.partial(_cudnn_prefill, backend_fn)
+        if variant == "cudnn":
+            os.environ["ROOFLINE_FRESH_PREFILL"] = "cudnn"
         else:
             pa.DEFAULT_VARIANT = variant
         try:
@@ -367,14 +342,31 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
             continue
         finally:
             pa.DEFAULT_VARIANT = default
-            for mod in mods:
-                mod.prefill_attention = backend_fn
+            os.environ.pop("ROOFLINE_FRESH_PREFILL", None)
         pct = 100 * cost.flops / t / rate
         print(f"  8192-token prefill, {variant}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} "
               f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
         SUMMARY.append((f"8B prefill 8192 ({variant})", f"{t * 1e3:.0f} ms, {pct:.1f}% of matmul"))
     print_split("8192 fresh", *kernel_split(llm, fresh(7)))
     step_timeline(llm, fresh(8), "8192 fresh")
+    # a prompt length seen for the first time (cuDNN builds a plan per shape; Triton does not)
+    for label, env in (("triton", "triton"), ("cudnn", "cudnn")):
+        os.environ["ROOFLINE_FRESH_PREFILL"] = env
+        try:
+            times = []
+            for length in (7001, 7001, 5003, 5003):
+                prompt = fresh(20 + len(times))[:length]
+                times.append(timed_generate(llm, lambda i, p=prompt: p, 1) * 1e3)
+        except Exception as e:  # noqa: BLE001 - report and go on to the chunks
+            print(f"  new prompt lengths, {label}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        finally:
+            os.environ.pop("ROOFLINE_FRESH_PREFILL", None)
+        print(
+            f"  new prompt lengths, {label}: 7001 first {times[0]:.1f} ms, again "
+            f"{times[1]:.1f}; 5003 first {times[2]:.1f}, again {times[3]:.1f}",
+            flush=True,
+        )
 
     # 2048-token chunks over a cached 8192-token prefix (a prefix-cache hit: one step each)
     chunk_cost = step_cost(cfg, gpu, prefill_chunks=[(2048, 8192)])
