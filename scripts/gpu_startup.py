@@ -158,15 +158,16 @@ def run_child(cache_dir: str, parallel: bool, label: str) -> dict | None:
     return None
 
 
-def startup_section(quick: bool) -> tuple[dict, str]:
+def startup_section(quick: bool, baseline: bool = True) -> tuple[dict, str]:
     print("\n=== start-up: Llama-3.1-8B, dummy weights, fresh processes", flush=True)
     root = tempfile.mkdtemp(prefix="roofline-startup-")
     off_dir, on_dir = os.path.join(root, "off"), os.path.join(root, "on")
     runs = {}
-    runs["cold, before (sequential)"] = run_child(off_dir, False, "cold, sequential compiles")
+    if baseline:
+        runs["cold, before (sequential)"] = run_child(off_dir, False, "cold, sequential compiles")
     runs["cold, parallel"] = run_child(on_dir, True, "cold, parallel compiles")
     runs["warm, parallel"] = run_child(on_dir, True, "warm, parallel compiles")
-    if not quick:
+    if not quick and baseline:
         runs["warm, before (sequential)"] = run_child(off_dir, False, "warm, sequential")
     good = {k: v for k, v in runs.items() if v is not None}
     names: list[str] = []
@@ -470,10 +471,11 @@ def fresh_attention_section(quick: bool) -> None:
     backends = torch.nn.attention.SDPBackend
     runs = {
         "ours, tma_hf": lambda: prefill_attention(*args, k_new=k, v_new=v, variant="tma_hf"),
-        "ours, tma_ws_hf": lambda: prefill_attention(
-            *args, k_new=k, v_new=v, variant="tma_ws_hf"
-        ),  # fmt: skip
     }
+    if not quick:
+        runs["ours, tma_ws_hf"] = lambda: prefill_attention(
+            *args, k_new=k, v_new=v, variant="tma_ws_hf"
+        )
     sdpa = {
         "SDPA flash, gqa views": (backends.FLASH_ATTENTION, False),
         "SDPA cudnn, gqa views": (backends.CUDNN_ATTENTION, False),
@@ -542,6 +544,7 @@ def decode_section(llm, ceil) -> None:  # noqa: ANN001
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the sequential start-ups")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -550,7 +553,7 @@ def main() -> None:
     t_all = time.perf_counter()
     cache = None
     try:
-        _, cache = startup_section(args.quick)
+        _, cache = startup_section(args.quick, not args.no_baseline)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         SUMMARY.append(("start-up", "FAILED"))
