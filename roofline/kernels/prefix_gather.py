@@ -72,7 +72,9 @@ def plan_prefix(
     if not parts:
         return None
     pages = torch.cat(parts).long()  # [num_gathered_pages]
-    start_loc = torch.tensor(starts, dtype=torch.int32).to(block_table.device)
+    start_loc = torch.tensor(starts, dtype=torch.int32)  # [num_reqs]
+    if block_table.is_cuda:  # no host wait for the queue (a pageable copy would synchronise)
+        start_loc = start_loc.pin_memory().to(block_table.device, non_blocking=True)
     return PrefixPlan(pages, start_loc, num_rows)
 
 
