@@ -324,17 +324,13 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
         llm.llm_engine.kv_manager.reset_prefix_cache()
         return [5 + i] + base[1:]
 
-    # "base": the paged kernel, what the split (mixed-step) path ran before this branch;
-    # "cudnn": fresh prompts through cuDNN (attention/fresh_prefill.py, off by default)
-    variants = ["tma_hf", "base", "cudnn"]
+    # "base": the paged kernel, what the split (mixed-step) path ran before this branch
+    variants = ["tma_hf", "base"]
     if not quick:
         variants += ["tma_ws_hf", "tma"]
     default = pa.DEFAULT_VARIANT
     for variant in variants:
-        if variant == "cudnn":
-            os.environ["ROOFLINE_FRESH_PREFILL"] = "cudnn"
-        else:
-            pa.DEFAULT_VARIANT = variant
+        pa.DEFAULT_VARIANT = variant
         try:
             timed_generate(llm, fresh, 1)  # this variant's compiles
             t = timed_generate(llm, fresh)
@@ -343,31 +339,12 @@ def prefill_section(llm, ceil, quick: bool) -> None:  # noqa: ANN001
             continue
         finally:
             pa.DEFAULT_VARIANT = default
-            os.environ.pop("ROOFLINE_FRESH_PREFILL", None)
         pct = 100 * cost.flops / t / rate
         print(f"  8192-token prefill, {variant}: {t * 1e3:.1f} ms, {cost.flops / t / 1e12:.0f} "
               f"TFLOP/s = {pct:.1f}% of matmul", flush=True)  # fmt: skip
         SUMMARY.append((f"8B prefill 8192 ({variant})", f"{t * 1e3:.0f} ms, {pct:.1f}% of matmul"))
     print_split("8192 fresh", *kernel_split(llm, fresh(7)))
     step_timeline(llm, fresh(8), "8192 fresh")
-    # a prompt length seen for the first time (cuDNN builds a plan per shape; Triton does not)
-    for label, env in (("triton", "triton"), ("cudnn", "cudnn")):
-        os.environ["ROOFLINE_FRESH_PREFILL"] = env
-        try:
-            times = []
-            for length in (7001, 7001, 5003, 5003):
-                prompt = fresh(20 + len(times))[:length]
-                times.append(timed_generate(llm, lambda i, p=prompt: p, 1) * 1e3)
-        except Exception as e:  # noqa: BLE001 - report and go on to the chunks
-            print(f"  new prompt lengths, {label}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        finally:
-            os.environ.pop("ROOFLINE_FRESH_PREFILL", None)
-        print(
-            f"  new prompt lengths, {label}: 7001 first {times[0]:.1f} ms, again "
-            f"{times[1]:.1f}; 5003 first {times[2]:.1f}, again {times[3]:.1f}",
-            flush=True,
-        )
 
     # 2048-token chunks over a cached 8192-token prefix (a prefix-cache hit: one step each)
     chunk_cost = step_cost(cfg, gpu, prefill_chunks=[(2048, 8192)])

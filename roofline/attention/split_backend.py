@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.attention import fresh_prefill
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.triton_backend import store_step_kv
 from roofline.kernels.decode_attention import decode_attention
@@ -117,9 +116,7 @@ def split_attention(
             k_scale=k_scale,
             v_scale=v_scale,
         )
-    if meta.num_reqs and k_scale is None and k_new is not None and fresh_prefill.applies(q, meta):
-        fresh_prefill.attend(q, k_new, v_new, meta.query_start_loc_cpu, scale, out)  # cuDNN
-    elif meta.num_reqs:
+    if meta.num_reqs:
         prefill_attention(
             q,
             k_cache,

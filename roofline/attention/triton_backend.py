@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from roofline.attention import fresh_prefill
 from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
@@ -107,9 +106,6 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
-        if k_scale is None and fresh_prefill.applies(q, meta):  # cuDNN, where it is faster
-            return fresh_prefill.attend(q, k, v, meta.query_start_loc_cpu, scale,
-                                        torch.empty_like(q))  # fmt: skip
         return prefill_attention(
             q,
             k_cache,
