@@ -147,6 +147,29 @@ def test_eager_graph_capture_runs_the_captured_code_and_restores_torch():
     assert (torch.cuda.CUDAGraph, torch.cuda.graph) == saved
 
 
+def test_eager_capture_skips_the_forward_it_just_ran():
+    class Model(torch.nn.Module):
+        calls = 0
+
+        def forward(self, input_ids, positions, ctx):  # noqa: ANN001
+            Model.calls += 1
+            return input_ids * 2
+
+    model = Model()
+    ids, pos = torch.arange(8), torch.arange(8)
+    with startup.eager_graph_capture(model):
+        for bs in (8, 4):  # a capture loop: an eager forward, then the same one captured
+            warm = model(ids[:bs], pos[:bs], None)
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                captured = model(ids[:bs], pos[:bs], None)
+            assert captured is warm
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):  # other buffers: it runs
+            model(ids[1:5], pos[1:5], None)
+        model(ids[:4], pos[:4], None)  # outside a capture: it runs
+    assert Model.calls == 4
+    assert "forward" not in vars(model)  # the class's forward again
+
+
 def test_precompile_does_not_apply_off_cuda_or_to_moe(monkeypatch):
     from types import SimpleNamespace
 
