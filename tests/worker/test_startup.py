@@ -3,10 +3,16 @@
 No GPU here: a stand-in Triton driver reports an sm_90 device, so kernel launches on CPU tensors
 go through Triton's real launch path (binding, specialisation, cache hooks) and compile real
 sm_90 code on the pool; the launches themselves are skipped by the dry run, which is the point.
+Those tests run in a fresh process (``test_compiles_in_a_fresh_process``): once Triton's CPU
+interpreter has run a kernel in a process (``tests/kernels`` does), the GPU compiler's code
+generation there fails.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -31,6 +37,20 @@ def _scale(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
 
 
 _scale = JITFunction(_scale)  # compiled, whatever TRITON_INTERPRET says
+
+_CHILD = os.environ.get("ROOFLINE_STARTUP_TEST_CHILD") == "1"
+compiles = pytest.mark.skipif(not _CHILD, reason="runs in test_compiles_in_a_fresh_process")
+
+
+def test_compiles_in_a_fresh_process():
+    if _CHILD:
+        pytest.skip("this is the fresh process")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ROOFLINE_STARTUP_TEST_CHILD"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed, 1 skipped" in done.stdout  # everything but this test ran there
 
 
 class _Launcher:
@@ -68,6 +88,7 @@ def fake_gpu(tmp_path, monkeypatch):
         driver._active = previous
 
 
+@compiles
 def test_dry_run_compiles_each_specialisation_once_and_installs_it(fake_gpu):
     kernel = fake_gpu
     x = torch.ones(64)
@@ -99,6 +120,7 @@ def test_dry_run_compiles_each_specialisation_once_and_installs_it(fake_gpu):
     assert compiled_again == []
 
 
+@compiles
 def test_failed_compile_is_left_to_the_real_launch(fake_gpu):
     kernel = fake_gpu
     x, out = torch.ones(64), torch.zeros(64)
@@ -111,6 +133,7 @@ def test_failed_compile_is_left_to_the_real_launch(fake_gpu):
     assert kernel.device_caches[0][0] == {}  # no stand-in left: the real launch compiles
 
 
+@compiles
 def test_other_threads_compile_as_usual_during_a_dry_run(fake_gpu):
     kernel = fake_gpu
     x, out = torch.ones(64), torch.zeros(64)
@@ -190,6 +213,7 @@ def test_precompile_does_not_apply_off_cuda_or_to_moe(monkeypatch):
     assert not startup.enabled()
 
 
+@compiles
 def test_manifest_round_trip_preloads_what_the_dry_run_found(fake_gpu, tmp_path):
     kernel = fake_gpu
     x, out = torch.ones(64), torch.zeros(64)
@@ -218,6 +242,7 @@ def test_manifest_round_trip_preloads_what_the_dry_run_found(fake_gpu, tmp_path)
     assert startup.read_manifest(tmp_path / "bad.json") is None
 
 
+@compiles
 def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
     """The engine's path: a dry run of warm-up and capture (graphs eager) compiles on the pool
     and writes the manifest; a second start-up with the same key preloads without a dry run."""
@@ -261,6 +286,7 @@ def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
     other.compiler.close()
 
 
+@compiles
 def test_unfinished_compiles_are_waited_for_at_their_first_launch(fake_gpu):
     from roofline.kernels.parallel_compile import _Deferred
 
