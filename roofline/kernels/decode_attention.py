@@ -278,6 +278,7 @@ def decode_attention(
     ctx_start: torch.Tensor | None = None,  # [num_reqs] int32: first context position to attend
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     merge_prefix: bool = False,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attend one query token per request over its paged K/V; returns ``out``.
 
@@ -290,6 +291,7 @@ def decode_attention(
     to slots ``0 .. num_splits - 1`` and nothing is merged (the caller merges all the slots).
     With ``merge_prefix`` (one split only) the partials hold the prefix's slots instead: the
     kernel merges them with its own result and writes ``out`` (no merge kernel, no partial).
+    ``config``: (BLOCK_N, num_warps, num_stages) instead of ``_pick_config``'s (sweeps).
     """
     check_device(q, k_cache, v_cache)
     num_reqs, num_heads, head_dim = q.shape
@@ -305,7 +307,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = _pick_config(head_dim)
+    block_n, num_warps, num_stages = config or _pick_config(head_dim)
     if max_seq_len is None:
         max_seq_len = int(seq_lens[:num_reqs].max().item())
     if num_splits is None:
