@@ -275,13 +275,19 @@ class Sampler:
         return self._process(logits.float(), t)
 
     def sample(self, logits: Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits[i]`` ([num_rows, vocab] float32) belongs to ``requests[i]``."""
+        """``logits[i]`` ([num_rows, vocab], float32 or the model's 16-bit dtype) belongs to
+        ``requests[i]``. Plain greedy rows without logprobs take the argmax of the logits as
+        given (a 16-bit value and its exact float32 cast have the same order and ties), the rest
+        sees float32."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
-        logits = logits.float()  # [R, V]; the caller's tensor is never written
         if all(_plain_greedy(r) for r in requests):  # the common case: no tensors to build
+            if not any(r.sampling_params.logprobs is not None for r in requests):
+                return SamplerOutput(greedy_argmax(logits), [None] * len(requests))  # [R]
+            logits = logits.float()  # [R, V]
             token_ids = greedy_argmax(logits)  # [R]
             return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
+        logits = logits.float()  # [R, V]; the caller's tensor is never written
         t = SamplingTensors.from_requests(requests, logits.shape[1], logits.device)
         if not t.needs_processing and t.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [R]

@@ -418,7 +418,10 @@ class ModelRunner:
             self._prev_sampled, self._prev_rows = None, {}
             return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        # float32 logits where something edits or verifies them; else the head's dtype (the
+        # sampler casts only what needs it: a greedy step skips a [rows, vocab] copy)
+        upcast = mask_logits is not None or batch.verifies or self.parallel.is_parallel
+        logits = self.model.compute_logits(hidden, upcast)  # [num_sampled, vocab]
         if mask_logits is not None:  # with verification: 1 + k rows per speculating request
             mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it
