@@ -259,15 +259,37 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
     )
     floor = (2000 + 256 * 128) * 8 * 128 * 2 * 2 / ceil.bandwidth_bytes_per_s
     row("attn plain decode", f"{t_plain * 1e6:.1f} us (cascade's K/V-read floor {floor * 1e6:.1f})")
-    cands: list[tuple[str, ca.CascadeTuning]] = list(VARIANTS.items())
-    prefix_cfgs = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]
-    for cfg in prefix_cfgs if not quick else prefix_cfgs[:2]:
-        for splits in (1, 2, 3, 5) if not quick else (1, 3):
+    prefix_cfgs = [(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)]
+    stage1: list[tuple[str, ca.CascadeTuning]] = list(VARIANTS.items())
+    for cfg in prefix_cfgs[:2] if quick else prefix_cfgs:
+        for splits in (1, 2) if quick else (1, 2, 3, 5):
             for conc in (False, True):
                 tuning = ca.CascadeTuning(prefix_splits=splits, prefix_config=cfg, concurrent=conc)
-                cands.append((f"prefix {cfg} x{splits}{' conc' if conc else ''}", tuning))
-    for sfx in [(32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 4, 2)][: 2 if quick else 4]:
-        cands.append((f"suffix {sfx}", ca.CascadeTuning(suffix_config=sfx)))
+                stage1.append((f"prefix {cfg} x{splits}{' conc' if conc else ''}", tuning))
+    best = _time_cascades(b, ref, stage1)
+    if best is None:
+        return None
+    sfx_cfgs = [(32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 4, 2), (32, 2, 3), (64, 8, 3)]
+    stage2 = [
+        (f"{best[1]} + suffix {sfx}", dataclasses.replace(best[2], suffix_config=sfx))
+        for sfx in (sfx_cfgs[:3] if quick else sfx_cfgs)
+    ]
+    best2 = _time_cascades(b, ref, stage2)
+    if best2 is not None and best2[0] < best[0]:
+        best = best2
+    t, name, tuning = best
+    row("attn cascade best", f"{name}: {t * 1e6:.1f} us ({t_plain / t:.2f}x plain)")
+    for key in ("default", "concurrent", "concurrent, 1 prefix split"):
+        if f"attn {key} us" in RESULTS:
+            row(f"attn cascade {key}", f"{RESULTS[f'attn {key} us']} us")
+    if not quick:
+        _plain_decode_configs()
+    free()
+    return tuning
+
+
+def _time_cascades(b: dict, ref: torch.Tensor, cands: list[tuple[str, ca.CascadeTuning]]):
+    """(seconds, name, tuning) of the fastest candidate that matches ``ref``, or None."""
     saved = ca.TUNING
     best = None
     for name, tuning in cands:
@@ -280,19 +302,31 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
             continue
         finally:
             ca.TUNING = saved
-        print(f"  {name:40s} {t * 1e6:7.1f} us  max|diff| vs plain {err:.1e}", flush=True)
+        print(f"  {name:56s} {t * 1e6:7.1f} us  max|diff| vs plain {err:.1e}", flush=True)
         RESULTS[f"attn {name} us"] = round(t * 1e6, 1)
         if err < 3e-2 and (best is None or t < best[0]):
             best = (t, name, tuning)
-    if best is None:
-        return None
-    t, name, tuning = best
-    row("attn cascade best", f"{name}: {t * 1e6:.1f} us ({t_plain / t:.2f}x plain)")
-    for key in ("default", "concurrent"):
-        if f"attn {key} us" in RESULTS:
-            row(f"attn cascade {key}", f"{RESULTS[f'attn {key} us']} us")
-    free()
-    return tuning
+    return best
+
+
+def _plain_decode_configs() -> None:
+    """Plain decode attention (no cascade) at B=256 over 256- and 800-token contexts, per tile
+    config (BLOCK_N, warps, stages): the short and default presets' decode kernel."""
+    for ctx in (256, 800):
+        b = shared_batch(256, 0, ctx)
+        args = (b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5)
+        floor_bytes = 256 * ctx * 8 * 128 * 2 * 2
+        for cfg in [None, (32, 4, 3), (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 3)]:
+            try:
+                t = graph_time(lambda: decode_attention(*args, max_seq_len=8448, config=cfg))  # noqa: B023
+            except Exception as e:  # noqa: BLE001
+                print(f"  plain ctx {ctx} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            print(
+                f"  plain decode B=256 ctx {ctx} config {cfg or 'default'}: {t * 1e6:6.1f} us "
+                f"({floor_bytes / t / 1e12:.2f} TB/s)",
+                flush=True,
+            )
 
 
 @section("2. shared-prefix preset: cascade off, default, variants")
