@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.core.outputs import SchedulerOutput
+from roofline.core.outputs import ScheduledRequest, SchedulerOutput
 from roofline.request import Request
 
 RESCAN_INTERVAL = 16
@@ -106,27 +106,31 @@ class SharedPrefixDetector:
 
     def plan(self, sched_out: SchedulerOutput) -> CascadePlan | None:
         """The step's cascade plan, or None (not decode-only, or no group that pays)."""
-        scheduled = sched_out.scheduled
+        return self.plan_rows(sched_out.scheduled)
+
+    def plan_rows(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
+        """The plan of these decode rows: a decode-only step's, or the leading decode rows of
+        a decode-first mixed step (``attention/split_backend.py`` attends them apart)."""
         if len(scheduled) < self.min_group:
             return None
         self._steps_since_scan += 1
         rescan_due = self._steps_since_scan >= RESCAN_INTERVAL
         if not self.prefix:  # nothing shared lately: no per-row work until a rescan is due
-            if not rescan_due or not self._rescan(sched_out):
+            if not rescan_due or not self._rescan(scheduled):
                 return None
             rescan_due = False
-        plan = self._match(sched_out)
+        plan = self._match(scheduled)
         if plan is None:
             return None
         if plan.num_members < MIN_MEMBER_FRACTION * len(scheduled) and rescan_due:
-            if not self._rescan(sched_out):
+            if not self._rescan(scheduled):
                 return None
-            plan = self._match(sched_out)
+            plan = self._match(scheduled)
             if plan is None:
                 return None
         return plan if self.pays(plan.num_members, plan.prefix_len) else None
 
-    def _match(self, sched_out: SchedulerOutput) -> CascadePlan | None:
+    def _match(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
         prefix = self.prefix
         num_pages = len(prefix)
         prefix_len = num_pages * self.page_size
@@ -135,7 +139,7 @@ class SharedPrefixDetector:
         starts: list[int] = []
         append = starts.append
         num_members = max_pos_member = max_pos_other = 0
-        for s in sched_out.scheduled:  # the hot loop of a steady step: keep it lean
+        for s in scheduled:  # the hot loop of a steady step: keep it lean
             if s.num_new_tokens != 1:
                 return None  # prefill or verification rows: the plain kernels
             pos, req = s.start_position, s.request  # pos: the row's newest token
@@ -161,10 +165,9 @@ class SharedPrefixDetector:
         self.members[req.request_id] = req
         return True
 
-    def _rescan(self, sched_out: SchedulerOutput) -> bool:
-        """Choose the shared run that saves the most reads among this step's rows (decode-only
-        steps only); whether one was found."""
-        rows = sched_out.scheduled
+    def _rescan(self, rows: list[ScheduledRequest]) -> bool:
+        """Choose the shared run that saves the most reads among these rows (decode rows
+        only); whether one was found."""
         if any(s.num_new_tokens != 1 for s in rows):
             return bool(self.prefix)  # try again on a decode-only step
         self._steps_since_scan = 0

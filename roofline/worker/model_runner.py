@@ -328,11 +328,14 @@ class ModelRunner:
         if self.cascade is not None:
             self.cascade.drop(sched_out.finished_request_ids)
             self.cascade.drop(sched_out.preempted_request_ids)
-            cascade = self.cascade.plan(sched_out)
+            if self.mixed is None:
+                cascade = self.cascade.plan(sched_out)
         if sched_out.is_empty:
             return StepHandle([], None, [])
         if self.mixed is not None:
             sched_out = self.mixed.decode_first(sched_out)
+            if self.cascade is not None:  # decode-only, or an eager mixed step's decode rows
+                cascade = self.mixed.cascade_plan(sched_out, self.cascade)
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
@@ -349,7 +352,8 @@ class ModelRunner:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
         with its block-table rows already assigned). ``prompt_logprobs_of``: the step's rows
         that predict prompt tokens, when some request in flight asks for prompt logprobs.
-        ``cascade``: a decode-only step's shared prefix (``attention/cascade.py``)."""
+        ``cascade``: the shared prefix of a decode-only step, or of an eager mixed step's
+        decode rows (``attention/cascade.py``)."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
@@ -361,8 +365,10 @@ class ModelRunner:
         plan = self.mixed.plan(batch) if mixed_ok else None  # type: ignore[union-attr]
         if grid:
             gather, extra = grid[2], list(grid)  # the sampled rows' places in the padded grid
-        elif plan is not None:
-            extra = plan.lists
+        elif plan is not None:  # an eager mixed step uploads its decode rows' cascade plan
+            if plan.bucket is not None:
+                cascade = None
+            extra = cascade.lists() if cascade is not None else plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
         dev = self._upload(batch, gather, src, dst, *extra)
@@ -377,7 +383,9 @@ class ModelRunner:
             )  # fmt: skip
             hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
         elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
-            hidden = self.mixed.forward(plan, extra_t, batch, dev, self.block_tables, pending)
+            hidden = self.mixed.forward(
+                plan, extra_t, batch, dev, self.block_tables, pending, cascade
+            )
         elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
             pages_t, len_t, starts_t = extra_t
             bucket = cgraphs.stage_cascade(
