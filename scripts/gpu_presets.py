@@ -2,21 +2,27 @@
 and off: Llama-3.1-8B config, random bf16 weights, one engine for every preset. Sections, in
 the order they run (each in try/except: an error is printed and the next section runs):
 
-1. parity: a tiny fp32 Llama on the GPU, a shared-prefix workload (64 x (512 shared + 24), 24
+1. parity: a tiny fp32 Llama on the GPU, a shared-prefix workload (48 x (512 shared + 24), 16
    out): greedy tokens with cascade attention off vs each cascade variant (identical expected);
-2. the shared-prefix preset (256 x (2,000 shared + 64), 128 out): time, % of its roofline, host
-   share, and GPU time by phase (prefill steps vs decode steps: CUDA events recorded as each
-   step is scheduled), with cascade off, the default cascade, and the variants below;
-3. the cascade decode attention alone at that shape (B = 256, prefix 2,000, suffix 128),
-   replayed from CUDA graphs: prefix split counts and tile configs, the suffix tile, the two
-   passes side by side on two streams (``TUNING.concurrent``); the best one runs end to end;
-4. the other presets: short, default, long-prompt (% of roofline, host share, phases);
+3. the cascade decode attention alone at the shared-prefix preset's decode shape (B = 256,
+   prefix 2,000, suffix 128), replayed from CUDA graphs: prefix tiles x split counts x the
+   prefix pass on a side stream beside the suffix pass (``TUNING.concurrent``), then suffix
+   tiles for the best; plain decode attention per tile config at B = 256 over 256 (and 800)
+   tokens of context (the short and default presets' decode kernel);
+2. the shared-prefix preset (256 x (2,000 shared + 64), 128 out): time, % of its roofline,
+   host share, GPU time by phase (prefill steps vs decode steps: CUDA events recorded as each
+   step is scheduled), cascade steps, with cascade off, the default cascade and the sweep's
+   best (the full run also the side-stream variant);
+4. the other presets (quick: short only; full: short, default, long-prompt);
+6. the host share of steady decode at 256 running (goal < 15%) per way of waiting for the
+   device: spinning, the default DeviceWaiter, the waiter with the thread pinned to one core,
+   a longer spun tail; host milliseconds per step by piece;
 5. (full run) a kernel-time profile of the shared-prefix preset: time by kernel name.
 
 A table last; JSON into $OUT/presets.json.
 
-    python scripts/gpu_presets.py --quick   # < 90 s: sections 1-3 (short sweep), short preset
-    python scripts/gpu_presets.py           # < 4 min: everything
+    python scripts/gpu_presets.py --quick   # the first check (~100 s)
+    python scripts/gpu_presets.py           # everything (< 4 min)
 """
 
 from __future__ import annotations
@@ -150,19 +156,19 @@ def run_preset(llm: LLM, ceil, name: str, tag: str = "", count_cascade: bool = F
     cascade_steps = [0]
     plan = None
     if count_cascade and runner.cascade is not None:
-        plan = runner.cascade.plan
+        plan = runner.cascade.plan_rows
 
-        def counted(sched_out):
-            p = plan(sched_out)
+        def counted(rows):
+            p = plan(rows)
             cascade_steps[0] += p is not None
             return p
 
-        runner.cascade.plan = counted
+        runner.cascade.plan_rows = counted
     try:
         res = throughput.run(llm, ceil, wl, use_tqdm=False, observe=clock)
     finally:
         if plan is not None:
-            del runner.cascade.plan
+            del runner.cascade.plan_rows
     phases = clock.phases()
     label = f"{name}{' (' + tag + ')' if tag else ''}"
     ph = ", ".join(
@@ -181,27 +187,43 @@ def run_preset(llm: LLM, ceil, name: str, tag: str = "", count_cascade: bool = F
     return res
 
 
-@section("1. parity: tiny fp32 Llama, 64 x (512 shared + 24), 24 out, cascade off vs variants")
+@section("1. parity: tiny fp32 Llama, 48 x (512 shared + 24), 16 out, cascade off vs variants")
 def parity() -> None:
-    wl = workloads.shared_prefix(64, 512, (24, 24), (24, 24), TINY["vocab_size"], seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    n = 48
+    wl = workloads.shared_prefix(n, 512, (24, 24), (16, 16), TINY["vocab_size"], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(TINY))
         llm = LLM(folder, load_format="dummy", device="cuda", dtype="float32", max_num_seqs=64,
                   max_model_len=1024, kv_cache_memory_bytes=512 << 20)  # fmt: skip
-    runs = {}
+    runs, planned = {}, {}
     saved = ca.TUNING
+    detector = llm.llm_engine.runner.cascade
+    count = [0]
+    if detector is not None:
+        plan_rows = detector.plan_rows
+
+        def counted(rows):
+            p = plan_rows(rows)
+            count[0] += p is not None
+            return p
+
+        detector.plan_rows = counted
     try:
         for name, tuning in [("off", None), *VARIANTS.items()]:
             set_cascade(llm, tuning)
             llm.llm_engine.kv_manager.reset_prefix_cache()
+            count[0] = 0
             outs = llm.generate(wl.prompts, params, use_tqdm=False)
-            runs[name] = [o.outputs[0].token_ids for o in outs]
+            runs[name], planned[name] = [o.outputs[0].token_ids for o in outs], count[0]
     finally:
         set_cascade(llm, saved)
     for name in VARIANTS:
         same = sum(a == b for a, b in zip(runs["off"], runs[name]))
-        row(f"parity tiny fp32 greedy, cascade off vs {name}", f"{same}/64 identical")
+        row(
+            f"parity tiny fp32 greedy, cascade off vs {name}",
+            f"{same}/{n} identical ({planned[name]} cascade steps)",
+        )
     del llm
     free()
 
@@ -282,8 +304,7 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
     for key in ("default", "concurrent", "concurrent, 1 prefix split"):
         if f"attn {key} us" in RESULTS:
             row(f"attn cascade {key}", f"{RESULTS[f'attn {key} us']} us")
-    if not quick:
-        _plain_decode_configs()
+    _plain_decode_configs(quick)
     free()
     return tuning
 
@@ -309,14 +330,15 @@ def _time_cascades(b: dict, ref: torch.Tensor, cands: list[tuple[str, ca.Cascade
     return best
 
 
-def _plain_decode_configs() -> None:
+def _plain_decode_configs(quick: bool) -> None:
     """Plain decode attention (no cascade) at B=256 over 256- and 800-token contexts, per tile
     config (BLOCK_N, warps, stages): the short and default presets' decode kernel."""
-    for ctx in (256, 800):
+    configs = [None, (32, 4, 3), (32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3)]
+    for ctx in (256,) if quick else (256, 800):
         b = shared_batch(256, 0, ctx)
         args = (b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5)
         floor_bytes = 256 * ctx * 8 * 128 * 2 * 2
-        for cfg in [None, (32, 4, 3), (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 3)]:
+        for cfg in configs[:4] if quick else configs:
             try:
                 t = graph_time(lambda: decode_attention(*args, max_seq_len=8448, config=cfg))  # noqa: B023
             except Exception as e:  # noqa: BLE001
@@ -354,8 +376,7 @@ def steady_decode(llm: LLM, steps: int, quick: bool) -> None:
         ("sleep (default)", DeviceWaiter(), False),
         ("sleep, pinned to one core", DeviceWaiter(), True),
     ]
-    if not quick:
-        variants.append(("sleep, 40% spun tail", DeviceWaiter(spin_fraction=0.4), False))
+    variants.append(("sleep, 40% spun tail", DeviceWaiter(spin_fraction=0.4), False))
     for name, waiter, pin in variants:
         _steady(llm, 256, steps, name, waiter, pin)
 
