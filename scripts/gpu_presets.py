@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -305,6 +306,7 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
         if f"attn {key} us" in RESULTS:
             row(f"attn cascade {key}", f"{RESULTS[f'attn {key} us']} us")
     _plain_decode_configs(quick)
+    _prefill_bucket_configs()
     free()
     return tuning
 
@@ -349,6 +351,48 @@ def _plain_decode_configs(quick: bool) -> None:
                 f"({floor_bytes / t / 1e12:.2f} TB/s)",
                 flush=True,
             )
+
+
+def _prefill_bucket_configs() -> None:
+    """The prefill part of a short-preset mixed step as its 768-row graph replays it: 253 decode
+    rows first (the decode kernel's), prompts of 150/200/100/30 new tokens, a 35-row padding
+    request, empty slots up to 17; prefill_attention per tile config (BLOCK_M, BLOCK_N, warps,
+    stages), the graph's max_query_len = 768 (the default picks 128 x 128, 8 warps)."""
+    from roofline.kernels.prefill_attention import prefill_attention
+
+    d, lens, bucket, page = 253, [150, 200, 100, 30], 768, 16
+    lens = lens + [bucket - d - sum(lens)]  # the padding request
+    starts = [d]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    starts += [bucket] * (17 - len(lens))
+    pages = [-(-n // page) for n in lens] + [0] * (17 - len(lens))
+    table = torch.zeros(17, 64, dtype=torch.int32, device=DEV)
+    nxt = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=DEV)
+        nxt += n
+    i32 = torch.int32
+    q = torch.randn(bucket, 32, 128, device=DEV).to(torch.bfloat16)
+    kc = torch.randn(nxt + 1, page, 8, 128, device=DEV).to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    qsl = torch.tensor(starts, dtype=i32, device=DEV)
+    seq = torch.tensor(lens + [0] * (17 - len(lens)), dtype=i32, device=DEV)
+    out = torch.empty_like(q)
+    args = (q, kc, vc, table, qsl, seq, 128**-0.5, bucket)
+    for cfg in [None, (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3)]:
+        extra = (
+            {} if cfg is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg))
+        )
+        try:
+            t = graph_time(functools.partial(prefill_attention, *args, out=out, **extra))
+        except Exception as e:  # noqa: BLE001
+            print(f"  prefill bucket {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        row(
+            f"prefill part of a 768-row mixed bucket, config {cfg or 'default'}",
+            f"{t * 1e6:.1f} us",
+        )
 
 
 @section("2. shared-prefix preset: cascade off, default, variants")
