@@ -410,34 +410,31 @@ def shared_prefix(llm: LLM, ceil, tunings: dict[str, ca.CascadeTuning]) -> None:
 
 
 @section("6. host share of steady decode at 256 running: how the engine waits")
-def steady_decode(llm: LLM, steps: int, quick: bool) -> None:
+def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
     """The engine's host share (goal < 15%) and host pieces per step at 256 running decodes
     (prompts 100-1024, ``stream=False`` as ``LLM.generate``), for ways of waiting for the
-    device: spinning, the default DeviceWaiter, the waiter with the engine thread pinned to one
-    core (a woken thread may land on another core, caches cold), a longer spun tail."""
+    device, one window of ``steps`` steps each over the same running batch: spinning, the
+    default DeviceWaiter, the waiter with the engine thread pinned to one core (a woken thread
+    may land on another core, caches cold), a longer spun tail, the default again."""
     variants = [
         ("spin", None, False),
         ("sleep (default)", DeviceWaiter(), False),
         ("sleep, pinned to one core", DeviceWaiter(), True),
+        ("sleep, 40% spun tail", DeviceWaiter(spin_fraction=0.4), False),
+        ("sleep (default) again", DeviceWaiter(), False),
     ]
-    variants.append(("sleep, 40% spun tail", DeviceWaiter(spin_fraction=0.4), False))
-    for name, waiter, pin in variants:
-        _steady(llm, 256, steps, name, waiter, pin)
-
-
-def _steady(llm: LLM, num_reqs: int, steps: int, name: str, waiter, pin: bool) -> None:
     engine = llm.llm_engine
     runner, sched = engine.runner, engine.scheduler
     saved_waiter, saved_affinity = runner.device_waiter, os.sched_getaffinity(0)
-    runner.device_waiter = waiter
     engine.kv_manager.reset_prefix_cache()
     vocab = engine.model_config.vocab_size
     wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), vocab, seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=len(variants) * (steps + 8) + 16,
+                            ignore_eos=True)  # fmt: skip
     ids = [f"steady-{i}" for i in range(num_reqs)]
     for rid, prompt in zip(ids, wl.prompts):
         engine.add_request(rid, prompt, params, stream=False)
-    pieces = defaultdict(float)
+    pieces: dict[str, float] = defaultdict(float)
 
     def timed(obj, attr: str, key: str):
         fn = getattr(obj, attr)
@@ -456,24 +453,32 @@ def _steady(llm: LLM, num_reqs: int, steps: int, name: str, waiter, pin: bool) -
             r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
         ):
             engine.step()
-        for _ in range(5):
-            engine.step()
-        if pin:
-            os.sched_setaffinity(0, {min(saved_affinity)})
         timed(sched, "schedule", "schedule")
         timed(runner, "launch", "launch")
         timed(engine, "_fold", "fold-in")
         timed(engine, "_emit", "outputs")
-        t0 = dataclasses.replace(engine.step_timing)
-        with frozen_heap():
-            start, cpu0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
+        for name, waiter, pin in variants:
+            runner.device_waiter = waiter
+            os.sched_setaffinity(0, {min(saved_affinity)} if pin else saved_affinity)
+            for _ in range(8):  # the waiter learns its estimate
                 engine.step()
-            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
-        timing = engine.step_timing.since(t0)
+            pieces.clear()
+            t0 = dataclasses.replace(engine.step_timing)
+            with frozen_heap():
+                start, cpu0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    engine.step()
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+            timing = engine.step_timing.since(t0)
+            row(
+                f"steady decode {sched.num_running}, {name}",
+                f"{1e3 * elapsed / steps:.2f} ms/step, host share "
+                f"{100 * timing.host_fraction:.1f}%, CPU {100 * cpu / elapsed:.0f}% of a core; "
+                "host ms/step: "
+                + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in pieces.items()),
+            )
     finally:
-        for attr in ("schedule",):
-            sched.__dict__.pop(attr, None)
+        sched.__dict__.pop("schedule", None)
         runner.__dict__.pop("launch", None)
         engine.__dict__.pop("_fold", None)
         engine.__dict__.pop("_emit", None)
@@ -482,12 +487,6 @@ def _steady(llm: LLM, num_reqs: int, steps: int, name: str, waiter, pin: bool) -
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-    row(
-        f"steady decode {num_reqs}, {name}",
-        f"{1e3 * elapsed / steps:.2f} ms/step, host share {100 * timing.host_fraction:.1f}%, "
-        f"CPU {100 * cpu / elapsed:.0f}% of a core; host ms/step: "
-        + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in pieces.items()),
-    )
 
 
 @section("5. kernel-time profile of the shared-prefix preset")
@@ -538,7 +537,7 @@ def main() -> None:
     presets = ["short"] if args.quick else ["short", "default", "long-prompt"]
     for name in presets:
         section(f"4. preset {name}")(run_preset)(llm, ceil, name)
-    steady_decode(llm, 30 if args.quick else 60, args.quick)
+    steady_decode(llm, 30 if args.quick else 60)
     if not args.quick:
         profile(llm, ceil)
     print(f"\n=== gpu_presets summary ({time.perf_counter() - t_start:.0f} s) ===")
