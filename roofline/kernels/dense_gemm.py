@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.activation import _expf
 
 
 class GemmConfig(NamedTuple):
@@ -44,7 +45,8 @@ def dense_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _dense_gemm_kernel(
     x_desc, w_desc, out_desc, part_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)  # N tiles fastest: neighbours share the x tile in L2
     pid_m = tl.program_id(1)
@@ -55,10 +57,18 @@ def _dense_gemm_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         a = x_desc.load([off_m, k])  # [BLOCK_M, BLOCK_K]
         b = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(a, b.T, acc)
+        if SILU_MUL:  # the up projection's rows follow the gate's N rows
+            b_up = w_desc.load([N + off_n, k])  # [BLOCK_N, BLOCK_K]
+            acc_up = tl.dot(a, b_up.T, acc_up)
+    if SILU_MUL:  # the unfused path's numerics: gate and up rounded, SiLU as activation.py
+        g = acc.to(out_desc.dtype).to(tl.float32)
+        act = tl.math.div_rn(g, 1.0 + _expf(-g, LIBDEVICE)).to(out_desc.dtype).to(tl.float32)
+        acc = act * acc_up.to(out_desc.dtype).to(tl.float32)
     if SPLIT_K == 1:
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
     else:  # fp32 partials [SPLIT_K, M, N]
@@ -83,21 +93,28 @@ def _split_k_sum_kernel(
 
 def dense_gemm(
     x: torch.Tensor,  # [M, K] bf16/fp16, contiguous
-    w: torch.Tensor,  # [N, K] same dtype, contiguous
+    w: torch.Tensor,  # [N, K] same dtype, contiguous ([2I, K] with silu_mul)
     config: GemmConfig,
-    out: torch.Tensor | None = None,  # [M, N]
+    out: torch.Tensor | None = None,  # [M, N] ([M, I] with silu_mul)
+    silu_mul: bool = False,
 ) -> torch.Tensor:  # [M, N]
+    """``x @ w.T``; with ``silu_mul`` (an MLP's packed gate_up weight) ``silu(gate) * up`` of
+    it, with the unfused path's roundings (``kernels/activation.py``), and no split-K."""
     check_device(x, w)
     (m, k), (n, k_w) = x.shape, w.shape
     if k != k_w or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dense_gemm: x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)}")
     if not (x.is_contiguous() and w.is_contiguous()):
         raise ValueError("dense_gemm needs contiguous operands")
+    if silu_mul:
+        if n % 2 or config.split_k != 1 or (n // 2) % config.block_n:
+            raise ValueError("silu_mul needs [2I, K] weights, I a multiple of block_n, no split-K")
+        n //= 2
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages, split_k = config
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [bm, bk])
-    w_desc = TensorDescriptor(w, [n, k], [k, 1], [bn, bk])
+    w_desc = TensorDescriptor(w, [w.shape[0], k], [k, 1], [bn, bk])
     out_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn])
     part = out
     if split_k > 1:
@@ -106,7 +123,7 @@ def dense_gemm(
     _dense_gemm_kernel[grid](
         x_desc, w_desc, out_desc, part, m, n, k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, SPLIT_K=split_k,
-        num_warps=warps,
+        SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(), num_warps=warps,
     )  # fmt: skip
     if split_k > 1:
         block = 1024

@@ -28,3 +28,16 @@ def test_dense_gemm_refuses_mismatched_operands() -> None:
         dense_gemm(
             x, torch.zeros(8, 16, dtype=torch.bfloat16, device=DEVICE), GemmConfig(16, 16, 16, 4, 1)
         )
+
+
+def test_dense_gemm_silu_mul_matches_unfused() -> None:
+    from roofline.kernels.activation import silu_and_mul_ref
+
+    m, inter, k = 24, 64, 48
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(2 * inter, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cfg = GemmConfig(64, 64, 64, 4, 3) if ON_GPU else GemmConfig(16, 32, 16, 4, 1)
+    out = dense_gemm(x, w, cfg, silu_mul=True)
+    assert out.shape == (m, inter)
+    assert_close(out, silu_and_mul_ref(dense_gemm_ref(x, w)), torch.bfloat16)
