@@ -11,7 +11,8 @@ accumulators on the tensor cores, and writes the tile rounded to the output dtyp
 ``SPLIT_K > 1`` (too few tiles to fill the GPU) program ``(tile, s)`` takes the ``s``-th slice
 of K and writes fp32 partial sums; a second launch adds the slices in a fixed order and rounds,
 so results do not depend on timing. ``scripts/gpu_presets.py`` measures the configs against
-``torch.nn.functional.linear`` at the decode shapes; nothing in the engine calls this yet.
+``torch.nn.functional.linear`` at the decode shapes; ``layers.linear.linear`` runs it only
+for the (shape, rows) ranges listed in ``TUNED_CONFIGS``.
 """
 
 from __future__ import annotations
@@ -133,6 +134,19 @@ def dense_gemm(
     return out
 
 
+TUNED_CONFIGS: dict[tuple[int, int], list[tuple[int, int, GemmConfig]]] = {}
+"""(N, K) -> [(min_rows, max_rows, config)]: the row ranges where a config beat cuBLAS on an
+H100 (``scripts/gpu_presets.py``); ``layers.linear.linear`` runs those, cuBLAS the rest."""
+
+
+def tuned_config(n: int, k: int, m: int) -> GemmConfig | None:
+    """The measured config for ``[m, k] x [n, k]^T``, or None (cuBLAS)."""
+    for lo, hi, config in TUNED_CONFIGS.get((n, k), ()):
+        if lo <= m <= hi:
+            return config
+    return None
+
+
 CANDIDATES = [
     GemmConfig(128, 128, 64, 8, 4),
     GemmConfig(128, 256, 64, 8, 3),
@@ -144,4 +158,11 @@ CANDIDATES = [
 """Configs ``scripts/gpu_presets.py`` times at the decode shapes."""
 
 
-__all__ = ["CANDIDATES", "GemmConfig", "dense_gemm", "dense_gemm_ref"]
+__all__ = [
+    "CANDIDATES",
+    "TUNED_CONFIGS",
+    "GemmConfig",
+    "dense_gemm",
+    "dense_gemm_ref",
+    "tuned_config",
+]

@@ -41,3 +41,12 @@ def test_dense_gemm_silu_mul_matches_unfused() -> None:
     out = dense_gemm(x, w, cfg, silu_mul=True)
     assert out.shape == (m, inter)
     assert_close(out, silu_and_mul_ref(dense_gemm_ref(x, w)), torch.bfloat16)
+
+
+def test_tuned_config_row_ranges(monkeypatch) -> None:
+    from roofline.kernels import dense_gemm as dense
+
+    a, b = GemmConfig(64, 64, 64, 4, 3), GemmConfig(128, 128, 64, 8, 4)
+    monkeypatch.setattr(dense, "TUNED_CONFIGS", {(4096, 4096): [(9, 128, a), (129, 256, b)]})
+    assert dense.tuned_config(4096, 4096, 64) == a and dense.tuned_config(4096, 4096, 200) == b
+    assert dense.tuned_config(4096, 4096, 300) is None and dense.tuned_config(4096, 8, 64) is None
