@@ -396,8 +396,12 @@ def _prefill_bucket_configs() -> None:
 
 
 @section("7. dense GEMM candidates vs cuBLAS at the 8B's decode shapes (CUDA-graph timed)")
-def gemm_candidates(quick: bool) -> None:
+def gemm_candidates(quick: bool) -> dict:
+    """Per decode shape, cuBLAS vs the dense GEMM candidates; the winners (>= 5% faster) as a
+    ``dense_gemm.TUNED_CONFIGS`` table for the rows around the measured count."""
     from roofline.kernels.dense_gemm import CANDIDATES, dense_gemm
+
+    table: dict = {}
 
     shapes = {
         "qkv": (6144, 4096),
@@ -423,6 +427,10 @@ def gemm_candidates(quick: bool) -> None:
                 print(f"  M={m} {name:8s} {tuple(cfg)}: {t * 1e6:7.1f} us (max|diff| {err:.1e})")
                 if err < 0.05 and t < best[0]:
                     best = (t, str(tuple(cfg)))
+                    if t < 0.95 * t_ref:
+                        table[(n, k)] = [(m // 2 + 1, m, cfg)] + [
+                            e for e in table.get((n, k), []) if e[1] != m
+                        ]
             if name == "gate_up":
                 RESULTS["gate_up best"] = best[0]
             row(
@@ -435,7 +443,9 @@ def gemm_candidates(quick: bool) -> None:
             if name == "gate_up":
                 saved_total += _fused_silu(m, x, w, ref, quick) if m == 256 else 0.0
     row("GEMM: per decode step at 256 rows, 32 layers", f"{32e3 * saved_total:.2f} ms saved")
+    row("GEMM: the table the engine run uses", str(table))
     free()
+    return table
 
 
 def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, quick: bool):
@@ -469,6 +479,38 @@ def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
     )
     plain_best = RESULTS.get("gate_up best", None)
     return max(0.0, t_act - (t_best[0] - plain_best)) if plain_best else 0.0
+
+
+def set_dense(llm: LLM, table: dict) -> None:
+    """The engine's linear layers on ``table`` (``dense_gemm.TUNED_CONFIGS``): decode graphs
+    and cascade graphs captured again (the mixed graphs keep what they captured)."""
+    from roofline.kernels import dense_gemm as dense
+
+    dense.TUNED_CONFIGS.clear()
+    dense.TUNED_CONFIGS.update(table)
+    runner = llm.llm_engine.runner
+    if runner.graphs is None or not runner.graphs.graphs:
+        return
+    pool = next(iter(runner.graphs.graphs.values())).pool()
+    for graphs in (runner.graphs, runner.cascade_graphs):
+        if graphs is not None:  # the warm-up forwards store K/V at the buffers' slots: none
+            graphs.slot_mapping.fill_(-1)
+            graphs.seq_lens.fill_(1)
+            if hasattr(graphs, "suffix_start"):
+                graphs.suffix_start.fill_(0)
+            graphs.capture(pool)
+
+
+@section("2b. shared-prefix preset with the sweep's dense GEMMs in the decode graphs")
+def shared_prefix_dense(llm: LLM, ceil, table: dict, tuning: ca.CascadeTuning) -> None:
+    saved = ca.TUNING
+    try:
+        set_cascade(llm, tuning)
+        set_dense(llm, table)
+        run_preset(llm, ceil, "shared-prefix", "best cascade, dense GEMMs", count_cascade=True)
+    finally:
+        set_dense(llm, {})
+        set_cascade(llm, saved)
 
 
 @section("2. shared-prefix preset: cascade off, default, variants")
@@ -599,7 +641,7 @@ def main() -> None:
     )
     parity()
     best = kernel_sweep(ceil, args.quick)
-    gemm_candidates(args.quick)
+    dense_table = gemm_candidates(args.quick) or {}
     t0 = time.perf_counter()
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     kw.update(json.loads(args.engine_kwargs))
@@ -611,6 +653,8 @@ def main() -> None:
     if best is not None and best not in tunings.values():
         tunings["best of sweep"] = best
     shared_prefix(llm, ceil, tunings)
+    if dense_table:
+        shared_prefix_dense(llm, ceil, dense_table, best or VARIANTS["default"])
     presets = ["short"] if args.quick else ["short", "default", "long-prompt"]
     for name in presets:
         section(f"4. preset {name}")(run_preset)(llm, ceil, name)
