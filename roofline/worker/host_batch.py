@@ -100,7 +100,12 @@ class HostBatch:
                 if end > known:
                     add_id(0)
                 positions.extend(range(start, end))
-                slots.extend(bt[p // page] * page + p % page for p in range(start, end))
+                # slots page by page: one C-level range per page, not a Python step per token
+                for i in range(start // page, (end - 1) // page + 1):
+                    base = bt[i] * page
+                    slots.extend(
+                        range(base + max(start - i * page, 0), base + min(end - i * page, page))
+                    )
             num_rows += n
             add_start(num_rows)
             add_seq_len(end)
