@@ -48,6 +48,7 @@ from roofline.engine.heap import frozen_heap
 from roofline.kernels import cascade_attention as ca
 from roofline.kernels.decode_attention import decode_attention
 from roofline.worker.device_wait import DeviceWaiter
+from roofline.worker.model_runner import StepHandle
 
 DEV = torch.device("cuda")
 ROWS: list[tuple[str, str]] = []
@@ -165,12 +166,16 @@ def run_preset(llm: LLM, ceil, name: str, tag: str = "", count_cascade: bool = F
             return p
 
         runner.cascade.plan_rows = counted
+    waiter = runner.device_waiter
+    over0 = waiter.num_overslept if waiter is not None else 0
     try:
         res = throughput.run(llm, ceil, wl, use_tqdm=False, observe=clock)
     finally:
         if plan is not None:
             del runner.cascade.plan_rows
     phases = clock.phases()
+    if waiter is not None:
+        phases["waits overslept"] = (waiter.num_overslept - over0, 0.0)
     label = f"{name}{' (' + tag + ')' if tag else ''}"
     ph = ", ".join(
         f"{k} steps {n}: {s:.3f} s ({1e3 * s / max(n, 1):.2f} ms/step)"
@@ -539,6 +544,8 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
         ("sleep (default)", DeviceWaiter(), False),
         ("sleep, pinned to one core", DeviceWaiter(), True),
         ("sleep, 40% spun tail", DeviceWaiter(spin_fraction=0.4), False),
+        ("blocking-sync event", "blocking", False),
+        ("blocking-sync event, pinned", "blocking", True),
         ("sleep (default) again", DeviceWaiter(), False),
     ]
     engine = llm.llm_engine
@@ -576,7 +583,8 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
         timed(engine, "_fold", "fold-in")
         timed(engine, "_emit", "outputs")
         for name, waiter, pin in variants:
-            runner.device_waiter = waiter
+            StepHandle.blocking_events = waiter == "blocking"
+            runner.device_waiter = None if waiter == "blocking" else waiter
             os.sched_setaffinity(0, {min(saved_affinity)} if pin else saved_affinity)
             for _ in range(8):  # the waiter learns its estimate
                 engine.step()
@@ -588,14 +596,16 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
                     engine.step()
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
             timing = engine.step_timing.since(t0)
+            over = f", {waiter.num_overslept} overslept" if isinstance(waiter, DeviceWaiter) else ""
             row(
                 f"steady decode {sched.num_running}, {name}",
                 f"{1e3 * elapsed / steps:.2f} ms/step, host share "
-                f"{100 * timing.host_fraction:.1f}%, CPU {100 * cpu / elapsed:.0f}% of a core; "
-                "host ms/step: "
+                f"{100 * timing.host_fraction:.1f}%, CPU {100 * cpu / elapsed:.0f}% of a core"
+                f"{over}; host ms/step: "
                 + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in pieces.items()),
             )
     finally:
+        StepHandle.blocking_events = False
         sched.__dict__.pop("schedule", None)
         runner.__dict__.pop("launch", None)
         engine.__dict__.pop("_fold", None)
