@@ -341,7 +341,7 @@ def _plain_decode_configs(quick: bool) -> None:
     """Plain decode attention (no cascade) at B=256 over 256- and 800-token contexts, per tile
     config (BLOCK_N, warps, stages): the short and default presets' decode kernel."""
     configs = [None, (32, 4, 3), (32, 4, 2), (64, 4, 2), (128, 4, 2), (64, 8, 3)]
-    for ctx in (256,) if quick else (256, 800):
+    for ctx in (256, 800):
         b = shared_batch(256, 0, ctx)
         args = (b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5)
         floor_bytes = 256 * ctx * 8 * 128 * 2 * 2
