@@ -407,6 +407,7 @@ def gemm_candidates(quick: bool) -> dict:
     from roofline.kernels.dense_gemm import CANDIDATES, dense_gemm
 
     table: dict = {}
+    silu_table: dict = {}
 
     shapes = {
         "qkv": (6144, 4096),
@@ -437,7 +438,7 @@ def gemm_candidates(quick: bool) -> dict:
                             e for e in table.get((n, k), []) if e[1] != m
                         ]
             if name == "gate_up":
-                RESULTS["gate_up best"] = best[0]
+                RESULTS["gate_up best"], RESULTS["gate_up cuBLAS"] = best[0], t_ref
             row(
                 f"GEMM M={m} {name} (N={n}, K={k})",
                 f"cuBLAS {t_ref * 1e6:.1f} us, best {best[1]} {best[0] * 1e6:.1f} us "
@@ -446,11 +447,14 @@ def gemm_candidates(quick: bool) -> dict:
             if m == 256:
                 saved_total += t_ref - best[0]
             if name == "gate_up":
-                saved_total += _fused_silu(m, x, w, ref, quick) if m == 256 else 0.0
+                saved, cfg = _fused_silu(m, x, w, ref, quick)
+                saved_total += saved if m == 256 else 0.0
+                if cfg is not None:
+                    silu_table.setdefault((n, k), []).append((m // 2 + 1, m, cfg))
     row("GEMM: per decode step at 256 rows, 32 layers", f"{32e3 * saved_total:.2f} ms saved")
-    row("GEMM: the table the engine run uses", str(table))
+    row("GEMM: the tables the engine run uses", f"plain {table}, gate_up+SiLU {silu_table}")
     free()
-    return table
+    return {"plain": table, "silu": silu_table} if table or silu_table else {}
 
 
 def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, quick: bool):
@@ -476,14 +480,18 @@ def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
         if err < 0.05 and (t_best is None or t < t_best[0]):
             t_best = (t, cfg)
     if t_best is None:
-        return 0.0
+        return 0.0, None
+    plain_best = RESULTS.get("gate_up best", None)
+    t_cublas = RESULTS.get("gate_up cuBLAS", None)
     row(
         f"GEMM M={m} gate_up + SiLU-and-mul",
         f"activation kernel alone {t_act * 1e6:.1f} us; fused best {tuple(t_best[1])} "
-        f"{t_best[0] * 1e6:.1f} us",
+        f"{t_best[0] * 1e6:.1f} us (cuBLAS + activation {1e6 * (t_cublas or 0) + t_act * 1e6:.1f})",
     )
-    plain_best = RESULTS.get("gate_up best", None)
-    return max(0.0, t_act - (t_best[0] - plain_best)) if plain_best else 0.0
+    if plain_best is None or t_cublas is None:
+        return 0.0, None
+    wins = t_best[0] < 0.95 * min(plain_best + t_act, t_cublas + t_act)
+    return max(0.0, t_act - (t_best[0] - plain_best)), (t_best[1] if wins else None)
 
 
 def set_dense(llm: LLM, table: dict) -> None:
@@ -492,7 +500,9 @@ def set_dense(llm: LLM, table: dict) -> None:
     from roofline.kernels import dense_gemm as dense
 
     dense.TUNED_CONFIGS.clear()
-    dense.TUNED_CONFIGS.update(table)
+    dense.TUNED_CONFIGS.update(table.get("plain", {}))
+    dense.TUNED_SILU_CONFIGS.clear()
+    dense.TUNED_SILU_CONFIGS.update(table.get("silu", {}))
     runner = llm.llm_engine.runner
     if runner.graphs is None or not runner.graphs.graphs:
         return

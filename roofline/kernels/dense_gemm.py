@@ -139,9 +139,15 @@ TUNED_CONFIGS: dict[tuple[int, int], list[tuple[int, int, GemmConfig]]] = {}
 H100 (``scripts/gpu_presets.py``); ``layers.linear.linear`` runs those, cuBLAS the rest."""
 
 
-def tuned_config(n: int, k: int, m: int) -> GemmConfig | None:
+TUNED_SILU_CONFIGS: dict[tuple[int, int], list[tuple[int, int, GemmConfig]]] = {}
+"""The same for an MLP's packed gate_up weight ``[2I, K]`` with the SiLU-and-mul fused (keyed
+by ``(2I, K)``): where it beat cuBLAS plus the activation kernel."""
+
+
+def tuned_config(n: int, k: int, m: int, silu_mul: bool = False) -> GemmConfig | None:
     """The measured config for ``[m, k] x [n, k]^T``, or None (cuBLAS)."""
-    for lo, hi, config in TUNED_CONFIGS.get((n, k), ()):
+    table = TUNED_SILU_CONFIGS if silu_mul else TUNED_CONFIGS
+    for lo, hi, config in table.get((n, k), ()):
         if lo <= m <= hi:
             return config
     return None
@@ -161,6 +167,7 @@ CANDIDATES = [
 __all__ = [
     "CANDIDATES",
     "TUNED_CONFIGS",
+    "TUNED_SILU_CONFIGS",
     "GemmConfig",
     "dense_gemm",
     "dense_gemm_ref",

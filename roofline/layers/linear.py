@@ -135,6 +135,25 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def gate_up_silu(layer: MergedLinear, x: torch.Tensor) -> torch.Tensor | None:
+    """``silu_and_mul(layer(x))`` for an MLP's packed gate_up layer in one Triton GEMM, where
+    ``kernels.dense_gemm.TUNED_SILU_CONFIGS`` lists a config measured faster than cuBLAS plus
+    the activation kernel for these rows; None elsewhere (the caller runs the two)."""
+    if not (x.is_cuda and x.dim() == 2 and x.shape[0] > SKINNY_MAX_ROWS and layer.bias is None):
+        return None
+    from roofline.kernels import dense_gemm as dense
+
+    if not dense.TUNED_SILU_CONFIGS or layer.method.quantized:
+        return None
+    weight = layer.weight
+    if type(layer).forward is not MergedLinear.forward or weight.dtype != x.dtype:
+        return None
+    if x.dtype not in _HALF or not x.is_contiguous():
+        return None
+    config = dense.tuned_config(weight.shape[0], weight.shape[1], x.shape[0], silu_mul=True)
+    return None if config is None else dense.dense_gemm(x, weight, config, silu_mul=True)
+
+
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` runs ``x @ weight.T`` on the Triton skinny GEMM: a contiguous 2-D
     half-precision CUDA x of at most SKINNY_MAX_ROWS rows, a measured config for (N, K) at x's

@@ -50,3 +50,21 @@ def test_tuned_config_row_ranges(monkeypatch) -> None:
     monkeypatch.setattr(dense, "TUNED_CONFIGS", {(4096, 4096): [(9, 128, a), (129, 256, b)]})
     assert dense.tuned_config(4096, 4096, 64) == a and dense.tuned_config(4096, 4096, 200) == b
     assert dense.tuned_config(4096, 4096, 300) is None and dense.tuned_config(4096, 8, 64) is None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the engine's dispatch runs the dense GEMM on CUDA only")
+def test_linear_and_mlp_dispatch_follow_the_tables(monkeypatch) -> None:
+    from roofline.kernels import dense_gemm as dense
+    from roofline.kernels.activation import silu_and_mul_ref
+    from roofline.layers.linear import MergedLinear, gate_up_silu, linear
+
+    cfg = GemmConfig(64, 64, 64, 4, 3)
+    x = torch.randn(32, 128, device=DEVICE).to(torch.bfloat16)
+    layer = MergedLinear(128, [64, 64], params_dtype=torch.bfloat16).to(DEVICE)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    assert gate_up_silu(layer, x) is None  # empty tables: cuBLAS and the activation kernel
+    monkeypatch.setattr(dense, "TUNED_CONFIGS", {(128, 128): [(9, 64, cfg)]})
+    monkeypatch.setattr(dense, "TUNED_SILU_CONFIGS", {(128, 128): [(9, 64, cfg)]})
+    ref = dense_gemm_ref(x, layer.weight)
+    assert_close(linear(x, layer.weight, None), ref, torch.bfloat16)
+    assert_close(gate_up_silu(layer, x), silu_and_mul_ref(ref), torch.bfloat16)
