@@ -461,14 +461,12 @@ def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
     """gate_up + SiLU-and-mul: cuBLAS then the activation kernel, vs the fused candidates;
     the time the fusion saves beyond the best plain gate_up (>= 0)."""
     from roofline.kernels.activation import silu_and_mul
-    from roofline.kernels.dense_gemm import CANDIDATES, dense_gemm
+    from roofline.kernels.dense_gemm import SILU_CANDIDATES, dense_gemm
 
     ref = silu_and_mul(gate_up).float()
     t_act = graph_time(functools.partial(silu_and_mul, gate_up))
     t_best = None
-    for cfg in CANDIDATES[:2] if quick else CANDIDATES:
-        if cfg.split_k != 1:
-            continue
+    for cfg in SILU_CANDIDATES[:2] if quick else SILU_CANDIDATES:
         try:
             fn = functools.partial(dense_gemm, x, w, cfg, silu_mul=True)
             t = graph_time(fn)

@@ -162,10 +162,17 @@ CANDIDATES = [
     GemmConfig(64, 256, 64, 8, 4),
 ]
 """Configs ``scripts/gpu_presets.py`` times at the decode shapes."""
+SILU_CANDIDATES = [
+    GemmConfig(128, 128, 64, 8, 3),
+    GemmConfig(64, 128, 64, 4, 4),
+    GemmConfig(128, 64, 64, 4, 4),
+]
+"""The same with the SiLU-and-mul epilogue (two weight tiles per stage: less shared memory)."""
 
 
 __all__ = [
     "CANDIDATES",
+    "SILU_CANDIDATES",
     "TUNED_CONFIGS",
     "TUNED_SILU_CONFIGS",
     "GemmConfig",
