@@ -71,6 +71,18 @@ class CascadeMetadata:
     prefix_splits: int | None = None
 
 
+def eager_metadata(
+    plan: CascadePlan,
+    lists_dev: list[torch.Tensor],  # ``plan.lists()`` on the device (int64 views of the upload)
+) -> CascadeMetadata:
+    """An eagerly run step's metadata. The tensors are fresh int32 allocations, as the cascade
+    graphs' static buffers are: Triton specializes a kernel on each pointer's dtype and 16-byte
+    alignment, and views into the step's packed upload sit at offsets that change every step
+    (each combination would compile the kernels again in the middle of serving)."""
+    pages, length, starts = (t.to(torch.int32) for t in lists_dev)
+    return CascadeMetadata(pages, length, starts, plan.max_suffix_len, plan.prefix_len)
+
+
 class SharedPrefixDetector:
     """Finds the decode batch's shared leading pages (module docstring)."""
 
@@ -215,4 +227,4 @@ def _common_len(ref: list[int], block_ids: list[int], limit: int) -> int:
     return lo
 
 
-__all__ = ["CascadeMetadata", "CascadePlan", "SharedPrefixDetector"]
+__all__ = ["CascadeMetadata", "CascadePlan", "SharedPrefixDetector", "eager_metadata"]

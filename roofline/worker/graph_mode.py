@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.attention.cascade import CascadeMetadata, CascadePlan, SharedPrefixDetector
+from roofline.attention.cascade import CascadePlan, SharedPrefixDetector, eager_metadata
 from roofline.config import ModelConfig, SchedulerConfig
 from roofline.core.outputs import SchedulerOutput
 from roofline.layers.attention import AttentionBackend, ForwardContext
@@ -205,9 +205,6 @@ class MixedStepPath:
             block_tables.gather(dev.table_rows[d:], width),
         )
         if cascade is not None:
-            pages_t, len_t, starts_t = plan_dev
-            meta.decode_cascade = CascadeMetadata(
-                pages_t, len_t, starts_t, cascade.max_suffix_len, cascade.prefix_len
-            )
+            meta.decode_cascade = eager_metadata(cascade, plan_dev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         return self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]

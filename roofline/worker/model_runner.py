@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from roofline.attention.cascade import CascadeMetadata, CascadePlan, SharedPrefixDetector
+from roofline.attention.cascade import CascadePlan, SharedPrefixDetector, eager_metadata
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -409,10 +409,7 @@ class ModelRunner:
                 fill_pending(dev.input_ids, pending)
             meta = self._metadata(batch, dev)
             if cascade is not None:
-                pages_t, len_t, starts_t = extra_t
-                meta.cascade = CascadeMetadata(
-                    pages_t, len_t, starts_t, cascade.max_suffix_len, cascade.prefix_len
-                )
+                meta.cascade = eager_metadata(cascade, extra_t)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
         prompt_lps = (

@@ -178,3 +178,22 @@ def test_cli_flag_turns_cascade_off() -> None:
     EngineArgs.add_cli_args(parser)
     assert parser.parse_args([]).cascade_attention is True
     assert parser.parse_args(["--no-cascade-attention"]).cascade_attention is False
+
+
+def test_eager_metadata_is_fresh_int32_as_the_graph_buffers() -> None:
+    """Views into a step's packed upload sit at offsets that change every step: the eager
+    metadata copies them into fresh int32 tensors (the dtype and alignment the cascade graphs
+    compiled the kernels for), so an eager step never specializes a kernel again."""
+    import torch
+
+    from roofline.attention.cascade import CascadePlan, eager_metadata
+    from roofline.worker.host_batch import upload
+
+    plan = CascadePlan([4, 5, 6], 3 * PAGE, [3 * PAGE, 0, 3 * PAGE], 9, 2)
+    *_, pages, length, starts = upload([[1], [2, 3], *plan.lists()], torch.device("cpu"))
+    assert pages.data_ptr() % 16 != 0  # an odd offset into the packed tensor
+    meta = eager_metadata(plan, [pages, length, starts])
+    for t in (meta.prefix_pages, meta.prefix_len, meta.suffix_start):
+        assert t.dtype == torch.int32 and t.data_ptr() % 16 == 0
+    assert meta.suffix_start.tolist() == plan.suffix_start and meta.prefix_len.item() == 3 * PAGE
+    assert (meta.max_suffix_len, meta.max_prefix_len) == (9, 3 * PAGE)
