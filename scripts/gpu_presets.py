@@ -68,9 +68,11 @@ TINY = {
     "eos_token_id": 2,
 }
 VARIANTS: dict[str, ca.CascadeTuning] = {
-    "default": ca.CascadeTuning(),
-    "concurrent": ca.CascadeTuning(concurrent=True),
-    "concurrent, 1 prefix split": ca.CascadeTuning(concurrent=True, prefix_splits=1),
+    "default": ca.DEFAULT_TUNING,
+    "passes in turn (old default)": ca.CascadeTuning(
+        prefix_config=(128, 64, 8, 2), prefix_splits=5
+    ),
+    "in turn, 64-row prefix tiles, 2 splits": ca.CascadeTuning(prefix_splits=2),
 }
 
 
@@ -307,7 +309,7 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
         best = best2
     t, name, tuning = best
     row("attn cascade best", f"{name}: {t * 1e6:.1f} us ({t_plain / t:.2f}x plain)")
-    for key in ("default", "concurrent", "concurrent, 1 prefix split"):
+    for key in VARIANTS:
         if f"attn {key} us" in RESULTS:
             row(f"attn cascade {key}", f"{RESULTS[f'attn {key} us']} us")
     _plain_decode_configs(quick)
@@ -667,7 +669,7 @@ def main() -> None:
     row("start-up", f"{time.perf_counter() - t0:.1f} s ({kw})")
     tunings = {"default": VARIANTS["default"]}
     if not args.quick:
-        tunings["concurrent"] = VARIANTS["concurrent"]
+        tunings["passes in turn (old default)"] = VARIANTS["passes in turn (old default)"]
     if best is not None and best not in tunings.values():
         tunings["best of sweep"] = best
     shared_prefix(llm, ceil, tunings)

@@ -39,9 +39,11 @@ from roofline.kernels.decode_attention import (
 
 MAX_PREFIX_SPLITS = 16
 MIN_PREFIX_TOKENS_PER_SPLIT = 256
-PREFIX_TARGET_WAVES = 2
-"""Programs per SM the prefix splits aim for: each program is MMA work, and every split adds a
-partial (fp32 [rows, head_dim]) to write and merge."""
+PREFIX_TARGET_WAVES = 1
+"""Programs per SM the prefix splits aim for: each program is MMA work, every split adds a
+partial (fp32 [rows, head_dim]) to write and merge, and beside the suffix pass (``concurrent``)
+fewer prefix programs leave the SMs to it. H100, B = 256, prefix 2,000, 64-row tiles: one split
+(128 programs) 96.7 us for the whole cascade, two 124.9 us."""
 CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) for every prefix launch (``scripts/gpu_cascade.py``
 sweeps configs and runs the engine with the fastest); None: ``_prefix_config``."""
@@ -65,7 +67,12 @@ class CascadeTuning:
     the suffix kernel merging its slots. Off CUDA the same launches run in order."""
 
 
-TUNING = CascadeTuning()
+DEFAULT_TUNING = CascadeTuning(concurrent=True, suffix_config=(32, 4, 3))
+"""Measured on an H100 (``scripts/gpu_presets.py``, B = 256, prefix 2,000, suffix 128, CUDA
+graphs): the passes one after the other 132 us (the old default: 128-row tiles, 5 splits),
+side by side with one 64-row-tile prefix split 96.7 us, with 32-key suffix tiles 95.8 us; plain
+decode 354 us."""
+TUNING = DEFAULT_TUNING
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -217,23 +224,23 @@ def _shared_prefix_kernel(
 
 
 def prefix_block_m(num_rows: int) -> int:
-    """Query rows per prefix program for ``num_rows`` = requests x GQA group: 128 once there
-    are enough rows to fill such tiles (half the K/V tile loads of 64, and a larger MMA)."""
+    """Query rows per prefix program for ``num_rows`` = requests x GQA group: 64 (H100, B =
+    256 x G = 4: 64-row tiles, one split, beside the suffix pass 96.7 us for the cascade;
+    128-row tiles 116.8 us)."""
     config = CONFIG_OVERRIDE or TUNING.prefix_config
     if config is not None:
         return config[0]
-    return 128 if num_rows >= 256 else 64
+    return 64
 
 
 def _prefix_config(head_dim: int, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel for ``block_m`` query rows.
-
-    H100, B=256 x G=4, prefix 2,000, eager: BLOCK_M 128 / 8 warps beat 64 / 4 warps."""
+    """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel for ``block_m`` query rows
+    (H100 sweep in ``scripts/gpu_presets.py``: 64 x 64 tiles, 4 warps, 3 stages)."""
     config = CONFIG_OVERRIDE or TUNING.prefix_config
     if config is not None:
         return config[1:]
     block_n = 64 if head_dim <= 128 else 32
-    return block_n, (8 if block_m >= 128 else 4), 2
+    return (block_n, 8, 2) if block_m >= 128 else (block_n, 4, 3)
 
 
 def cascade_attention(
@@ -380,6 +387,7 @@ def choose_suffix_splits(num_reqs: int, num_kv_heads: int, max_suffix_len: int, 
 
 
 __all__ = [
+    "DEFAULT_TUNING",
     "TUNING",
     "CascadeTuning",
     "cascade_attention",
