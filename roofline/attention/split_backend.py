@@ -51,6 +51,9 @@ class SplitMetadata(AttentionMetadata):
     """Host bound on ``decode_seq_lens`` (sizes the decode split)."""
     decode_num_splits: int | None
     """Fixed split count of the decode launch (graphs), or None: chosen per step."""
+    prefill_config: tuple[int, int, int, int] | None = None
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill launch (graphs: fixed for the
+    bucket), or None: chosen from ``max_query_len``."""
     decode_cascade: CascadeMetadata | None = None
     """The decode rows' shared prefix (an eager step's ``attention/cascade.py`` plan over its
     decode rows): they attend it once for the group, then each its own suffix."""
@@ -123,6 +126,10 @@ def split_attention(
             v_scale=v_scale,
         )
     if meta.num_reqs:
+        tiles = {}
+        if meta.prefill_config is not None:
+            names = ("block_m", "block_n", "num_warps", "num_stages")
+            tiles = dict(zip(names, meta.prefill_config, strict=True))
         prefill_attention(
             q,
             k_cache,
@@ -135,5 +142,6 @@ def split_attention(
             out=out,
             k_scale=k_scale,
             v_scale=v_scale,
+            **tiles,
         )
     return out
