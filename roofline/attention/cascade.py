@@ -11,7 +11,8 @@ K/V reads saved per layer, ``(members - 1) x prefix_tokens x kv_bytes_per_token`
 The check is incremental: a request verified as a member stays one (its leading pages never
 change while it runs; the runner drops it when it finishes or is preempted), so a steady decode
 step costs one dictionary lookup and one page-id comparison per row. The shared run is searched
-again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL`` steps: for
+again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL`` steps (an
+interval that doubles, up to ``MAX_RESCAN_INTERVAL``, while rescans find nothing): for
 every row, the common leading pages with each of three reference rows, then the length that
 maximises the bytes saved over the rows that reach it. Between rescans a batch with nothing
 shared costs no per-row work.
@@ -27,6 +28,9 @@ from roofline.core.outputs import ScheduledRequest, SchedulerOutput
 from roofline.request import Request
 
 RESCAN_INTERVAL = 16
+MAX_RESCAN_INTERVAL = 128
+"""Rescans that find nothing double the interval up to this (a 256-row rescan costs about a
+millisecond of host time; a workload without shared prefixes then pays it every 128 steps)."""
 MIN_MEMBER_FRACTION = 0.9
 """Rescan (at most every ``RESCAN_INTERVAL`` steps) when fewer rows than this are members."""
 DEFAULT_MIN_GROUP = 8
@@ -104,6 +108,7 @@ class SharedPrefixDetector:
         self.members: dict[str, Request] = {}
         """Requests verified to begin with ``prefix`` (the object: a reused id is another)."""
         self._steps_since_scan = RESCAN_INTERVAL
+        self._rescan_interval = RESCAN_INTERVAL
         self._scan_ref = 0
 
     def drop(self, request_ids: list[str]) -> None:
@@ -126,7 +131,7 @@ class SharedPrefixDetector:
         if len(scheduled) < self.min_group:
             return None
         self._steps_since_scan += 1
-        rescan_due = self._steps_since_scan >= RESCAN_INTERVAL
+        rescan_due = self._steps_since_scan >= self._rescan_interval
         if not self.prefix:  # nothing shared lately: no per-row work until a rescan is due
             if not rescan_due or not self._rescan(scheduled):
                 return None
@@ -206,6 +211,10 @@ class SharedPrefixDetector:
         if new_prefix != self.prefix:
             self.prefix = new_prefix
             self.members = {}
+        if best > 0:
+            self._rescan_interval = RESCAN_INTERVAL
+        else:
+            self._rescan_interval = min(2 * self._rescan_interval, MAX_RESCAN_INTERVAL)
         return best > 0
 
 

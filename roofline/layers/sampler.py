@@ -258,6 +258,26 @@ def _plain_greedy(r: Request) -> bool:
     )
 
 
+def _scan_params(requests: list[Request]) -> tuple[bool, bool]:
+    """(every row is ``_plain_greedy``, some row asks for logprobs) in one pass: once per
+    step over every sampled row, so the per-row rule is inlined here."""
+    eps = SAMPLING_EPS
+    logprobs = False
+    for r in requests:
+        p = r.sampling_params
+        if not (
+            p.temperature < eps
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and (not p.min_tokens or r.num_output_tokens >= p.min_tokens)
+        ):
+            return False, True  # the general path computes what it needs
+        if p.logprobs is not None:
+            logprobs = True
+    return True, logprobs
+
+
 class Sampler:
     """Samples one token per row; owns the generators of seeded requests."""
 
@@ -281,8 +301,9 @@ class Sampler:
         sees float32."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
-        if all(_plain_greedy(r) for r in requests):  # the common case: no tensors to build
-            if not any(r.sampling_params.logprobs is not None for r in requests):
+        plain, logprobs = _scan_params(requests)
+        if plain:  # the common case: no tensors to build
+            if not logprobs:
                 return SamplerOutput(greedy_argmax(logits), [None] * len(requests))  # [R]
             logits = logits.float()  # [R, V]
             token_ids = greedy_argmax(logits)  # [R]

@@ -10,7 +10,7 @@ hands back device views of its parts.
 
 from __future__ import annotations
 
-import itertools
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -121,11 +121,18 @@ class HostBatch:
 
 def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Int lists -> int64 tensors on ``device`` (views of one tensor), through one host tensor
-    (pinned on CUDA) and one asynchronous copy."""
-    flat = list(itertools.chain.from_iterable(lists))
-    if device.type == "cpu":
-        packed = torch.tensor(flat, dtype=torch.int64)
+    (pinned on CUDA) and one asynchronous copy. The lists are packed into an ``array`` (a
+    C-level copy per list) and read as a tensor from its buffer: about half the time of
+    ``torch.tensor`` over a Python list of the same ints."""
+    flat = array("q")
+    for values in lists:
+        flat.extend(values)
+    if not flat:
+        packed = torch.empty(0, dtype=torch.int64, device=device)
+    elif device.type == "cpu":
+        packed = torch.frombuffer(flat, dtype=torch.int64)  # keeps ``flat`` alive
     else:
-        host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True)
+        host.copy_(torch.frombuffer(flat, dtype=torch.int64))
         packed = host.to(device, non_blocking=True)
     return list(packed.split([len(x) for x in lists]))
