@@ -62,3 +62,20 @@ def test_buckets_are_separate_and_ready_events_return_at_once() -> None:
     assert time.perf_counter() - t0 < 0.005 and not done.spun
     assert DeviceWaiter.bucket(1) == 1 and DeviceWaiter.bucket(256) == 256
     assert DeviceWaiter.bucket(257) == 512
+
+
+def test_pinned_thread_restores_the_affinity() -> None:
+    import os
+
+    from roofline.worker.device_wait import pinned_thread
+
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = os.sched_getaffinity(0)
+    with pinned_thread():
+        inside = os.sched_getaffinity(0)
+        assert len(inside) == 1 or len(allowed) == 1
+        assert inside <= allowed
+    assert os.sched_getaffinity(0) == allowed
+    with pinned_thread(enabled=False):
+        assert os.sched_getaffinity(0) == allowed
