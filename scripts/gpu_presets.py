@@ -290,11 +290,11 @@ def kernel_sweep(ceil, quick: bool) -> ca.CascadeTuning | None:
     )
     floor = (2000 + 256 * 128) * 8 * 128 * 2 * 2 / ceil.bandwidth_bytes_per_s
     row("attn plain decode", f"{t_plain * 1e6:.1f} us (cascade's K/V-read floor {floor * 1e6:.1f})")
-    prefix_cfgs = [(64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)]
+    prefix_cfgs = [(64, 64, 4, 3), (64, 32, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3)]
     stage1: list[tuple[str, ca.CascadeTuning]] = list(VARIANTS.items())
-    for cfg in prefix_cfgs[:2] if quick else prefix_cfgs:
+    for cfg in prefix_cfgs:
         for splits in (1, 2) if quick else (1, 2, 3, 5):
-            for conc in (False, True):
+            for conc in (True,) if quick else (False, True):
                 tuning = ca.CascadeTuning(prefix_splits=splits, prefix_config=cfg, concurrent=conc)
                 stage1.append((f"prefix {cfg} x{splits}{' conc' if conc else ''}", tuning))
     best = _time_cascades(b, ref, stage1)
