@@ -555,11 +555,11 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
     default DeviceWaiter, the waiter with the engine thread pinned to one core (a woken thread
     may land on another core, caches cold), a longer spun tail, the default again."""
     variants = [
-        ("spin", None, True),
-        ("sleep, pinned (LLM.generate's default)", DeviceWaiter(), True),
-        ("sleep, not pinned", DeviceWaiter(), False),
-        ("blocking-sync event, pinned", "blocking", True),
-        ("sleep, 40% spun tail, pinned", DeviceWaiter(spin_fraction=0.4), True),
+        ("spin", None, False),
+        ("sleep on its CPU (the default)", DeviceWaiter(), False),
+        ("sleep, not pinned", DeviceWaiter(pin_sleeps=False), False),
+        ("sleep, thread pinned throughout", DeviceWaiter(), True),
+        ("blocking-sync event, thread pinned", "blocking", True),
     ]
     engine = llm.llm_engine
     runner, sched = engine.runner, engine.scheduler

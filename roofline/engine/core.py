@@ -47,7 +47,6 @@ from roofline.engine.core_messages import (
     portable,
 )
 from roofline.engine.heap import freeze_startup_heap
-from roofline.worker.device_wait import pinned_thread
 
 if TYPE_CHECKING:
     from roofline.engine.args import EngineArgs
@@ -220,9 +219,7 @@ def run_core_process(
     conn.send(ready_message(engine))
     try:
         idle_check = getattr(engine.runner, "check_health", None)  # tensor-parallel workers
-        pin = getattr(engine.runner, "device_waiter", None) is not None  # warm caches on waking
-        with pinned_thread(pin):
-            EngineCore(engine, _PipeChannel(conn, idle_check)).run()
+        EngineCore(engine, _PipeChannel(conn, idle_check)).run()
     except BaseException:
         raise SystemExit(1) from None
     finally:

@@ -20,7 +20,6 @@ from roofline.engine.heap import frozen_heap
 from roofline.engine.llm_engine import LLMEngine
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
-from roofline.worker.device_wait import pinned_thread
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -148,10 +147,7 @@ class LLM:
         )
         start, out_tokens = time.perf_counter(), 0
         try:
-            # no full-heap GC pauses between steps; the step loop stays on one core while it
-            # sleeps through the device's waits (caches warm when it wakes)
-            pin = getattr(engine.runner, "device_waiter", None) is not None
-            with frozen_heap(), pinned_thread(pin):
+            with frozen_heap():  # no full-heap GC pauses between steps
                 while pending:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
