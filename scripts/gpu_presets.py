@@ -49,7 +49,6 @@ from roofline.kernels import cascade_attention as ca
 from roofline.kernels.decode_attention import decode_attention
 from roofline.worker.device_wait import DeviceWaiter, _current_cpu
 from roofline.worker.host_batch import HostBatch
-from roofline.worker.model_runner import StepHandle
 
 DEV = torch.device("cuda")
 ROWS: list[tuple[str, str]] = []
@@ -407,132 +406,6 @@ def _prefill_bucket_configs() -> None:
         )
 
 
-@section("7. dense GEMM candidates vs cuBLAS at the 8B's decode shapes (CUDA-graph timed)")
-def gemm_candidates(quick: bool) -> dict:
-    """Per decode shape, cuBLAS vs the dense GEMM candidates; the winners (>= 5% faster) as a
-    ``dense_gemm.TUNED_CONFIGS`` table for the rows around the measured count."""
-    from roofline.kernels.dense_gemm import CANDIDATES, dense_gemm
-
-    table: dict = {}
-    silu_table: dict = {}
-
-    shapes = {
-        "qkv": (6144, 4096),
-        "o": (4096, 4096),
-        "gate_up": (28672, 4096),
-        "down": (4096, 14336),
-    }
-    saved_total = 0.0
-    for m in (256,) if quick else (256, 128):
-        for name, (n, k) in shapes.items():
-            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-            w = (torch.randn(n, k, device=DEV) * 0.02).to(torch.bfloat16)
-            ref = torch.nn.functional.linear(x, w)
-            t_ref = graph_time(functools.partial(torch.nn.functional.linear, x, w))
-            best = (t_ref, "cuBLAS")
-            for cfg in CANDIDATES[:3] if quick else CANDIDATES:
-                try:
-                    t = graph_time(functools.partial(dense_gemm, x, w, cfg))
-                    err = (dense_gemm(x, w, cfg).float() - ref.float()).abs().max().item()
-                except Exception as e:  # noqa: BLE001 - a config may not compile
-                    print(f"  M={m} {name} {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                print(f"  M={m} {name:8s} {tuple(cfg)}: {t * 1e6:7.1f} us (max|diff| {err:.1e})")
-                if err < 0.05 and t < best[0]:
-                    best = (t, str(tuple(cfg)))
-                    if t < 0.95 * t_ref:
-                        table[(n, k)] = [(m // 2 + 1, m, cfg)] + [
-                            e for e in table.get((n, k), []) if e[1] != m
-                        ]
-            if name == "gate_up":
-                RESULTS["gate_up best"], RESULTS["gate_up cuBLAS"] = best[0], t_ref
-            row(
-                f"GEMM M={m} {name} (N={n}, K={k})",
-                f"cuBLAS {t_ref * 1e6:.1f} us, best {best[1]} {best[0] * 1e6:.1f} us "
-                f"({t_ref / best[0]:.2f}x)",
-            )
-            if m == 256:
-                saved_total += t_ref - best[0]
-            if name == "gate_up":
-                saved, cfg = _fused_silu(m, x, w, ref, quick)
-                saved_total += saved if m == 256 else 0.0
-                if cfg is not None:
-                    silu_table.setdefault((n, k), []).append((m // 2 + 1, m, cfg))
-    row("GEMM: per decode step at 256 rows, 32 layers", f"{32e3 * saved_total:.2f} ms saved")
-    row("GEMM: the tables the engine run uses", f"plain {table}, gate_up+SiLU {silu_table}")
-    free()
-    return {"plain": table, "silu": silu_table} if table or silu_table else {}
-
-
-def _fused_silu(m: int, x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, quick: bool):
-    """gate_up + SiLU-and-mul: cuBLAS then the activation kernel, vs the fused candidates;
-    the time the fusion saves beyond the best plain gate_up (>= 0)."""
-    from roofline.kernels.activation import silu_and_mul
-    from roofline.kernels.dense_gemm import SILU_CANDIDATES, dense_gemm
-
-    ref = silu_and_mul(gate_up).float()
-    t_act = graph_time(functools.partial(silu_and_mul, gate_up))
-    t_best = None
-    for cfg in SILU_CANDIDATES[:2] if quick else SILU_CANDIDATES:
-        try:
-            fn = functools.partial(dense_gemm, x, w, cfg, silu_mul=True)
-            t = graph_time(fn)
-            err = (fn().float() - ref).abs().max().item()
-        except Exception as e:  # noqa: BLE001
-            print(f"  M={m} gate_up+silu {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        print(f"  M={m} gate_up+silu fused {tuple(cfg)}: {t * 1e6:7.1f} us (max|diff| {err:.1e})")
-        if err < 0.05 and (t_best is None or t < t_best[0]):
-            t_best = (t, cfg)
-    if t_best is None:
-        return 0.0, None
-    plain_best = RESULTS.get("gate_up best", None)
-    t_cublas = RESULTS.get("gate_up cuBLAS", None)
-    row(
-        f"GEMM M={m} gate_up + SiLU-and-mul",
-        f"activation kernel alone {t_act * 1e6:.1f} us; fused best {tuple(t_best[1])} "
-        f"{t_best[0] * 1e6:.1f} us (cuBLAS + activation {1e6 * (t_cublas or 0) + t_act * 1e6:.1f})",
-    )
-    if plain_best is None or t_cublas is None:
-        return 0.0, None
-    wins = t_best[0] < 0.95 * min(plain_best + t_act, t_cublas + t_act)
-    return max(0.0, t_act - (t_best[0] - plain_best)), (t_best[1] if wins else None)
-
-
-def set_dense(llm: LLM, table: dict) -> None:
-    """The engine's linear layers on ``table`` (``dense_gemm.TUNED_CONFIGS``): decode graphs
-    and cascade graphs captured again (the mixed graphs keep what they captured)."""
-    from roofline.kernels import dense_gemm as dense
-
-    dense.TUNED_CONFIGS.clear()
-    dense.TUNED_CONFIGS.update(table.get("plain", {}))
-    dense.TUNED_SILU_CONFIGS.clear()
-    dense.TUNED_SILU_CONFIGS.update(table.get("silu", {}))
-    runner = llm.llm_engine.runner
-    if runner.graphs is None or not runner.graphs.graphs:
-        return
-    pool = next(iter(runner.graphs.graphs.values())).pool()
-    for graphs in (runner.graphs, runner.cascade_graphs):
-        if graphs is not None:  # the warm-up forwards store K/V at the buffers' slots: none
-            graphs.slot_mapping.fill_(-1)
-            graphs.seq_lens.fill_(1)
-            if hasattr(graphs, "suffix_start"):
-                graphs.suffix_start.fill_(0)
-            graphs.capture(pool)
-
-
-@section("2b. shared-prefix preset with the sweep's dense GEMMs in the decode graphs")
-def shared_prefix_dense(llm: LLM, ceil, table: dict, tuning: ca.CascadeTuning) -> None:
-    saved = ca.TUNING
-    try:
-        set_cascade(llm, tuning)
-        set_dense(llm, table)
-        run_preset(llm, ceil, "shared-prefix", "best cascade, dense GEMMs", count_cascade=True)
-    finally:
-        set_dense(llm, {})
-        set_cascade(llm, saved)
-
-
 @section("2. shared-prefix preset: cascade off, default, variants")
 def shared_prefix(llm: LLM, ceil, tunings: dict[str, ca.CascadeTuning]) -> None:
     saved = ca.TUNING
@@ -559,7 +432,6 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
         ("sleep on its CPU (the default)", DeviceWaiter(), False),
         ("sleep, not pinned", DeviceWaiter(pin_sleeps=False), False),
         ("sleep, thread pinned throughout", DeviceWaiter(), True),
-        ("blocking-sync event, thread pinned", "blocking", True),
     ]
     engine = llm.llm_engine
     runner, sched = engine.runner, engine.scheduler
@@ -608,8 +480,7 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
         timed(runner, "_sample", "  sample")
         timed(sched.kv, "allocate", "  (schedule) allocate")
         for name, waiter, pin in variants:
-            StepHandle.blocking_events = waiter == "blocking"
-            runner.device_waiter = None if waiter == "blocking" else waiter
+            runner.device_waiter = waiter
             os.sched_setaffinity(
                 0, {_current_cpu() or min(saved_affinity)} if pin else saved_affinity
             )
@@ -632,7 +503,6 @@ def steady_decode(llm: LLM, steps: int, num_reqs: int = 256) -> None:
                 + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in pieces.items()),
             )
     finally:
-        StepHandle.blocking_events = False
         HostBatch.build = build  # type: ignore[method-assign]
         for obj, attr in [(runner, "_upload"), (runner.model, "compute_logits"),
                           (runner, "_sample"), (sched.kv, "allocate")]:  # fmt: skip
@@ -686,7 +556,6 @@ def main() -> None:
     )
     parity(args.quick)
     best = kernel_sweep(ceil, args.quick)
-    dense_table = gemm_candidates(args.quick) or {}
     t0 = time.perf_counter()
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     kw.update(json.loads(args.engine_kwargs))
@@ -698,8 +567,6 @@ def main() -> None:
     if best is not None and best not in tunings.values():
         tunings["best of sweep"] = best
     shared_prefix(llm, ceil, tunings)
-    if dense_table:
-        shared_prefix_dense(llm, ceil, dense_table, best or VARIANTS["default"])
     presets = ["short"] if args.quick else ["short", "default", "long-prompt"]
     for name in presets:
         section(f"4. preset {name}")(run_preset)(llm, ceil, name)

@@ -129,12 +129,13 @@ def cascade_attention_ref(
 
 
 def choose_prefix_splits(num_programs: int, max_prefix_len: int, num_sms_: int) -> int:
-    """Splits of the shared prefix so (row blocks x KV heads x splits) holds ~2 programs per SM,
-    none shorter than ``MIN_PREFIX_TOKENS_PER_SPLIT`` tokens of ``max_prefix_len`` (or
+    """Splits of the shared prefix so (row blocks x KV heads x splits) holds about
+    ``PREFIX_TARGET_WAVES`` programs per SM (rounded down: 128 programs on 132 SMs stay one
+    split), none shorter than ``MIN_PREFIX_TOKENS_PER_SPLIT`` tokens of ``max_prefix_len`` (or
     ``TUNING.prefix_splits``)."""
     if TUNING.prefix_splits is not None:
         return TUNING.prefix_splits
-    wanted = triton.cdiv(PREFIX_TARGET_WAVES * num_sms_, max(num_programs, 1))
+    wanted = PREFIX_TARGET_WAVES * num_sms_ // max(num_programs, 1)  # 128 programs, 132 SMs: 1
     useful = triton.cdiv(max(max_prefix_len, 1), MIN_PREFIX_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
 

@@ -15,8 +15,6 @@ On CUDA, half-precision GEMMs of at most 8 rows (small-batch decode) whose weigh
 measured config in ``kernels.gemv.TUNED_CONFIGS`` run the Triton skinny GEMM: one launch where
 cuBLAS adds a split-K reduction kernel, and faster on mid-size weights (Qwen3-0.6B o/down
 1.5x, Llama-3.1-8B lm_head 1.1x on the H100). ``ROOFLINE_SKINNY_GEMM=0`` turns it off.
-Larger row counts of a shape listed in ``kernels.dense_gemm.TUNED_CONFIGS`` (measured to beat
-cuBLAS there) run that Triton GEMM; the rest cuBLAS.
 ``skinny_gemm_applies`` is that condition; where it holds for an MLP's down projection of one
 row (batch-1 decode), ``forward_silu_mul`` runs the SiLU-and-mul inside the skinny GEMM (same
 bits, one launch fewer).
@@ -115,43 +113,15 @@ def linear(
     bias: torch.Tensor | None,
     mkl_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear``, through the packed MKL weight for a single row when there is one, the
-    Triton skinny GEMM for a few rows of a tuned shape on CUDA, or the Triton dense GEMM for the
-    row ranges where it was measured faster than cuBLAS (``kernels.dense_gemm``)."""
+    """``F.linear``, through the packed MKL weight for a single row when there is one, or the
+    Triton skinny GEMM for a few rows of a tuned shape on CUDA."""
     if mkl_packed is not None and x.dim() == 2 and x.shape[0] == 1:
         return torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias, 1)
     if skinny_gemm_applies(x, weight):
         from roofline.kernels.gemv import skinny_gemm
 
         return skinny_gemm(x, weight, bias)
-    if bias is None and x.is_cuda and x.dim() == 2 and x.shape[0] > SKINNY_MAX_ROWS:
-        from roofline.kernels import dense_gemm as dense
-
-        config = dense.tuned_config(weight.shape[0], weight.shape[1], x.shape[0]) if (
-            dense.TUNED_CONFIGS and x.dtype in _HALF and x.is_contiguous()
-        ) else None  # fmt: skip
-        if config is not None and weight.dtype == x.dtype:
-            return dense.dense_gemm(x, weight, config)
     return F.linear(x, weight, bias)
-
-
-def gate_up_silu(layer: MergedLinear, x: torch.Tensor) -> torch.Tensor | None:
-    """``silu_and_mul(layer(x))`` for an MLP's packed gate_up layer in one Triton GEMM, where
-    ``kernels.dense_gemm.TUNED_SILU_CONFIGS`` lists a config measured faster than cuBLAS plus
-    the activation kernel for these rows; None elsewhere (the caller runs the two)."""
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] > SKINNY_MAX_ROWS and layer.bias is None):
-        return None
-    from roofline.kernels import dense_gemm as dense
-
-    if not dense.TUNED_SILU_CONFIGS or layer.method.quantized:
-        return None
-    weight = layer.weight
-    if type(layer).forward is not MergedLinear.forward or weight.dtype != x.dtype:
-        return None
-    if x.dtype not in _HALF or not x.is_contiguous():
-        return None
-    config = dense.tuned_config(weight.shape[0], weight.shape[1], x.shape[0], silu_mul=True)
-    return None if config is None else dense.dense_gemm(x, weight, config, silu_mul=True)
 
 
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from roofline.distributed.sharding import ShardLayout
 from roofline.layers import fused_decode
 from roofline.layers.activation import SiluAndMul
 from roofline.layers.attention import Attention, ForwardContext
-from roofline.layers.linear import Linear, MergedLinear, gate_up_silu, linear, mkl_prepack
+from roofline.layers.linear import Linear, MergedLinear, linear, mkl_prepack
 from roofline.layers.norm import RMSNorm
 from roofline.layers.rotary import RotaryEmbedding
 from roofline.quantization.base import LinearMethod, QuantizationConfig
@@ -142,10 +142,6 @@ class LlamaMLP(nn.Module):
         if norm is not None and residual is not None:  # fused decode: x is the residual stream
             gate_up = fused_decode.norm_linear(self.gate_up_proj, norm, x)
             return fused_decode.linear_add(self.down_proj, gate_up, residual, silu_mul=True)
-        act = gate_up_silu(self.gate_up_proj, x)  # one GEMM, where measured faster
-        if act is not None:  # [num_tokens, intermediate]
-            out = self.down_proj(act)
-            return out if self.reduce is None else self.reduce(out)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
             out = self.down_proj.forward_silu_mul(gate_up)

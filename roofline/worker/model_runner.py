@@ -538,11 +538,6 @@ class StepHandle:
     The ids are copied into pinned memory behind the step and an event marks their arrival, so
     the host can schedule and launch the next step meanwhile; ``result()`` waits for them."""
 
-    blocking_events = False
-    """Record blocking-sync events (``cudaEventBlockingSync``: a synchronize sleeps in the
-    driver until the device signals) instead of spinning ones (``scripts/gpu_presets.py``
-    compares the ways of waiting)."""
-
     def __init__(
         self,
         requests: list[Request],
@@ -562,7 +557,7 @@ class StepHandle:
         if token_ids is not None and token_ids.is_cuda:
             self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             self._host.copy_(token_ids, non_blocking=True)
-            self._event = torch.cuda.Event(blocking=StepHandle.blocking_events)
+            self._event = torch.cuda.Event()
             self._event.record()
 
     def _wait(self) -> None:
