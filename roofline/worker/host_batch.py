@@ -77,6 +77,7 @@ class HostBatch:
             b.table_rows.append,
         )
         add_sample_row, add_sample_request = b.sample_rows.append, b.sample_requests.append
+        add_pending_row, add_pending_request = b.pending_rows.append, b.pending_requests.append
         row_of, updates = tables.row_of, b.table_updates
         num_rows = 0
         for s in sched_out.scheduled:
@@ -89,8 +90,8 @@ class HostBatch:
             if end > known:  # the last input token is pending (sampled by the last launch)
                 if end != known + 1:
                     raise RuntimeError(f"request {req.request_id}: more than one pending input")
-                b.pending_rows.append(num_rows + n - 1)
-                b.pending_requests.append(req.request_id)
+                add_pending_row(num_rows + n - 1)
+                add_pending_request(req.request_id)
             if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
                 add_id(0 if end > known else s.token_ids[0])
                 add_position(start)
