@@ -5,23 +5,24 @@ the order they run (each in try/except: an error is printed and the next section
 1. parity: a tiny fp32 Llama on the GPU, a shared-prefix workload (48 x (512 shared + 24), 16
    out): greedy tokens with cascade attention off vs each cascade variant (identical expected);
 3. the cascade decode attention alone at the shared-prefix preset's decode shape (B = 256,
-   prefix 2,000, suffix 128), replayed from CUDA graphs: prefix tiles x split counts x the
-   prefix pass on a side stream beside the suffix pass (``TUNING.concurrent``), then suffix
-   tiles for the best; plain decode attention per tile config at B = 256 over 256 (and 800)
-   tokens of context (the short and default presets' decode kernel);
+   prefix 2,000, suffix 128), replayed from CUDA graphs: prefix tiles x split counts (x the
+   prefix pass on a side stream beside the suffix pass, ``TUNING.concurrent``), then (full run)
+   suffix tiles for the best, plain decode attention per tile config at B = 256 over 256 and
+   800 tokens of context, and the prefill part of a short-preset mixed bucket per tile config;
 2. the shared-prefix preset (256 x (2,000 shared + 64), 128 out): time, % of its roofline,
    host share, GPU time by phase (prefill steps vs decode steps: CUDA events recorded as each
-   step is scheduled), cascade steps, with cascade off, the default cascade and the sweep's
-   best (the full run also the side-stream variant);
+   step is scheduled), cascade steps, with cascade off, the default cascade, the sweep's best
+   (if another) and, in the full run, the passes in turn (the old default);
 4. the other presets (quick: short only; full: short, default, long-prompt);
 6. the host share of steady decode at 256 running (goal < 15%) per way of waiting for the
-   device: spinning, the default DeviceWaiter, the waiter with the thread pinned to one core,
-   a longer spun tail; host milliseconds per step by piece;
+   device: spinning, the default DeviceWaiter (sleeping on its CPU), a plain sleep, the thread
+   pinned throughout; host milliseconds per step by piece (schedule with allocate; launch with
+   the host batch, upload, graph staging and replay, LM head, sampler; fold-in);
 5. (full run) a kernel-time profile of the shared-prefix preset: time by kernel name.
 
 A table last; JSON into $OUT/presets.json.
 
-    python scripts/gpu_presets.py --quick   # the first check (~100 s)
+    python scripts/gpu_presets.py --quick   # the first check (~80 s)
     python scripts/gpu_presets.py           # everything (< 4 min)
 """
 
