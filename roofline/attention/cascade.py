@@ -11,7 +11,8 @@ K/V reads saved per layer, ``(members - 1) x prefix_tokens x kv_bytes_per_token`
 The check is incremental: a request verified as a member stays one (its leading pages never
 change while it runs; the runner drops it when it finishes or is preempted), so a steady decode
 step costs one dictionary lookup and one page-id comparison per row. The shared run is searched
-again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL`` steps: for
+again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL`` steps (an
+interval that doubles, up to ``MAX_RESCAN_INTERVAL``, while rescans find nothing): for
 every row, the common leading pages with each of three reference rows, then the length that
 maximises the bytes saved over the rows that reach it. Between rescans a batch with nothing
 shared costs no per-row work.
@@ -23,10 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.core.outputs import SchedulerOutput
+from roofline.core.outputs import ScheduledRequest, SchedulerOutput
 from roofline.request import Request
 
 RESCAN_INTERVAL = 16
+MAX_RESCAN_INTERVAL = 128
+"""Rescans that find nothing double the interval up to this (a 256-row rescan costs about a
+millisecond of host time; a workload without shared prefixes then pays it every 128 steps)."""
 MIN_MEMBER_FRACTION = 0.9
 """Rescan (at most every ``RESCAN_INTERVAL`` steps) when fewer rows than this are members."""
 DEFAULT_MIN_GROUP = 8
@@ -71,6 +75,18 @@ class CascadeMetadata:
     prefix_splits: int | None = None
 
 
+def eager_metadata(
+    plan: CascadePlan,
+    lists_dev: list[torch.Tensor],  # ``plan.lists()`` on the device (int64 views of the upload)
+) -> CascadeMetadata:
+    """An eagerly run step's metadata. The tensors are fresh int32 allocations, as the cascade
+    graphs' static buffers are: Triton specializes a kernel on each pointer's dtype and 16-byte
+    alignment, and views into the step's packed upload sit at offsets that change every step
+    (each combination would compile the kernels again in the middle of serving)."""
+    pages, length, starts = (t.to(torch.int32) for t in lists_dev)
+    return CascadeMetadata(pages, length, starts, plan.max_suffix_len, plan.prefix_len)
+
+
 class SharedPrefixDetector:
     """Finds the decode batch's shared leading pages (module docstring)."""
 
@@ -92,6 +108,7 @@ class SharedPrefixDetector:
         self.members: dict[str, Request] = {}
         """Requests verified to begin with ``prefix`` (the object: a reused id is another)."""
         self._steps_since_scan = RESCAN_INTERVAL
+        self._rescan_interval = RESCAN_INTERVAL
         self._scan_ref = 0
 
     def drop(self, request_ids: list[str]) -> None:
@@ -106,27 +123,31 @@ class SharedPrefixDetector:
 
     def plan(self, sched_out: SchedulerOutput) -> CascadePlan | None:
         """The step's cascade plan, or None (not decode-only, or no group that pays)."""
-        scheduled = sched_out.scheduled
+        return self.plan_rows(sched_out.scheduled)
+
+    def plan_rows(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
+        """The plan of these decode rows: a decode-only step's, or the leading decode rows of
+        a decode-first mixed step (``attention/split_backend.py`` attends them apart)."""
         if len(scheduled) < self.min_group:
             return None
         self._steps_since_scan += 1
-        rescan_due = self._steps_since_scan >= RESCAN_INTERVAL
+        rescan_due = self._steps_since_scan >= self._rescan_interval
         if not self.prefix:  # nothing shared lately: no per-row work until a rescan is due
-            if not rescan_due or not self._rescan(sched_out):
+            if not rescan_due or not self._rescan(scheduled):
                 return None
             rescan_due = False
-        plan = self._match(sched_out)
+        plan = self._match(scheduled)
         if plan is None:
             return None
         if plan.num_members < MIN_MEMBER_FRACTION * len(scheduled) and rescan_due:
-            if not self._rescan(sched_out):
+            if not self._rescan(scheduled):
                 return None
-            plan = self._match(sched_out)
+            plan = self._match(scheduled)
             if plan is None:
                 return None
         return plan if self.pays(plan.num_members, plan.prefix_len) else None
 
-    def _match(self, sched_out: SchedulerOutput) -> CascadePlan | None:
+    def _match(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
         prefix = self.prefix
         num_pages = len(prefix)
         prefix_len = num_pages * self.page_size
@@ -135,7 +156,7 @@ class SharedPrefixDetector:
         starts: list[int] = []
         append = starts.append
         num_members = max_pos_member = max_pos_other = 0
-        for s in sched_out.scheduled:  # the hot loop of a steady step: keep it lean
+        for s in scheduled:  # the hot loop of a steady step: keep it lean
             if s.num_new_tokens != 1:
                 return None  # prefill or verification rows: the plain kernels
             pos, req = s.start_position, s.request  # pos: the row's newest token
@@ -161,10 +182,9 @@ class SharedPrefixDetector:
         self.members[req.request_id] = req
         return True
 
-    def _rescan(self, sched_out: SchedulerOutput) -> bool:
-        """Choose the shared run that saves the most reads among this step's rows (decode-only
-        steps only); whether one was found."""
-        rows = sched_out.scheduled
+    def _rescan(self, rows: list[ScheduledRequest]) -> bool:
+        """Choose the shared run that saves the most reads among these rows (decode rows
+        only); whether one was found."""
         if any(s.num_new_tokens != 1 for s in rows):
             return bool(self.prefix)  # try again on a decode-only step
         self._steps_since_scan = 0
@@ -191,6 +211,10 @@ class SharedPrefixDetector:
         if new_prefix != self.prefix:
             self.prefix = new_prefix
             self.members = {}
+        if best > 0:
+            self._rescan_interval = RESCAN_INTERVAL
+        else:
+            self._rescan_interval = min(2 * self._rescan_interval, MAX_RESCAN_INTERVAL)
         return best > 0
 
 
@@ -212,4 +236,4 @@ def _common_len(ref: list[int], block_ids: list[int], limit: int) -> int:
     return lo
 
 
-__all__ = ["CascadeMetadata", "CascadePlan", "SharedPrefixDetector"]
+__all__ = ["CascadeMetadata", "CascadePlan", "SharedPrefixDetector", "eager_metadata"]

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from roofline.attention.cascade import CascadeMetadata
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.triton_backend import store_step_kv
+from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.prefill_attention import prefill_attention
 from roofline.kernels.prefix_gather import GatheredPrefix
@@ -52,6 +54,12 @@ class SplitMetadata(AttentionMetadata):
     """Host bound on ``decode_seq_lens`` (sizes the decode split)."""
     decode_num_splits: int | None
     """Fixed split count of the decode launch (graphs), or None: chosen per step."""
+    prefill_config: tuple[int, int, int, int] | None = None
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill launch (graphs: fixed for the
+    bucket), or None: chosen from ``max_query_len``."""
+    decode_cascade: CascadeMetadata | None = None
+    """The decode rows' shared prefix (an eager step's ``attention/cascade.py`` plan over its
+    decode rows): they attend it once for the group, then each its own suffix."""
 
 
 class SplitAttentionBackend:
@@ -102,7 +110,15 @@ def split_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     d = meta.decode_slots
-    if d:
+    c = meta.decode_cascade
+    if d and c is not None:
+        assert k_scale is None, "cascade attention reads 16/32-bit caches only"
+        cascade_attention(
+            q[:d], k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens,
+            c.prefix_pages, c.prefix_len, c.suffix_start, scale,
+            max_suffix_len=c.max_suffix_len, max_prefix_len=c.max_prefix_len, out=out[:d],
+        )  # fmt: skip
+    elif d:
         decode_attention(
             q[:d],
             k_cache,
@@ -117,6 +133,11 @@ def split_attention(
             v_scale=v_scale,
         )
     if meta.num_reqs:
+        tiles = {}
+        if meta.prefill_config is not None:  # a graph bucket: the paged kernel's tiles measured
+            names = ("block_m", "block_n", "num_warps", "num_stages")  # for it (22.6 vs 29.9 us
+            tiles = dict(zip(names, meta.prefill_config, strict=True))  # at 768 rows); the
+            tiles["variant"] = "base"  # descriptor kernel was not measured inside buckets
         prefill_attention(
             q,
             k_cache,
@@ -132,5 +153,6 @@ def split_attention(
             k_new=k_new,
             v_new=v_new,
             prefix=prefix,
+            **tiles,
         )
     return out

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from roofline.bench.ceilings import Ceilings
 from roofline.bench.latency import precision_of
 from roofline.bench.workloads import Workload
+from roofline.core.outputs import SchedulerOutput
 from roofline.entrypoints.llm import LLM
 from roofline.kernels import count_jit_compiles
 from roofline.planner.roofline import Precision, step_cost
@@ -96,8 +98,14 @@ def workload_roofline_s(
 
 
 def run(
-    llm: LLM, ceilings: Ceilings, workload: Workload, use_tqdm: bool = True
+    llm: LLM,
+    ceilings: Ceilings,
+    workload: Workload,
+    use_tqdm: bool = True,
+    observe: Callable[[SchedulerOutput], None] | None = None,
 ) -> ThroughputResult:
+    """``observe``, if given, sees each step's ``SchedulerOutput`` before it runs (as
+    ``LLMEngine.on_schedule``; the GPU scripts time steps by kind with it)."""
     engine = llm.llm_engine
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -106,9 +114,11 @@ def run(
     preempted = engine.scheduler.num_preemptions_total
     max_running = 0
 
-    def watch(_sched_out) -> None:
+    def watch(sched_out: SchedulerOutput) -> None:
         nonlocal max_running
         max_running = max(max_running, engine.scheduler.num_running)
+        if observe is not None:
+            observe(sched_out)
 
     engine.on_schedule = watch
     timing0 = dataclasses.replace(engine.step_timing)

@@ -194,7 +194,9 @@ class KVCacheManager:
         With ``prefix_hit`` (only for a request holding no pages) the hit's pages come first
         and count as computed. Returns the whole block table, or None, with no side effect at
         all, when the free pages are too few (hit pages sitting in the free queue do not count
-        as available for the fresh pages).
+        as available for the fresh pages). When no page is added (most decode steps) the
+        returned list is the manager's own, not a copy: read it within the step (the runner
+        lays the step out from it), do not keep it: later allocations append to it.
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
@@ -204,12 +206,12 @@ class KVCacheManager:
             num_known = request.num_computed_tokens + num_new_tokens
             if len(blocks) * self.page_size >= num_known:
                 if self.enable_prefix_caching:
-                    num_known = min(
-                        num_known, len(request.prompt_token_ids) + len(request.output_token_ids)
-                    )
+                    known = len(request.prompt_token_ids) + len(request.output_token_ids)
+                    if known < num_known:
+                        num_known = known
                     if num_known // self.page_size > self._num_checked.get(rid, 0):
                         self._register_full_pages(request, num_known)
-                return list(blocks)
+                return blocks  # the live list, uncopied (docstring)
         hit_pages = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_pages and blocks:
             raise ValueError(f"request {rid} already holds pages; a prefix hit cannot be added")

@@ -22,6 +22,8 @@ any prefix; the split length is derived from it inside the kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,12 +39,48 @@ from roofline.kernels.decode_attention import (
 
 MAX_PREFIX_SPLITS = 16
 MIN_PREFIX_TOKENS_PER_SPLIT = 256
-PREFIX_TARGET_WAVES = 2
-"""Programs per SM the prefix splits aim for: each program is MMA work, and every split adds a
-partial (fp32 [rows, head_dim]) to write and merge."""
+PREFIX_TARGET_WAVES = 1
+"""Programs per SM the prefix splits aim for: each program is MMA work, every split adds a
+partial (fp32 [rows, head_dim]) to write and merge, and beside the suffix pass (``concurrent``)
+fewer prefix programs leave the SMs to it. H100, B = 256, prefix 2,000, 64-row tiles: one split
+(128 programs) 96.7 us for the whole cascade, two 124.9 us."""
 CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) for every prefix launch (``scripts/gpu_cascade.py``
 sweeps configs and runs the engine with the fastest); None: ``_prefix_config``."""
+
+
+@dataclass
+class CascadeTuning:
+    """Launch choices of the cascade kernels beside ``CONFIG_OVERRIDE`` (``scripts/gpu_presets.py``
+    sweeps them at the shared-prefix preset's shape). CUDA graphs fix them at capture."""
+
+    prefix_splits: int | None = None
+    """Split count of the prefix pass (None: ``choose_prefix_splits``)."""
+    prefix_config: tuple[int, int, int, int] | None = None
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefix pass (``CONFIG_OVERRIDE`` first;
+    None: ``prefix_block_m`` / ``_prefix_config``)."""
+    suffix_config: tuple[int, int, int] | None = None
+    """(BLOCK_N, num_warps, num_stages) of the suffix pass (None: plain decode's)."""
+    concurrent: bool = False
+    """Run the prefix pass (tensor-core bound) on a side stream beside the suffix pass (memory
+    bound), both writing partials, then the merge kernel; instead of the prefix pass first and
+    the suffix kernel merging its slots. Off CUDA the same launches run in order."""
+
+
+DEFAULT_TUNING = CascadeTuning(concurrent=True, suffix_config=(32, 4, 3))
+"""Measured on an H100 (``scripts/gpu_presets.py``, B = 256, prefix 2,000, suffix 128, CUDA
+graphs): the passes one after the other 132 us (the old default: 128-row tiles, 5 splits),
+side by side with one 64-row-tile prefix split 96.7 us, with 32-key suffix tiles 95.8 us; plain
+decode 354 us."""
+TUNING = DEFAULT_TUNING
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[index]
 
 
 def cascade_attention_ref(
@@ -91,9 +129,13 @@ def cascade_attention_ref(
 
 
 def choose_prefix_splits(num_programs: int, max_prefix_len: int, num_sms_: int) -> int:
-    """Splits of the shared prefix so (row blocks x KV heads x splits) holds ~4 programs per SM,
-    none shorter than ``MIN_PREFIX_TOKENS_PER_SPLIT`` tokens of ``max_prefix_len``."""
-    wanted = triton.cdiv(PREFIX_TARGET_WAVES * num_sms_, max(num_programs, 1))
+    """Splits of the shared prefix so (row blocks x KV heads x splits) holds about
+    ``PREFIX_TARGET_WAVES`` programs per SM (rounded down: 128 programs on 132 SMs stay one
+    split), none shorter than ``MIN_PREFIX_TOKENS_PER_SPLIT`` tokens of ``max_prefix_len`` (or
+    ``TUNING.prefix_splits``)."""
+    if TUNING.prefix_splits is not None:
+        return TUNING.prefix_splits
+    wanted = PREFIX_TARGET_WAVES * num_sms_ // max(num_programs, 1)  # 128 programs, 132 SMs: 1
     useful = triton.cdiv(max(max_prefix_len, 1), MIN_PREFIX_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_PREFIX_SPLITS))
 
@@ -183,21 +225,23 @@ def _shared_prefix_kernel(
 
 
 def prefix_block_m(num_rows: int) -> int:
-    """Query rows per prefix program for ``num_rows`` = requests x GQA group: 128 once there
-    are enough rows to fill such tiles (half the K/V tile loads of 64, and a larger MMA)."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE[0]
-    return 128 if num_rows >= 256 else 64
+    """Query rows per prefix program for ``num_rows`` = requests x GQA group: 64 (H100, B =
+    256 x G = 4: 64-row tiles, one split, beside the suffix pass 96.7 us for the cascade;
+    128-row tiles 116.8 us)."""
+    config = CONFIG_OVERRIDE or TUNING.prefix_config
+    if config is not None:
+        return config[0]
+    return 64
 
 
 def _prefix_config(head_dim: int, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel for ``block_m`` query rows.
-
-    H100, B=256 x G=4, prefix 2,000, eager: BLOCK_M 128 / 8 warps beat 64 / 4 warps."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE[1:]
+    """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel for ``block_m`` query rows
+    (H100 sweep in ``scripts/gpu_presets.py``: 64 x 64 tiles, 4 warps, 3 stages)."""
+    config = CONFIG_OVERRIDE or TUNING.prefix_config
+    if config is not None:
+        return config[1:]
     block_n = 64 if head_dim <= 128 else 32
-    return block_n, (8 if block_m >= 128 else 4), 2
+    return (block_n, 8, 2) if block_m >= 128 else (block_n, 4, 3)
 
 
 def cascade_attention(
@@ -239,18 +283,28 @@ def cascade_attention(
         prefix_splits = choose_prefix_splits(row_blocks * num_kv_heads, max_prefix_len, sms)
     if num_splits is None:
         num_splits = choose_suffix_splits(num_reqs, num_kv_heads, max_suffix_len, sms)
-    # One suffix split (large batches): the suffix kernel merges the prefix's partials itself.
-    fused = num_splits == 1
+    # One suffix split (large batches): the suffix kernel merges the prefix's partials itself,
+    # unless the two passes run side by side (then every slot goes through the merge kernel).
+    concurrent = TUNING.concurrent
+    fused = num_splits == 1 and not concurrent
     slot0 = 0 if fused else num_splits
     num_slots = slot0 + prefix_splits
     part_out = torch.empty(
         num_reqs, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device
     )
     part_lse = torch.empty(num_reqs, num_heads, num_slots, dtype=torch.float32, device=q.device)
-    shared_prefix_partials(
+    prefix_args = (
         q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, scale, part_out, part_lse,
         slot0, prefix_splits, block_m,
     )  # fmt: skip
+    main = side = None
+    if concurrent and q.is_cuda:  # the prefix pass on a side stream, after the main's queue
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared_prefix_partials(*prefix_args)
+    else:
+        shared_prefix_partials(*prefix_args)
     decode_attention(
         q,
         k_cache,
@@ -264,7 +318,10 @@ def cascade_attention(
         ctx_start=suffix_start,
         partials=(part_out, part_lse),
         merge_prefix=fused,
+        config=TUNING.suffix_config,
     )
+    if main is not None:
+        main.wait_stream(side)
     return out if fused else merge_partials(part_out, part_lse, out)
 
 
@@ -331,6 +388,9 @@ def choose_suffix_splits(num_reqs: int, num_kv_heads: int, max_suffix_len: int, 
 
 
 __all__ = [
+    "DEFAULT_TUNING",
+    "TUNING",
+    "CascadeTuning",
     "cascade_attention",
     "cascade_attention_ref",
     "choose_prefix_splits",

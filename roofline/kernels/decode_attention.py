@@ -197,25 +197,26 @@ def _decode_split_kernel(
     o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
     o_mask = h_mask[:, None] & d_mask[None, :]
     if MERGE_PREFIX:  # cascade, one suffix split: merge the prefix's partials (slots
-        # 0 .. merge_count - 1) with this result by log-sum-exp, then store the output
+        # 0 .. merge_count - 1) with this result by log-sum-exp, then store the output. One
+        # pass (running max): each slot's lse and output are loaded together, one round trip.
         row0 = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots  # [BLOCK_H]
-        lse_s = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        m = lse_s
+        m = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_H]
+        den = tl.where(m == float("-inf"), 0.0, 1.0)  # weights relative to 2^m
+        num = o * den[:, None]  # [BLOCK_H, BLOCK_D]
         for j in range(merge_count):
-            m = tl.maximum(m, tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse_s - m)  # [BLOCK_H]
-        num = o * w[:, None]
-        den = w
-        for j in range(merge_count):
-            w_j = tl.exp2(tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf")) - m)
+            lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf"))
             o_j = tl.load(
                 part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=o_mask,
                 other=0.0,
             )  # [BLOCK_H, BLOCK_D]
-            num += o_j * w_j[:, None]
-            den += w_j
+            m_new = tl.maximum(m, lse_j)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)  # rescales what was summed so far (0 when it was empty)
+            w_j = tl.exp2(lse_j - m_safe)
+            num = num * alpha[:, None] + o_j * w_j[:, None]
+            den = den * alpha + w_j
+            m = m_new
         o = num / tl.where(den > 0.0, den, 1.0)[:, None]
     if SINGLE_SPLIT:
         o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -278,6 +279,7 @@ def decode_attention(
     ctx_start: torch.Tensor | None = None,  # [num_reqs] int32: first context position to attend
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     merge_prefix: bool = False,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attend one query token per request over its paged K/V; returns ``out``.
 
@@ -290,6 +292,7 @@ def decode_attention(
     to slots ``0 .. num_splits - 1`` and nothing is merged (the caller merges all the slots).
     With ``merge_prefix`` (one split only) the partials hold the prefix's slots instead: the
     kernel merges them with its own result and writes ``out`` (no merge kernel, no partial).
+    ``config``: (BLOCK_N, num_warps, num_stages) instead of ``_pick_config``'s (sweeps).
     """
     check_device(q, k_cache, v_cache)
     num_reqs, num_heads, head_dim = q.shape
@@ -305,7 +308,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = _pick_config(head_dim)
+    block_n, num_warps, num_stages = config or _pick_config(head_dim)
     if max_seq_len is None:
         max_seq_len = int(seq_lens[:num_reqs].max().item())
     if num_splits is None:

@@ -258,6 +258,26 @@ def _plain_greedy(r: Request) -> bool:
     )
 
 
+def _scan_params(requests: list[Request]) -> tuple[bool, bool]:
+    """(every row is ``_plain_greedy``, some row asks for logprobs) in one pass: once per
+    step over every sampled row, so the per-row rule is inlined here."""
+    eps = SAMPLING_EPS
+    logprobs = False
+    for r in requests:
+        p = r.sampling_params
+        if not (
+            p.temperature < eps
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and (not p.min_tokens or r.num_output_tokens >= p.min_tokens)
+        ):
+            return False, True  # the general path computes what it needs
+        if p.logprobs is not None:
+            logprobs = True
+    return True, logprobs
+
+
 class Sampler:
     """Samples one token per row; owns the generators of seeded requests."""
 
@@ -275,13 +295,20 @@ class Sampler:
         return self._process(logits.float(), t)
 
     def sample(self, logits: Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits[i]`` ([num_rows, vocab] float32) belongs to ``requests[i]``."""
+        """``logits[i]`` ([num_rows, vocab], float32 or the model's 16-bit dtype) belongs to
+        ``requests[i]``. Plain greedy rows without logprobs take the argmax of the logits as
+        given (a 16-bit value and its exact float32 cast have the same order and ties), the rest
+        sees float32."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
-        logits = logits.float()  # [R, V]; the caller's tensor is never written
-        if all(_plain_greedy(r) for r in requests):  # the common case: no tensors to build
+        plain, logprobs = _scan_params(requests)
+        if plain:  # the common case: no tensors to build
+            if not logprobs:
+                return SamplerOutput(greedy_argmax(logits), [None] * len(requests))  # [R]
+            logits = logits.float()  # [R, V]
             token_ids = greedy_argmax(logits)  # [R]
             return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
+        logits = logits.float()  # [R, V]; the caller's tensor is never written
         t = SamplingTensors.from_requests(requests, logits.shape[1], logits.device)
         if not t.needs_processing and t.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [R]

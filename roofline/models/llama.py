@@ -262,12 +262,15 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden] -> [num_rows, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        # hidden: [num_rows, hidden] -> [num_rows, vocab] fp32 (``upcast=False``: the head's
+        # dtype, for callers that cast themselves only when they need to)
         if self.lm_head is not None:
-            logits = self.lm_head(hidden).float()
+            logits = self.lm_head(hidden)
         else:
-            logits = linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed).float()
+            logits = linear(hidden, self.embed_tokens.weight, None, self._tied_head_packed)
+        if upcast:
+            logits = logits.float()
         if self.parallel.is_parallel:  # [num_rows, vocab_per_rank] -> all ranks, padding cut
             logits = self.parallel.gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits

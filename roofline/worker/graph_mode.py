@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from roofline.attention.cascade import CascadePlan, SharedPrefixDetector, eager_metadata
 from roofline.config import ModelConfig, SchedulerConfig
 from roofline.core.outputs import SchedulerOutput
 from roofline.layers.attention import AttentionBackend, ForwardContext
@@ -133,6 +134,25 @@ class MixedStepPath:
     def decode_first(sched_out: SchedulerOutput) -> SchedulerOutput:
         return decode_first(sched_out)
 
+    def cascade_plan(
+        self, sched_out: SchedulerOutput, detector: SharedPrefixDetector
+    ) -> CascadePlan | None:
+        """The shared-prefix plan of a decode-first step's decode rows: a decode-only step's
+        (the cascade decode graphs), or an eagerly run mixed step's (its split attention);
+        None for a mixed step that fits a graph bucket (checked before any per-row work)."""
+        scheduled = sched_out.scheduled
+        if sched_out.num_batched_tokens == len(scheduled):  # decode-only
+            return detector.plan_rows(scheduled)
+        graphs = self.graphs
+        if graphs is not None and sched_out.num_batched_tokens <= graphs.buckets[-1]:
+            return None  # most such steps replay a bucket's graph, which has no cascade
+        num_decodes = 0
+        for s in scheduled:
+            if s.num_new_tokens != 1:
+                break
+            num_decodes += 1
+        return detector.plan_rows(scheduled[:num_decodes])
+
     def plan(self, batch: HostBatch) -> MixedPlan | None:
         """None for a decode-only step (the decode graphs' business)."""
         d = num_leading_decodes(batch.query_start)
@@ -154,7 +174,9 @@ class MixedStepPath:
         dev,  # the runner's _DeviceInputs
         block_tables: BlockTables,
         pending: PendingInputs | None,
+        cascade: CascadePlan | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``cascade``: an eager step's decode-row plan; ``plan_dev`` then holds its lists."""
         if plan.bucket is not None:
             assert self.graphs is not None
             self.graphs.stage_inputs(
@@ -182,5 +204,7 @@ class MixedStepPath:
             block_tables.gather(dev.table_rows[:d], width),
             block_tables.gather(dev.table_rows[d:], width),
         )
+        if cascade is not None:
+            meta.decode_cascade = eager_metadata(cascade, plan_dev)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         return self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]

@@ -10,7 +10,7 @@ hands back device views of its parts.
 
 from __future__ import annotations
 
-import itertools
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +77,7 @@ class HostBatch:
             b.table_rows.append,
         )
         add_sample_row, add_sample_request = b.sample_rows.append, b.sample_requests.append
+        add_pending_row, add_pending_request = b.pending_rows.append, b.pending_requests.append
         row_of, updates = tables.row_of, b.table_updates
         num_rows = 0
         for s in sched_out.scheduled:
@@ -89,8 +90,8 @@ class HostBatch:
             if end > known:  # the last input token is pending (sampled by the last launch)
                 if end != known + 1:
                     raise RuntimeError(f"request {req.request_id}: more than one pending input")
-                b.pending_rows.append(num_rows + n - 1)
-                b.pending_requests.append(req.request_id)
+                add_pending_row(num_rows + n - 1)
+                add_pending_request(req.request_id)
             if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
                 add_id(0 if end > known else s.token_ids[0])
                 add_position(start)
@@ -100,7 +101,12 @@ class HostBatch:
                 if end > known:
                     add_id(0)
                 positions.extend(range(start, end))
-                slots.extend(bt[p // page] * page + p % page for p in range(start, end))
+                # slots page by page: one C-level range per page, not a Python step per token
+                for i in range(start // page, (end - 1) // page + 1):
+                    base = bt[i] * page
+                    slots.extend(
+                        range(base + max(start - i * page, 0), base + min(end - i * page, page))
+                    )
             num_rows += n
             add_start(num_rows)
             add_seq_len(end)
@@ -116,11 +122,18 @@ class HostBatch:
 
 def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Int lists -> int64 tensors on ``device`` (views of one tensor), through one host tensor
-    (pinned on CUDA) and one asynchronous copy."""
-    flat = list(itertools.chain.from_iterable(lists))
-    if device.type == "cpu":
-        packed = torch.tensor(flat, dtype=torch.int64)
+    (pinned on CUDA) and one asynchronous copy. The lists are packed into an ``array`` (a
+    C-level copy per list) and read as a tensor from its buffer: about half the time of
+    ``torch.tensor`` over a Python list of the same ints."""
+    flat = array("q")
+    for values in lists:
+        flat.extend(values)
+    if not flat:
+        packed = torch.empty(0, dtype=torch.int64, device=device)
+    elif device.type == "cpu":
+        packed = torch.frombuffer(flat, dtype=torch.int64)  # keeps ``flat`` alive
     else:
-        host = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True)
+        host.copy_(torch.frombuffer(flat, dtype=torch.int64))
         packed = host.to(device, non_blocking=True)
     return list(packed.split([len(x) for x in lists]))

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from roofline.attention.cascade import CascadeMetadata, CascadePlan, SharedPrefixDetector
+from roofline.attention.cascade import CascadePlan, SharedPrefixDetector, eager_metadata
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -329,11 +329,14 @@ class ModelRunner:
         if self.cascade is not None:
             self.cascade.drop(sched_out.finished_request_ids)
             self.cascade.drop(sched_out.preempted_request_ids)
-            cascade = self.cascade.plan(sched_out)
+            if self.mixed is None:
+                cascade = self.cascade.plan(sched_out)
         if sched_out.is_empty:
             return StepHandle([], None, [])
         if self.mixed is not None:
             sched_out = self.mixed.decode_first(sched_out)
+            if self.cascade is not None:  # decode-only, or an eager mixed step's decode rows
+                cascade = self.mixed.cascade_plan(sched_out, self.cascade)
         batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
@@ -350,7 +353,8 @@ class ModelRunner:
         """Queue one built step (``HostBatch``; a tensor-parallel worker gets it from the engine
         with its block-table rows already assigned). ``prompt_logprobs_of``: the step's rows
         that predict prompt tokens, when some request in flight asks for prompt logprobs.
-        ``cascade``: a decode-only step's shared prefix (``attention/cascade.py``)."""
+        ``cascade``: the shared prefix of a decode-only step, or of an eager mixed step's
+        decode rows (``attention/cascade.py``)."""
         src, dst = self._pending_sources(batch)
         # rows to sample from, unless every row samples (pure decode: no gather)
         gather = batch.sample_rows if len(batch.sample_rows) < batch.num_tokens else []
@@ -362,8 +366,10 @@ class ModelRunner:
         plan = self.mixed.plan(batch) if mixed_ok else None  # type: ignore[union-attr]
         if grid:
             gather, extra = grid[2], list(grid)  # the sampled rows' places in the padded grid
-        elif plan is not None:
-            extra = plan.lists
+        elif plan is not None:  # an eager mixed step uploads its decode rows' cascade plan
+            if plan.bucket is not None:
+                cascade = None
+            extra = cascade.lists() if cascade is not None else plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
         dev = self._upload(batch, gather, src, dst, *extra)
@@ -378,7 +384,9 @@ class ModelRunner:
             )  # fmt: skip
             hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
         elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
-            hidden = self.mixed.forward(plan, extra_t, batch, dev, self.block_tables, pending)
+            hidden = self.mixed.forward(
+                plan, extra_t, batch, dev, self.block_tables, pending, cascade
+            )
         elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
             pages_t, len_t, starts_t = extra_t
             bucket = cgraphs.stage_cascade(
@@ -402,10 +410,7 @@ class ModelRunner:
                 fill_pending(dev.input_ids, pending)
             meta = self._metadata(batch, dev)
             if cascade is not None:
-                pages_t, len_t, starts_t = extra_t
-                meta.cascade = CascadeMetadata(
-                    pages_t, len_t, starts_t, cascade.max_suffix_len, cascade.prefix_len
-                )
+                meta.cascade = eager_metadata(cascade, extra_t)
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
         prompt_lps = (
@@ -419,7 +424,10 @@ class ModelRunner:
             self._prev_sampled, self._prev_rows = None, {}
             return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        # float32 logits where something edits or verifies them; else the head's dtype (the
+        # sampler casts only what needs it: a greedy step skips a [rows, vocab] copy)
+        upcast = mask_logits is not None or batch.verifies or self.parallel.is_parallel
+        logits = self.model.compute_logits(hidden, upcast)  # [num_sampled, vocab]
         if mask_logits is not None:  # with verification: 1 + k rows per speculating request
             mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it

@@ -51,6 +51,28 @@ def test_greedy_is_argmax(device: torch.device) -> None:
     assert out.logprobs == [None] * 8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_logits_same_tokens_as_their_float32_cast(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """The runner hands greedy steps the head's 16-bit logits: plain greedy rows take their
+    argmax as given, ties (common after rounding) included; rows with logprobs, penalties or
+    temperature see the float32 cast, as before."""
+    vocab = 8192 * 2  # large enough for the chunked argmax path on CUDA
+    logits = (_logits(6, vocab, device, seed=4) * 0.25).to(dtype)  # [R, V]: many ties
+    logits[1, 100] = logits[1, 9000] = logits[1].max() + 1  # an exact tie: lowest index wins
+    greedy = [_req(temperature=0.0) for _ in range(6)]
+    out = Sampler().sample(logits, greedy)
+    ref = Sampler().sample(logits.float(), greedy)
+    assert torch.equal(out.token_ids, ref.token_ids) and out.token_ids[1].item() == 100
+    mixed = [_req(temperature=0.0, logprobs=2)] + [_req(temperature=0.0) for _ in range(5)]
+    out, ref = Sampler().sample(logits, mixed), Sampler().sample(logits.float(), mixed)
+    assert torch.equal(out.token_ids, ref.token_ids) and out.logprobs == ref.logprobs
+    pen = [_req(temperature=0.0, repetition_penalty=1.3, output=[5, 9000])] * 6
+    out, ref = Sampler().sample(logits, pen), Sampler().sample(logits.float(), pen)
+    assert torch.equal(out.token_ids, ref.token_ids)
+
+
 def test_tiny_temperature_is_greedy(device: torch.device) -> None:
     logits = _logits(8, 50, device, seed=1)
     out = Sampler().sample(logits, [_req(temperature=1e-7) for _ in range(8)])

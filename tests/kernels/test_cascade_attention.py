@@ -148,3 +148,30 @@ def test_triton_backend_runs_the_cascade_of_its_metadata() -> None:
     scale = HEAD_DIM**-0.5
     out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
     assert_close(out, _plain(batch, scale), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(concurrent=True),
+        dict(concurrent=True, prefix_splits=1),
+        dict(prefix_splits=2, suffix_config=(16, 2, 2)),
+    ],
+    ids=["concurrent", "concurrent-one-prefix-split", "fixed-splits-suffix-config"],
+)
+def test_tuning_choices_match_plain_decode(tuning: dict) -> None:
+    """The swept launch choices (``TUNING``): the prefix pass beside the suffix pass, every
+    slot merged by the merge kernel; a fixed prefix split count; another suffix tile."""
+    from roofline.kernels import cascade_attention as ca
+
+    n = 7
+    members = [i != 3 for i in range(n)]
+    batch = shared_batch(n, 3, [1, 30, 16, 8, 47, 2, 64], members, 4, torch.bfloat16, seed=5)
+    scale = HEAD_DIM**-0.5
+    saved = ca.TUNING
+    ca.TUNING = ca.CascadeTuning(**tuning)
+    try:
+        out = _cascade(batch, scale, num_splits=1)
+    finally:
+        ca.TUNING = saved
+    assert_close(out, _plain(batch, scale), torch.bfloat16)

@@ -180,3 +180,38 @@ def test_unknown_cuda_graph_mode_is_refused_before_loading(tiny_path) -> None:
 
     with pytest.raises(ValueError, match="cuda_graph_mode must be one of full"):
         LLM(str(tiny_path), device="cpu", cuda_graph_mode="piecewise")
+
+
+def test_eager_mixed_steps_run_their_decode_rows_through_the_cascade(tiny_path) -> None:
+    """Requests behind a 24-token shared prefix, a 24-token step budget and one 16-token
+    bucket: steps that carry chunks past the bucket run eagerly, and their decode rows (which
+    share the prefix pages) attend the prefix once through the cascade kernels. Tokens equal
+    the torch backend's."""
+    from roofline import LLM, SamplingParams
+    from roofline.attention.cascade import SharedPrefixDetector
+
+    prefix = [7 + (5 * i) % 290 for i in range(24)]
+    prompts = [prefix + [11 + (i * 7 + j) % 280 for j in range(9 + i % 3)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", device=str(DEVICE), page_size=8, max_num_batched_tokens=24)
+    ref = LLM(str(tiny_path), attention_backend="torch", **kw)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_path), attention_backend="triton", cuda_graph_mode="full", **kw)
+    runner = llm.llm_engine.runner
+    if not ON_GPU:
+        runner.mixed.max_tokens = 16
+        sched = llm.llm_engine.scheduler_config
+        runner.mixed.build_graphs(runner.model, runner.kv_caches, sched, 8).stage_only()
+    runner.cascade = SharedPrefixDetector(8, 1, min_group=2, min_saved_bytes=1)
+    seen = []
+    cascade_plan = runner.mixed.cascade_plan
+
+    def watched(sched_out, detector):
+        plan = cascade_plan(sched_out, detector)
+        seen.append((sched_out.num_batched_tokens > len(sched_out.scheduled), plan))
+        return plan
+
+    runner.mixed.cascade_plan = watched
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert any(mixed and plan is not None for mixed, plan in seen)  # an eager mixed step's

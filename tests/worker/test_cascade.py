@@ -178,3 +178,41 @@ def test_cli_flag_turns_cascade_off() -> None:
     EngineArgs.add_cli_args(parser)
     assert parser.parse_args([]).cascade_attention is True
     assert parser.parse_args(["--no-cascade-attention"]).cascade_attention is False
+
+
+def test_eager_metadata_is_fresh_int32_as_the_graph_buffers() -> None:
+    """Views into a step's packed upload sit at offsets that change every step: the eager
+    metadata copies them into fresh int32 tensors (the dtype and alignment the cascade graphs
+    compiled the kernels for), so an eager step never specializes a kernel again."""
+    import torch
+
+    from roofline.attention.cascade import CascadePlan, eager_metadata
+    from roofline.worker.host_batch import upload
+
+    plan = CascadePlan([4, 5, 6], 3 * PAGE, [3 * PAGE, 0, 3 * PAGE], 9, 2)
+    *_, pages, length, starts = upload([[1], [2, 3], *plan.lists()], torch.device("cpu"))
+    assert pages.data_ptr() % 16 != 0  # an odd offset into the packed tensor
+    meta = eager_metadata(plan, [pages, length, starts])
+    for t in (meta.prefix_pages, meta.prefix_len, meta.suffix_start):
+        assert t.dtype == torch.int32 and t.data_ptr() % 16 == 0
+    assert meta.suffix_start.tolist() == plan.suffix_start and meta.prefix_len.item() == 3 * PAGE
+    assert (meta.max_suffix_len, meta.max_prefix_len) == (9, 3 * PAGE)
+
+
+def test_rescans_that_find_nothing_back_off() -> None:
+    from roofline.attention import cascade
+
+    det = _detector()
+    scans = []
+    rescan = det._rescan
+    det._rescan = lambda rows: scans.append(len(scans)) or rescan(rows)
+    unshared = [[10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(5)]
+    sched, _ = _step(unshared, [2 * PAGE + 1] * 5)
+    for _ in range(16 + 32 + 64 + 128 + 128):
+        assert det.plan(sched) is None
+    assert len(scans) == 5  # at once, then after 32, 64, 128 and 128 more steps
+    assert det._rescan_interval == cascade.MAX_RESCAN_INTERVAL
+    shared = [[4, 5, 6 + i] for i in range(5)]  # a group appears: found at the next rescan
+    sched, _ = _step(shared, [2 * PAGE + 1] * 5)
+    plans = [det.plan(sched) for _ in range(128)]
+    assert plans[-1] is not None and det._rescan_interval == cascade.RESCAN_INTERVAL

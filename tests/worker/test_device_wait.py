@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from roofline.worker.device_wait import DeviceWaiter
 
 
@@ -62,3 +64,19 @@ def test_buckets_are_separate_and_ready_events_return_at_once() -> None:
     assert time.perf_counter() - t0 < 0.005 and not done.spun
     assert DeviceWaiter.bucket(1) == 1 and DeviceWaiter.bucket(256) == 256
     assert DeviceWaiter.bucket(257) == 512
+
+
+def test_pinned_sleep_holds_the_thread_on_its_cpu_and_restores_the_affinity(monkeypatch) -> None:
+    import os
+    import time
+
+    from roofline.worker import device_wait
+
+    if not hasattr(os, "sched_setaffinity") or device_wait._current_cpu() is None:
+        pytest.skip("no sched_setaffinity / sched_getcpu here")
+    allowed = os.sched_getaffinity(0)
+    during = []
+    monkeypatch.setattr(time, "sleep", lambda s: during.append(os.sched_getaffinity(0)))
+    device_wait.pinned_sleep(0.001)
+    assert during and (len(during[0]) == 1 or len(allowed) == 1) and during[0] <= allowed
+    assert os.sched_getaffinity(0) == allowed
