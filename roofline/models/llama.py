@@ -244,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self._tied_head_packed: torch.Tensor | None = None
         self.cpu_decoder: CPUDecoder | None = None
-        """Runs decode-only steps in one C call where the model qualifies (GGUF blocks on the
-        CPU: ``kernels/cpu/decoder.py``); None elsewhere."""
+        """Runs decode-only steps in one C call, and a mixed step's one-row requests, where the
+        model qualifies (GGUF blocks on the CPU: ``kernels/cpu/decoder.py``); None elsewhere."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -253,6 +253,14 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
         if self.cpu_decoder is not None and self.cpu_decoder.applies(ctx):
             return self.cpu_decoder(input_ids, positions, ctx)
+        if self.cpu_decoder is not None and self.cpu_decoder.splits(ctx):  # one-row requests
+            return self.cpu_decoder.split_step(input_ids, positions, ctx, self._forward_modules)
+        return self._forward_modules(input_ids, positions, ctx)
+
+    def _forward_modules(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

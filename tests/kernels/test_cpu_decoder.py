@@ -90,33 +90,61 @@ def tiny_model(
 
 def decode_inputs(context_lens: list[int], seed: int = 1, head_dim: int = 16):
     """A decode step of len(context_lens) requests over random cached K/V (2 layers)."""
+    return step_inputs([1] * len(context_lens), context_lens, seed, head_dim)
+
+
+def step_inputs(query_lens: list[int], context_lens: list[int], seed: int = 1, head_dim: int = 16):
+    """A step of requests with ``query_lens`` new rows after ``context_lens`` cached ones over
+    random cached K/V (2 layers)."""
     layers = []
     for layer in range(2):
         heads, kv_heads = HEADS[head_dim]
-        b = make_paged([1] * len(context_lens), context_lens, heads, kv_heads, head_dim,
+        b = make_paged(query_lens, context_lens, heads, kv_heads, head_dim,
                        PAGE_SIZE, torch.float32, seed=seed + layer)  # fmt: skip
         layers.append(b)
     b = layers[0]
     meta = AttentionMetadata(
         num_reqs=len(context_lens),
-        num_tokens=len(context_lens),
+        num_tokens=sum(query_lens),
         query_start_loc=b.query_start_loc,
         seq_lens=b.seq_lens,
         block_table=b.block_table,
         slot_mapping=b.slot_mapping,
-        max_query_len=1,
+        max_query_len=max(query_lens),
         max_seq_len=max(b.seq_lens_list),
         page_size=PAGE_SIZE,
         query_start_loc_cpu=b.query_start_loc.tolist(),
-        query_lens_cpu=[1] * len(context_lens),
+        query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(b.seq_lens_list),
     )
     caches = [(layers[0].k_cache, layers[0].v_cache), (layers[1].k_cache.clone(),
               layers[1].v_cache.clone())]  # fmt: skip
     gen = torch.Generator().manual_seed(seed + 7)
-    ids = torch.randint(0, 96, (len(context_lens),), generator=gen)
-    positions = torch.tensor(context_lens, dtype=torch.int64)
+    ids = torch.randint(0, 96, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
     return ids, positions, meta, caches
+
+
+def one_request(inputs, i: int):
+    """Request ``i`` of a step's inputs as a step of its own (the same caches)."""
+    ids, positions, meta, caches = inputs
+    rows = slice(meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1])
+    q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+    alone = AttentionMetadata(
+        num_reqs=1,
+        num_tokens=q_len,
+        query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
+        seq_lens=meta.seq_lens[i : i + 1],
+        block_table=meta.block_table[i : i + 1],
+        slot_mapping=meta.slot_mapping[rows],
+        max_query_len=q_len,
+        max_seq_len=seq_len,
+        page_size=PAGE_SIZE,
+        query_start_loc_cpu=[0, q_len],
+        query_lens_cpu=[q_len],
+        seq_lens_cpu=[seq_len],
+    )
+    return (ids[rows], positions[rows], alone, caches), rows
 
 
 def run(model: LlamaForCausalLM, fused: bool, ids, positions, meta, caches):
@@ -171,6 +199,24 @@ def test_decoder_rows_are_batch_invariant(head_dim: int) -> None:
         )
         alone, _ = run(model, True, ids[i : i + 1], positions[i : i + 1], one, caches)
         assert torch.equal(alone[0], batched[i]), f"request {i} differs alone"
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_mixed_step_rows_equal_their_own_steps(head_dim: int) -> None:
+    """A mixed step (decodes beside a prefill chunk, as a server's step under load) gives each
+    request's rows the bits of that request alone: a decode row the C decoder's (as in a
+    decode-only step), prefill rows the modules'; else greedy tokens depend on the batch."""
+    model = tiny_model(head_dim=head_dim)
+    mixed = step_inputs([1, 6, 1], [9, 2, 20], head_dim=head_dim)
+    batched, batched_caches = run(model, True, *mixed)
+    for i in range(3):
+        alone_inputs, rows = one_request(mixed, i)
+        alone, alone_caches = run(model, True, *alone_inputs)
+        assert torch.equal(batched[rows], alone), f"request {i} differs from its own step"
+        slots = alone_inputs[2].slot_mapping
+        for (bk, bv), (ak, av) in zip(batched_caches, alone_caches):
+            for b, a in ((bk, ak), (bv, av)):
+                assert torch.equal(b.flatten(0, 1)[slots], a.flatten(0, 1)[slots])
 
 
 def test_not_built_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

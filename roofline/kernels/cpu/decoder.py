@@ -6,6 +6,10 @@ parallelism), plain Llama layers (no MoE) whose every linear layer keeps GGUF bl
 :class:`CPUDecoder`; else None and the model runs its modules. The model calls the decoder for
 decode-only steps (one query row per request) over an fp32 KV cache; prefill, chunked prefill,
 verification steps and quantized KV pages keep the module path, which writes the same cache.
+A mixed step is split (:meth:`CPUDecoder.split_step`): its one-row requests run here, the others
+through the modules. The two paths round differently (the modules' RMSNorm, RoPE and attention
+are torch's), so a request's row must take the same path whatever else is in its step: a
+one-row request always runs here, or its greedy tokens would depend on the batch.
 The decoder keeps one int64 table of the model's pointers (norm weights, each layer's GGUF row
 pointers and formats, the layer's KV pages), rebuilt only when the KV tensors change, so a step
 costs one ctypes call plus the arguments' addresses. ``ROOFLINE_CPU_DECODER=0`` turns it off.
@@ -14,10 +18,14 @@ costs one ctypes call plus the arguments' addresses. ``ROOFLINE_CPU_DECODER=0`` 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 
+from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels.cpu import ops
 from roofline.kernels.cpu.build import load_library
 from roofline.quantization.gguf_cpu import GGUFRowsEmbedding
@@ -109,6 +117,47 @@ class CPUDecoder:
         kv = ctx.kv_caches[0]
         return ctx.meta.is_decode_only and len(kv) == 2 and kv[0].dtype == torch.float32
 
+    def splits(self, ctx: ForwardContext) -> bool:
+        """Whether a mixed step has one-row requests for the decoder (see :meth:`split_step`)."""
+        meta, kv = ctx.meta, ctx.kv_caches[0]
+        return (
+            type(meta) is AttentionMetadata
+            and meta.cascade is None
+            and meta.uniform_query_len == 0
+            and 1 in meta.query_lens_cpu
+            and len(kv) == 2
+            and kv[0].dtype == torch.float32
+        )
+
+    def split_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        modules: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
+    ) -> torch.Tensor:
+        """A mixed step in two parts: the requests of one query row (decodes, one-token chunks)
+        here, as in a decode-only step, the others through ``modules`` (the model's own path),
+        so each row gets the same bits whatever it is batched with. Requests own disjoint slots,
+        so the order of the two parts does not matter."""
+        # input_ids, positions: [num_tokens] -> final normed hidden states [num_tokens, hidden]
+        meta = ctx.meta
+        starts = meta.query_start_loc_cpu
+        one = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        rest = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
+        one_rows = torch.tensor([starts[i] for i in one], dtype=torch.int64)  # [len(one)]
+        rest_rows = torch.tensor(  # [num_tokens - len(one)]
+            [t for i in rest for t in range(starts[i], starts[i + 1])], dtype=torch.int64
+        )
+        out = torch.empty(meta.num_tokens, self.hidden_size, dtype=torch.float32)
+        out[one_rows] = self(
+            input_ids[one_rows], positions[one_rows], replace(ctx, meta=_part(meta, one, one_rows))
+        )
+        if rest:
+            part = replace(ctx, meta=_part(meta, rest, rest_rows))
+            out[rest_rows] = modules(input_ids[rest_rows], positions[rest_rows], part).float()
+        return out
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
@@ -186,3 +235,25 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
         if attn.num_heads // attn.num_kv_heads > 64:  # decoder.c's per-group scratch
             return None
     return CPUDecoder(model)
+
+
+def _part(meta: AttentionMetadata, reqs: list[int], rows: torch.Tensor) -> AttentionMetadata:
+    """The metadata of requests ``reqs`` of a step alone (``rows``: their query rows)."""
+    query_lens = [meta.query_lens_cpu[i] for i in reqs]
+    seq_lens = [meta.seq_lens_cpu[i] for i in reqs]
+    starts = [0, *accumulate(query_lens)]
+    index = torch.tensor(reqs, dtype=torch.int64)
+    return AttentionMetadata(
+        num_reqs=len(reqs),
+        num_tokens=len(rows),
+        query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype),
+        seq_lens=meta.seq_lens[index],
+        block_table=meta.block_table[index],
+        slot_mapping=meta.slot_mapping[rows],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        page_size=meta.page_size,
+        query_start_loc_cpu=starts,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
