@@ -85,8 +85,8 @@ def test_acceptance_holds_while_plain_and_verify_steps_alternate(target):
     exact = model.compute_logits
     gen = torch.Generator().manual_seed(0)
 
-    def noisy(hidden):
-        logits = exact(hidden)
+    def noisy(hidden, upcast=True):
+        logits = exact(hidden, upcast)
         return logits + 0.1 * logits.std() * torch.randn(logits.shape, generator=gen)
 
     model.compute_logits = noisy
