@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.kernels import decode_attention_fused
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
@@ -77,6 +78,18 @@ class TritonAttentionBackend:
         rope: tuple | None = None,  # (positions, cos_sin_cache, qk_norm or None)
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantized cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if (  # one launch: q/k norm, RoPE, K/V store, attention, split merge
+            rope is not None
+            and meta.is_decode_only
+            and meta.cascade is None
+            and decode_attention_fused.applies(q, k_cache, rope[1], kv_scales is not None)
+        ):
+            positions, cos_sin, qk_norm = rope
+            return decode_attention_fused.fused_decode_attention(
+                q, k, v, positions, cos_sin, qk_norm, k_cache, v_cache, meta.slot_mapping,
+                meta.block_table, meta.seq_lens, scale, meta.max_seq_len,
+                max_splits=self.decode_num_splits,
+            )  # fmt: skip
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
         if meta.uniform_query_len > 1:  # speculative verification: 1 + k rows per request

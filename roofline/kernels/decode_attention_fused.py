@@ -1,0 +1,392 @@
+"""Decode attention with its prologue and epilogue in one kernel: Qwen3's per-head q/k RMSNorm,
+RoPE, the K/V store and the split merge, launched once per layer instead of three times.
+
+At batch 1 a decode layer's attention is three tiny launches (``rotary_kv_store``, the split-K
+``decode_attention`` kernel, its merge), each costing more in launch and ramp-up than in
+memory traffic. Here program ``(req, kv_head, split)``:
+
+1. picks its split on the device: ``num_splits = min(max_splits, cdiv(seq_len, SPLIT_TOKENS))``
+   and splits of equal length (a multiple of BLOCK_N), so a short context runs in one program
+   per KV head and never needs a merge, whatever ``max_splits`` the CUDA graph was captured with;
+   programs past ``num_splits`` exit at once;
+2. as a programmatic dependent (PDL), prefetches its cached K/V rows into L2, lets the next kernel
+   launch, and only then waits for the QKV GEMM (the cached K/V were written by earlier steps);
+3. normalises (``QK_NORM``) and rotates the q heads of its GQA group from the QKV output, and the
+   step's k of its KV head, with ``rotary_kv_store``'s roundings; the program whose split holds
+   the new token stores its rotated k and its v into the cache (slot < 0: padding, no store);
+4. attends over its cached tokens (``tl.dot`` on GQA-grouped q rows, online softmax) and adds the
+   new token from registers, so no program reads a cache row written in this launch;
+5. with one split writes the output; otherwise writes a partial output and its log-sum-exp (base
+   2), and the last split of the (req, kv_head) to finish (an atomic counter, reset by it)
+   merges them and writes the output: no merge launch.
+
+16/32-bit caches only (a quantized cache takes ``rotary_kv_store`` + ``decode_attention``), full
+rotary (``rotary_dim == head_dim``). ``fused_decode_attention_ref`` is the unfused sequence in
+plain torch. ``ROOFLINE_FUSED_ATTENTION=0`` (or ``set_enabled(False)``) turns the path off in the
+Triton backend; ``ROOFLINE_DECODE_SPLIT_TOKENS`` sets the shortest split (default 128).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.decode_attention import LOG2E, choose_num_splits, decode_attention_ref
+from roofline.kernels.kv_store import store_kv_ref
+from roofline.kernels.last_program import counters, fence_gpu
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
+from roofline.kernels.rmsnorm import rms_norm_ref
+from roofline.kernels.rotary import _round, rotary_ref
+
+_ENABLED = os.environ.get("ROOFLINE_FUSED_ATTENTION", "1") != "0"
+SPLIT_TOKENS = int(os.environ.get("ROOFLINE_DECODE_SPLIT_TOKENS", "128"))
+"""Fewest context tokens per split chosen on the device (a power of two >= BLOCK_N)."""
+BLOCK_N = 64  # keys per iteration (head_dim <= 128; 32 beyond), as kernels.decode_attention
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the fused decode attention on or off for forwards from now on (benchmarks compare)."""
+    global _ENABLED
+    _ENABLED = enabled
+
+
+def set_split_tokens(tokens: int) -> None:
+    """The fewest tokens per split (sweeps; recapture CUDA graphs after changing it)."""
+    global SPLIT_TOKENS
+    if tokens < 1 or tokens & (tokens - 1):
+        raise ValueError(f"split tokens must be a power of two, got {tokens}")
+    SPLIT_TOKENS = tokens
+
+
+def applies(
+    q: torch.Tensor, k_cache: torch.Tensor, cos_sin_cache: torch.Tensor, quantized: bool
+) -> bool:
+    """Whether a decode-only step with fused RoPE can run this kernel (shapes only, no sync)."""
+    head_dim = q.shape[-1]
+    return (
+        _ENABLED
+        and not quantized
+        and k_cache.dtype == q.dtype
+        and cos_sin_cache.shape[1] == head_dim
+        and head_dim % 2 == 0
+        and (q.is_cuda or is_interpret())
+    )
+
+
+def fused_decode_attention_ref(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    k: torch.Tensor,  # [num_reqs, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_reqs, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_reqs]
+    cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_reqs] int64 (< 0: no store)
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, the new token included
+    scale: float,
+) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
+    """The unfused sequence: q/k norm (HF's ``Qwen3RMSNorm``), RoPE, K/V store, attention."""
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        q, k = rms_norm_ref(q, q_w, eps), rms_norm_ref(k, k_w, eps)
+    q, k = rotary_ref(q, k, positions, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping.long())
+    return decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, offs_r, r_mask, cos, sin, eps, inv_head_dim, HALF: tl.constexpr,
+               dtype: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+    """RMSNorm over each head (row) of the halves ``x1 | x2`` (fp32 ``[ROWS, BLOCK_R]``) with the
+    weight at ``w_ptr`` when QK_NORM, then rotate-half RoPE (``cos, sin: [1, BLOCK_R]``, rounded
+    to dtype); the roundings of ``rotary_kv_store``. Returns the halves in dtype."""
+    if QK_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [ROWS]
+        rstd = tl.rsqrt(ss * inv_head_dim + eps)[:, None]  # [ROWS, 1]
+        w1 = tl.load(w_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = _round(_round(x1 * rstd, dtype) * w1, dtype)
+        x2 = _round(_round(x2 * rstd, dtype) * w2, dtype)
+    o1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
+    o2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "max_splits"])
+def _fused_decode_attention_kernel(
+    q_ptr,  # [T, NUM_HEADS, HEAD_DIM] (rows stride_qt apart: a view of the QKV output)
+    k_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
+    v_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
+    positions_ptr,  # [T]
+    cos_sin_ptr,  # [max_pos, HEAD_DIM]: cos half, then sin half
+    q_norm_ptr,  # [HEAD_DIM] (read only if QK_NORM)
+    k_norm_ptr,
+    k_cache_ptr,  # [num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [T]
+    block_table_ptr,  # [T, max_num_blocks]
+    seq_lens_ptr,  # [T], the new token included
+    out_ptr,  # [T, NUM_HEADS, HEAD_DIM]
+    part_out_ptr,  # [T, NUM_HEADS, max_splits, HEAD_DIM] fp32
+    part_lse_ptr,  # [T, NUM_HEADS, max_splits] fp32
+    counter_ptr,  # [T * NUM_KV_HEADS] int32, zero between launches
+    scale_log2e,
+    norm_eps,
+    inv_head_dim,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos_sin,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    max_splits,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, trigger, wait
+    COMPILED: tl.constexpr,  # not the interpreter: PTX fences
+    LINES: tl.constexpr,  # 128-byte lines per cached head row (L2 prefetch)
+    LINE_ELEMS: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_splits = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), max_splits)
+    if split < num_splits:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        ctx_end = tl.minimum(end, seq_len - 1)  # cached tokens [start, ctx_end); the new one last
+        owner = (start < seq_len) & (end == seq_len)  # this split holds the new token
+        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
+        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
+        if PDL:  # cached K/V and the block table predate the step: pull them into L2 first
+            offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)  # [LINES]
+            for n0 in range(start, ctx_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < ctx_end
+                pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+                off = pages * stride_cp + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+                prefetch_l2(k_head + off[:, None] + offs_l[None, :])  # [BLOCK_N, LINES]
+                prefetch_l2(v_head + off[:, None] + offs_l[None, :])
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+        dtype = q_ptr.dtype.element_ty
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < HALF
+        pos = tl.load(positions_ptr + req).to(tl.int64)
+        cs_row = cos_sin_ptr + pos * stride_cos_sin
+        cos = _round(tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
+        sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
+        cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_R]
+        # q rows: the GROUP query heads of this KV head, as halves [BLOCK_H, BLOCK_R]
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < GROUP
+        heads = kv_head * GROUP + offs_h  # [BLOCK_H]
+        qr_mask = h_mask[:, None] & r_mask[None, :]
+        q_src = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_r[None, :]
+        q1 = tl.load(q_src, mask=qr_mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_src + HALF, mask=qr_mask, other=0.0).to(tl.float32)
+        q1, q2 = _norm_rope(q1, q2, q_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
+                            HALF, dtype, QK_NORM)  # fmt: skip
+        # the step's k of this KV head ([1, BLOCK_R] halves) and v ([1, BLOCK_D])
+        kr_mask = r_mask[None, :]
+        k_src = k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + offs_r[None, :]
+        k1 = tl.load(k_src, mask=kr_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF, mask=kr_mask, other=0.0).to(tl.float32)
+        k1, k2 = _norm_rope(k1, k2, k_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
+                            HALF, dtype, QK_NORM)  # fmt: skip
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        v_src = v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        v_new = tl.load(v_src, mask=d_mask[None, :], other=0.0)  # [1, BLOCK_D]
+        slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        if owner & (slot >= 0):
+            c_off = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
+            c_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_head + c_off + offs_r[None, :], k1.to(c_dtype), mask=kr_mask)
+            tl.store(k_head + c_off + HALF + offs_r[None, :], k2.to(c_dtype), mask=kr_mask)
+            tl.store(v_head + c_off + offs_d[None, :], v_new.to(c_dtype), mask=d_mask[None, :])
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, ctx_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+            n_mask = offs_n < ctx_end
+            pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = pages * stride_cp + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+            kc_mask = n_mask[:, None] & r_mask[None, :]
+            kc1 = tl.load(k_head + off[:, None] + offs_r[None, :], mask=kc_mask, other=0.0)
+            kc2 = tl.load(k_head + off[:, None] + HALF + offs_r[None, :], mask=kc_mask, other=0.0)
+            s = tl.dot(q1, tl.trans(kc1), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+            s = tl.dot(q2, tl.trans(kc2), s, input_precision=PRECISION)
+            s = s * scale_log2e
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vc = tl.load(v_head + off[:, None] + offs_d[None, :],
+                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+            acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
+            m_i = m_new
+        # the new token, from registers (its owner only)
+        s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+        s_new = (s_new + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale_log2e
+        s_new = tl.where(owner, s_new, float("-inf"))  # [BLOCK_H]
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(s_new - m_safe)  # [BLOCK_H]
+        l_i = l_i * alpha + p_new
+        p_new = p_new.to(dtype).to(tl.float32)  # rounded as the loop's p before its dot
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+        m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
+        o_mask = h_mask[:, None] & d_mask[None, :]
+        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        if num_splits == 1:
+            tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            row0 = (req.to(tl.int64) * NUM_HEADS + heads) * max_splits  # [BLOCK_H]
+            tl.store(part_out_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :], o,
+                     mask=o_mask)  # fmt: skip
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(part_lse_ptr + row0 + split, lse, mask=h_mask)
+            if COMPILED:  # every thread's partial stores visible GPU-wide before the count
+                offs_h = fence_gpu(offs_h)
+            tl.debug_barrier()
+            counter = counter_ptr + req * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of (req, kv_head): merge them all
+                m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                for j in range(num_splits):
+                    lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf"),
+                                    cache_modifier=".cg")  # fmt: skip
+                    m = tl.maximum(m, lse_j)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                den = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for j in range(num_splits):
+                    lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf"),
+                                    cache_modifier=".cg")  # fmt: skip
+                    w_j = tl.exp2(lse_j - m)  # [BLOCK_H]
+                    o_j = tl.load(part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                                  mask=o_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+                    num += o_j * w_j[:, None]
+                    den += w_j
+                o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+                tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+                tl.store(counter, 0)  # ready for the next launch
+
+
+def fused_decode_attention(
+    q: torch.Tensor,  # [num_reqs, num_heads, head_dim] (a view of the QKV output)
+    k: torch.Tensor,  # [num_reqs, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_reqs, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_reqs] int32/int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, head_dim]: cos half, then sin half
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q_w, k_w [head_dim], eps)
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], updated in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_reqs] int64; < 0 = no store (padding rows)
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, each >= 1 (the new token included)
+    scale: float,
+    max_seq_len: int,
+    max_splits: int | None = None,
+    out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim]
+) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
+    """One query token per request: q/k norm (with ``qk_norm``), RoPE, K/V store and attention
+    over the request's paged context, in one launch; q, k and v are left as they were.
+
+    ``max_seq_len`` (a host int) bounds the splits of the grid (``choose_num_splits``) unless
+    ``max_splits`` fixes them; the device then uses as many as the true context needs."""
+    check_device(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    num_reqs, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
+    assert k.shape == v.shape == (num_reqs, num_kv_heads, head_dim)
+    assert num_heads % num_kv_heads == 0 and cos_sin_cache.shape[1] == head_dim
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.dtype == q.dtype
+    if out is None:
+        out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_n = BLOCK_N if head_dim <= 128 else 32
+    if max_splits is None:
+        max_splits = choose_num_splits(
+            num_reqs, num_kv_heads, max(max_seq_len, 1), num_sms(q.device), block_n
+        )
+    if max_splits > 1:
+        part_out = torch.empty(num_reqs, num_heads, max_splits, head_dim, dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+        part_lse = torch.empty(num_reqs, num_heads, max_splits, dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+    else:
+        part_out = part_lse = out  # never read: every program writes the output itself
+    split_counters = counters(q.device, num_reqs * num_kv_heads, "attention")
+    if qk_norm is not None:
+        q_norm_w, k_norm_w, eps = qk_norm
+        assert q_norm_w.shape == (head_dim,) and k_norm_w.shape == (head_dim,)
+    else:
+        q_norm_w = k_norm_w = cos_sin_cache  # unused
+        eps = 0.0
+    compiled = not is_interpret()
+    pdl = compiled and pdl_enabled()
+    line_elems = 128 // k_cache.element_size()
+    half = head_dim // 2
+    meta: dict = {"launch_pdl": True} if pdl else {}
+    _fused_decode_attention_kernel[(num_reqs, num_kv_heads, max_splits)](
+        q, k, v, positions, cos_sin_cache, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
+        block_table, seq_lens, out, part_out, part_lse, split_counters,
+        scale * LOG2E, eps, 1.0 / head_dim,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1), max_splits,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        HALF=half, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_R=max(16, triton.next_power_of_2(half)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
+        SPLIT_TOKENS=max(SPLIT_TOKENS, block_n), QK_NORM=qk_norm is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, COMPILED=compiled,
+        LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
+        LINE_ELEMS=line_elems, num_warps=4, num_stages=3,
+        enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF
+        **meta,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["applies", "fused_decode_attention", "fused_decode_attention_ref", "set_enabled"]
