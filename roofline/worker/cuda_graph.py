@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.kernels import stage_decode
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.worker.block_table import BlockTables
+from roofline.worker.graph_head import HeadOutputs, capture_head
 from roofline.worker.pending import PendingInputs, fill_pending
 
 
@@ -38,8 +40,11 @@ class DecodeGraphs:
         max_model_len: int,
         page_size: int,
         device: torch.device,
+        heads: bool = False,
     ) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.capture_heads = heads
+        """Capture the LM head + greedy ids in the small buckets' graphs (``graph_head.py``)."""
         self.max_model_len, self.page_size, self.device = max_model_len, page_size, device
         self.buckets = batch_buckets(max_batch)
         max_blocks = -(-max_model_len // page_size)
@@ -52,6 +57,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=i32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.heads: dict[int, HeadOutputs | None] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -78,11 +84,15 @@ class DecodeGraphs:
             # one eager forward first, as the mixed graphs do: Triton compiles (or finds) its
             # kernels, cuBLAS picks its own and allocates its workspace (a second one, as
             # before, only lengthened the start-up)
-            self.model(ids, pos, ctx)
+            hidden = self.model(ids, pos, ctx)
+            if self.capture_heads:
+                capture_head(self.model, hidden)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = self.model(ids, pos, ctx)
+                if self.capture_heads:
+                    self.heads[bs] = capture_head(self.model, self.outputs[bs])
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
@@ -107,6 +117,13 @@ class DecodeGraphs:
         ``n..bucket`` are padding: slot -1 (nothing stored), context length 1."""
         n = input_ids.shape[0]
         bs = next(b for b in self.buckets if b >= n)
+        if stage_decode.applies(self.device) and (pending is None or pending.dst is None):
+            static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                      self.block_table)  # fmt: skip
+            stage_decode.stage_decode(input_ids, positions, slot_mapping, seq_lens, table_rows,
+                                      None if pending is None else pending.sampled,
+                                      block_tables.table, static, bs)  # fmt: skip
+            return bs  # one launch: kernels/stage_decode.py
         self.input_ids[:n].copy_(input_ids)
         if pending is not None:
             fill_pending(self.input_ids, pending)
@@ -124,3 +141,9 @@ class DecodeGraphs:
         ``n`` real rows, ``[n, hidden]`` (a view into the graph's output buffer)."""
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+    def head(self, bucket: int, n: int) -> HeadOutputs | None:
+        """The replayed graph's logits and greedy ids of its ``n`` real rows, where the graph
+        computes them (None: the caller runs the LM head)."""
+        head = self.heads.get(bucket)
+        return None if head is None else HeadOutputs(head.logits[:n], head.token_ids[:n])

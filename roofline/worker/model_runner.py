@@ -43,6 +43,7 @@ from roofline.spec_decode.verify_graph import VerifyGraphs, grid_layout
 from roofline.worker.block_table import BlockTables
 from roofline.worker.cuda_graph import DecodeGraphs
 from roofline.worker.device_wait import DeviceWaiter
+from roofline.worker.graph_head import greedy_ids_suffice
 from roofline.worker.graph_mode import CUDA_GRAPH_MODES, MixedStepPath
 from roofline.worker.host_batch import HostBatch, upload
 from roofline.worker.pending import PendingInputs, fill_pending
@@ -268,6 +269,7 @@ class ModelRunner:
             self.scheduler_config.max_model_len,
             self.page_size,
             self.device,
+            heads=True,
         )
         self.graphs.capture()
         if self.cascade is not None and self.graphs.graphs:
@@ -377,6 +379,7 @@ class ModelRunner:
         pending = self._pending_inputs(batch, src_t, dst_t)
         graphs = self.graphs
         cgraphs = self.cascade_graphs
+        head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
         if grid:  # 2..1+k rows per request: the padded multi-query graphs
             bucket = vgraphs.stage(  # type: ignore[union-attr]
                 dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
@@ -405,6 +408,7 @@ class ModelRunner:
                 pending,
             )
             hidden = graphs.replay(bucket, batch.num_reqs)
+            head = None if gather else graphs.head(bucket, batch.num_reqs)
         else:
             if pending is not None:
                 fill_pending(dev.input_ids, pending)
@@ -427,7 +431,10 @@ class ModelRunner:
         # float32 logits where something edits or verifies them; else the head's dtype (the
         # sampler casts only what needs it: a greedy step skips a [rows, vocab] copy)
         upcast = mask_logits is not None or batch.verifies or self.parallel.is_parallel
-        logits = self.model.compute_logits(hidden, upcast)  # [num_sampled, vocab]
+        if head is None:
+            logits = self.model.compute_logits(hidden, upcast)  # [num_sampled, vocab]
+        else:
+            logits = head.logits  # fp32, computed in the decode graph
         if mask_logits is not None:  # with verification: 1 + k rows per speculating request
             mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it
@@ -435,7 +442,10 @@ class ModelRunner:
             if on_device_ok(requests):  # accept/reject on the device, one copy to the host
                 return launch_verification(logits, requests)  # type: ignore[return-value]
             return verify_step(self.sampler, self.verifier, logits, requests)
-        out = self._sample(logits, requests)
+        if head is not None and mask_logits is None and greedy_ids_suffice(requests):
+            out = SamplerOutput(head.token_ids, [None] * len(requests))
+        else:
+            out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
         return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps)
