@@ -22,27 +22,44 @@ It applies (``applies``) where every GEMM of the layer would run the Triton skin
 prologue, SiLU prologue and residual epilogue), at most ``MAX_ROWS`` rows, a dense MLP, and no
 tensor-parallel all-reduce between a GEMM and its add.
 ``ROOFLINE_FUSED_DECODE=0`` (or ``set_enabled(False)``) turns it off.
+
+An MoE layer (``layers.moe.FusedMoE`` as its MLP, one token) runs its attention half the same
+way and its sparse block as ``moe_norm_add``: ``kernels.moe_router`` (the post-attention norm,
+the router GEMV and the top-k routing in one launch, which also writes the normalised row), the
+two expert GEMVs of ``kernels.fused_moe``, and the residual add; ``ROOFLINE_FUSED_MOE_DECODE=0``
+(or ``set_moe_enabled(False)``) keeps such layers unfused.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from roofline.layers.linear import MergedLinear, skinny_gemm_applies
 
+if TYPE_CHECKING:
+    from roofline.layers.moe import FusedMoE
+
 # Rows up to which the fused layer runs. Every program of a norm-prologue GEMM re-reads all M x K
 # inputs for the statistic, which pays at one row (as the SiLU prologue: layers.linear).
 MAX_ROWS = 1
 _ENABLED = os.environ.get("ROOFLINE_FUSED_DECODE", "1") != "0"
+_MOE_ENABLED = os.environ.get("ROOFLINE_FUSED_MOE_DECODE", "1") != "0"
 
 
 def set_enabled(enabled: bool) -> None:
     """Turn the fused decode layer on or off for forwards from now on (benchmarks compare)."""
     global _ENABLED
     _ENABLED = enabled
+
+
+def set_moe_enabled(enabled: bool) -> None:
+    """Turn the fused MoE layers (``moe_norm_add``) on or off for forwards from now on."""
+    global _MOE_ENABLED
+    _MOE_ENABLED = enabled
 
 
 def _plain_skinny(linear: nn.Module) -> bool:
@@ -65,13 +82,21 @@ def _gemv_linear(linear: nn.Module) -> bool:
 
 
 def layer_supports(layer: nn.Module) -> bool:
-    """Shape-independent part of ``applies``: plain 16-bit linears, a dense MLP, no TP reduce."""
+    """Shape-independent part of ``applies``: plain 16-bit (or repacked quantized) linears, a
+    dense MLP or an MoE block with a plain router, no TP reduce."""
+    from roofline.layers.moe import FusedMoE
     from roofline.models.llama import LlamaMLP
 
     attn, mlp = layer.self_attn, layer.mlp
+    if attn.reduce is not None:
+        return False
+    if isinstance(mlp, FusedMoE):
+        return (
+            all(_plain_skinny(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
+            and mlp.gate.bias is None
+        )
     return (
         isinstance(mlp, LlamaMLP)
-        and attn.reduce is None
         and mlp.reduce is None
         and all(
             _plain_skinny(m) or _gemv_linear(m)
@@ -83,17 +108,23 @@ def layer_supports(layer: nn.Module) -> bool:
 def applies(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``layer`` (a ``LlamaDecoderLayer`` whose ``layer_supports``) runs fused on
     ``x: [num_tokens, hidden]``. Shapes only: no host sync, capturable."""
+    from roofline.layers.moe import FusedMoE
+
     if not (_ENABLED and x.is_cuda and x.shape[0] <= MAX_ROWS):
         return False
     attn, mlp = layer.self_attn, layer.mlp
     m = x.shape[0]
-    return (
+    if not (
         layer.input_layernorm.weight.dtype == x.dtype
         and layer.post_attention_layernorm.weight.dtype == x.dtype
         and _linear_applies(m, attn.qkv_proj, x, "norm", first=True)
         and _linear_applies(m, attn.o_proj, x)
-        and _linear_applies(m, mlp.gate_up_proj, x, "norm")
-        and _linear_applies(m, mlp.down_proj, x, "silu")
+    ):
+        return False
+    if isinstance(mlp, FusedMoE):  # one token: moe_norm_add
+        return _MOE_ENABLED and m == 1 and mlp.w13_weight.dtype == mlp.gate.weight.dtype == x.dtype
+    return _linear_applies(m, mlp.gate_up_proj, x, "norm") and _linear_applies(
+        m, mlp.down_proj, x, "silu"
     )
 
 
@@ -157,3 +188,17 @@ def linear_add(
     from roofline.kernels.gemv import skinny_gemm
 
     return skinny_gemm(x, linear.weight, linear.bias, silu_mul=silu_mul, residual=residual)
+
+
+def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``h + moe(norm(h))`` for one token in four launches (``kernels.moe_router``: norm, router
+    and top-k routing in one; the two expert GEMVs; the add) where the unfused block took six."""
+    from roofline.kernels.fused_moe import fused_moe, warm_up
+    from roofline.kernels.moe_router import moe_router
+
+    if not moe._warmed:  # the first (eager) forward compiles every variant, as FusedMoE's
+        warm_up(h, moe.w13_weight, moe.w2_weight, moe.top_k)
+        moe._warmed = True
+    xn, weights, ids = moe_router(h, norm.weight, norm.eps, moe.gate.weight, moe.top_k,
+                                  moe.renormalize)  # fmt: skip
+    return h + fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids)  # [1, hidden]

@@ -84,8 +84,14 @@ class FusedMoE(nn.Module):
         """(proj, global expert) pairs a checkpoint tensor has filled; ("router", 0) for the
         gate."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        if norm is not None and residual is not None:  # one token, x the whole residual stream:
+            from roofline.layers.fused_decode import moe_norm_add  # x + self(norm(x)), fused
+
+            return moe_norm_add(self, norm, x)
         logits = self.gate(x)  # [num_tokens, num_experts]
         if x.is_cuda:
             from roofline.kernels.fused_moe import route, warm_up

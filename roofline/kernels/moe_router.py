@@ -1,0 +1,182 @@
+"""An MoE layer's decode prologue in one launch: the RMSNorm of the residual stream, the router
+GEMV, the softmax top-k routing and the normalised row the experts read.
+
+At one token a sparse layer spent four launches before its experts: the fused add + RMSNorm,
+the router GEMV, ``fused_moe.route`` and the cast of its weights. Here the router is
+``kernels.gemv``'s skinny GEMM with its RMSNorm prologue (each program takes the row's fp32
+statistic and normalises every K tile as it loads it, with ``rms_norm``'s roundings); program 0
+also stores the normalised row (``xn``, the experts' input). Each program stores its logits
+rounded to the model dtype (the router's output), and the last program to finish (an atomic
+counter, which it resets) routes them as ``fused_moe.route`` does: fp32 softmax, ``top_k``
+passes of argmax (ties to the lowest expert), renormalised when asked, weights rounded to the
+dtype. ``moe_router_ref`` is the unfused sequence in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.fused_moe import route_ref
+from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
+from roofline.kernels.last_program import counters, fence_gpu
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
+from roofline.kernels.rmsnorm import rms_norm_ref
+
+
+def moe_router_ref(
+    h: torch.Tensor,  # [1, H] residual stream
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router: torch.Tensor,  # [E, H]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # xn [1, H], weights [1, k], ids [1, k]
+    xn = rms_norm_ref(h, norm_weight, eps)
+    logits = (xn.float() @ router.float().T).to(h.dtype)  # [1, E]
+    weights, ids = route_ref(logits, top_k, renormalize)
+    return xn, weights, ids
+
+
+@triton.jit
+def _moe_router_kernel(
+    x_ptr,  # [1, K] residual stream
+    norm_w_ptr,  # [K]
+    w_ptr,  # [E, K] router, rows stride_wn apart
+    xn_ptr,  # [1, K] out: rms_norm(x) * norm_w
+    logits_ptr,  # [E] workspace, x's dtype
+    weights_ptr,  # [TOP_K] out, x's dtype
+    ids_ptr,  # [TOP_K] out, int64
+    counter_ptr,  # [1] int32, zero between launches
+    E,
+    K,
+    stride_wn,
+    inv_k,
+    eps,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+    COMPILED: tl.constexpr,  # not the interpreter: PTX roundings and fences
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_n = tl.minimum(offs_n, E - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + offs_k[None, :]  # [1, BK]
+    if PDL:
+        offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)
+        prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # the statistic, as kernels.gemv's prologue
+    for k0 in range(0, K, BLOCK_K):
+        xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
+        sq += _mul_rn(xk, xk, COMPILED)
+    rstd = tl.rsqrt(tl.sum(sq, axis=1) * inv_k + eps)  # [1]
+    nw_ptrs = norm_w_ptr + offs_k[None, :]
+    xn_ptrs = xn_ptr + offs_k[None, :]
+    if USE_DOT:
+        acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_main = K - K % BLOCK_K
+    for _ in tl.range(0, k_main, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        xn = _rms_norm_tile(tl.load(x_ptrs), nw_ptrs, rstd, None, False)  # [1, BK]
+        if pid == 0:
+            tl.store(xn_ptrs, xn)
+        acc = _accumulate(acc, xn, w, 1, USE_DOT)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
+        xn_ptrs += BLOCK_K
+    if not EVEN_K:
+        mask_k = offs_k[None, :] < K - k_main
+        w = tl.load(w_ptrs, mask=mask_k, other=0.0)
+        xn = _rms_norm_tile(tl.load(x_ptrs, mask=mask_k, other=0.0), nw_ptrs, rstd, mask_k, True)
+        if pid == 0:
+            tl.store(xn_ptrs, xn, mask=mask_k)
+        acc = _accumulate(acc, xn, w, 1, USE_DOT)
+    if USE_DOT:
+        logits = tl.sum(acc, axis=0)  # [BN]
+    else:
+        logits = tl.sum(acc, axis=1)
+    tl.store(logits_ptr + offs_n, logits.to(x_ptr.dtype.element_ty), mask=offs_n < E)
+    if COMPILED:  # the logits visible GPU-wide before the count
+        offs_n = fence_gpu(offs_n)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # the last program routes (fused_moe._route_kernel)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        logit = tl.load(logits_ptr + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        logit = logit.to(tl.float32)
+        prob = tl.exp(logit - tl.max(logit, axis=0))
+        prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
+        slots = tl.arange(0, BLOCK_TOP)
+        top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+        top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+        total = 0.0
+        for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
+            best = tl.max(prob, axis=0)
+            idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
+            top_w = tl.where(slots == j, best, top_w)
+            top_i = tl.where(slots == j, idx, top_i)
+            total += best
+            prob = tl.where(offs == idx, -1.0, prob)
+        if RENORMALIZE:
+            top_w = top_w / total
+        tl.store(ids_ptr + slots, top_i.to(tl.int64), mask=slots < TOP_K)
+        tl.store(weights_ptr + slots, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+        tl.store(counter_ptr, 0)  # ready for the next launch
+
+
+def moe_router(
+    h: torch.Tensor,  # [1, H] residual stream, 16-bit or fp32
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router: torch.Tensor,  # [E, H]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # xn [1, H], weights [1, k], ids [1, k]
+    """``moe_router_ref`` in one launch (one token)."""
+    check_device(h, norm_weight, router)
+    num_experts, hidden = router.shape
+    if h.shape != (1, hidden) or h.stride(1) != 1 or router.stride(1) != 1:
+        raise ValueError(f"moe_router: h must be [1, {hidden}] contiguous, got {tuple(h.shape)}")
+    if router.dtype != h.dtype or norm_weight.dtype != h.dtype or not 0 < top_k <= num_experts:
+        raise ValueError("moe_router: h, norm weight and router must share a dtype; 0 < top_k <= E")
+    xn = torch.empty_like(h)
+    logits = torch.empty(num_experts, dtype=h.dtype, device=h.device)
+    weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
+    ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
+    cfg = pick_config(1, num_experts, hidden, h.device)
+    compiled = not is_interpret()
+    pdl = compiled and pdl_enabled()
+    line_elems = 128 // router.element_size()
+    lines = min(triton.cdiv(hidden, line_elems), max(1, 16384 // (128 * cfg.block_n)))
+    meta: dict = {"launch_pdl": True} if pdl else {}
+    _moe_router_kernel[(triton.cdiv(num_experts, cfg.block_n),)](
+        h, norm_weight, router, xn, logits, weights, ids, counters(h.device, 1, "moe_router"),
+        num_experts, hidden, router.stride(0), 1.0 / hidden, eps,
+        TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        USE_DOT=cfg.use_dot and h.dtype != torch.float32, EVEN_K=hidden % cfg.block_k == 0,
+        PDL=pdl, COMPILED=compiled, PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
+        LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **meta,
+    )  # fmt: skip
+    return xn, weights, ids

@@ -1,0 +1,82 @@
+"""The MoE decode prologue kernel (RMSNorm, router GEMV, top-k routing, the normalised row)
+against the unfused torch sequence, and compiled for Hopper on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE
+
+from roofline.kernels import last_program
+from roofline.kernels.gemv import skinny_gemm
+from roofline.kernels.moe_router import moe_router, moe_router_ref
+from roofline.kernels.rmsnorm import rms_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_experts,top_k,hidden", [(16, 4, 96), (40, 8, 64)])
+def test_matches_unfused(dtype, renormalize, num_experts, top_k, hidden) -> None:
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    h = (3 * torch.randn(1, hidden, generator=gen)).to(dtype).to(DEVICE)
+    nw = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    router = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
+    xn, weights, ids = moe_router(h, nw, 1e-6, router, top_k, renormalize)
+    xn_ref, weights_ref, ids_ref = moe_router_ref(h, nw, 1e-6, router, top_k, renormalize)
+    # the row the experts read: rms_norm's roundings (the fp32 sum of squares in another order)
+    torch.testing.assert_close(
+        xn, rms_norm(h, nw, 1e-6), atol=0, rtol=1e-2 if dtype != torch.float32 else 1e-6
+    )
+    torch.testing.assert_close(xn, xn_ref, atol=1e-2, rtol=1e-2)
+    assert ids.tolist() == ids_ref.tolist()
+    torch.testing.assert_close(
+        weights, weights_ref, atol=1e-2 if dtype != torch.float32 else 1e-6, rtol=1e-2
+    )
+    # logits as the router GEMV on the kernel's own xn give the same routing
+    logits = skinny_gemm(xn, router) if dtype != torch.float32 else xn @ router.T
+    assert ids.tolist() == logits.float().softmax(-1).topk(top_k).indices.tolist()
+    assert not last_program._COUNTERS[(h.device, "moe_router")].any()
+
+
+def test_compiles_for_hopper() -> None:
+    """sm_90 compile of the Qwen3-30B-A3B variant (128 experts, top 8, PDL)."""
+    from hopper_variants import compile_for_hopper
+
+    base = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOP=8, BLOCK_N=2, BLOCK_K=512,
+                NUM_STAGES=5, USE_DOT=False, EVEN_K=True, PDL=True, COMPILED=True,
+                PREFETCH_LINES=64, LINE_ELEMS=64)  # fmt: skip
+    pointers = {name: "bf16" for name in ("x_ptr", "norm_w_ptr", "w_ptr", "xn_ptr", "logits_ptr",
+                                          "weights_ptr")}  # fmt: skip
+    pointers.update(ids_ptr="i64", counter_ptr="i32")
+    ptxs = compile_for_hopper("roofline.kernels.moe_router", "_moe_router_kernel",
+                              [base, dict(base, USE_DOT=True, BLOCK_N=16, PDL=False)], pointers,
+                              ("inv_k", "eps"), dict(num_warps=4))  # fmt: skip
+    assert "griddepcontrol.wait" in ptxs[0] and "atom." in ptxs[0] and "mul.rn.f32" in ptxs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_layer_matches_unfused(dtype) -> None:
+    """``fused_decode.moe_norm_add`` (router kernel + expert GEMVs + add) against the block's
+    own forward on the normalised row plus the residual."""
+    from roofline.layers.fused_decode import moe_norm_add
+    from roofline.layers.moe import FusedMoE
+    from roofline.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    hidden, inter, experts, top_k = 64, 32, 8, 2
+    moe = FusedMoE(hidden, inter, experts, top_k, renormalize=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.2)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = 1 + 0.2 * torch.randn(hidden)
+    moe, norm = moe.to(DEVICE, dtype), norm.to(DEVICE, dtype)
+    moe._warmed = True  # warm_up compiles every grouped variant: not needed for one token
+    for seed in range(3):
+        h = (2 * torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))).to(dtype)
+        h = h.to(DEVICE)
+        with torch.inference_mode():
+            got = moe_norm_add(moe, norm, h)
+            want = h + moe(norm(h))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
