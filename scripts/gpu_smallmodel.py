@@ -91,7 +91,8 @@ def parity_hf(split_sizes: list[int]) -> None:
                 decode_attention_fused.set_split_tokens(split_tokens)
                 set_mode(None, "on")
                 llm = LLM(tmp, dtype="float32", device="cuda", max_model_len=256,
-                          max_num_seqs=8, kv_cache_memory_bytes=64 << 20)  # fmt: skip
+                          max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
+                          cuda_graph_mode="full_decode_only")  # fmt: skip
                 params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 got = [o.outputs[0].token_ids for o in outs]
