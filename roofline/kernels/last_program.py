@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced buffers: captured CUDA graphs may still use them
 
 
 def counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
@@ -29,6 +30,8 @@ def counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
     the largest batch first."""
     buf = _COUNTERS.get((device, owner))
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)  # never freed: a graph replay must not count in reused memory
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, owner)] = buf
     return buf
