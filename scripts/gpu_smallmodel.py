@@ -305,8 +305,8 @@ def decode_modes(llm, name: str, ceil, batches: list[int], modes: list[str], out
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             SUMMARY.append((f"{name} {mode}", "FAILED"))
-    # greedy tokens of the modes against "off" (bf16: near-ties may flip with the attention's
-    # summation order; the graph head alone must not change a token)
+    # greedy tokens of each mode against the one before (bf16: near-ties may flip with the
+    # attention's summation order; the graph head and the staging must not change a token)
     try:
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         outs = {}
@@ -315,9 +315,10 @@ def decode_modes(llm, name: str, ceil, batches: list[int], modes: list[str], out
             engine.kv_manager.reset_prefix_cache()
             res = llm.generate([list(range(20, 84))], params, use_tqdm=False)
             outs[mode] = res[0].outputs[0].token_ids
-        for mode in modes[1:]:
-            same = sum(a == b for a, b in zip(outs[mode], outs[modes[0]]))
-            print(f"  {name} {mode} vs {modes[0]}: {same}/32 greedy tokens equal")
+        for prev, mode in zip(modes, modes[1:]):  # "on" vs "attn": the head, same bits
+            same = sum(a == b for a, b in zip(outs[mode], outs[prev]))
+            print(f"  {name} {mode} vs {prev}: {same}/32 greedy tokens equal")
+            SUMMARY.append((f"{name} tokens {mode} vs {prev}", f"{same}/32"))
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     set_mode(engine, "on")
