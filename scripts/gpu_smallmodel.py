@@ -238,7 +238,7 @@ def attention_alone(contexts: list[int], split_sizes: list[int]) -> None:
             row.append(f"fused/{tokens} {graph_us(new):6.2f}")
         print(f"  ctx {ctx:>5}: " + " | ".join(row) + " us", flush=True)
         SUMMARY.append((f"attention bs1 ctx {ctx} (us)", ", ".join(r.split()[-1] for r in row)))
-    decode_attention_fused.set_split_tokens(128)
+    decode_attention_fused.set_split_tokens(64)
 
 
 # ---------------------------------------------------------------- engine
@@ -331,13 +331,13 @@ def qwen3(ceil, out_len: int, sweep: bool) -> None:
     if sweep:  # the device split size, and real kernel durations without PDL overlap
         from roofline.bench import latency
 
-        for tokens in (256, 512):
+        for tokens in (128, 256):
             decode_attention_fused.set_split_tokens(tokens)
             set_mode(llm.llm_engine, "on")
             r = latency.run(llm.llm_engine, ceil, [1], 128, out_len)[0]
             print(f"  split_tokens={tokens}: {r.output_tok_s:.1f} tok/s")
             SUMMARY.append((f"qwen3-0.6b bs1 split {tokens}", f"{r.output_tok_s:.1f} tok/s"))
-        decode_attention_fused.set_split_tokens(128)
+        decode_attention_fused.set_split_tokens(64)
         pdl.set_pdl(False)
         set_mode(llm.llm_engine, "on")
         engine = _decoding(llm)
@@ -395,7 +395,7 @@ def main() -> None:
         parity_hf(("qwen3", "llama", "qwen3_moe"), [64, 128])
     parity_kernels()
     attention_alone([512, 2048] if quick else [64, 256, 512, 1024, 2048, 4000],
-                    [128, 256, 512])  # fmt: skip
+                    [64, 128] if quick else [64, 128, 256])  # fmt: skip
     qwen3(ceil, 128 if quick else 256, sweep=not quick)
     llama(ceil, 64 if quick else 128, [1] if quick else [1, 8, 32, 128])
     if not quick:

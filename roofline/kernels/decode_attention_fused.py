@@ -35,16 +35,24 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
-from roofline.kernels.decode_attention import LOG2E, choose_num_splits, decode_attention_ref
+from roofline.kernels.decode_attention import (
+    LOG2E,
+    MAX_NUM_SPLITS,
+    choose_num_splits,
+    decode_attention_ref,
+)
 from roofline.kernels.kv_store import store_kv_ref
-from roofline.kernels.last_program import counters, fence_gpu
+from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.kernels.rmsnorm import rms_norm_ref
 from roofline.kernels.rotary import _round, rotary_ref
 
 _ENABLED = os.environ.get("ROOFLINE_FUSED_ATTENTION", "1") != "0"
-SPLIT_TOKENS = int(os.environ.get("ROOFLINE_DECODE_SPLIT_TOKENS", "128"))
-"""Fewest context tokens per split chosen on the device (a power of two >= BLOCK_N)."""
+SPLIT_TOKENS = int(os.environ.get("ROOFLINE_DECODE_SPLIT_TOKENS", "64"))
+"""Fewest context tokens per split chosen on the device (a power of two >= BLOCK_N). One block
+per program at short contexts: its K/V load before the wait, off the critical path (H100,
+Qwen3-0.6B shape, batch 1, one layer in a graph: 128 -> 8.8 us, 256 -> 11.3, 512 -> 15.2 us at
+a 512-token context with the K/V loaded after the wait; the old three launches 9.7 us)."""
 BLOCK_N = 64  # keys per iteration (head_dim <= 128; 32 beyond), as kernels.decode_attention
 
 
@@ -118,6 +126,47 @@ def _norm_rope(x1, x2, w_ptr, offs_r, r_mask, cos, sin, eps, inv_head_dim, HALF:
     return o1.to(dtype), o2.to(dtype)
 
 
+@triton.jit
+def _attend_block(q1, q2, k1, k2, v, n_mask, m_i, l_i, acc, scale_log2e, PRECISION: tl.constexpr):
+    """One block of cached keys into the online softmax: q halves [BLOCK_H, BLOCK_R], k halves
+    [BLOCK_N, BLOCK_R], v [BLOCK_N, BLOCK_D], ``n_mask`` the valid keys (possibly none)."""
+    s = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+    s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+    s = tl.where(n_mask[None, :], s * scale_log2e, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty block changes nothing
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_splits, max_splits,
+                  stride_ot, stride_oh, offs_d, d_mask, NUM_HEADS: tl.constexpr,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """Merge the ``num_splits`` partials of each query head of the group by log-sum-exp and store
+    the output: one [BLOCK_S, BLOCK_D] load per head (``.cg``: other SMs wrote them)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        row0 = (req.to(tl.int64) * NUM_HEADS + head) * max_splits
+        lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        o = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # [BLOCK_S]
+        den = tl.sum(w, axis=0)
+        merged = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)  # [BLOCK_D]
+        dst = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "max_splits"])
 def _fused_decode_attention_kernel(
     q_ptr,  # [T, NUM_HEADS, HEAD_DIM] (rows stride_qt apart: a view of the QKV output)
@@ -164,10 +213,10 @@ def _fused_decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_NUM_SPLITS: the merge's tile of partials
     QK_NORM: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, trigger, wait
-    COMPILED: tl.constexpr,  # not the interpreter: PTX fences
     LINES: tl.constexpr,  # 128-byte lines per cached head row (L2 prefetch)
     LINE_ELEMS: tl.constexpr,
 ):
@@ -185,26 +234,40 @@ def _fused_decode_attention_kernel(
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
         v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
-        if PDL:  # cached K/V and the block table predate the step: pull them into L2 first
-            offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)  # [LINES]
-            for n0 in range(start, ctx_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < ctx_end
-                pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-                off = pages * stride_cp + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
-                prefetch_l2(k_head + off[:, None] + offs_l[None, :])  # [BLOCK_N, LINES]
-                prefetch_l2(v_head + off[:, None] + offs_l[None, :])
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-
         dtype = q_ptr.dtype.element_ty
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < HALF
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        # Before the wait: everything that predates the step. The first block's cached K/V go to
+        # registers, the rest of the split to L2; the position's cos/sin, the slot.
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        first_mask = offs_n < ctx_end
+        pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=first_mask, other=0).to(tl.int64)
+        off = pages * stride_cp + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+        kc_mask = first_mask[:, None] & r_mask[None, :]
+        kc1 = tl.load(k_head + off[:, None] + offs_r[None, :], mask=kc_mask, other=0.0)
+        kc2 = tl.load(k_head + off[:, None] + HALF + offs_r[None, :], mask=kc_mask, other=0.0)
+        vc = tl.load(v_head + off[:, None] + offs_d[None, :],
+                     mask=first_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
         pos = tl.load(positions_ptr + req).to(tl.int64)
         cs_row = cos_sin_ptr + pos * stride_cos_sin
         cos = _round(tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
         sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
         cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_R]
+        slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        if PDL:
+            offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)  # [LINES]
+            for n0 in range(start + BLOCK_N, ctx_end, BLOCK_N):
+                offs_p = n0 + tl.arange(0, BLOCK_N)
+                p_ok = offs_p < ctx_end
+                pg = tl.load(bt_row + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
+                p_off = pg * stride_cp + (offs_p % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+                prefetch_l2(k_head + p_off[:, None] + offs_l[None, :])  # [BLOCK_N, LINES]
+                prefetch_l2(v_head + p_off[:, None] + offs_l[None, :])
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()  # q, k, v: the QKV GEMM's output
+
         # q rows: the GROUP query heads of this KV head, as halves [BLOCK_H, BLOCK_R]
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < GROUP
@@ -213,20 +276,17 @@ def _fused_decode_attention_kernel(
         q_src = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_r[None, :]
         q1 = tl.load(q_src, mask=qr_mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_src + HALF, mask=qr_mask, other=0.0).to(tl.float32)
-        q1, q2 = _norm_rope(q1, q2, q_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
-                            HALF, dtype, QK_NORM)  # fmt: skip
         # the step's k of this KV head ([1, BLOCK_R] halves) and v ([1, BLOCK_D])
         kr_mask = r_mask[None, :]
         k_src = k_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh + offs_r[None, :]
         k1 = tl.load(k_src, mask=kr_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_src + HALF, mask=kr_mask, other=0.0).to(tl.float32)
-        k1, k2 = _norm_rope(k1, k2, k_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
-                            HALF, dtype, QK_NORM)  # fmt: skip
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
         v_src = v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v_new = tl.load(v_src, mask=d_mask[None, :], other=0.0)  # [1, BLOCK_D]
-        slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        q1, q2 = _norm_rope(q1, q2, q_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
+                            HALF, dtype, QK_NORM)  # fmt: skip
+        k1, k2 = _norm_rope(k1, k2, k_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
+                            HALF, dtype, QK_NORM)  # fmt: skip
         if owner & (slot >= 0):
             c_off = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
             c_dtype = k_cache_ptr.dtype.element_ty
@@ -237,26 +297,20 @@ def _fused_decode_attention_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for n0 in range(start, ctx_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        m_i, l_i, acc = _attend_block(q1, q2, kc1, kc2, vc, first_mask, m_i, l_i, acc,
+                                      scale_log2e, PRECISION)  # fmt: skip
+        for n0 in range(start + BLOCK_N, ctx_end, BLOCK_N):  # longer splits: from L2
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < ctx_end
             pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             off = pages * stride_cp + (offs_n % PAGE_SIZE) * stride_cs  # [BLOCK_N]
             kc_mask = n_mask[:, None] & r_mask[None, :]
             kc1 = tl.load(k_head + off[:, None] + offs_r[None, :], mask=kc_mask, other=0.0)
             kc2 = tl.load(k_head + off[:, None] + HALF + offs_r[None, :], mask=kc_mask, other=0.0)
-            s = tl.dot(q1, tl.trans(kc1), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-            s = tl.dot(q2, tl.trans(kc2), s, input_precision=PRECISION)
-            s = s * scale_log2e
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             vc = tl.load(v_head + off[:, None] + offs_d[None, :],
                          mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q1, q2, kc1, kc2, vc, n_mask, m_i, l_i, acc,
+                                          scale_log2e, PRECISION)  # fmt: skip
         # the new token, from registers (its owner only)
         s_new = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
         s_new = (s_new + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale_log2e
@@ -266,15 +320,15 @@ def _fused_decode_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p_new = tl.exp2(s_new - m_safe)  # [BLOCK_H]
         l_i = l_i * alpha + p_new
-        p_new = p_new.to(dtype).to(tl.float32)  # rounded as the loop's p before its dot
+        p_new = p_new.to(dtype).to(tl.float32)  # rounded as a block's p before its dot
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
         m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]  # [BLOCK_H, BLOCK_D]
         o_mask = h_mask[:, None] & d_mask[None, :]
-        o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         if num_splits == 1:
+            o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
             tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             row0 = (req.to(tl.int64) * NUM_HEADS + heads) * max_splits  # [BLOCK_H]
@@ -282,30 +336,13 @@ def _fused_decode_attention_kernel(
                      mask=o_mask)  # fmt: skip
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + row0 + split, lse, mask=h_mask)
-            if COMPILED:  # every thread's partial stores visible GPU-wide before the count
-                offs_h = fence_gpu(offs_h)
-            tl.debug_barrier()
+            tl.debug_barrier()  # the CTA's partials before its release (last_program.py)
             counter = counter_ptr + req * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:  # the last split of (req, kv_head): merge them all
-                m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                for j in range(num_splits):
-                    lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf"),
-                                    cache_modifier=".cg")  # fmt: skip
-                    m = tl.maximum(m, lse_j)
-                m = tl.where(m == float("-inf"), 0.0, m)
-                num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                den = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for j in range(num_splits):
-                    lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask, other=float("-inf"),
-                                    cache_modifier=".cg")  # fmt: skip
-                    w_j = tl.exp2(lse_j - m)  # [BLOCK_H]
-                    o_j = tl.load(part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                                  mask=o_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-                    num += o_j * w_j[:, None]
-                    den += w_j
-                o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-                tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_splits,
+                              max_splits, stride_ot, stride_oh, offs_d, d_mask, NUM_HEADS,
+                              GROUP, HEAD_DIM, BLOCK_S)  # fmt: skip
                 tl.store(counter, 0)  # ready for the next launch
 
 
@@ -349,6 +386,7 @@ def fused_decode_attention(
         max_splits = choose_num_splits(
             num_reqs, num_kv_heads, max(max_seq_len, 1), num_sms(q.device), block_n
         )
+    assert 1 <= max_splits <= MAX_NUM_SPLITS, "the merge reads at most MAX_NUM_SPLITS partials"
     if max_splits > 1:
         part_out = torch.empty(num_reqs, num_heads, max_splits, head_dim, dtype=torch.float32,
                                device=q.device)  # fmt: skip
@@ -380,7 +418,7 @@ def fused_decode_attention(
         BLOCK_R=max(16, triton.next_power_of_2(half)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         SPLIT_TOKENS=max(SPLIT_TOKENS, block_n), QK_NORM=qk_norm is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, COMPILED=compiled,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, BLOCK_S=MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
         LINE_ELEMS=line_elems, num_warps=4, num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF

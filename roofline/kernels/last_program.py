@@ -2,11 +2,14 @@
 
 A kernel whose programs each produce a partial (a split's attention output, a column block's
 argmax, a router block's logits) can finish the reduction itself instead of launching a second
-kernel: every program stores its partial, makes it visible GPU-wide (``fence_gpu`` in every
-thread, then a CTA barrier), and increments a counter with an acq_rel atomic; the program that
+kernel: every program stores its partial, passes a CTA barrier (``tl.debug_barrier``) and
+increments a counter with a GPU-scope acq_rel atomic (one thread per program); the program that
 reads ``count == programs - 1`` is the last, loads all the partials (``.cg``: from L2, never a
 stale L1 line) and writes the result, then stores 0 so the next launch finds the counter zeroed.
-No program waits on another, so there is no deadlock whatever the scheduling.
+The barrier orders every thread's stores before the atomic's release, which is cumulative (PTX
+memory model; CUDA's cooperative-groups grid sync relies on the same: a barrier, then one
+thread's fence and atomic), so the last program's acquire sees all the partials. No program
+waits on another, so there is no deadlock whatever the scheduling.
 
 Counters live in a zeroed int32 buffer per (device, owner), kept for the process. A launch
 never leaves its counters non-zero, so the buffer is never cleared again, also inside CUDA
@@ -17,8 +20,6 @@ their predecessor before their atomics) never share a counter in flight.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: captured CUDA graphs may still use them
@@ -35,12 +36,3 @@ def counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, owner)] = buf
     return buf
-
-
-@triton.jit
-def fence_gpu(x):
-    """``fence.acq_rel.gpu`` in every thread holding an element of ``x`` (int32): their earlier
-    stores are visible GPU-wide before anything after it (returns x). Compiled kernels only."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
-    )

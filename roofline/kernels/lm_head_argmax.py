@@ -21,7 +21,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.gemv import _accumulate, m_bucket, pick_config
-from roofline.kernels.last_program import counters, fence_gpu
+from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 REDUCE_BLOCK = 1024  # partials per step of the last program's reduction
@@ -59,7 +59,6 @@ def _lm_head_argmax_kernel(
     EVEN_K: tl.constexpr,
     REDUCE: tl.constexpr,  # partials per step of the final reduction
     PDL: tl.constexpr,
-    COMPILED: tl.constexpr,  # not the interpreter: PTX fences
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
 ):
@@ -106,9 +105,7 @@ def _lm_head_argmax_kernel(
     part = offs_m * num_programs + pid  # [BM]
     tl.store(part_val_ptr + part, best)
     tl.store(part_idx_ptr + part, col.to(tl.int32))
-    if COMPILED:  # the partials visible GPU-wide before the count
-        offs_m = fence_gpu(offs_m)
-    tl.debug_barrier()
+    tl.debug_barrier()  # the CTA's partials before its release (last_program.py)
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == num_programs - 1:  # the last program: reduce the partials in program order
         offs_p = tl.arange(0, REDUCE)
@@ -165,7 +162,7 @@ def lm_head_argmax(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         USE_DOT=cfg.use_dot and x.dtype != torch.float32, EVEN_K=k % cfg.block_k == 0,
         REDUCE=min(REDUCE_BLOCK, triton.next_power_of_2(num_programs)), PDL=pdl,
-        COMPILED=compiled, PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
+        PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
         LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
     return logits, ids

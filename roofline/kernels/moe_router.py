@@ -21,7 +21,7 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.fused_moe import route_ref
 from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
-from roofline.kernels.last_program import counters, fence_gpu
+from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.kernels.rmsnorm import rms_norm_ref
 
@@ -65,7 +65,7 @@ def _moe_router_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
-    COMPILED: tl.constexpr,  # not the interpreter: PTX roundings and fences
+    COMPILED: tl.constexpr,  # not the interpreter: PTX roundings (mul.rn)
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
 ):
@@ -114,9 +114,7 @@ def _moe_router_kernel(
     else:
         logits = tl.sum(acc, axis=1)
     tl.store(logits_ptr + offs_n, logits.to(x_ptr.dtype.element_ty), mask=offs_n < E)
-    if COMPILED:  # the logits visible GPU-wide before the count
-        offs_n = fence_gpu(offs_n)
-    tl.debug_barrier()
+    tl.debug_barrier()  # the CTA's logits before its release (last_program.py)
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:  # the last program routes (fused_moe._route_kernel)
         offs = tl.arange(0, BLOCK_E)

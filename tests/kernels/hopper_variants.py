@@ -1,7 +1,7 @@
 """Compile chosen constexpr variants of a Triton kernel for Hopper (sm_90) on any machine:
 Triton's front end, LLVM and the bundled ptxas. ``test_zz_hopper_compile.py`` compiles the
 launches the interpreter ran; the variants only a GPU launches (PDL, PTX fences and roundings:
-``PDL``/``COMPILED`` are False under the interpreter) are compiled here, by name. The compile
+``PDL`` and PTX-only paths are off under the interpreter) are compiled here, by name. The compile
 runs in a subprocess without ``TRITON_INTERPRET`` (the test process holds interpreted kernels).
 Importing this module imports no kernel."""
 

@@ -127,8 +127,8 @@ def test_compiles_for_hopper() -> None:
                     part_lse_ptr="fp32", counter_ptr="i32")  # fmt: skip
     base = dict(
         NUM_HEADS=16, NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, HALF=64, PAGE_SIZE=16, BLOCK_H=16,
-        BLOCK_R=64, BLOCK_D=128, BLOCK_N=64, SPLIT_TOKENS=128, QK_NORM=True, PRECISION="tf32",
-        PDL=True, COMPILED=True, LINES=2, LINE_ELEMS=64,
+        BLOCK_R=64, BLOCK_D=128, BLOCK_N=64, SPLIT_TOKENS=64, BLOCK_S=64, QK_NORM=True,
+        PRECISION="tf32", PDL=True, LINES=2, LINE_ELEMS=64,
     )  # fmt: skip
     variants = [base, dict(base, QK_NORM=False, GROUP=4, NUM_HEADS=32, PDL=False)]
     ptxs = compile_for_hopper(
@@ -136,7 +136,7 @@ def test_compiles_for_hopper() -> None:
         pointers, ("scale_log2e", "norm_eps", "inv_head_dim"),
         dict(num_warps=4, num_stages=3, enable_fp_fusion=False),
     )  # fmt: skip
-    for instruction in ("griddepcontrol.wait", "fence.acq_rel.gpu", "atom.", "prefetch.global.L2"):
+    for instruction in ("griddepcontrol.wait", "atom.global.gpu.acq_rel", "prefetch.global.L2"):
         assert instruction in ptxs[0]
     assert "griddepcontrol" not in ptxs[1] and "mma.sync" in ptxs[1]
 

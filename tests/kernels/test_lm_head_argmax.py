@@ -56,7 +56,7 @@ def test_compiles_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(BLOCK_M=1, BLOCK_N=128, BLOCK_K=256, NUM_STAGES=3, USE_DOT=True, EVEN_K=True,
-                REDUCE=1024, PDL=True, COMPILED=True, PREFETCH_LINES=1, LINE_ELEMS=64)  # fmt: skip
+                REDUCE=1024, PDL=True, PREFETCH_LINES=1, LINE_ELEMS=64)  # fmt: skip
     variants = [base, dict(base, BLOCK_M=8, BLOCK_N=32, BLOCK_K=512, NUM_STAGES=5),
                 dict(base, USE_DOT=False, BLOCK_N=32, BLOCK_K=512, PDL=False)]  # fmt: skip
     pointers = dict(x_ptr="bf16", w_ptr="bf16", logits_ptr="fp32", part_val_ptr="fp32",
