@@ -102,7 +102,7 @@ def parity_hf(archs: tuple[str, ...], split_sizes: list[int]) -> None:
                 SUMMARY.append((f"fp32 = HF {arch} split {split_tokens}", f"{same}/{len(prompts)}"))
                 del llm
                 gc.collect()
-    decode_attention_fused.set_split_tokens(128)
+    decode_attention_fused.set_split_tokens(64)
 
 
 @section("parity: fused kernels vs torch references on the GPU")
