@@ -47,8 +47,8 @@ def _case(context_lens: list[int], dtype: torch.dtype, qk_norm: bool, seed: int 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
 @pytest.mark.parametrize(
     "context_lens,max_splits,split_tokens",
-    [([0, 40, 17], 1, 128), ([150, 0, 70, 200], 4, 64), ([300], 8, 64)],
-    ids=["one-split", "merged", "bs1-merged"],
+    [([0, 40, 17], 1, 128), ([150, 0, 70, 200], 4, 64), ([300], 8, 64), ([300, 5], 2, 64)],
+    ids=["one-split", "merged", "bs1-merged", "multi-block-splits"],
 )
 def test_fused_matches_reference(
     dtype: torch.dtype, qk_norm: bool, context_lens: list[int], max_splits: int,
