@@ -241,6 +241,30 @@ def attention_alone(contexts: list[int], split_sizes: list[int]) -> None:
     decode_attention_fused.set_split_tokens(64)
 
 
+def _head_row(n: int, k: int) -> str:
+    from roofline.kernels.gemv import SkinnyConfig, pick_config, skinny_gemm
+    from roofline.kernels.lm_head_argmax import lm_head_argmax
+
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
+    row = [f"skinny_gemm {graph_us(lambda: skinny_gemm(x, w), reps=5):.1f}"]
+    cands = [pick_config(1, n, k, DEV), SkinnyConfig(64, 512, 4, 3, True),
+             SkinnyConfig(128, 512, 4, 2, True), SkinnyConfig(256, 256, 8, 3, True),
+             SkinnyConfig(64, 256, 4, 4, True), SkinnyConfig(32, 512, 4, 4, False),
+             SkinnyConfig(16, 1024, 4, 2, False)]  # fmt: skip
+    for c in cands:
+        us = graph_us(lambda c=c: lm_head_argmax(x, w, config=c), reps=5)
+        row.append(f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}/"
+                   f"{'dot' if c.use_dot else 'fma'} {us:.1f}")  # fmt: skip
+    return f"  {n}x{k} ({n * k * 2 / 1e6:.0f} MB, first = tuned): " + " | ".join(row)
+
+
+@section("LM head + argmax configs, M = 1, CUDA graph (us per call)")
+def head_configs() -> None:
+    for n, k in ((151936, 1024), (128256, 4096)):
+        print(_head_row(n, k), flush=True)
+
+
 # ---------------------------------------------------------------- engine
 def load(model: str, **kw):
     from roofline import LLM
@@ -396,6 +420,7 @@ def main() -> None:
     parity_kernels()
     attention_alone([512, 2048] if quick else [64, 256, 512, 1024, 2048, 4000],
                     [64, 128] if quick else [64, 128, 256])  # fmt: skip
+    head_configs()
     qwen3(ceil, 128 if quick else 256, sweep=not quick)
     llama(ceil, 64 if quick else 128, [1] if quick else [1, 8, 32, 128])
     if not quick:

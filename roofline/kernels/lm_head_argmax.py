@@ -20,11 +20,14 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.gemv import _accumulate, m_bucket, pick_config
+from roofline.kernels.gemv import SkinnyConfig, _accumulate, m_bucket, pick_config
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 REDUCE_BLOCK = 1024  # partials per step of the last program's reduction
+HEAD_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+"""(V, K, m_bucket) -> config where this kernel beats the skinny GEMM's tuned one (else that).
+The logits keep the skinny GEMM's bits only with its config (the K order of the sums)."""
 
 
 def lm_head_argmax_ref(
@@ -131,6 +134,7 @@ def lm_head_argmax(
     weight: torch.Tensor,  # [V, K] in x's dtype, rows contiguous
     logits: torch.Tensor | None = None,  # [M, V] fp32
     ids: torch.Tensor | None = None,  # [M] int64
+    config: SkinnyConfig | None = None,  # sweeps; default: HEAD_CONFIGS, else the skinny GEMM's
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (logits [M, V] fp32, ids [M] int64)
     """``skinny_gemm(x, weight).float()`` and its row-wise ``argmax`` in one launch."""
     check_device(x, weight)
@@ -145,8 +149,8 @@ def lm_head_argmax(
         logits = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if ids is None:
         ids = torch.empty(m, dtype=torch.int64, device=x.device)
-    cfg = pick_config(m, n, k, x.device)
     block_m = m_bucket(m)
+    cfg = config or HEAD_CONFIGS.get((n, k, block_m)) or pick_config(m, n, k, x.device)
     num_programs = triton.cdiv(n, cfg.block_n)
     part_val = torch.empty(block_m, num_programs, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(block_m, num_programs, dtype=torch.int32, device=x.device)
