@@ -31,17 +31,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.e2e.hf_reference
 
-from roofline.kernels import decode_attention_fused, pdl, stage_decode  # noqa: E402
+from roofline.kernels import (  # noqa: E402
+    decode_attention_fused,
+    gemv_preload,
+    pdl,
+    stage_decode,
+)
 from roofline.layers import fused_decode  # noqa: E402
 from roofline.worker import graph_head  # noqa: E402
 
 DEV = torch.device("cuda")
 SUMMARY: list[tuple[str, str]] = []
 MODES = {  # name -> (fused decode attention, LM head + argmax in the graph, fused MoE layer,
-    #           decode inputs staged in one launch)
-    "off": (False, False, False, False),
-    "attn": (True, False, False, False),
-    "on": (True, True, True, True),
+    #           decode inputs staged in one launch, GEMV weights preloaded before the PDL wait)
+    "off": (False, False, False, False, False),
+    "attn": (True, False, False, False, False),
+    "on": (True, True, True, True, False),
+    "on+preload": (True, True, True, True, True),
 }
 
 
@@ -66,7 +72,8 @@ def section(name: str):
 
 
 def set_mode(engine, mode: str) -> None:
-    attn, head, moe, stage = MODES[mode]
+    attn, head, moe, stage, preload = MODES[mode]
+    gemv_preload.set_enabled(preload)
     decode_attention_fused.set_enabled(attn)
     graph_head.set_enabled(head)
     fused_decode.set_moe_enabled(moe)
@@ -154,6 +161,19 @@ def parity_kernels() -> None:
             ok &= same
             print(f"  lm_head_argmax M={m} {n}x{kdim}: logits and ids bit-equal {same}")
             del wt
+    # the preloaded one-row GEMV vs the skinny GEMM (Qwen3-0.6B shapes; PDL launches)
+    for n, kdim, kind in ((4096, 1024, "norm"), (1024, 3072, "silu"), (1024, 2048, "add")):
+        w = (torch.randn(n, kdim, device=DEV, generator=gen) / kdim**0.5).to(torch.bfloat16)
+        res = torch.randn(1, n, device=DEV, generator=gen).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(kdim, device=DEV, generator=gen)).to(torch.bfloat16)
+        cols = 2 * kdim if kind == "silu" else kdim
+        x = torch.randn(1, cols, device=DEV, generator=gen).to(torch.bfloat16)
+        kw = {"norm": {"norm": (nw, 1e-6)}, "silu": {"silu_mul": True, "residual": res},
+              "add": {"residual": res}}[kind]  # fmt: skip
+        err = gemv_preload.gemv_preload(x, w, **kw).float() - skinny_gemm(x, w, **kw).float()
+        err = err.abs().max().item()
+        ok &= err < 3e-2
+        print(f"  gemv_preload {n}x{kdim} {kind}: max |diff| vs skinny_gemm {err:.2e}")
     # the fused MoE layer (router kernel + expert GEMVs + add) vs the unfused block, 30B shapes
     from roofline.layers.moe import FusedMoE
     from roofline.layers.norm import RMSNorm

@@ -167,8 +167,12 @@ def norm_linear(linear: MergedLinear, norm: nn.Module, h: torch.Tensor) -> torch
 
         return int4_gemv(h, linear.gemv_words, linear.gemv_pairs, linear.bias,
                          norm=(norm.weight, norm.eps), bits=linear.gemv_bits)  # fmt: skip
+    from roofline.kernels import gemv_preload
     from roofline.kernels.gemv import skinny_gemm
 
+    if gemv_preload.applies(h, linear.weight):  # the weight in registers before the PDL wait
+        norm_w = (norm.weight, norm.eps)
+        return gemv_preload.gemv_preload(h, linear.weight, linear.bias, norm=norm_w)
     return skinny_gemm(h, linear.weight, linear.bias, norm=(norm.weight, norm.eps))
 
 
@@ -185,8 +189,12 @@ def linear_add(
             x = silu_and_mul(x)
         return int4_gemv(x, linear.gemv_words, linear.gemv_pairs, linear.bias, silu_mul=fuse,
                          residual=residual, bits=linear.gemv_bits)  # fmt: skip
+    from roofline.kernels import gemv_preload
     from roofline.kernels.gemv import skinny_gemm
 
+    if gemv_preload.applies(x, linear.weight):
+        return gemv_preload.gemv_preload(x, linear.weight, linear.bias, silu_mul=silu_mul,
+                                         residual=residual)  # fmt: skip
     return skinny_gemm(x, linear.weight, linear.bias, silu_mul=silu_mul, residual=residual)
 
 
