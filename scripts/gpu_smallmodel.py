@@ -442,7 +442,7 @@ def main() -> None:
                     [64, 128] if quick else [64, 128, 256])  # fmt: skip
     head_configs()
     qwen3(ceil, 128 if quick else 256, sweep=not quick)
-    llama(ceil, 64 if quick else 128, [1] if quick else [1, 8, 32, 128])
+    llama(ceil, 64 if quick else 128, [1, 32, 128] if quick else [1, 8, 32, 128])
     if not quick:
         moe(ceil)
     print(f"\n=== summary ({time.perf_counter() - t_start:.0f} s)")
