@@ -54,6 +54,10 @@ per program at short contexts: its K/V load before the wait, off the critical pa
 Qwen3-0.6B shape, batch 1, one layer in a graph: 128 -> 8.8 us, 256 -> 11.3, 512 -> 15.2 us at
 a 512-token context with the K/V loaded after the wait; the old three launches 9.7 us)."""
 BLOCK_N = 64  # keys per iteration (head_dim <= 128; 32 beyond), as kernels.decode_attention
+MAX_ROWS = 4
+"""Most decode rows the fused kernel takes: it is built for latency-bound small batches. At
+large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
+128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -77,6 +81,7 @@ def applies(
     head_dim = q.shape[-1]
     return (
         _ENABLED
+        and q.shape[0] <= MAX_ROWS
         and not quantized
         and k_cache.dtype == q.dtype
         and cos_sin_cache.shape[1] == head_dim
