@@ -15,7 +15,9 @@ again only when too many rows fall outside it, at most every ``RESCAN_INTERVAL``
 interval that doubles, up to ``MAX_RESCAN_INTERVAL``, while rescans find nothing): for
 every row, the common leading pages with each of three reference rows, then the length that
 maximises the bytes saved over the rows that reach it. Between rescans a batch with nothing
-shared costs no per-row work.
+shared costs no per-row work. A batch that grew by ``min_group`` rows or more since the last
+rescan (new requests, which may share a prefix the old ones did not) is rescanned at once and
+resets the interval, so a long stretch without sharing does not delay the next shared workload.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class SharedPrefixDetector:
         self._steps_since_scan = RESCAN_INTERVAL
         self._rescan_interval = RESCAN_INTERVAL
         self._scan_ref = 0
+        self._fewest_rows = 0  # the fewest decode rows of a step since the last rescan
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget finished or preempted requests (their pages may change or be freed)."""
@@ -128,9 +131,14 @@ class SharedPrefixDetector:
     def plan_rows(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
         """The plan of these decode rows: a decode-only step's, or the leading decode rows of
         a decode-first mixed step (``attention/split_backend.py`` attends them apart)."""
-        if len(scheduled) < self.min_group:
+        n = len(scheduled)
+        self._fewest_rows = min(self._fewest_rows, n)
+        if n < self.min_group:
             return None
         self._steps_since_scan += 1
+        if n >= self._fewest_rows + self.min_group:  # new requests joined: look again now
+            self._rescan_interval = RESCAN_INTERVAL
+            self._steps_since_scan = max(self._steps_since_scan, RESCAN_INTERVAL)
         rescan_due = self._steps_since_scan >= self._rescan_interval
         if not self.prefix:  # nothing shared lately: no per-row work until a rescan is due
             if not rescan_due or not self._rescan(scheduled):
@@ -190,6 +198,7 @@ class SharedPrefixDetector:
         self._steps_since_scan = 0
         page = self.page_size
         n = len(rows)
+        self._fewest_rows = n
         # Reference rows: the first, the middle and the last, then others at each rescan (a
         # reference outside the group finds nothing; three make that unlikely).
         refs = {(self._scan_ref + i) % n for i in (0, n // 2, n - 1)}

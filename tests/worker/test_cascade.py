@@ -216,3 +216,21 @@ def test_rescans_that_find_nothing_back_off() -> None:
     sched, _ = _step(shared, [2 * PAGE + 1] * 5)
     plans = [det.plan(sched) for _ in range(128)]
     assert plans[-1] is not None and det._rescan_interval == cascade.RESCAN_INTERVAL
+
+
+def test_new_requests_are_scanned_at_once_after_a_back_off() -> None:
+    """A batch that grew (new requests joined) is rescanned on its first step, whatever the
+    interval a long unshared stretch backed off to."""
+    from roofline.attention import cascade
+
+    det = _detector()
+    unshared = [[10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(5)]
+    sched, _ = _step(unshared, [2 * PAGE + 1] * 5)
+    for _ in range(16 + 32 + 64 + 128):
+        assert det.plan(sched) is None
+    assert det._rescan_interval == cascade.MAX_RESCAN_INTERVAL
+    joined = unshared + [[4, 5, 60 + i] for i in range(5)]  # five requests sharing two pages
+    sched, _ = _step(joined, [2 * PAGE + 1] * 10)
+    plan = det.plan(sched)
+    assert plan is not None and plan.num_members == 5
+    assert det._rescan_interval == cascade.RESCAN_INTERVAL
