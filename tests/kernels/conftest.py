@@ -15,6 +15,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:
+        # Triton was imported by an earlier test before the interpreter was on: its library
+        # functions written in Triton (tl.cdiv, tl.sum, ...) are compiled-mode JITFunctions,
+        # which an interpreted kernel cannot call. Rebind them as interpreted functions.
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        for _mod_name in [m for m in sys.modules if m.startswith("triton.language")]:
+            _mod = sys.modules[_mod_name]
+            for _attr, _obj in list(vars(_mod).items()):
+                if isinstance(_obj, JITFunction):
+                    setattr(_mod, _attr, InterpretedFunction(_obj.fn))
     _stale = [m for m in sys.modules if m.startswith("roofline.kernels")]
     if "roofline.attention.triton_backend" in sys.modules:
         _stale.append("roofline.attention.triton_backend")
