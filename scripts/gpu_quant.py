@@ -44,7 +44,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -169,27 +168,7 @@ def parity(quick: bool) -> None:
     )
 
 
-def time_graph(calls: list, iters: int = 10) -> float:
-    """Median seconds per call over ``iters`` replays of one CUDA graph of ``calls``."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for a, b in zip(starts, ends, strict=True):
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends, strict=True))
-    del graph
-    return ms / 1e3 / len(calls)
+time_graph = quant_decode_bench.time_graph  # one CUDA-graph timer for both scripts
 
 
 def ring(kind: str, n: int, k: int) -> list[tuple]:
