@@ -508,9 +508,9 @@ static void run_ready(const rl_job *j, int isa, int tiled) {
         task.fn(j, 0, j->N);
         return;
     }
-    /* tiles: 8 chunks per thread of 4-row multiples (a late chunk costs less at the end);
-     * rowsx: 4 of 16-row multiples (its lane width) */
-    const int64_t chunks = (tiled ? 8 : 4) * rl_num_threads(), align = tiled ? 4 : 16;
+    /* tiles: 8 chunks per thread (a late chunk costs less at the end); rowsx: 4. Both of
+     * 16-row multiples (rowsx's lane width, the tile kernel's staged output rows). */
+    const int64_t chunks = (tiled ? 8 : 4) * rl_num_threads(), align = 16;
     const int64_t rows = (j->N + chunks - 1) / chunks;
     rl_parallel_for(gemm_rows, &task, j->N, (rows + align - 1) / align * align);
 }
