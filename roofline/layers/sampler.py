@@ -229,6 +229,11 @@ def greedy_argmax(logits: Tensor, chunked: bool | None = None) -> Tensor:
     chunk (ties to the lowest index inside it), then the first chunk holding the largest max.
     ``chunked`` forces either path (tests)."""
     rows, vocab = logits.shape
+    if not logits.is_cuda and chunked is None:  # the CPU kernels' pool, where it owns the cores
+        from roofline.kernels.cpu.ops import argmax_rows
+
+        if (ids := argmax_rows(logits)) is not None:
+            return ids
     num_chunks = _vocab_chunks(vocab)
     if chunked is None:
         chunked = logits.is_cuda and rows <= 64 and num_chunks > 1

@@ -206,3 +206,24 @@ def test_pool_runs_back_to_back_jobs() -> None:
     first = ops.gguf_gemm(x, w)
     for _ in range(400):
         assert torch.equal(ops.gguf_gemm(x, w), first)
+
+
+@needs_lib
+def test_argmax_rows_matches_torch() -> None:
+    """The pool's greedy argmax: torch's first index of the max, ties and NaN included."""
+    gen = torch.Generator().manual_seed(19)
+    logits = torch.randn(37, 5000, generator=gen)
+    logits[3, [7, 4000]] = 50.0  # a tie: the first wins
+    logits[5, 4999] = 60.0  # in the scalar tail
+    logits[9, [10, 20]] = float("nan")  # NaN counts as the max
+    logits[11] = -float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the pool owns the cores (as take_cores leaves them)
+    try:
+        got = ops.argmax_rows(logits)
+        strided = ops.argmax_rows(logits[:, :4096])
+    finally:
+        torch.set_num_threads(threads)
+    assert got is not None and strided is not None
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert torch.equal(strided, logits[:, :4096].argmax(dim=-1))

@@ -89,6 +89,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rl_layer_field.argtypes = [i32]
     lib.rl_config_fields.restype = i32
     lib.rl_config_fields.argtypes = []
+    lib.rl_argmax_rows.restype = None
+    lib.rl_argmax_rows.argtypes = [p, i64, i64, i64, p]
     lib.rl_decode_step.restype = i32
     lib.rl_decode_step.argtypes = [p, p, p, p, p, ctypes.c_float, i64, p, p, p, p, p, i64, p]
 
@@ -119,6 +121,11 @@ def load_library() -> ctypes.CDLL | None:
 
     lib.rl_set_threads(max(1, torch.get_num_threads()))
     return lib
+
+
+def loaded_library() -> ctypes.CDLL | None:
+    """The library if this process has already loaded it (never builds it)."""
+    return load_library() if load_library.cache_info().currsize else None
 
 
 def best_isa() -> str:

@@ -88,6 +88,56 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
+/* ---------------------------------------------------------------- greedy argmax */
+typedef struct {
+    const float *x;
+    int64_t cols, ld;
+    int64_t *out;
+} argmax_job;
+
+/* out[r] = the first index of row r's largest value, a NaN counting as the largest (torch's
+ * argmax): per-lane maxima (NaN skipped, flagged), then the first column equal to the max. */
+RL_CLONES static void argmax_rows(const void *p, int64_t r0, int64_t r1) {
+    const argmax_job *a = p;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = a->x + r * a->ld;
+        const int64_t n = a->cols;
+        float lanes[16];
+        int nan = 0;
+        for (int l = 0; l < 16; l++) lanes[l] = -INFINITY;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++) {
+                const float v = x[i + l];
+                nan |= v != v;
+                lanes[l] = v > lanes[l] ? v : lanes[l];
+            }
+        float mx = -INFINITY;
+        for (int l = 0; l < 16; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+        for (; i < n; i++) {
+            nan |= x[i] != x[i];
+            mx = x[i] > mx ? x[i] : mx;
+        }
+        int64_t best = 0;
+        for (i = 0; i < n; i++)
+            if (nan ? x[i] != x[i] : x[i] == mx) {
+                best = i;
+                break;
+            }
+        a->out[r] = best;
+    }
+}
+
+/* x fp32 [rows, cols] (row stride ld) -> out int64 [rows]; rows spread over the pool. */
+void rl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out) {
+    argmax_job a = {.x = x, .cols = cols, .ld = ld, .out = out};
+    const int64_t threads = rl_num_threads();
+    if (threads == 1 || rows < 2 || rows * cols < 65536)
+        argmax_rows(&a, 0, rows);
+    else
+        rl_parallel_for(argmax_rows, &a, rows, (rows + 2 * threads - 1) / (2 * threads));
+}
+
 /* ---------------------------------------------------------------- attention */
 typedef struct {
     const float *qkv; /* [M, (NH + 2 NKV) D], q and k rotated */

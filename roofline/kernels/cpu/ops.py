@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from roofline.kernels.cpu.build import ISA_NAMES, load_library
+from roofline.kernels.cpu.build import ISA_NAMES, load_library, loaded_library
 
 GGUF_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -156,6 +156,27 @@ def gguf_gemm(
     if status != 0:
         raise MemoryError("the CPU GEMM could not allocate its scratch buffers")
     return y
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """``logits.argmax(-1)`` of fp32 CPU logits [R, V] on the kernels' thread pool (first index
+    of the max, a NaN counting as the max: torch's answer), when that pool owns the cores (the
+    library loaded and torch's intra-op pool down to one thread, as ``take_cores`` leaves them,
+    where torch's argmax would run on one core); None otherwise."""
+    lib = loaded_library()
+    if (
+        lib is None
+        or torch.get_num_threads() != 1
+        or logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+    ):
+        return None
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.rl_argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr())
+    return out
 
 
 def gguf_dequantize(w: GGUFRows, rows: torch.Tensor | None = None) -> torch.Tensor:
