@@ -11,6 +11,7 @@ from kernel_utils import make_paged
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import ModelConfig
+from roofline.kernels.cpu import decoder as decoder_mod
 from roofline.kernels.cpu.build import load_library
 from roofline.kernels.cpu.decoder import CPUDecoder, build_cpu_decoder
 from roofline.layers.attention import ForwardContext
@@ -204,8 +205,7 @@ def test_decoder_rows_are_batch_invariant(head_dim: int) -> None:
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_mixed_step_rows_equal_their_own_steps(head_dim: int) -> None:
     """A mixed step (decodes beside a prefill chunk, as a server's step under load) gives each
-    request's rows the bits of that request alone: a decode row the C decoder's (as in a
-    decode-only step), prefill rows the modules'; else greedy tokens depend on the batch."""
+    request's rows the bits of that request alone; else greedy tokens depend on the batch."""
     model = tiny_model(head_dim=head_dim)
     mixed = step_inputs([1, 6, 1], [9, 2, 20], head_dim=head_dim)
     batched, batched_caches = run(model, True, *mixed)
@@ -227,8 +227,47 @@ def test_not_built_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> N
     assert build_cpu_decoder(model) is not None
     inputs = decode_inputs([4, 9])
     meta = inputs[2]
-    meta.max_query_len = 2  # a prefill / verify step keeps the module path
-    assert not model.cpu_decoder.applies(ForwardContext(meta, inputs[3], TorchAttentionBackend()))
+    meta.uniform_query_len = 2  # a verification step keeps the module path
+    ctx = ForwardContext(meta, inputs[3], TorchAttentionBackend())
+    assert not model.cpu_decoder.applies(ctx) and not model.cpu_decoder.splits(ctx)
+    # a prompt chunk wholly past PREFILL_POSITIONS: the modules
+    ids, positions, meta, caches = step_inputs([3], [decoder_mod.PREFILL_POSITIONS])
+    ctx = ForwardContext(meta, caches, TorchAttentionBackend())
+    assert not model.cpu_decoder.applies(ctx) and not model.cpu_decoder.splits(ctx)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_prefill_rows_match_modules(head_dim: int) -> None:
+    """Short prompts' rows (fresh, and after a cached context) run in the decoder, each over its
+    own prefix, beside a decode row: hidden states and stored K/V match the modules'."""
+    model = tiny_model(head_dim=head_dim)
+    inputs = step_inputs([6, 9, 1], [0, 3, 20], head_dim=head_dim)
+    ctx = ForwardContext(inputs[2], inputs[3], TorchAttentionBackend())
+    assert model.cpu_decoder.applies(ctx)
+    want, want_caches = run(model, False, *inputs)
+    got, got_caches = run(model, True, *inputs)
+    torch.testing.assert_close(got, want, rtol=5e-4, atol=5e-4)  # fp32 rounding, 2 layers
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, rtol=5e-4, atol=5e-4)
+        torch.testing.assert_close(gv, wv, rtol=5e-4, atol=5e-4)
+
+
+def test_long_prompt_rows_split_at_prefill_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk across PREFILL_POSITIONS: its early rows run in the decoder, the later ones in
+    the modules after them (attending to the early rows' K/V); the rows match the modules'
+    path and are bit-identical to the request's own step."""
+    monkeypatch.setattr(decoder_mod, "PREFILL_POSITIONS", 8)
+    model = tiny_model(head_dim=64)
+    inputs = step_inputs([1, 12, 5], [9, 2, 0], head_dim=64)
+    ctx = ForwardContext(inputs[2], inputs[3], TorchAttentionBackend())
+    assert not model.cpu_decoder.applies(ctx) and model.cpu_decoder.splits(ctx)
+    want, _ = run(model, False, *inputs)
+    got, _ = run(model, True, *inputs)
+    torch.testing.assert_close(got, want, rtol=5e-4, atol=5e-4)
+    for i in range(3):
+        alone_inputs, rows = one_request(inputs, i)
+        alone, _ = run(model, True, *alone_inputs)
+        assert torch.equal(got[rows], alone), f"request {i} differs from its own step"
 
 
 def test_out_of_range_token_is_refused() -> None:

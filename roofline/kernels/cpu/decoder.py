@@ -3,13 +3,17 @@
 :func:`build_cpu_decoder` looks at a loaded model: on the CPU in fp32, one process (no tensor
 parallelism), plain Llama layers (no MoE) whose every linear layer keeps GGUF blocks
 (``quantization.gguf_cpu``), and the compiled library present, it returns a
-:class:`CPUDecoder`; else None and the model runs its modules. The model calls the decoder for
-decode-only steps (one query row per request) over an fp32 KV cache; prefill, chunked prefill,
-verification steps and quantized KV pages keep the module path, which writes the same cache.
-A mixed step is split (:meth:`CPUDecoder.split_step`): its one-row requests run here, the others
-through the modules. The two paths round differently (the modules' RMSNorm, RoPE and attention
-are torch's), so a request's row must take the same path whatever else is in its step: a
-one-row request always runs here, or its greedy tokens would depend on the batch.
+:class:`CPUDecoder`; else None and the model runs its modules. The decoder runs rows over an
+fp32 KV cache, each row one query over its request's pages up to its own position: decode rows,
+and prompt rows at positions below ``PREFILL_POSITIONS`` (a short prompt's prefill: all its
+rows' K/V are stored in a layer before any row of it attends, so each sees its own prefix).
+Later rows of long prompts, verification steps, cascade metadata and quantized KV pages keep
+the module path, which writes the same cache; a step with both kinds of rows is split
+(:meth:`CPUDecoder.split_step`), the decoder's rows first. The two paths round differently
+(the modules' RMSNorm, RoPE and attention are torch's), so which path a row takes depends on
+its own request and position, not on the rest of the batch, or its greedy tokens would (one
+exception: a one-token chunk of a long prompt, which the scheduler's token budget can cut,
+runs here as a decode row).
 The decoder keeps one int64 table of the model's pointers (norm weights, each layer's GGUF row
 pointers and formats, the layer's KV pages), rebuilt only when the KV tensors change, so a step
 costs one ctypes call plus the arguments' addresses. ``ROOFLINE_CPU_DECODER=0`` turns it off.
@@ -39,6 +43,10 @@ LAYER_FIELDS = (
     "in_norm post_norm qkv_rows qkv_fmt qkv_bias o_rows o_fmt gu_rows gu_fmt down_rows down_fmt "
     "q_norm k_norm k_cache v_cache"
 ).split()
+PREFILL_POSITIONS = 128
+"""Prompt rows at positions below this run in the decoder too, each as one decode row over its
+own prefix (at most this many keys: cheap); later prompt rows of long prompts go through the
+modules (torch's blocked attention), after the earlier rows of their chunk."""
 CONFIG_FIELDS = (
     "layers hidden heads kv_heads head_dim inter page act_bits isa vocab embed_fmt"
 ).split()
@@ -113,20 +121,24 @@ class CPUDecoder:
         self._kv_key = key
 
     def applies(self, ctx: ForwardContext) -> bool:
-        """Whether this step is one the decoder runs (decode rows only, fp32 KV pages)."""
-        kv = ctx.kv_caches[0]
-        return ctx.meta.is_decode_only and len(kv) == 2 and kv[0].dtype == torch.float32
+        """Whether every row of this step runs here: a decode-only step, or prompt rows all at
+        positions below ``PREFILL_POSITIONS`` (fp32 KV pages, the plain metadata)."""
+        meta = ctx.meta
+        if not _plain(ctx):
+            return False
+        if meta.is_decode_only:
+            return True
+        return all(
+            q == 1 or s <= PREFILL_POSITIONS for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
+        )
 
     def splits(self, ctx: ForwardContext) -> bool:
-        """Whether a mixed step has one-row requests for the decoder (see :meth:`split_step`)."""
-        meta, kv = ctx.meta, ctx.kv_caches[0]
-        return (
-            type(meta) is AttentionMetadata
-            and meta.cascade is None
-            and meta.uniform_query_len == 0
-            and 1 in meta.query_lens_cpu
-            and len(kv) == 2
-            and kv[0].dtype == torch.float32
+        """Whether a step that does not run here whole has rows for the decoder (see
+        :meth:`split_step`)."""
+        meta = ctx.meta
+        return _plain(ctx) and any(
+            q == 1 or s - q < PREFILL_POSITIONS
+            for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
         )
 
     def split_step(
@@ -136,35 +148,44 @@ class CPUDecoder:
         ctx: ForwardContext,
         modules: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
     ) -> torch.Tensor:
-        """A mixed step in two parts: the requests of one query row (decodes, one-token chunks)
-        here, as in a decode-only step, the others through ``modules`` (the model's own path),
-        so each row gets the same bits whatever it is batched with. Requests own disjoint slots,
-        so the order of the two parts does not matter."""
+        """A step in two parts: the rows of one-row requests (decodes, one-token chunks) and
+        prompt rows at positions below ``PREFILL_POSITIONS`` here, the later rows of longer
+        chunks through ``modules`` (the model's own path) after them, whose attention then finds
+        the earlier rows' K/V stored. Which path a row takes depends on its own request and
+        position only, so each row gets the same bits whatever it is batched with."""
         # input_ids, positions: [num_tokens] -> final normed hidden states [num_tokens, hidden]
         meta = ctx.meta
         starts = meta.query_start_loc_cpu
-        one = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-        rest = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
-        one_rows = torch.tensor([starts[i] for i in one], dtype=torch.int64)  # [len(one)]
-        rest_rows = torch.tensor(  # [num_tokens - len(one)]
-            [t for i in rest for t in range(starts[i], starts[i + 1])], dtype=torch.int64
-        )
+        here: list[int] = []  # rows run here
+        later: list[tuple[int, int]] = []  # (request, its first row for the modules)
+        for i, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            first = starts[i] + (q if q == 1 else max(0, min(q, PREFILL_POSITIONS - (s - q))))
+            here.extend(range(starts[i], first))
+            if first < starts[i + 1]:
+                later.append((i, first))
+        here_rows = torch.tensor(here, dtype=torch.int64)  # [len(here)]
         out = torch.empty(meta.num_tokens, self.hidden_size, dtype=torch.float32)
-        out[one_rows] = self(
-            input_ids[one_rows], positions[one_rows], replace(ctx, meta=_part(meta, one, one_rows))
-        )
-        if rest:
-            part = replace(ctx, meta=_part(meta, rest, rest_rows))
+        if here:
+            part = replace(ctx, meta=_rows_part(meta, here_rows, positions[here_rows]))
+            out[here_rows] = self(input_ids[here_rows], positions[here_rows], part)
+        if later:
+            rest_rows = torch.tensor(  # [num_tokens - len(here)]
+                [t for i, first in later for t in range(first, starts[i + 1])], dtype=torch.int64
+            )
+            part = replace(ctx, meta=_tail_part(meta, later))
             out[rest_rows] = modules(input_ids[rest_rows], positions[rest_rows], part).float()
         return out
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        # input_ids, positions: [num_reqs] -> final normed hidden states [num_reqs, hidden] fp32
+        """Rows of a step that :meth:`applies` to (or a part that does): each row one C
+        decode row over its request's pages up to its own position (prompt rows of a request
+        see the rows before them, stored in the same layer before any row attends)."""
+        # input_ids, positions: [num_rows] -> final normed hidden states [num_rows, hidden] fp32
         self._tables(ctx.kv_caches)
         meta = ctx.meta
-        num_reqs = input_ids.shape[0]
+        num_rows = input_ids.shape[0]
         ids = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
         pos = positions if positions.dtype == torch.int64 else positions.long()
         slots = (
@@ -172,11 +193,18 @@ class CPUDecoder:
             if meta.slot_mapping.dtype == torch.int64
             else meta.slot_mapping.long()
         )
-        seq_lens = meta.seq_lens.to(torch.int32)
-        table = meta.block_table.to(torch.int32)
+        if meta.is_decode_only:  # one row per request
+            seq_lens = meta.seq_lens.to(torch.int32)
+            table = meta.block_table.to(torch.int32)
+        else:  # each row attends to its own prefix: its request's pages up to its position
+            seq_lens = (pos + 1).to(torch.int32)  # [num_rows]
+            reqs = torch.repeat_interleave(  # [num_rows]: each row's request
+                torch.arange(meta.num_reqs), torch.tensor(meta.query_lens_cpu)
+            )
+            table = meta.block_table.index_select(0, reqs).to(torch.int32)
         if table.stride(1) != 1:
             table = table.contiguous()
-        out = torch.empty(num_reqs, self.hidden_size, dtype=torch.float32)
+        out = torch.empty(num_rows, self.hidden_size, dtype=torch.float32)
         model = self.model
         status = self.lib.rl_decode_step(
             self._config.data_ptr(),
@@ -189,7 +217,7 @@ class CPUDecoder:
             model.norm.weight.data_ptr(),
             model.rotary.cos_sin_cache.data_ptr(),
             self.eps,
-            num_reqs,
+            num_rows,
             ids.contiguous().data_ptr(),
             pos.contiguous().data_ptr(),
             slots.contiguous().data_ptr(),
@@ -237,23 +265,66 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
     return CPUDecoder(model)
 
 
-def _part(meta: AttentionMetadata, reqs: list[int], rows: torch.Tensor) -> AttentionMetadata:
-    """The metadata of requests ``reqs`` of a step alone (``rows``: their query rows)."""
-    query_lens = [meta.query_lens_cpu[i] for i in reqs]
+def _plain(ctx: ForwardContext) -> bool:
+    """The plain metadata over fp32 KV pages (no cascade, no verification rows)."""
+    meta, kv = ctx.meta, ctx.kv_caches[0]
+    return (
+        type(meta) is AttentionMetadata
+        and meta.cascade is None
+        and meta.uniform_query_len == 0
+        and len(kv) == 2
+        and kv[0].dtype == torch.float32
+    )
+
+
+def _rows_part(
+    meta: AttentionMetadata, rows: torch.Tensor, positions: torch.Tensor
+) -> AttentionMetadata:
+    """Some rows of a step (at ``positions``) as a decode-only step, each row a request of its
+    own over its request's pages up to its position: what the decoder runs."""
+    starts = meta.query_start_loc_cpu
+    index = torch.bucketize(rows, torch.tensor(starts[1:]), right=True)  # [len(rows)]: requests
+    seq_lens = positions.to(meta.seq_lens.dtype) + 1  # [len(rows)]
+    num_rows = len(rows)
+    return AttentionMetadata(
+        num_reqs=num_rows,
+        num_tokens=num_rows,
+        query_start_loc=torch.arange(num_rows + 1, dtype=meta.query_start_loc.dtype),
+        seq_lens=seq_lens,
+        block_table=meta.block_table[index],
+        slot_mapping=meta.slot_mapping[rows],
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        page_size=meta.page_size,
+        query_start_loc_cpu=list(range(num_rows + 1)),
+        query_lens_cpu=[1] * num_rows,
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+
+
+def _tail_part(meta: AttentionMetadata, later: list[tuple[int, int]]) -> AttentionMetadata:
+    """The metadata of the requests in ``later`` alone, each from its row ``first`` to the end
+    of its chunk (the rows before it already ran, their K/V stored)."""
+    starts = meta.query_start_loc_cpu
+    reqs = [i for i, _ in later]
+    query_lens = [starts[i + 1] - first for i, first in later]
     seq_lens = [meta.seq_lens_cpu[i] for i in reqs]
-    starts = [0, *accumulate(query_lens)]
+    rows = torch.tensor(  # [sum(query_lens)]
+        [t for i, first in later for t in range(first, starts[i + 1])], dtype=torch.int64
+    )
+    cum = [0, *accumulate(query_lens)]
     index = torch.tensor(reqs, dtype=torch.int64)
     return AttentionMetadata(
         num_reqs=len(reqs),
         num_tokens=len(rows),
-        query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype),
+        query_start_loc=torch.tensor(cum, dtype=meta.query_start_loc.dtype),
         seq_lens=meta.seq_lens[index],
         block_table=meta.block_table[index],
         slot_mapping=meta.slot_mapping[rows],
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         page_size=meta.page_size,
-        query_start_loc_cpu=starts,
+        query_start_loc_cpu=cum,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
     )
