@@ -36,7 +36,9 @@ def _pages(
 ) -> torch.Tensor:  # [len(ids), page_size, num_kv_heads, head_dim]
     # index_select, not cache[ids]: advanced indexing on a large CPU tensor costs milliseconds
     if scale is None:
-        return cache.index_select(0, ids)
+        pages = cache.index_select(0, ids)
+        # fp16 pages under an fp32 model (the CPU decoder's): widened as read
+        return pages if dtype is None or pages.dtype == dtype else pages.to(dtype)
     return gather_dequantized(cache, scale, ids, dtype)
 
 

@@ -23,7 +23,7 @@ A layer's entry in ``ForwardContext.kv_caches`` is ``(k_cache, v_cache)`` for ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -77,6 +77,9 @@ class KVCacheSpec:
 
     kv_cache_dtype: str
     model_dtype: torch.dtype
+    half_pages: bool = False
+    """``auto`` pages in fp16 rather than the model's fp32: the CPU decoder's opt-in
+    (``kernels/cpu/decoder.py``), half the bytes its decode attention reads."""
 
     @classmethod
     def create(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> KVCacheSpec:
@@ -88,9 +91,12 @@ class KVCacheSpec:
 
     @property
     def page_dtype(self) -> torch.dtype:
-        return {"auto": self.model_dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[
-            self.kv_cache_dtype
-        ]
+        auto = torch.float16 if self.half_pages else self.model_dtype
+        return {"auto": auto, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kv_cache_dtype]
+
+    def with_half_pages(self) -> KVCacheSpec:
+        """This spec with fp16 ``auto`` pages (a quantized spec is returned unchanged)."""
+        return self if self.quantized else replace(self, half_pages=True)
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """K and V of one token across all layers, scales included."""

@@ -95,6 +95,9 @@ class ModelRunner:
         """Mixed steps: decode-first, split attention, graphs per token bucket (None: off)."""
         torch.manual_seed(seed)
         self.model = self._build_model(weights, seed)
+        decoder = getattr(self.model, "cpu_decoder", None)
+        if decoder is not None and decoder.wants_half_pages(self.kv_spec):
+            self.kv_spec = self.kv_spec.with_half_pages()  # kernels/cpu/decoder.py
         self.num_kv_heads = self.model.shard.num_kv_heads
         """KV heads of this rank's pool (all of them unless sharded)."""
         self.num_pages = self._num_pages()

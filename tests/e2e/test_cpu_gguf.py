@@ -33,6 +33,23 @@ def test_linear_layers_keep_their_blocks(kept: LLM) -> None:
     assert model.layers[0].mlp.gate_up_proj.method.fmt == "Q4_1"
 
 
+def test_kv_pages_fp32_by_default_fp16_on_request(
+    kept: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C decoder's ``auto`` KV pages: fp32 by default; with ``ROOFLINE_CPU_KV_HALF=1`` fp16
+    where its AVX-512 attention reads them (half the bytes per decode step)."""
+    runner = kept.llm_engine.runner
+    assert runner.kv_cache.dtype == torch.float32
+    if not runner.model.cpu_decoder.attention_isa_ok:
+        pytest.skip("fp16 pages: the AVX-512 decode attention")
+    monkeypatch.setenv("ROOFLINE_CPU_KV_HALF", "1")
+    half = LLM("smollm2", dtype="float32", device="cpu", max_model_len=256)
+    assert half.llm_engine.runner.kv_cache.dtype == torch.float16
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = kept.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert half.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 def test_embedding_keeps_its_q8_0_rows(kept: LLM) -> None:
     """The token embedding stays as the file's Q8_0 rows (30 MB, not 113 MB of fp32); a lookup
     dequantizes the rows it needs, exactly as the whole table would."""

@@ -12,12 +12,14 @@ from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import ModelConfig
 from roofline.kernels.cpu import decoder as decoder_mod
+from roofline.kernels.cpu.build import best_isa as build_isa
 from roofline.kernels.cpu.build import load_library
 from roofline.kernels.cpu.decoder import CPUDecoder, build_cpu_decoder
 from roofline.layers.attention import ForwardContext
 from roofline.models.llama import LlamaForCausalLM
 from roofline.quantization.base import QuantizationConfig
 from roofline.quantization.gguf_cpu import GGUFBlocksLinearMethod
+from roofline.quantization.kv_cache import KVCacheSpec
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler")
 
@@ -217,6 +219,34 @@ def test_mixed_step_rows_equal_their_own_steps(head_dim: int) -> None:
         for (bk, bv), (ak, av) in zip(batched_caches, alone_caches):
             for b, a in ((bk, ak), (bv, av)):
                 assert torch.equal(b.flatten(0, 1)[slots], a.flatten(0, 1)[slots])
+
+
+@pytest.mark.skipif(build_isa() != "avx512vnni", reason="fp16 pages: the AVX-512 attention")
+def test_fp16_pages_match_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 KV pages (the decoder's opt-in on AVX-512): a decode + prefill step stores the same
+    fp16 K/V as the modules' path (torch's rounding) and matches its hidden states."""
+    model = tiny_model(head_dim=64)
+    ids, positions, meta, caches = step_inputs([1, 7, 1], [12, 0, 30], head_dim=64)
+    caches = [tuple(t.half() for t in kv) for kv in caches]
+    spec = KVCacheSpec.create("auto", torch.float32)
+    assert not model.cpu_decoder.wants_half_pages(spec)  # off by default
+    monkeypatch.setenv("ROOFLINE_CPU_KV_HALF", "1")
+    assert model.cpu_decoder.wants_half_pages(spec)
+    want, want_caches = run(model, False, ids, positions, meta, caches)
+    got, got_caches = run(model, True, ids, positions, meta, caches)
+    torch.testing.assert_close(got, want, rtol=5e-4, atol=5e-4)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        assert gk.dtype == torch.float16
+        torch.testing.assert_close(gk, wk, rtol=2e-3, atol=2e-3)  # one fp16 ulp
+        torch.testing.assert_close(gv, wv, rtol=2e-3, atol=2e-3)
+
+
+def test_half_pages_spec() -> None:
+    spec = KVCacheSpec.create("auto", torch.float32).with_half_pages()
+    assert spec.page_dtype == torch.float16 and not spec.quantized
+    assert spec.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64 * 2
+    int8 = KVCacheSpec.create("int8", torch.float32)
+    assert int8.with_half_pages() is int8  # quantized pages stay as asked
 
 
 def test_not_built_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,8 @@
  * head) pairs. Every output row depends only on its own request: a request decodes the same
  * tokens alone or in any batch.
  *
- * Layouts: hidden states fp32 [M, H]; KV pages fp32 [num_pages, page_size, num_kv_heads, D]
- * per layer; cos_sin fp32 [max_positions, D] (cos of the D / 2 frequencies, then their sin,
+ * Layouts: hidden states fp32 [M, H]; KV pages fp32 or fp16 (C_KV_HALF, AVX-512 only) [num_pages,
+ * page_size, num_kv_heads, D] per layer; cos_sin fp32 [max_positions, D] (cos of the D / 2 frequencies, then their sin,
  * rotate-half RoPE). Each layer is described by LAYER_FIELDS int64 words (see rl_layer_field).
  */
 #include <math.h>
@@ -32,7 +32,7 @@ enum {
 };
 /* Model words. */
 enum { C_LAYERS, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_PAGE, C_ACT_BITS, C_ISA,
-       C_VOCAB, C_EMBED_FMT, CONFIG_FIELDS };
+       C_VOCAB, C_EMBED_FMT, C_KV_HALF, CONFIG_FIELDS };
 
 int rl_layer_field(int i) { return i < 0 ? LAYER_FIELDS : i; }
 int rl_config_fields(void) { return CONFIG_FIELDS; }
@@ -142,7 +142,8 @@ void rl_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int6
 typedef struct {
     const float *qkv; /* [M, (NH + 2 NKV) D], q and k rotated */
     float *out;       /* [M, NH D] */
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* fp32, or fp16 (half: the AVX-512 kernel only) */
+    int half;
     const int32_t *seq_lens, *block_table;
     int64_t table_stride, page, nh, nkv, d;
     float scale;
@@ -162,7 +163,7 @@ RL_CLONES static void attend_rows(const void *p, int64_t n0, int64_t n1) {
         const float *q = a->qkv + r * width + g * group * d; /* the group's heads, [group, d] */
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
-            const float *k = a->k_cache + (slot * a->nkv + g) * d;
+            const float *k = (const float *)a->k_cache + (slot * a->nkv + g) * d;
             for (int64_t h = 0; h < group; h++) {
                 const float *qh = q + h * d;
                 float lanes[16] = {0};
@@ -187,7 +188,7 @@ RL_CLONES static void attend_rows(const void *p, int64_t n0, int64_t n1) {
         for (int64_t i = 0; i < group * d; i++) o[i] = 0.0f;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = (int64_t)pages[t / a->page] * a->page + t % a->page;
-            const float *v = a->v_cache + (slot * a->nkv + g) * d;
+            const float *v = (const float *)a->v_cache + (slot * a->nkv + g) * d;
             for (int64_t h = 0; h < group; h++) {
                 const float w = sc[h * len + t] * inv[h];
                 float *oh = o + h * d;
@@ -222,7 +223,8 @@ static float *grow(int64_t floats) {
  * step); block_table int32 [M, table_stride]; embed fp32 [vocab, H] (C_EMBED_FMT -1) or
  * the GGUF rows' int64 pointers [vocab] (C_EMBED_FMT the GGUF code); out [M, H] fp32 (the final
  * RMSNorm's output). Returns 0; -1 when scratch memory could not be had, -2 for a token id
- * outside the embedding (nothing computed). */
+ * outside the embedding (nothing computed), -3 for fp16 KV pages on a CPU without the AVX-512
+ * kernels (nothing computed). */
 int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
                    const float *final_norm, const float *cos_sin, float eps, int64_t M,
                    const int64_t *ids, const int64_t *positions, const int64_t *slots,
@@ -237,6 +239,13 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
         if (ids[r] < 0 || ids[r] >= cfg[C_VOCAB]) return -2;
         max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     }
+    const int half = (int)cfg[C_KV_HALF];
+    task_fn attend = half ? NULL : attend_rows;
+#ifdef RL_ATTEND512
+    if (isa >= 2 && rl_best_isa() >= 2 && D % 16 == 0 && D <= 256)
+        attend = half ? attend_rows_512_half : attend_rows_512;
+#endif
+    if (attend == NULL) return -3; /* fp16 pages need the AVX-512 kernels */
     /* residual, normed x, qkv, attention out, gate|up, a GEMM's output, scores */
     const int64_t need = M * (H + H + W + NH * D + 2 * I + H) + M * NH * (max_len + 16);
     float *base = grow(need);
@@ -251,17 +260,13 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
                                  H, res + r * H);
     }
     int status = 0; /* a GEMM's scratch allocation failed: -1 */
-    task_fn attend = attend_rows;
-#ifdef RL_ATTEND512
-    if (isa >= 2 && rl_best_isa() >= 2 && D % 16 == 0 && D <= 256) attend = attend_rows_512;
-#endif
     for (int64_t l = 0; l < cfg[C_LAYERS]; l++) {
         const int64_t *L = layers + l * LAYER_FIELDS;
         for (int64_t r = 0; r < M; r++)
             rms_norm(res + r * H, PTR(const float *, L[L_IN_NORM]), eps, H, x + r * H);
         status |= rl_linear_gguf((int)L[L_QKV_FMT], PTR(const uint8_t *const *, L[L_QKV_ROWS]), W, H, x, M,
                        H, act_bits, 0, qkv, W, PTR(const float *, L[L_QKV_BIAS]), isa);
-        float *k_cache = PTR(float *, L[L_K_CACHE]), *v_cache = PTR(float *, L[L_V_CACHE]);
+        void *k_cache = PTR(void *, L[L_K_CACHE]), *v_cache = PTR(void *, L[L_V_CACHE]);
         for (int64_t r = 0; r < M; r++) {
             float *q = qkv + r * W, *k = q + NH * D, *v = k + NKV * D;
             const float *cs = cos_sin + positions[r] * D;
@@ -273,10 +278,17 @@ int rl_decode_step(const int64_t *cfg, const int64_t *layers, const void *embed,
                 if (L[L_K_NORM]) rms_norm(k + h * D, PTR(const float *, L[L_K_NORM]), eps, D, k + h * D);
                 rope(k + h * D, cs, D);
             }
-            memcpy(k_cache + slots[r] * NKV * D, k, sizeof(float) * NKV * D);
-            memcpy(v_cache + slots[r] * NKV * D, v, sizeof(float) * NKV * D);
+#ifdef RL_ATTEND512
+            if (half) { /* rounded to nearest even, as torch's .to(float16) */
+                store_half_512((uint16_t *)k_cache + slots[r] * NKV * D, k, NKV * D);
+                store_half_512((uint16_t *)v_cache + slots[r] * NKV * D, v, NKV * D);
+                continue;
+            }
+#endif
+            memcpy((float *)k_cache + slots[r] * NKV * D, k, sizeof(float) * NKV * D);
+            memcpy((float *)v_cache + slots[r] * NKV * D, v, sizeof(float) * NKV * D);
         }
-        attn_job a = {.qkv = qkv, .out = att, .k_cache = k_cache, .v_cache = v_cache,
+        attn_job a = {.qkv = qkv, .out = att, .k_cache = k_cache, .v_cache = v_cache, .half = half,
                       .seq_lens = seq_lens, .block_table = block_table,
                       .table_stride = table_stride, .page = page, .nh = NH, .nkv = NKV, .d = D,
                       .scale = 1.0f / sqrtf((float)D), .scores = scores, .max_seq_len = max_len};

@@ -4,7 +4,9 @@
 parallelism), plain Llama layers (no MoE) whose every linear layer keeps GGUF blocks
 (``quantization.gguf_cpu``), and the compiled library present, it returns a
 :class:`CPUDecoder`; else None and the model runs its modules. The decoder runs rows over an
-fp32 KV cache, each row one query over its request's pages up to its own position: decode rows,
+fp32 KV cache (or fp16 pages, opt-in where its AVX-512 attention runs:
+:meth:`CPUDecoder.wants_half_pages`),
+each row one query over its request's pages up to its own position: decode rows,
 and prompt rows at positions below ``PREFILL_POSITIONS`` (a short prompt's prefill: all its
 rows' K/V are stored in a layer before any row of it attends, so each sees its own prefix).
 Later rows of long prompts, verification steps, cascade metadata and quantized KV pages keep
@@ -31,13 +33,14 @@ import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels.cpu import ops
-from roofline.kernels.cpu.build import load_library
+from roofline.kernels.cpu.build import best_isa, load_library
 from roofline.quantization.gguf_cpu import GGUFRowsEmbedding
 
 if TYPE_CHECKING:
     from torch import nn
 
     from roofline.layers.attention import ForwardContext
+    from roofline.quantization.kv_cache import KVCacheSpec
 
 LAYER_FIELDS = (
     "in_norm post_norm qkv_rows qkv_fmt qkv_bias o_rows o_fmt gu_rows gu_fmt down_rows down_fmt "
@@ -48,7 +51,7 @@ PREFILL_POSITIONS = 128
 own prefix (at most this many keys: cheap); later prompt rows of long prompts go through the
 modules (torch's blocked attention), after the earlier rows of their chunk."""
 CONFIG_FIELDS = (
-    "layers hidden heads kv_heads head_dim inter page act_bits isa vocab embed_fmt"
+    "layers hidden heads kv_heads head_dim inter page act_bits isa vocab embed_fmt kv_half"
 ).split()
 
 
@@ -79,12 +82,21 @@ class CPUDecoder:
             len(ops.ISA_NAMES) - 1,
             model.embed_tokens.weight.shape[0],
             -1,  # the embedding's format: fp32 rows, or a GGUF code (set below)
+            0,  # KV pages in fp16: filled from the KV pages
         ]
         # the embedding's rows: fp32 [vocab, hidden], or GGUF blocks by row pointer
         embed = model.embed_tokens
         self._embed_rows = embed.rows() if isinstance(embed, GGUFRowsEmbedding) else None
         if self._embed_rows is not None:
-            self._config_values[-1] = ops.GGUF_FORMATS[self._embed_rows.fmt]
+            self._config_values[CONFIG_FIELDS.index("embed_fmt")] = ops.GGUF_FORMATS[
+                self._embed_rows.fmt
+            ]
+        head_dim = cfg.head_dim
+        self.attention_isa_ok = (
+            best_isa() == "avx512vnni" and head_dim % 16 == 0 and head_dim <= 256
+        )
+        """Whether decoder.c attends with its AVX-512 kernel (the one that reads fp16 pages)."""
+        self.fp32_model = model.norm.weight.dtype == torch.float32
         self._kv_key: tuple[int, ...] | None = None
         self._config = torch.empty(0, dtype=torch.int64)
         self._layers = torch.empty(0, dtype=torch.int64)
@@ -117,14 +129,46 @@ class CPUDecoder:
         self._layers = torch.tensor(rows, dtype=torch.int64)  # [num_layers, LAYER_FIELDS]
         values = list(self._config_values)
         values[CONFIG_FIELDS.index("page")] = kv_caches[0][0].shape[1]
+        values[CONFIG_FIELDS.index("kv_half")] = int(kv_caches[0][0].dtype == torch.float16)
         self._config = torch.tensor(values, dtype=torch.int64)
         self._kv_key = key
 
+    def wants_half_pages(self, spec: KVCacheSpec) -> bool:
+        """Whether the engine should keep this model's ``auto`` KV pages in fp16
+        (``ROOFLINE_CPU_KV_HALF=1``, off by default): the decode attention reads every cached
+        K/V row each step (at 32 requests x ~100 tokens, more bytes than the weights) and the
+        AVX-512 kernel widens fp16 rows as it loads them: ~8% less CPU per token on the
+        32-prompt benchmark. Greedy tokens then stay those of the fp32 path on the 32 chat
+        questions but not on every prompt (one of the three raw prompts of
+        ``tests/e2e/test_cpu_gguf.py`` moves at token 5), so fp32 pages stay the default."""
+        return (
+            os.environ.get("ROOFLINE_CPU_KV_HALF", "0") == "1"
+            and not spec.quantized
+            and spec.model_dtype == torch.float32
+            and self.attention_isa_ok
+            and self.fp32_model
+        )
+
+    def _plain(self, ctx: ForwardContext) -> bool:
+        """The plain metadata (no cascade, no verification rows) over fp32 KV pages, or the fp16
+        ones of :meth:`wants_half_pages`."""
+        meta, kv = ctx.meta, ctx.kv_caches[0]
+        return (
+            type(meta) is AttentionMetadata
+            and meta.cascade is None
+            and meta.uniform_query_len == 0
+            and len(kv) == 2
+            and (
+                kv[0].dtype == torch.float32
+                or (kv[0].dtype == torch.float16 and self.attention_isa_ok and self.fp32_model)
+            )
+        )
+
     def applies(self, ctx: ForwardContext) -> bool:
         """Whether every row of this step runs here: a decode-only step, or prompt rows all at
-        positions below ``PREFILL_POSITIONS`` (fp32 KV pages, the plain metadata)."""
+        positions below ``PREFILL_POSITIONS`` (see :meth:`_plain`)."""
         meta = ctx.meta
-        if not _plain(ctx):
+        if not self._plain(ctx):
             return False
         if meta.is_decode_only:
             return True
@@ -136,7 +180,7 @@ class CPUDecoder:
         """Whether a step that does not run here whole has rows for the decoder (see
         :meth:`split_step`)."""
         meta = ctx.meta
-        return _plain(ctx) and any(
+        return self._plain(ctx) and any(
             q == 1 or s - q < PREFILL_POSITIONS
             for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
         )
@@ -228,6 +272,8 @@ class CPUDecoder:
         )
         if status == -2:
             raise IndexError(f"token id out of range of the embedding: {input_ids.tolist()}")
+        if status == -3:
+            raise RuntimeError("fp16 KV pages need the AVX-512 decode attention")
         if status != 0:
             raise MemoryError("the CPU decoder could not allocate its scratch buffers")
         return out
@@ -263,18 +309,6 @@ def build_cpu_decoder(model: nn.Module) -> CPUDecoder | None:
         if attn.num_heads // attn.num_kv_heads > 64:  # decoder.c's per-group scratch
             return None
     return CPUDecoder(model)
-
-
-def _plain(ctx: ForwardContext) -> bool:
-    """The plain metadata over fp32 KV pages (no cascade, no verification rows)."""
-    meta, kv = ctx.meta, ctx.kv_caches[0]
-    return (
-        type(meta) is AttentionMetadata
-        and meta.cascade is None
-        and meta.uniform_query_len == 0
-        and len(kv) == 2
-        and kv[0].dtype == torch.float32
-    )
 
 
 def _rows_part(
