@@ -12,8 +12,8 @@ from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import ModelConfig
 from roofline.kernels.cpu import decoder as decoder_mod
+from roofline.kernels.cpu.build import ISA_NAMES, load_library
 from roofline.kernels.cpu.build import best_isa as build_isa
-from roofline.kernels.cpu.build import load_library
 from roofline.kernels.cpu.decoder import CPUDecoder, build_cpu_decoder
 from roofline.layers.attention import ForwardContext
 from roofline.models.llama import LlamaForCausalLM
@@ -176,6 +176,22 @@ def test_decoder_matches_modules(bias: bool, qk_norm: bool, head_dim: int) -> No
     for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
         torch.testing.assert_close(gk, wk, rtol=5e-4, atol=5e-4)
         torch.testing.assert_close(gv, wv, rtol=5e-4, atol=5e-4)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512vnni"])
+def test_decoder_vector_paths_match_modules(isa: str) -> None:
+    """Each vector path this CPU runs (the GEMMs' and attention's: AVX2 machines run the
+    generic attention) gives a prefill + decode step the modules' hidden states."""
+    if ISA_NAMES.index(isa) > ISA_NAMES.index(build_isa()):
+        pytest.skip(f"this CPU does not run {isa}")
+    model = tiny_model(head_dim=64)
+    decoder = model.cpu_decoder
+    decoder._config_values[decoder_mod.CONFIG_FIELDS.index("isa")] = ISA_NAMES.index(isa)
+    decoder._kv_key = None  # rebuild the config table
+    inputs = step_inputs([1, 5, 1], [7, 0, 19], head_dim=64)
+    want, _ = run(model, False, *inputs)
+    got, _ = run(model, True, *inputs)
+    torch.testing.assert_close(got, want, rtol=5e-4, atol=5e-4)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
