@@ -36,6 +36,11 @@ tensor cores, at any M up to 16:
   each laid out as int4's; the high plane's magic (bf16 ``0x4500``: ``2048 + 16 hi``, fp16
   ``0x7400``: ``16384 + 16 hi``) puts the factor 16 into the operand, so both planes feed one
   accumulator.
+* fp8 e4m3 (``words`` of dtype float8_e4m3fn: the canonical ``[N, K]`` weight itself, no
+  repack; ``scale_pairs`` the fp32 ``[N]`` per-channel scales): a tile is 128 bytes a row,
+  widened to bf16 by ``mixed_gemm._e4m3_to_bf16`` (byte permutes and one bf16x2 multiply per
+  two elements, exact) or to fp16 by the hardware's paired conversion; the row's scale
+  multiplies the finished sum.
 
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
 bits), rounded once to x's dtype. ``int4_layout.int4_gemv_ref`` is the plain-torch reference.
@@ -44,6 +49,8 @@ m_bucket(M))]`` (H100, ``scripts/gpu_quant.py --quick --sweep``), else ``heurist
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -80,6 +87,25 @@ __all__ = [
     "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports", "takes",
     "unrepack_int4", "unrepack_int8",
 ]  # fmt: skip
+
+
+@triton.constexpr_function
+def _e4m3_asm(bf16):
+    """PTX: e4m3 bytes 0, 1 of ``$2`` -> the 16-bit pair ``$0``, bytes 2, 3 -> ``$1``. bf16: shift
+    4, fields 0x07F0, times 2^120 (0x7B80); fp16: shift 1, fields 0x3F80, times 2^8 (0x5C00)."""
+    sh, mask, scale, kind = (
+        ("4", "0x07F007F0", "0x7B807B80", "bf16x2")
+        if bf16
+        else ("1", "0x3F803F80", "0x5C005C00", "f16x2")
+    )
+    return (
+        "{ .reg .b32 a<2>, b<2>, c; mov.b32 c, " + scale + "; "
+        "prmt.b32 a0, 0, $2, 0x5140; prmt.b32 a1, 0, $2, 0x7362; "
+        "shr.b32 b0, a0, " + sh + "; shr.b32 b1, a1, " + sh + "; "
+        "and.b32 b0, b0, " + mask + "; and.b32 b1, b1, " + mask + "; "
+        "lop3.b32 b0, b0, 0x80008000, a0, 0xf8; lop3.b32 b1, b1, 0x80008000, a1, 0xf8; "
+        "mul.rn." + kind + " $0, b0, c; mul.rn." + kind + " $1, b1, c; }"
+    )
 
 
 @triton.jit
@@ -130,6 +156,42 @@ def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, 
 
 
 @triton.jit
+def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """A row tile of e4m3 bytes read as ``[rows, 32]`` int32 words (element ``4 w + b`` in byte b
+    of word w) -> the ``[rows, 128]`` operand in x's dtype, exactly. Compiled: each byte moves to
+    the top of a 16-bit lane, its exponent and mantissa shift into the 16-bit type's fields (sign
+    kept) and one paired multiply rebiases the exponent (bf16 by 2^120, fp16 by 2^8; subnormals
+    and zeros included), about 2.5 instructions an element, no conversion unit."""
+    if ASM:
+        pairs = tl.inline_asm_elementwise(
+            _e4m3_asm(DTYPE == tl.bfloat16), "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        e0 = pairs[0].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w, 4w + 1
+        e1 = (pairs[0] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+        e2 = pairs[1].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w + 2, 4w + 3
+        e3 = (pairs[1] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    else:  # the interpreter: decode each byte arithmetically (exact in fp32)
+        e0 = _e4m3_value(words).to(DTYPE)
+        e1 = _e4m3_value(words >> 8).to(DTYPE)
+        e2 = _e4m3_value(words >> 16).to(DTYPE)
+        e3 = _e4m3_value(words >> 24).to(DTYPE)
+    tile = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [rows, 32, pair, half]: 4 w + 2 p + h
+    return tl.reshape(tile, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """The e4m3 value of the low byte of each int32 as fp32 (finite values)."""
+    e = (byte >> 3) & 0xF
+    m = (byte & 0x7).to(tl.float32)
+    mag = tl.where(
+        e == 0, m * 0.125 * 0.015625, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32))
+    )
+    return tl.where((byte & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _norm_tile(x, w, rstd, ASM: tl.constexpr):
     """``w * (x * rstd).to(dtype)`` rounded as ``rms_norm`` rounds it, for one x tile; computed
     once per element in the load layout (the reduction over an axis of one element keeps
@@ -155,11 +217,54 @@ def _scale_pair(ptrs, PAIR32: tl.constexpr):
     return s, o
 
 
+@triton.jit
+def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
+          BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
+          PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+          ASM: tl.constexpr, PAIR32: tl.constexpr):  # fmt: skip
+    """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
+    and ``words_hi``; FP8: e4m3 bytes) against the matching x tile, group by group."""
+    DTYPE: tl.constexpr = ones.dtype
+    # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
+    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
+    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
+    for j in tl.static_range(128 // GK):
+        kg = kt + GK * j
+        if SILU_MUL:
+            xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
+            xt1 = xt
+        elif NORM:
+            xt = _norm_tile(tl.load(x_ptrs + kg), tl.load(nw_ptrs + kg), rstd, ASM)
+            xt1 = xt
+        elif FP8:  # no offsets: no sum of x
+            xt = tl.load(x_ptrs + kg)
+            xt1 = xt
+        else:  # two loads of the same tile (one per dot's operand layout): both are pipelined
+            # by cp.async, where one tile feeding both dots would not be
+            xt = tl.load(x_ptrs + kg)  # [GK, C]
+            xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
+        if FP8:  # [BN, 32] words of e4m3 bytes: sum q x; the row's scale comes at the end
+            acc = tl.dot(_fp8_operand(words, DTYPE, ASM), xt, acc)
+        else:
+            a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
+            d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
+            if BITS == 8:
+                a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
+                d = tl.dot(a_hi, xt, d)
+            xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
+            if GROUP <= 128:
+                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
+            else:  # a slice may start inside a group; a 128-tile never straddles one
+                s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
+            acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL), rows contiguous
-    q_ptr,  # [N, K // 8] int32, repacked
-    so_ptr,  # [N, K // GROUP, 2] (scale, offset)
+    q_ptr,  # [N, K // 8] int32, repacked (int8: [N, K // 4]; FP8: the e4m3 [N, K] as int32)
+    so_ptr,  # [N, K // GROUP, 2] (scale, offset); FP8: fp32 [N] scales
     bias_ptr,
     out_ptr,  # [M, N]
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
@@ -177,7 +282,8 @@ def _int4_gemv_kernel(
     stride_rm,
     inv_k,  # fp32(1 / K): RMSNorm's mean factor
     eps,
-    BITS: tl.constexpr,  # 4, or 8 (two nibble planes of q + 128 per tile)
+    BITS: tl.constexpr,  # 4, or 8 (two nibble planes of q + 128 per tile, or FP8)
+    FP8: tl.constexpr,  # e4m3 bytes in natural order, one scale per row (BITS == 8)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
@@ -192,17 +298,15 @@ def _int4_gemv_kernel(
     ASM: tl.constexpr,  # compiled: lop3 inline asm and libdevice SiLU (not interpreted)
     PAIR32: tl.constexpr,  # 16-bit scale pairs: one 32-bit load each
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
-    PREFETCH_WORDS: tl.constexpr,  # words per MMA row prefetched into L2 before the wait
+    PREFETCH_LINES: tl.constexpr,  # 128-byte lines per MMA row prefetched before the wait
+    PRELOAD: tl.constexpr,  # the first tile loaded into registers before the wait
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
-    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
-    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
     if BITS == 4:
         BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
     else:  # sum (B + lo) x + sum 16 (B' + hi) x = sum (q + 128) x + 17 B X
         BASE: tl.constexpr = 17 * 1024.0 + 128.0 if DTYPE == tl.float16 else 17 * 128.0 + 128.0
-    WPT: tl.constexpr = 16 * (BITS // 4)  # words per row per 128-element tile
+    WPT: tl.constexpr = 32 if FP8 else 16 * (BITS // 4)  # int32 words per row and tile
     GK: tl.constexpr = GROUP if GROUP < 128 else 128  # K per dot: a group, or a whole tile
     PAIRS: tl.constexpr = GK // 32
     ROWS: tl.constexpr = BLOCK_N // KSPLIT
@@ -215,18 +319,23 @@ def _int4_gemv_kernel(
     c = tl.arange(0, COLS)
     slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
     m_c = tl.minimum(c % BLOCK_M, M - 1).to(tl.int64)
-    offs_w = tl.arange(0, 16)
+    offs_w = tl.arange(0, 32 if FP8 else 16)  # one plane's words of a tile
     slice_words = k_slice // 128 * WPT
     q_row = q_ptr + k_origin // 128 * WPT + rows * stride_qn + slice_r * slice_words  # [BN]
     q_ptrs = q_row[:, None] + offs_w[None, :]
     x_col = k_origin + m_c * stride_xm + slice_c * k_slice  # [C]
     x_ptrs = x_ptr + x_col[None, :] + tl.arange(0, GK)[:, None]
     so_ptrs = so_ptr + rows * stride_so  # [BN]
-    if GROUP <= 128:  # slices hold whole groups
+    if GROUP <= 128 and not FP8:  # slices hold whole groups
         so_ptrs += 2 * ((k_origin + slice_r * k_slice) // GROUP)
     k_row = k_origin + slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
+    if PRELOAD:  # the first tile into registers before the wait (TILES == 1)
+        w_first = tl.load(q_ptrs)
+        w_first_hi = w_first
+        if BITS == 8 and not FP8:
+            w_first_hi = tl.load(q_ptrs + 16)
     if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
-        offs_p = tl.minimum(tl.arange(0, PREFETCH_WORDS // 32) * 32, slice_words - 1)  # lines
+        offs_p = tl.minimum(tl.arange(0, PREFETCH_LINES) * 32, slice_words - 1)  # 128-B lines
         prefetch_l2(q_row[:, None] + offs_p[None, :])  # [BN, lines]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -239,41 +348,32 @@ def _int4_gemv_kernel(
         rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_k + eps)  # scalar
         nw_col = k_origin + slice_c * k_slice  # [C]
         nw_ptrs = norm_w_ptr + nw_col[None, :] + tl.arange(0, GK)[:, None]
+    else:
+        rstd = 1.0
+        nw_ptrs = x_ptrs
     ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    for k0 in tl.range(0, k_slice, 128 * TILES, num_stages=NUM_STAGES):
+    k_start = 0
+    if PRELOAD:  # the first tile came in before the wait
+        acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
+                    BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32)  # fmt: skip
+        k_start = 128
+    for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
             kt = k0 + 128 * t
             words = tl.load(q_ptrs + kt // 128 * WPT)  # [BN, 16] int32 (int8: low nibbles)
-            if BITS == 8:
+            words_hi = words
+            if BITS == 8 and not FP8:
                 words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
-            for j in tl.static_range(128 // GK):
-                kg = kt + GK * j
-                a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
-                if SILU_MUL:
-                    xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
-                    xt1 = xt
-                elif NORM:
-                    xt = _norm_tile(tl.load(x_ptrs + kg), tl.load(nw_ptrs + kg), rstd, ASM)
-                    xt1 = xt
-                else:  # two loads of the same tile (one per dot's operand layout): both are
-                    # pipelined by cp.async, where one tile feeding both dots would not be
-                    xt = tl.load(x_ptrs + kg)  # [GK, C]
-                    xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
-                d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
-                if BITS == 8:
-                    d = tl.dot(_operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE), xt, d)
-                xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
-                if GROUP <= 128:
-                    s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
-                else:  # a slice may start inside a group; a 128-tile never straddles one
-                    s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
-                acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
+            acc = _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
+                        BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32)  # fmt: skip
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
     offs_n = pid * ROWS + tl.arange(0, ROWS)
     offs_m = tl.arange(0, BLOCK_M)
+    if FP8:  # the row's scale (partial sums are scaled before they are added: still ordered)
+        res *= tl.load(so_ptr + tl.minimum(offs_n, N - 1))[:, None]
     if KGRID == 1:
         _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
                 HAS_BIAS, RESIDUAL)  # fmt: skip
@@ -308,6 +408,16 @@ def _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_o
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+FP8_DTYPE = torch.float8_e4m3fn
+PREFETCH_BYTES = int(os.environ.get("ROOFLINE_INT4_GEMV_PREFETCH", "16384"))
+"""Weight bytes a program asks into L2 before its PDL wait (the start of each MMA row's slice,
+whole 128-byte lines), while the previous kernel still runs."""
+
+
+def weight_k(words: torch.Tensor, bits: int) -> int:
+    """K of a weight in ``int4_gemv``'s layouts: int32 words of 8 (int4) or 4 (int8 planes)
+    elements, or one e4m3 byte per element."""
+    return words.shape[1] if words.dtype == FP8_DTYPE else words.shape[1] * 32 // bits
 
 
 def _counters(device: torch.device, num: int) -> torch.Tensor:
@@ -324,7 +434,7 @@ def supports(
     x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False, bits: int = 4
 ) -> bool:
     """Whether ``int4_gemv`` takes this x against a repacked weight (with its picked config)."""
-    k = words.shape[1] * 32 // bits
+    k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
     prologue = "silu" if silu_mul else None
@@ -333,8 +443,8 @@ def supports(
 
 def int4_gemv(
     x: torch.Tensor,  # [M, K] ([M, 2K] with silu_mul), rows contiguous, bf16 / fp16
-    words: torch.Tensor,  # [N, K // 8] int32 from repack_int4
-    scale_pairs: torch.Tensor,  # [N, K // group, 2] from pack_scales
+    words: torch.Tensor,  # [N, K // 8] int32 from repack_int4 (repack_int8; fp8 [N, K] as is)
+    scale_pairs: torch.Tensor,  # [N, K // group, 2] from pack_scales (fp8: fp32 [N] scales)
     bias: torch.Tensor | None = None,  # [N]
     *,
     silu_mul: bool = False,
@@ -349,21 +459,30 @@ def int4_gemv(
     row), rounded as ``kernels.rmsnorm`` rounds it (only the fp32 sum's order differs);
     ``residual [M, N]`` is added to the rounded result and the sum rounded (a decoder layer's
     next residual stream). ``config`` overrides the picked one (sweeps); one that cannot run
-    raises ValueError. ``warmup`` compiles without launching."""
+    raises ValueError. ``warmup`` compiles without launching. An fp8 e4m3 ``words`` (with
+    ``bits=8``) is the canonical fp8 weight, its ``scale_pairs`` the per-channel fp32 scales."""
     check_device(x, words)
-    if bits not in (4, 8):
-        raise ValueError(f"int4_gemv: bits must be 4 or 8, got {bits}")
+    fp8 = words.dtype == FP8_DTYPE
+    if bits not in (4, 8) or (fp8 and bits != 8):
+        raise ValueError(f"int4_gemv: bits must be 4 or 8 (fp8: 8), got {bits}")
     m, n = x.shape[0], words.shape[0]
-    k = words.shape[1] * 32 // bits
+    k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} does not match weight [{n}, {k}]")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"int4_gemv: M = {m} rows; it takes 1 to {MAX_ROWS}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"int4_gemv: x must be bf16 or fp16, got {x.dtype}")
-    num_groups = scale_pairs.shape[1]
-    if scale_pairs.shape != (n, num_groups, 2) or k % num_groups or not scale_pairs.is_contiguous():
-        raise ValueError(f"int4_gemv: scale pairs {tuple(scale_pairs.shape)} do not fit [{n}, {k}]")
+    if fp8:
+        if scale_pairs.shape != (n,) or scale_pairs.dtype != torch.float32:
+            raise ValueError(f"int4_gemv: fp8 takes fp32 [{n}] scales, not {scale_pairs.shape}")
+        num_groups = 1
+    else:
+        num_groups = scale_pairs.shape[1]
+        if scale_pairs.shape != (n, num_groups, 2) or k % num_groups:
+            raise ValueError(f"int4_gemv: scale pairs {tuple(scale_pairs.shape)} do not fit {n, k}")
+    if not scale_pairs.is_contiguous() or not words.is_contiguous():
+        raise ValueError("int4_gemv: the weight and its scales must be contiguous")
     group = k // num_groups
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
@@ -372,7 +491,7 @@ def int4_gemv(
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"int4_gemv: residual must be [{m}, {n}] with contiguous rows")
     prologue = "silu" if silu_mul else "norm" if norm is not None else None
-    cfg = config or pick_config(n, k, group, m, x.device, bits, prologue)
+    cfg = config or pick_config(n, k, group, m, x.device, "fp8" if fp8 else bits, prologue)
     if cfg is None:
         raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
@@ -391,22 +510,25 @@ def int4_gemv(
     compiled = not is_interpret()
     pdl = compiled and pdl_enabled()
     pair32 = scale_pairs.element_size() == 2
-    # prefetch the start of each MMA row's slice: at most ~16 KiB a program, whole 128-byte lines
-    lines = min(triton.cdiv(k_slice * bits // 32, 32), max(1, 16384 // (128 * cfg.block_n)))
-    prefetch = 32 * triton.next_power_of_2(lines)
+    # prefetch the start of each MMA row's slice: at most PREFETCH_BYTES a program, whole lines
+    budget = max(1, PREFETCH_BYTES // (128 * cfg.block_n))
+    lines = triton.next_power_of_2(min(triton.cdiv(k_slice * bits // 8, 128), budget))
     if pdl:
         extra["launch_pdl"] = True
+    q = words.view(torch.int32) if fp8 else words  # e4m3 bytes read four to a word
     launch(
-        x, words, scale_pairs, bias if bias is not None else scale_pairs, out,
+        x, q, scale_pairs, bias if bias is not None else scale_pairs, out,
         norm[0] if norm is not None else x, residual if residual is not None else out, parts,
         counts,
-        m, n, k, k_slice, x.stride(0), words.stride(0), scale_pairs.stride(0), out.stride(0),
+        m, n, k, k_slice, x.stride(0), q.stride(0), scale_pairs.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, 1.0 / k,
         norm[1] if norm is not None else 0.0,
-        BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=m_bucket(m),
+        BITS=bits, FP8=fp8, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+        BLOCK_M=m_bucket(m),
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
-        ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_WORDS=prefetch if pdl else 32,
+        ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
+        PRELOAD=bool(cfg.preload),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out

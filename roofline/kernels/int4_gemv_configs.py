@@ -23,16 +23,18 @@ class Int4GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
+    preload: int = 0  # 1: the first tile into registers before the PDL wait (tiles == 1)
 
 
-# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields, from scripts/gpu_quant.py --sweep
+# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields (bits "fp8": e4m3, group = K), from
+# scripts/gpu_quant.py --sweep
 # (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
 # Llama-3.1-8B qkv / o / gate_up / down on an H100 (scripts/gpu_quant.py --quick --sweep, two runs,
 # 2026-11-24), us and % of copy: one row int4 8.3 / 6.0 / 24.5 / 16.6 (56 / 51 / 88 / 65%;
 # quant_gemv 29 / 24 / 46 / 26%), int8 12.4 / 9.3 / 44.6 / 25.0 (71 / 61 / 89 / 79%; quant_gemv
 # 67 / 59 / 85 / 77%); 4 and 16 rows int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30% (quant_gemv
 # 2-11%).
-TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, ...] | None] = {
+TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None] = {
     (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 2),
     (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
     (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
@@ -55,7 +57,7 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int, int], tuple[int, ...] | None] = {
 # One row, same runs: int4 qkv / gate_up with the norm 9.8 / 26.9 us (rms_norm + GEMV 12.0 /
 # 27.7), int8 12.8 / 43.9 (13.9 / 49.6); down with the SiLU int4 20.6 (apart 18.4: not fused,
 # common.GEMV_FUSE_SILU), int8 26.6 (apart 30.7).
-PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int, int, int, int, int], tuple[int, ...]] = {
+PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int | str, int, int, int, int], tuple[int, ...]] = {
     ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3),
     ("norm", 4, 28672, 4096, 128, 1): (128, 8, 1, 4, 3),
     ("norm", 8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
@@ -109,12 +111,12 @@ def pick_config(
     group: int,
     m: int,
     device: torch.device,
-    bits: int = 4,
+    bits: int | str = 4,
     prologue: str | None = None,
 ) -> Int4GemvConfig | None:
     """The measured config of M's bucket (and prologue), else the heuristic's; None where the
     table says the other decode kernel is faster (no prologue)."""
-    key = (bits, n, k, group, m_bucket(m))
+    key = (bits, n, k, group, m_bucket(m))  # bits: 4, 8, or "fp8"
     if prologue is not None:
         tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
         return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
@@ -129,6 +131,8 @@ def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
     each slice a whole number of loop steps (so of 128-element tiles, which never straddle a
     group)."""
     if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
+        return None
+    if cfg.preload and cfg.tiles != 1:
         return None
     k_slice = k // (cfg.ksplit * cfg.kgrid)
     if k_slice % (TILE_K * cfg.tiles):
@@ -147,10 +151,11 @@ def takes(
 ) -> bool:
     """``supports`` by shapes only (the fused decode layer asks before its inputs exist); the
     norm prologue takes one row."""
-    k = words.shape[1] * 32 // bits
+    fp8 = words.dtype == torch.float8_e4m3fn
+    k = words.shape[1] if fp8 else words.shape[1] * 32 // bits
     if not 1 <= m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return False
     if prologue == "norm" and m != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, device, bits, prologue)
+    cfg = pick_config(words.shape[0], k, group, m, device, "fp8" if fp8 else bits, prologue)
     return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None

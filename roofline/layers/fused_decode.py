@@ -136,7 +136,7 @@ def _linear_applies(
     if _gemv_linear(linear):
         from roofline.kernels import int4_gemv
 
-        if prologue == "silu" and not _gemv_fuses_silu(linear.gemv_bits):
+        if prologue == "silu" and not _gemv_fuses_silu(linear):
             prologue = None  # a separate silu_and_mul launch, then the GEMV
         words, group, bits = linear.gemv_words, linear.gemv_group, linear.gemv_bits
         return int4_gemv.takes(m, x.dtype, x.device, words, group, bits, prologue)
@@ -145,10 +145,10 @@ def _linear_applies(
     return _applies_to(m, linear.weight, x)
 
 
-def _gemv_fuses_silu(bits: int) -> bool:
+def _gemv_fuses_silu(linear: MergedLinear) -> bool:
     from roofline.quantization import common
 
-    return common.GEMV_FUSE_SILU[bits]
+    return common.gemv_fuses_silu(linear)
 
 
 def _applies_to(m: int, weight: torch.Tensor, x: torch.Tensor) -> bool:
@@ -184,7 +184,7 @@ def linear_add(
         from roofline.kernels.activation import silu_and_mul
         from roofline.kernels.int4_gemv import int4_gemv
 
-        fuse = silu_mul and _gemv_fuses_silu(linear.gemv_bits)
+        fuse = silu_mul and _gemv_fuses_silu(linear)
         if silu_mul and not fuse:
             x = silu_and_mul(x)
         return int4_gemv(x, linear.gemv_words, linear.gemv_pairs, linear.bias, silu_mul=fuse,

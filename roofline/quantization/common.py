@@ -66,9 +66,20 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 # 1.4-3x at 4-16 rows); ROOFLINE_INT8_GEMV=0 keeps int8 on quant_gemv.
 USE_INT4_GEMV = os.environ.get("ROOFLINE_INT4_GEMV", "1") != "0"
 USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
-# The down projection's SiLU-and-mul inside int4_gemv, by bits, else a silu_and_mul launch first
-# (H100, 8B down at one row: int4 fused 20.6 us vs 18.4 apart; int8 26.6 vs 30.7).
-GEMV_FUSE_SILU = {4: False, 8: True}
+# fp8 weight-only decode batches take it over the canonical e4m3 weight itself (no copy);
+# ROOFLINE_FP8_GEMV=0 keeps them on kernels.quant_gemv.
+USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
+# The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
+# silu_and_mul launch first (H100, 8B down at one row: int4 fused 20.6 us vs 18.4 apart; int8
+# 26.6 vs 30.7).
+GEMV_FUSE_SILU: dict[int | str, bool] = {4: False, 8: True, "fp8": True}
+
+
+def gemv_fuses_silu(layer: nn.Module) -> bool:
+    """Whether ``int4_gemv`` takes this repacked layer's SiLU-and-mul as its prologue."""
+    fp8 = layer.gemv_words.dtype == formats.FP8_DTYPE
+    return GEMV_FUSE_SILU["fp8" if fp8 else layer.gemv_bits]
+
 
 CpuKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -201,7 +212,7 @@ def silu_mul_linear(
         from roofline.kernels.activation import silu_and_mul
 
         bits = layer.gemv_bits
-        fused = GEMV_FUSE_SILU[bits]
+        fused = gemv_fuses_silu(layer)
         x = gate_up if fused else silu_and_mul(gate_up)
         if int4_gemv.supports(x, words, layer.gemv_group, silu_mul=fused, bits=bits):
             return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, silu_mul=fused, bits=bits)
@@ -215,16 +226,28 @@ def silu_mul_linear(
     return dequant_gemm(kind, gate_up, layer.qweight, layer.scales, offsets, bias, silu_mul=True)
 
 
-def prepare_kernel_layout(kind: str, layer: nn.Module) -> None:
+def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -> None:
     """After loading: a CUDA int4 or int8 layer whose shape allows it gets
     ``gemv_words`` and ``gemv_pairs``, the repacked copies ``kernels.int4_gemv`` reads for decode
-    batches (the canonical tensors stay for the other paths), ``gemv_bits`` and ``gemv_group``."""
+    batches (the canonical tensors stay for the other paths), ``gemv_bits`` and ``gemv_group``;
+    an fp8 layer gets its own ``qweight`` and fp32 ``scales`` as they are (no copy).
+    ``cuda_only=False`` makes them on any device (the interpreter's tests)."""
     layer.gemv_words = None
-    use = {"int4": USE_INT4_GEMV, "int8": USE_INT8_GEMV}.get(kind, False)
-    if not use or not layer.qweight.is_cuda or layer.scales.dim() != 2:
+    use = {"int4": USE_INT4_GEMV, "int8": USE_INT8_GEMV, "fp8": USE_FP8_GEMV}.get(kind, False)
+    if not use or (cuda_only and not layer.qweight.is_cuda):
         return
     from roofline.kernels import int4_gemv
 
+    if kind == "fp8":
+        k = layer.qweight.shape[1]
+        scales = layer.scales
+        if k % int4_gemv.TILE_K or scales.shape != (layer.qweight.shape[0],):
+            return
+        layer.gemv_words, layer.gemv_pairs = layer.qweight, scales.float().contiguous()
+        layer.gemv_bits, layer.gemv_group = 8, k
+        return
+    if layer.scales.dim() != 2:
+        return
     bits = 4 if kind == "int4" else 8
     k = layer.qweight.shape[1] * (2 if bits == 4 else 1)
     group = k // layer.scales.shape[1]

@@ -1,0 +1,516 @@
+"""Batch-1 decode GEMVs of the quantized methods on an H100 (Llama-3.1-8B config, random weights):
+``kernels.int4_gemv`` for int4 g128, int8 (nibble planes) and fp8 e4m3 (the canonical weight read
+as it is), one session.
+
+1. parity on the GPU: every format against x times the exactly dequantized weight (8B shapes,
+   M = 1/3/16, bf16 and fp16, the picked config and a preloading one), the norm / SiLU
+   prologues and the residual epilogue against the unfused path;
+2. per 8B shape at one row, a config sweep per format (with ``preload``: the first tile in
+   registers before the PDL wait), beside ``quant_gemv`` (the older CUDA-core kernel) and the
+   bf16 skinny GEMM; the norm / SiLU prologue configs; fp8 at 4 and 16 rows against
+   ``quant_gemv``. Winners are installed for the runs below and printed as tables;
+3. where an attention layer's time goes at one row: 32 layers of the norm-fused qkv GEMV alone,
+   then followed by ``rotary_kv_store`` (PDL on and off), by ``rotary_kv_store`` +
+   ``decode_attention``, and by the fused decode attention, in one CUDA graph each: the marginal
+   microseconds of each kernel beside the duration the profiler reports for it;
+4. 8B batch-1 decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on ``quant_gemv``;
+   ``/pf64k``: a 64 KiB L2 prefetch a program before the PDL wait), each beside its roofline
+   (weight bytes + KV over the copy bandwidth of this run), the weights' logical and resident
+   GiB, and a kernel profile of the quantized steps with each kernel's exclusive time (its part
+   of the step not overlapped by the kernel before it).
+
+Each section prints its error and goes on; the summary table comes last.
+
+    python scripts/gpu_gemv8.py            # about 3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import math
+import os
+import time
+import traceback
+from functools import partial
+
+import gpu_quant  # scripts/ is on sys.path when run as a script
+import quant_decode_bench as qdb
+import torch
+
+from roofline import LLM
+from roofline.bench import latency
+from roofline.bench.ceilings import measure
+from roofline.kernels import int4_gemv as ig
+from roofline.kernels import quant_gemv
+from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
+from roofline.kernels.gemv import skinny_gemm
+from roofline.kernels.rmsnorm import rms_norm
+from roofline.layers import fused_decode
+from roofline.quantization import common, formats
+
+SHAPES = qdb.SHAPES
+FORMATS = ("int4", "int8", "fp8")
+DEVICE = "cuda"
+SUMMARY: dict[str, object] = {}
+TABLE: list[str] = []
+C = ig.Int4GemvConfig
+
+
+def section(name: str):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            print(f"\n=== {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()
+                SUMMARY[f"{name}_error"] = repr(e)
+            finally:
+                print(f"({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        return run
+
+    return wrap
+
+
+def fmt_key(fmt: str) -> int | str:
+    return {"int4": 4, "int8": 8, "fp8": "fp8"}[fmt]
+
+
+def bits_of(fmt: str) -> int:
+    return 4 if fmt == "int4" else 8
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
+    """(words, pairs, canonical (qweight, scales, offsets), fp32 dequantized [N, K])."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
+    if fmt == "int4":
+        q = formats.quantize_int4(w, 128, False, dtype)
+        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
+        return ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets), tuple(q), deq
+    if fmt == "int8":
+        q = formats.quantize_int8(w, k, dtype)
+        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
+        canon = (q.qweight, q.scales, None)
+        return ig.repack_int8(q.qweight), ig.pack_scales(q.scales, None), canon, deq
+    q, s = formats.quantize_fp8(w)
+    return q, s.float().contiguous(), (q, s, None), q.float() * s.float()[:, None]
+
+
+def group_of(fmt: str, k: int) -> int:
+    return 128 if fmt == "int4" else k
+
+
+@section("parity")
+def parity() -> None:
+    worst = 0.0
+    for fmt in FORMATS:
+        for layer, (n, k) in SHAPES.items():
+            words, pairs, _, deq = make_weight(fmt, n, k, seed=3)
+            errs = []
+            dtypes = (torch.bfloat16, torch.float16) if fmt == "fp8" and layer == "o" else (None,)
+            for dtype in dtypes:
+                for m in (1, 3, 16):
+                    x = torch.randn(m, k, device=DEVICE, dtype=dtype or torch.bfloat16)
+                    ref = (x.float() @ deq.T).to(x.dtype)
+                    errs.append(qdb.rel_err(ig.int4_gemv(x, words, pairs, bits=bits_of(fmt)), ref))
+                pre = C(128, 8, 1, 4, 3, 1, 1)
+                if ig._resolve(pre, k, group_of(fmt, k)) is not None:
+                    x = torch.randn(1, k, device=DEVICE, dtype=dtype or torch.bfloat16)
+                    got = ig.int4_gemv(x, words, pairs, bits=bits_of(fmt), config=pre)
+                    errs.append(qdb.rel_err(got, (x.float() @ deq.T).to(x.dtype)))
+            # prologues and the residual epilogue against the unfused path (one row)
+            b = bits_of(fmt)
+            if layer == "down":
+                gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+                ref = (silu_and_mul_ref(gu).float() @ deq.T).to(gu.dtype)
+                errs.append(qdb.rel_err(ig.int4_gemv(gu, words, pairs, silu_mul=True, bits=b), ref))
+            elif layer in ("qkv", "gate_up"):
+                h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+                nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+                ref = ig.int4_gemv(rms_norm(h, nw, 1e-5), words, pairs, bits=b)
+                got = ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5), bits=b)
+                errs.append(qdb.rel_err(got, ref))
+            else:
+                x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+                res = torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16)
+                ref = ig.int4_gemv(x, words, pairs, bits=b) + res
+                errs.append(qdb.rel_err(ig.int4_gemv(x, words, pairs, residual=res, bits=b), ref))
+            worst = max(worst, *errs)
+            print(f"{fmt:4} {layer:7}: max rel err " + " ".join(f"{e:.1e}" for e in errs))
+    SUMMARY["parity_worst"] = worst
+    TABLE.append(f"parity int4/int8/fp8 int4_gemv: worst max-rel error {worst:.2e} (bound 1e-2)")
+
+
+def m1_candidates(fmt: str, layer: str) -> list[ig.Int4GemvConfig]:
+    """One row: the families that won before (tiles 1-4, two to four stages, K over the grid),
+    each tiles-1 config also with ``preload``."""
+    base = [
+        (128, 8, 1, 4, 2, 2), (128, 8, 1, 4, 3, 2), (128, 8, 2, 4, 2), (128, 8, 4, 4, 3),
+        (128, 8, 1, 4, 3), (128, 4, 1, 4, 3, 4), (128, 4, 1, 4, 3, 2), (64, 16, 1, 4, 3),
+        (64, 16, 1, 4, 4), (64, 8, 1, 4, 3), (64, 8, 2, 4, 3), (128, 16, 1, 4, 3),
+        (128, 8, 1, 4, 4, 2), (64, 8, 1, 4, 3, 2), (128, 4, 2, 4, 2, 2), (128, 8, 1, 4, 2),
+    ]  # fmt: skip
+    cfgs = [C(*c) for c in base]
+    cfgs += [c._replace(preload=1) for c in cfgs if c.tiles == 1]
+    return cfgs
+
+
+def sweep_configs(fmt, x, ring, ref, cfgs, **kw) -> list[tuple[float, ig.Int4GemvConfig]]:
+    """(seconds, config) of each config that runs, fastest first; wrong results dropped."""
+    w0, p0 = ring[0]
+    k = ig.weight_k(w0, bits_of(fmt))
+    cfgs = [c for c in dict.fromkeys(cfgs) if ig._resolve(c, k, group_of(fmt, k)) is not None]
+    run = partial(ig.int4_gemv, x, bits=bits_of(fmt), **kw)
+    qdb.precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
+    results = []
+    for cfg in cfgs:
+        try:
+            results.append((qdb.time_ring(lambda w, p, c=cfg: run(w, p, config=c), ring), cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"    {fmt} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+    good = []
+    for t, cfg in sorted(results):
+        err = qdb.rel_err(run(w0, p0, config=cfg), ref)
+        if err < 1e-2:
+            good.append((t, cfg))
+        else:
+            print(f"    {fmt} {tuple(cfg)} {t * 1e6:.1f} us is WRONG: max rel error {err:.2e}")
+        if len(good) >= 4:
+            break
+    return good
+
+
+def ring_of(fmt: str, n: int, k: int):
+    words, pairs, canon, deq = make_weight(fmt, n, k)
+    copies = max(2, math.ceil(qdb.RING_BYTES / qdb.nbytes(words, pairs)))
+    ring = [(words.clone(), pairs.clone()) for _ in range(copies)]
+    canon_ring = [tuple(None if t is None else t.clone() for t in canon) for _ in range(copies)]
+    return ring, canon_ring, deq
+
+
+@section("decode GEMV sweep")
+def gemv_sweep(copy_bw: float) -> None:
+    tuned: dict = {}
+    tuned_pro: dict = {}
+    for layer, (n, k) in SHAPES.items():
+        w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+        ring16 = [(w16.clone(),) for _ in range(max(2, math.ceil(qdb.RING_BYTES / (2 * n * k))))]
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        t16 = qdb.time_ring(partial(skinny_gemm, x), ring16)
+        del ring16
+        parts = [f"bf16 {t16 * 1e6:5.1f} us {100 * 2 * n * k / t16 / copy_bw:3.0f}%"]
+        for fmt in FORMATS:
+            ring, canon_ring, deq = ring_of(fmt, n, k)
+            qbytes = qdb.nbytes(*ring[0])
+            key = (fmt_key(fmt), n, k, group_of(fmt, k), 1)
+            old_cfg = ig.pick_config(n, k, group_of(fmt, k), 1, x.device, fmt_key(fmt))
+            ref = (x.float() @ deq.T).to(x.dtype)
+            good = sweep_configs(fmt, x, ring, ref, m1_candidates(fmt, layer) + [old_cfg])
+            t_old_kernel = qdb.time_ring(partial(quant_gemv.quant_gemv, fmt, x), canon_ring)
+            if good:
+                t, cfg = good[0]
+                tuned[key] = tuple(cfg)
+                ig.TUNED_CONFIGS[key] = tuple(cfg)
+                top = "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good)
+                print(f"  {fmt} {layer} M=1: {top} | before {tuple(old_cfg)}", flush=True)
+                parts.append(
+                    f"{fmt} {t * 1e6:5.1f} us {100 * qbytes / t / copy_bw:3.0f}% "
+                    f"(quant_gemv {100 * qbytes / t_old_kernel / copy_bw:3.0f}%)"
+                )
+                SUMMARY[f"gemv_{fmt}_{layer}_1"] = (t * 1e6, tuple(cfg), t_old_kernel * 1e6)
+            prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts)
+            if fmt == "fp8":  # 4 and 16 rows: int4_gemv's heuristic vs quant_gemv
+                for m in (4, 16):
+                    xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                    t_new = qdb.time_ring(partial(ig.int4_gemv, xm, bits=8), ring)
+                    t_q = qdb.time_ring(partial(quant_gemv.quant_gemv, "fp8", xm), canon_ring)
+                    parts.append(f"fp8 M={m} {t_new * 1e6:.1f} vs quant_gemv {t_q * 1e6:.1f} us")
+                    if t_q < t_new:
+                        tuned[("fp8", n, k, k, m)] = None
+                        ig.TUNED_CONFIGS[("fp8", n, k, k, m)] = None
+            del ring, canon_ring
+            torch.cuda.empty_cache()
+        line = f"{layer:7} M=1: " + " | ".join(parts)
+        print(line, flush=True)
+        TABLE.append(line)
+    print("\nint4_gemv.TUNED_CONFIGS (measured here) = {")
+    for key, cfg in list(tuned.items()) + list(tuned_pro.items()):
+        print(f"    {key!r}: {cfg!r},")
+    print("}")
+    print("common.GEMV_FUSE_SILU =", common.GEMV_FUSE_SILU)
+    SUMMARY["tuned"] = {repr(k): v for k, v in tuned.items()}
+    SUMMARY["tuned_prologue"] = {repr(k): v for k, v in tuned_pro.items()}
+
+
+def prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts) -> None:
+    """The norm (qkv, gate_up) or SiLU (down) prologue at one row: a few configs, fused vs the
+    prologue's own kernel + the GEMV; the SiLU choice is installed per format."""
+    if layer == "o":
+        return
+    b = bits_of(fmt)
+    w0, p0 = ring[0]
+    if layer == "down":
+        x = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+        kw: dict = {"silu_mul": True}
+        plain = silu_and_mul(x)
+        prologue = "silu"
+    else:
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        kw = {"norm": (nw, 1e-5)}
+        plain = rms_norm(x, nw, 1e-5)
+        prologue = "norm"
+    ref = ig.int4_gemv(plain, w0, p0, bits=b)
+    cfgs = [
+        C(*c)
+        for c in [
+            (128, 4, 1, 4, 3), (128, 8, 1, 4, 3), (64, 8, 1, 4, 3), (128, 4, 1, 4, 3, 2),
+            (128, 8, 1, 4, 3, 1, 1), (128, 4, 1, 4, 3, 2, 1), (64, 8, 1, 4, 3, 1, 1),
+        ]
+    ]  # fmt: skip
+    good = sweep_configs(fmt, x, ring, ref, cfgs, **kw)
+    if not good:
+        return
+    t, cfg = good[0]
+    key = (prologue, fmt_key(fmt), n, k, group_of(fmt, k), 1)
+    tuned_pro[key] = tuple(cfg)
+    ig.PROLOGUE_TUNED_CONFIGS[key] = tuple(cfg)
+    first = silu_and_mul if prologue == "silu" else partial(rms_norm, weight=nw, eps=1e-5)
+    t_apart = qdb.time_ring(lambda w, p: ig.int4_gemv(first(x), w, p, bits=b), ring)
+    fuse_key = "fp8" if fmt == "fp8" else b
+    if prologue == "silu":
+        common.GEMV_FUSE_SILU[fuse_key] = t < t_apart
+    parts.append(f"{fmt} {prologue} fused {t * 1e6:.1f} / apart {t_apart * 1e6:.1f} us")
+    print(f"  {fmt} {layer} {prologue}: " + "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good))
+
+
+@section("attention-layer kernels at one row")
+def attention_chain() -> None:
+    """32 layers of [norm-fused int4 qkv GEMV (+ the attention kernels)] in one CUDA graph: the
+    marginal time of ``rotary_kv_store`` and the attention per layer, and what the profiler
+    reports as their duration (with PDL a kernel starts early and waits inside)."""
+    from roofline.kernels import pdl
+    from roofline.kernels.decode_attention import decode_attention
+    from roofline.kernels.decode_attention_fused import fused_decode_attention
+    from roofline.kernels.kv_store import rotary_kv_store
+
+    layers, n, k = 32, 6144, 4096
+    weights = [make_weight("int4", n, k, seed=i)[:2] for i in range(layers)]
+    h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    pages, page_size, ctx = 64, 16, 160
+    kc = torch.randn(pages, page_size, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    cos_sin = torch.randn(4096, 128, device=DEVICE, dtype=torch.bfloat16)
+    pos = torch.tensor([ctx - 1], device=DEVICE)
+    slot = torch.tensor([ctx - 1], device=DEVICE, dtype=torch.int64)
+    table = torch.arange(pages, device=DEVICE, dtype=torch.int32)[None]
+    seq = torch.tensor([ctx], device=DEVICE, dtype=torch.int32)
+
+    def qkv(i):
+        out = ig.int4_gemv(h, *weights[i], norm=(nw, 1e-5))
+        return (
+            out[:, :4096].view(1, 32, 128),
+            out[:, 4096:5120].view(1, 8, 128),
+            out[:, 5120:].view(1, 8, 128),
+        )
+
+    def gemv_only(i):
+        qkv(i)
+
+    def rotary(i):
+        q, kk, v = qkv(i)
+        rotary_kv_store(q, kk, v, pos, cos_sin, kc, vc, slot)
+
+    def unfused(i):
+        q, kk, v = qkv(i)
+        rotary_kv_store(q, kk, v, pos, cos_sin, kc, vc, slot)
+        decode_attention(q, kc, vc, table, seq, 0.088, max_seq_len=ctx)
+
+    def fused(i):
+        q, kk, v = qkv(i)
+        fused_decode_attention(q, kk, v, pos, cos_sin, None, kc, vc, slot, table, seq, 0.088, ctx)
+
+    results = {}
+    for pdl_on in (True, False):
+        pdl.set_pdl(pdl_on)
+        for name, fn in (("gemv", gemv_only), ("+rotary", rotary), ("+rotary+attn", unfused),
+                         ("+fused attn", fused)):  # fmt: skip
+            if not pdl_on and name in ("+rotary+attn",):
+                continue
+            t = qdb.time_graph([partial(fn, i) for i in range(layers)]) * 1e6
+            results[(pdl_on, name)] = t
+            durs = profile_durations([partial(fn, i) for i in range(layers)])
+            shown = ", ".join(f"{kn[:26]} {d:.1f}" for kn, d in durs.items())
+            on = "on " if pdl_on else "off"
+            print(f"  PDL {on} {name:13}: {t:6.2f} us/layer; profiler {shown}", flush=True)
+    pdl.set_pdl(True)
+    for pdl_on in (True, False):
+        base = results[(pdl_on, "gemv")]
+        line = f"attention kernels, PDL {'on' if pdl_on else 'off'}: " + ", ".join(
+            f"{name} +{t - base:.2f} us/layer"
+            for (p, name), t in results.items()
+            if p == pdl_on and name != "gemv"
+        )
+        print(line)
+        TABLE.append(line)
+    SUMMARY["attention_chain"] = {f"{p} {n}": t for (p, n), t in results.items()}
+
+
+def profile_durations(calls: list) -> dict[str, float]:
+    """Mean profiler duration (us) per kernel name over one eager run of ``calls``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name:
+            per[e.name.split("(")[0]].append(e.device_time)
+    return {n: sum(v) / len(v) for n, v in per.items()}
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """CUDA bytes held by the model's tensors: parameters, buffers and tensor attributes (the
+    kernels' repacked copies), each storage counted once."""
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        tensors = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        tensors += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t.is_cuda:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def exclusive_profile(engine, label: str, steps: int = 20) -> None:
+    """Kernel time per batch-1 decode step by name: the profiler's duration and the exclusive
+    part (end - max(start, the latest end before it)): what each kernel adds to the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from roofline import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
+    engine.add_request(f"profile-{label}", [(7 * j) % 1000 + 10 for j in range(128)], params)
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    dur: dict[str, float] = collections.defaultdict(float)
+    excl: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    last_end = -1e30
+    for e in events:
+        name = e.name.split("(")[0][:60]
+        start, end = e.time_range.start, e.time_range.end
+        dur[name] += end - start
+        excl[name] += max(0.0, end - max(start, last_end))
+        count[name] += 1
+        last_end = max(last_end, end)
+    busy = sum(excl.values()) / steps
+    lines = [f"profile {label} batch 1: busy (union of kernels) {busy:.0f} us/step"]
+    for name in sorted(excl, key=lambda n: -excl[n])[:10]:
+        lines.append(
+            f"  {excl[name] / steps:7.1f} us/step exclusive, {dur[name] / steps:7.1f} duration, "
+            f"{count[name] / steps:4.0f}x  {name}"
+        )
+    print("\n".join(lines), flush=True)
+    SUMMARY[f"profile_{label}"] = lines
+
+
+@section("decode per method")
+def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
+    for method in methods:
+        llm = None
+        quant, _, variant = method.partition("/")
+        try:
+            common.USE_FP8_GEMV = variant != "old"
+            ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
+            t0 = time.perf_counter()
+            llm = LLM(
+                "llama-3.1-8b", load_format="dummy", device=DEVICE, max_model_len=1024,
+                max_num_seqs=1, kv_cache_memory_bytes=8 << 30,
+                quantization=None if quant == "bf16" else quant,
+            )  # fmt: skip
+            torch.cuda.synchronize()
+            startup = time.perf_counter() - t0
+            model = llm.llm_engine.runner.model
+            wbytes = gpu_quant.weight_bytes(llm)
+            resident = resident_bytes(model)
+            rows = latency.run(llm.llm_engine, ceil, [1], 128, 64)
+            print(latency.format_rows(rows), flush=True)
+            r = rows[0]
+            roof = 1e3 / r.roofline_step_ms  # weights + KV over this run's copy bandwidth
+            SUMMARY[f"decode_{method}"] = {
+                "startup_s": startup, "weight_bytes": wbytes, "resident_bytes": resident,
+                "bs1_tok_s": r.output_tok_s, "step_ms": r.step_ms_p50, "roofline_tok_s": roof,
+            }  # fmt: skip
+            TABLE.append(
+                f"{method:10} bs1 {r.output_tok_s:6.1f} tok/s = {r.roofline_pct:4.1f}% of its "
+                f"roofline ({roof:5.0f}); step {r.step_ms_p50:.3f} ms; weights {wbytes / 2**30:.2f}"
+                f" GiB read, {resident / 2**30:.2f} GiB resident; start-up {startup:.1f} s"
+            )
+            print(TABLE[-1], flush=True)
+            if method in profiled:
+                exclusive_profile(llm.llm_engine, method)
+        except Exception as e:  # noqa: BLE001
+            print(f"decode {method} FAILED: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+        finally:
+            common.USE_FP8_GEMV = True
+            ig.PREFETCH_BYTES = 16384
+            fused_decode.set_enabled(True)
+            llm = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-sweep", action="store_true", help="the committed tables as they are")
+    ap.add_argument("--methods", default="bf16,int8,int4,fp8,fp8/old,int8/pf64k")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    ceil = measure(torch.device("cuda"), torch.bfloat16)
+    bw = ceil.bandwidth_bytes_per_s
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
+    SUMMARY["copy_bw"] = bw
+    parity()
+    if not args.skip_sweep:
+        gemv_sweep(bw)
+    attention_chain()
+    decode(ceil, args.methods.split(","), profiled=("int4", "int8", "fp8"))
+    print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
+    print("\n".join(TABLE))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_gemv8.json"), "w") as f:
+        json.dump(SUMMARY, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

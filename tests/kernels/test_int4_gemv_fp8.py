@@ -1,0 +1,147 @@
+"""``kernels.int4_gemv`` over fp8 e4m3 weights (the canonical ``[N, K]`` weight read as int32
+words, one fp32 scale per row) and the ``preload`` configs (the first tile loaded before the PDL
+wait): against x times the exactly dequantized weight in plain torch, every e4m3 code decoded
+exactly, the prologues and epilogue against the unfused kernels, the refusals, and the fused
+decode layer's calls on an fp8 linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, assert_close
+
+from roofline.kernels import int4_gemv as ig
+from roofline.kernels.activation import silu_and_mul
+from roofline.kernels.rmsnorm import rms_norm
+from roofline.quantization import formats
+
+N, K = 40, 512
+
+
+def _fp8_weight(seed: int = 0, n: int = N, k: int = K):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    q, s = formats.quantize_fp8(w)
+    q.view(torch.uint8)[1, :16] = torch.arange(16, dtype=torch.uint8) | 0x80  # negative subnormals
+    return q.to(DEVICE), s.float().to(DEVICE)
+
+
+def _reference(x, q, s, bias=None):
+    out = x.float() @ (q.float() * s[:, None]).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,m,cfg",
+    [
+        (torch.bfloat16, 1, ig.Int4GemvConfig(64, 4, 1, 4, 2)),
+        (torch.bfloat16, 1, ig.Int4GemvConfig(64, 2, 1, 4, 2, 2, 1)),  # K on the grid, preload
+        (torch.bfloat16, 3, None),
+        (torch.float16, 1, ig.Int4GemvConfig(32, 2, 2, 2, 2)),
+        (torch.float16, 16, None),
+    ],
+)
+def test_fp8_matches_reference(dtype, m, cfg) -> None:
+    q, s = _fp8_weight()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, K, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
+    got = ig.int4_gemv(x, q, s, bias, bits=8, config=cfg)
+    assert_close(got, _reference(x, q, s, bias), dtype)
+
+
+def test_every_e4m3_code_decodes_exactly() -> None:
+    """Row r holds code r (NaN codes replaced by zero), scale 1, x = e_0: out[r] = value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    q = codes[:, None].expand(256, 128).contiguous().view(formats.FP8_DTYPE).to(DEVICE)
+    s = torch.ones(256, device=DEVICE)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE)
+    x[0, 0] = 1.0
+    got = ig.int4_gemv(x, q, s, bits=8, config=ig.Int4GemvConfig(64, 1, 1, 4, 2))
+    assert torch.equal(got[0].float(), q[:, 0].float())
+
+
+def test_fp8_prologues_and_residual() -> None:
+    q, s = _fp8_weight(seed=2)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm_w = (torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+    got = ig.int4_gemv(h, q, s, norm=(norm_w, 1e-5), bits=8)
+    assert_close(got, ig.int4_gemv(rms_norm(h, norm_w, 1e-5), q, s, bits=8), torch.bfloat16)
+    gate_up = torch.randn(1, 2 * K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(1, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = ig.int4_gemv(gate_up, q, s, silu_mul=True, residual=residual, bits=8)
+    plain = ig.int4_gemv(silu_and_mul(gate_up), q, s, bits=8)
+    assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
+
+
+def test_fp8_refusals() -> None:
+    q, s = _fp8_weight()
+    x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="fp8: 8"):
+        ig.int4_gemv(x, q, s, bits=4)
+    with pytest.raises(ValueError, match="fp32"):
+        ig.int4_gemv(x, q, s.to(torch.bfloat16), bits=8)
+    with pytest.raises(ValueError, match="does not match"):
+        ig.int4_gemv(torch.zeros(1, K // 2, dtype=torch.bfloat16, device=DEVICE), q, s, bits=8)
+    assert ig.weight_k(q, 8) == K and ig.supports(x, q, K, bits=8)
+    with pytest.raises(ValueError, match="cannot run"):  # preload needs one tile a step
+        ig.int4_gemv(x, q, s, bits=8, config=ig.Int4GemvConfig(64, 2, 2, 4, 2, 1, 1))
+
+
+def test_int4_and_int8_preload_match() -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    q4 = formats.quantize_int4(w, 64, False, torch.bfloat16)
+    q8 = formats.quantize_int8(w, K, torch.bfloat16)
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cfg = ig.Int4GemvConfig(64, 4, 1, 4, 3, 1, 1)
+    words4 = ig.repack_int4(q4.qweight.to(DEVICE))
+    pairs4 = ig.pack_scales(q4.scales.to(DEVICE), q4.offsets.to(DEVICE))
+    w4 = formats.dequantize_int4(*q4, torch.float32).to(DEVICE)
+    got = ig.int4_gemv(x, words4, pairs4, config=cfg)
+    assert_close(got, (x.float() @ w4.T).to(x.dtype), torch.bfloat16)
+    words8 = ig.repack_int8(q8.qweight.to(DEVICE))
+    pairs8 = ig.pack_scales(q8.scales.to(DEVICE), None)
+    w8 = formats.dequantize_int8(q8.qweight, q8.scales, torch.float32).to(DEVICE)
+    got = ig.int4_gemv(x, words8, pairs8, bits=8, config=cfg)
+    assert_close(got, (x.float() @ w8.T).to(x.dtype), torch.bfloat16)
+
+
+def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 linear's kernel layout is its own qweight and scales (no copy); the fused decode
+    layer's norm-prologue and SiLU + residual GEMMs equal the unfused composition."""
+    from torch import nn
+
+    from roofline.layers import fused_decode
+    from roofline.layers.linear import MergedLinear
+    from roofline.quantization import common
+    from roofline.quantization.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(5)
+    layer = MergedLinear(K, [N // 2, N // 2], bias=False, method=Fp8LinearMethod())
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    for shard in range(2):
+        layer.method.load(layer, shard, "weight", w[shard * N // 2 : (shard + 1) * N // 2])
+    layer = layer.to(DEVICE)
+    common.prepare_kernel_layout("fp8", layer, cuda_only=False)
+    assert layer.gemv_words is layer.qweight and layer.gemv_bits == 8 and layer.gemv_group == K
+    assert fused_decode._gemv_linear(layer)
+    for fuse in (True, False):
+        monkeypatch.setitem(common.GEMV_FUSE_SILU, "fp8", fuse)
+        norm = nn.Module()
+        norm.weight = nn.Parameter((torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16))
+        norm.weight.data = norm.weight.data.to(DEVICE)
+        norm.eps = 1e-5
+        h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = fused_decode.norm_linear(layer, norm, h)
+        plain = _reference(rms_norm(h, norm.weight, 1e-5), layer.qweight, layer.scales)
+        assert_close(got, plain, torch.bfloat16)
+        gate_up = torch.randn(1, 2 * K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        residual = torch.randn(1, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = fused_decode.linear_add(layer, gate_up, residual, silu_mul=True)
+        plain = _reference(silu_and_mul(gate_up), layer.qweight, layer.scales)
+        assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
