@@ -13,7 +13,10 @@ as it is), one session.
    then followed by ``rotary_kv_store`` (PDL on and off), by ``rotary_kv_store`` +
    ``decode_attention``, and by the fused decode attention, in one CUDA graph each: the marginal
    microseconds of each kernel beside the duration the profiler reports for it;
-4. 8B batch-1 decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on ``quant_gemv``;
+4. int4 / int8 at 32-256 rows: ``int4_gemv`` row tiles over the repacked copy vs today's
+   ``mixed_gemm`` (or dequantize + cuBLAS) vs dequantizing the repacked copy; winners installed
+   (a layer all of whose buckets int4_gemv covers keeps only the repacked copy);
+5. 8B batch-1 (and 32) decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on ``quant_gemv``;
    ``/pf64k``: a 64 KiB L2 prefetch a program before the PDL wait), each beside its roofline
    (weight bytes + KV over the copy bandwidth of this run), the weights' logical and resident
    GiB, and a kernel profile of the quantized steps with each kernel's exclusive time (its part
@@ -293,6 +296,75 @@ def prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts) -> None:
     print(f"  {fmt} {layer} {prologue}: " + "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good))
 
 
+ROW_TILE_CANDIDATES = [  # no or few register spills on sm_90 (ptxas, int4 and int8)
+    C(*c)
+    for c in [
+        (64, 1, 1, 4, 3, 1, 0, 32), (64, 1, 1, 4, 4, 1, 0, 32), (64, 1, 1, 4, 2, 1, 0, 32),
+        (64, 2, 1, 4, 3, 1, 0, 16), (128, 2, 1, 4, 3, 1, 0, 16), (64, 1, 1, 4, 3, 2, 0, 32),
+        (128, 1, 2, 8, 3, 1, 0, 32), (128, 1, 1, 8, 3, 1, 0, 32), (64, 1, 1, 8, 3, 1, 0, 64),
+        (64, 1, 1, 8, 2, 1, 0, 64), (128, 1, 1, 8, 3, 1, 0, 64), (128, 1, 1, 4, 3, 1, 0, 32),
+    ]
+]  # fmt: skip
+
+
+def _dequant_linear(x: torch.Tensor, bits: int, words: torch.Tensor, pairs: torch.Tensor):
+    from roofline.kernels.int4_gemv_tiles import dequantize_words
+
+    return torch.nn.functional.linear(x, dequantize_words(words, pairs, bits, x.dtype))
+
+
+@section("row tiles above 16 rows")
+def row_tiles(copy_bw: float) -> None:
+    """int4 / int8 at 32-256 rows: ``int4_gemv`` in row tiles over the repacked copy against
+    what those batches run today (``mixed_gemm``'s table config, or dequantize + cuBLAS where
+    it chose that) and against dequantizing the repacked copy + cuBLAS. The faster of the two
+    repacked paths is installed where it is within 3% of today's or faster (None: dequantize);
+    a layer whose buckets are all covered keeps only the repacked copy (quantization.repacked)."""
+    from roofline.kernels import mixed_gemm
+    from roofline.kernels.dequant_gemm import dequant_cublas_gemm
+
+    tuned: dict = {}
+    for fmt in ("int4", "int8"):
+        for layer, (n, k) in SHAPES.items():
+            ring, canon_ring, deq = ring_of(fmt, n, k)
+            qbytes = qdb.nbytes(*ring[0])
+            parts = []
+            for m in (32, 64, 128, 256):
+                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                cfg = mixed_gemm.pick_config(fmt, m, n, k, x.device)
+                if cfg is None:
+                    now = partial(dequant_cublas_gemm, fmt, x)
+                else:
+                    now = partial(mixed_gemm.mixed_gemm, fmt, x, config=cfg)
+                t_now = qdb.time_ring(lambda q, s, o, f=now: f(q, s, o), canon_ring)
+                t_dq = qdb.time_ring(partial(_dequant_linear, x, bits_of(fmt)), ring)
+                ref = (x.float() @ deq.T).to(x.dtype)
+                good = sweep_configs(fmt, x, ring, ref, ROW_TILE_CANDIDATES)
+                t_new, best = good[0] if good else (math.nan, None)
+                key = (fmt_key(fmt), n, k, group_of(fmt, k), m)
+                pick = (t_dq, None) if not t_new <= t_dq else (t_new, best)  # None: repack dq
+                if pick[0] <= 1.03 * t_now:  # the released layer's path at this bucket
+                    tuned[key] = None if pick[1] is None else tuple(pick[1])
+                    ig.TUNED_CONFIGS[key] = tuned[key]
+                parts.append(
+                    f"M={m} {'mixed' if cfg else 'dq+cuBLAS'} {t_now * 1e6:.1f} | row tiles "
+                    f"{t_new * 1e6:.1f} ({100 * qbytes / t_new / copy_bw:.0f}%) | repack dq "
+                    f"{t_dq * 1e6:.1f} us"
+                )
+                print(f"  {fmt} {layer} M={m}: " + "; ".join(
+                    f"{tuple(c)} {t * 1e6:.1f}" for t, c in good), flush=True)  # fmt: skip
+            line = f"{fmt} {layer:7} " + " || ".join(parts)
+            print(line, flush=True)
+            TABLE.append(line)
+            del ring, canon_ring
+            torch.cuda.empty_cache()
+    print("\nint4_gemv.TUNED_CONFIGS row tiles (measured here) = {")
+    for key, cfg in tuned.items():
+        print(f"    {key!r}: {cfg!r},")
+    print("}")
+    SUMMARY["tuned_row_tiles"] = {repr(k): v for k, v in tuned.items()}
+
+
 @section("attention-layer kernels at one row")
 def attention_chain() -> None:
     """32 layers of [norm-fused int4 qkv GEMV (+ the attention kernels)] in one CUDA graph: the
@@ -445,6 +517,7 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 @section("decode per method")
 def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
     for method in methods:
+        batches = [1, 32] if method in ("bf16", "int8", "int4") else [1]
         llm = None
         quant, _, variant = method.partition("/")
         try:
@@ -453,7 +526,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             t0 = time.perf_counter()
             llm = LLM(
                 "llama-3.1-8b", load_format="dummy", device=DEVICE, max_model_len=1024,
-                max_num_seqs=1, kv_cache_memory_bytes=8 << 30,
+                max_num_seqs=max(batches), kv_cache_memory_bytes=8 << 30,
                 quantization=None if quant == "bf16" else quant,
             )  # fmt: skip
             torch.cuda.synchronize()
@@ -461,18 +534,25 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             model = llm.llm_engine.runner.model
             wbytes = gpu_quant.weight_bytes(llm)
             resident = resident_bytes(model)
-            rows = latency.run(llm.llm_engine, ceil, [1], 128, 64)
+            rows = latency.run(llm.llm_engine, ceil, batches, 128, 64)
             print(latency.format_rows(rows), flush=True)
             r = rows[0]
+            released = sum(
+                bool(getattr(m, "canonical_released", False)) for m in model.modules()
+            )  # layers keeping only the repacked copy
             roof = 1e3 / r.roofline_step_ms  # weights + KV over this run's copy bandwidth
             SUMMARY[f"decode_{method}"] = {
                 "startup_s": startup, "weight_bytes": wbytes, "resident_bytes": resident,
                 "bs1_tok_s": r.output_tok_s, "step_ms": r.step_ms_p50, "roofline_tok_s": roof,
+                "released_layers": released,
+                "step_ms_by_batch": {x.batch_size: x.step_ms_p50 for x in rows},
             }  # fmt: skip
             TABLE.append(
                 f"{method:10} bs1 {r.output_tok_s:6.1f} tok/s = {r.roofline_pct:4.1f}% of its "
                 f"roofline ({roof:5.0f}); step {r.step_ms_p50:.3f} ms; weights {wbytes / 2**30:.2f}"
-                f" GiB read, {resident / 2**30:.2f} GiB resident; start-up {startup:.1f} s"
+                f" GiB read, {resident / 2**30:.2f} GiB resident ({released} layers repacked "
+                f"only); start-up {startup:.1f} s"
+                + "".join(f"; b{x.batch_size} {x.step_ms_p50:.2f} ms" for x in rows[1:])
             )
             print(TABLE[-1], flush=True)
             if method in profiled:
@@ -503,6 +583,7 @@ def main() -> None:
     parity()
     if not args.skip_sweep:
         gemv_sweep(bw)
+        row_tiles(bw)
     attention_chain()
     decode(ceil, args.methods.split(","), profiled=("int4", "int8", "fp8"))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")

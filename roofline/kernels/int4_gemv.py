@@ -57,10 +57,11 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.gemv import _first, _mul_rn, _silu_mul, m_bucket
+from roofline.kernels.gemv import _mul_rn, m_bucket
 from roofline.kernels.int4_gemv_configs import (
     MAX_ROWS,
     PROLOGUE_TUNED_CONFIGS,
+    TILED_MAX_ROWS,
     TUNED_CONFIGS,
     Int4GemvConfig,
     _resolve,
@@ -69,6 +70,7 @@ from roofline.kernels.int4_gemv_configs import (
     prologue_heuristic,
     takes,
 )
+from roofline.kernels.int4_gemv_tiles import _tile
 from roofline.kernels.int4_layout import (
     TILE_K,
     can_repack,
@@ -82,182 +84,11 @@ from roofline.kernels.int4_layout import (
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 __all__ = [
-    "MAX_ROWS", "PROLOGUE_TUNED_CONFIGS", "TILE_K", "TUNED_CONFIGS", "Int4GemvConfig",
-    "_resolve", "can_repack", "heuristic_config", "int4_gemv", "int4_gemv_ref", "pack_scales",
-    "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports", "takes",
-    "unrepack_int4", "unrepack_int8",
+    "MAX_ROWS", "PROLOGUE_TUNED_CONFIGS", "TILED_MAX_ROWS", "TILE_K", "TUNED_CONFIGS",
+    "Int4GemvConfig", "_resolve", "can_repack", "heuristic_config", "int4_gemv", "int4_gemv_ref",
+    "pack_scales", "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports",
+    "takes", "unrepack_int4", "unrepack_int8", "weight_k",
 ]  # fmt: skip
-
-
-@triton.constexpr_function
-def _e4m3_asm(bf16):
-    """PTX: e4m3 bytes 0, 1 of ``$2`` -> the 16-bit pair ``$0``, bytes 2, 3 -> ``$1``. bf16: shift
-    4, fields 0x07F0, times 2^120 (0x7B80); fp16: shift 1, fields 0x3F80, times 2^8 (0x5C00)."""
-    sh, mask, scale, kind = (
-        ("4", "0x07F007F0", "0x7B807B80", "bf16x2")
-        if bf16
-        else ("1", "0x3F803F80", "0x5C005C00", "f16x2")
-    )
-    return (
-        "{ .reg .b32 a<2>, b<2>, c; mov.b32 c, " + scale + "; "
-        "prmt.b32 a0, 0, $2, 0x5140; prmt.b32 a1, 0, $2, 0x7362; "
-        "shr.b32 b0, a0, " + sh + "; shr.b32 b1, a1, " + sh + "; "
-        "and.b32 b0, b0, " + mask + "; and.b32 b1, b1, " + mask + "; "
-        "lop3.b32 b0, b0, 0x80008000, a0, 0xf8; lop3.b32 b1, b1, 0x80008000, a1, 0xf8; "
-        "mul.rn." + kind + " $0, b0, c; mul.rn." + kind + " $1, b1, c; }"
-    )
-
-
-@triton.jit
-def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
-    """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
-    ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
-    src = words >> SH if SH > 0 else words
-    if ASM:  # one lop3: (src & 0x000F000F) | MAGIC
-        v = tl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 983055, " + _decimal(MAGIC) + ", 234;", "=r,r", [src],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        v = (src & 0x000F000F) | MAGIC
-    lo = v.to(tl.int16).to(DTYPE, bitcast=True)
-    hi = (v >> 16).to(tl.int16).to(DTYPE, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
-
-
-@triton.constexpr_function
-def _decimal(value):
-    return str(int(value))
-
-
-@triton.jit
-def _cat(a, b):
-    """``[R, C]`` and ``[R, C]`` -> ``[R, 2C]`` (a's columns first)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
-
-
-@triton.jit
-def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
-             DTYPE: tl.constexpr):  # fmt: skip
-    """Nibble pairs P0 .. P0 + PAIRS - 1 of a tile's words: the ``[rows, 32 * PAIRS]`` operand of
-    tile elements ``32 P0 ..``."""
-    if PAIRS == 1:
-        a = _pair(words, 4 * P0, MAGIC, ASM, DTYPE)
-    elif PAIRS == 2:
-        a = _cat(
-            _pair(words, 4 * P0, MAGIC, ASM, DTYPE), _pair(words, 4 * P0 + 4, MAGIC, ASM, DTYPE)
-        )
-    else:
-        a = _cat(
-            _cat(_pair(words, 0, MAGIC, ASM, DTYPE), _pair(words, 4, MAGIC, ASM, DTYPE)),
-            _cat(_pair(words, 8, MAGIC, ASM, DTYPE), _pair(words, 12, MAGIC, ASM, DTYPE)),
-        )
-    return a
-
-
-@triton.jit
-def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """A row tile of e4m3 bytes read as ``[rows, 32]`` int32 words (element ``4 w + b`` in byte b
-    of word w) -> the ``[rows, 128]`` operand in x's dtype, exactly. Compiled: each byte moves to
-    the top of a 16-bit lane, its exponent and mantissa shift into the 16-bit type's fields (sign
-    kept) and one paired multiply rebiases the exponent (bf16 by 2^120, fp16 by 2^8; subnormals
-    and zeros included), about 2.5 instructions an element, no conversion unit."""
-    if ASM:
-        pairs = tl.inline_asm_elementwise(
-            _e4m3_asm(DTYPE == tl.bfloat16), "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
-            is_pure=True, pack=1,
-        )  # fmt: skip
-        e0 = pairs[0].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w, 4w + 1
-        e1 = (pairs[0] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
-        e2 = pairs[1].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w + 2, 4w + 3
-        e3 = (pairs[1] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
-    else:  # the interpreter: decode each byte arithmetically (exact in fp32)
-        e0 = _e4m3_value(words).to(DTYPE)
-        e1 = _e4m3_value(words >> 8).to(DTYPE)
-        e2 = _e4m3_value(words >> 16).to(DTYPE)
-        e3 = _e4m3_value(words >> 24).to(DTYPE)
-    tile = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [rows, 32, pair, half]: 4 w + 2 p + h
-    return tl.reshape(tile, (words.shape[0], 4 * words.shape[1]))
-
-
-@triton.jit
-def _e4m3_value(byte):
-    """The e4m3 value of the low byte of each int32 as fp32 (finite values)."""
-    e = (byte >> 3) & 0xF
-    m = (byte & 0x7).to(tl.float32)
-    mag = tl.where(
-        e == 0, m * 0.125 * 0.015625, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32))
-    )
-    return tl.where((byte & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def _norm_tile(x, w, rstd, ASM: tl.constexpr):
-    """``w * (x * rstd).to(dtype)`` rounded as ``rms_norm`` rounds it, for one x tile; computed
-    once per element in the load layout (the reduction over an axis of one element keeps
-    Triton from recomputing it in the dot operand's replicated layout, as ``gemv._silu_mul``)."""
-    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-    out = (normed * w.to(tl.float32)).to(x.dtype)
-    if ASM:
-        out = tl.reduce(tl.reshape(out, (out.shape[0], 1, out.shape[1])), 1, _first)
-    return out
-
-
-@triton.jit
-def _scale_pair(ptrs, PAIR32: tl.constexpr):
-    """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs."""
-    if PAIR32:
-        v = tl.load(ptrs.to(tl.pointer_type(tl.int32)))  # [BN]: scale low, offset high
-        S_DTYPE: tl.constexpr = ptrs.dtype.element_ty
-        s = v.to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
-        o = (v >> 16).to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
-    else:
-        s = tl.load(ptrs).to(tl.float32)
-        o = tl.load(ptrs + 1).to(tl.float32)
-    return s, o
-
-
-@triton.jit
-def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
-          BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
-          PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-          ASM: tl.constexpr, PAIR32: tl.constexpr):  # fmt: skip
-    """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
-    and ``words_hi``; FP8: e4m3 bytes) against the matching x tile, group by group."""
-    DTYPE: tl.constexpr = ones.dtype
-    # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
-    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
-    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
-    for j in tl.static_range(128 // GK):
-        kg = kt + GK * j
-        if SILU_MUL:
-            xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
-            xt1 = xt
-        elif NORM:
-            xt = _norm_tile(tl.load(x_ptrs + kg), tl.load(nw_ptrs + kg), rstd, ASM)
-            xt1 = xt
-        elif FP8:  # no offsets: no sum of x
-            xt = tl.load(x_ptrs + kg)
-            xt1 = xt
-        else:  # two loads of the same tile (one per dot's operand layout): both are pipelined
-            # by cp.async, where one tile feeding both dots would not be
-            xt = tl.load(x_ptrs + kg)  # [GK, C]
-            xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
-        if FP8:  # [BN, 32] words of e4m3 bytes: sum q x; the row's scale comes at the end
-            acc = tl.dot(_fp8_operand(words, DTYPE, ASM), xt, acc)
-        else:
-            a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
-            d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
-            if BITS == 8:
-                a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
-                d = tl.dot(a_hi, xt, d)
-            xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
-            if GROUP <= 128:
-                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
-            else:  # a slice may start inside a group; a 128-tile never straddles one
-                s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
-            acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
-    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -269,8 +100,8 @@ def _int4_gemv_kernel(
     out_ptr,  # [M, N]
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
     residual_ptr,  # [M, N] added to the result (RESIDUAL)
-    part_ptr,  # [KGRID, N, BLOCK_M] fp32 partial sums (KGRID > 1)
-    count_ptr,  # [row blocks] int32 arrival counters, zero between launches (KGRID > 1)
+    part_ptr,  # [KGRID, N, M blocks * BLOCK_M] fp32 partial sums (KGRID > 1)
+    count_ptr,  # [programs] int32 arrival counters, zero between launches (KGRID > 1)
     M,
     N,
     K,
@@ -287,7 +118,7 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
-    BLOCK_M: tl.constexpr,  # x rows per slice (M's bucket)
+    BLOCK_M: tl.constexpr,  # x rows per slice and program (M's bucket; above 16 rows a tile)
     KSPLIT: tl.constexpr,
     KGRID: tl.constexpr,  # K parts on grid axis 1
     TILES: tl.constexpr,
@@ -311,14 +142,16 @@ def _int4_gemv_kernel(
     PAIRS: tl.constexpr = GK // 32
     ROWS: tl.constexpr = BLOCK_N // KSPLIT
     COLS: tl.constexpr = KSPLIT * BLOCK_M
-    pid = tl.program_id(0)
+    num_mb = tl.cdiv(M, BLOCK_M)  # row tiles of x (one up to 16 rows): adjacent programs
+    pid_m = tl.program_id(0) % num_mb  # share their weight rows (L2)
+    pid = tl.program_id(0) // num_mb
     k_origin = tl.program_id(1) * (k_slice * KSPLIT)  # this program's K part
     r = tl.arange(0, BLOCK_N)
     slice_r = r // ROWS  # [BN]: the K-slice of each MMA row
     rows = tl.minimum(pid * ROWS + r % ROWS, N - 1).to(tl.int64)  # clamped: padding re-reads
     c = tl.arange(0, COLS)
     slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
-    m_c = tl.minimum(c % BLOCK_M, M - 1).to(tl.int64)
+    m_c = tl.minimum(pid_m * BLOCK_M + c % BLOCK_M, M - 1).to(tl.int64)
     offs_w = tl.arange(0, 32 if FP8 else 16)  # one plane's words of a tile
     slice_words = k_slice // 128 * WPT
     q_row = q_ptr + k_origin // 128 * WPT + rows * stride_qn + slice_r * slice_words  # [BN]
@@ -371,22 +204,24 @@ def _int4_gemv_kernel(
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
     offs_n = pid * ROWS + tl.arange(0, ROWS)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if FP8:  # the row's scale (partial sums are scaled before they are added: still ordered)
         res *= tl.load(so_ptr + tl.minimum(offs_n, N - 1))[:, None]
     if KGRID == 1:
         _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
                 HAS_BIAS, RESIDUAL)  # fmt: skip
     else:  # partial sums out; the row block's last program to arrive adds them in part order
-        rows_p = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * BLOCK_M + offs_m[None, :]
-        tl.store(part_ptr + tl.program_id(1) * N * BLOCK_M + rows_p, res)  # [ROWS, BM]
+        m_pad = num_mb * BLOCK_M
+        rows_p = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * m_pad + offs_m[None, :]
+        part_size = N.to(tl.int64) * m_pad
+        tl.store(part_ptr + tl.program_id(1) * part_size + rows_p, res)  # [ROWS, BM]
         tl.debug_barrier()  # every thread's partials before the arrival (release, gpu scope)
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == KGRID - 1:
             total = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
             for part in range(KGRID):
-                total += tl.load(part_ptr + part * N * BLOCK_M + rows_p, cache_modifier=".cg")
-            tl.store(count_ptr + pid, 0)  # zero again for the next launch
+                total += tl.load(part_ptr + part * part_size + rows_p, cache_modifier=".cg")
+            tl.store(count_ptr + tl.program_id(0), 0)  # zero again for the next launch
             _finish(total, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om,
                     stride_rm, HAS_BIAS, RESIDUAL)  # fmt: skip
 
@@ -469,8 +304,10 @@ def int4_gemv(
     k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} does not match weight [{n}, {k}]")
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"int4_gemv: M = {m} rows; it takes 1 to {MAX_ROWS}")
+    if not 1 <= m <= TILED_MAX_ROWS:
+        raise ValueError(
+            f"int4_gemv: M = {m} rows; it takes 1 to {MAX_ROWS} (to {TILED_MAX_ROWS} in row tiles)"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"int4_gemv: x must be bf16 or fp16, got {x.dtype}")
     if fp8:
@@ -499,9 +336,11 @@ def int4_gemv(
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rows = cfg.block_n // cfg.ksplit
-    grid = (triton.cdiv(n, rows), cfg.kgrid)
+    block_m = cfg.block_m or m_bucket(m)
+    num_mb = triton.cdiv(m, block_m)
+    grid = (triton.cdiv(n, rows) * num_mb, cfg.kgrid)
     if cfg.kgrid > 1:
-        parts = torch.empty(cfg.kgrid, n, m_bucket(m), dtype=torch.float32, device=x.device)
+        parts = torch.empty(cfg.kgrid, n, num_mb * block_m, dtype=torch.float32, device=x.device)
         counts = _counters(x.device, grid[0])
     else:
         parts = counts = out
@@ -524,7 +363,7 @@ def int4_gemv(
         residual.stride(0) if residual is not None else 0, 1.0 / k,
         norm[1] if norm is not None else 0.0,
         BITS=bits, FP8=fp8, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-        BLOCK_M=m_bucket(m),
+        BLOCK_M=block_m,
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,

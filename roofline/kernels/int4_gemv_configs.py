@@ -14,6 +14,9 @@ from roofline.kernels.gemv import m_bucket
 from roofline.kernels.int4_layout import TILE_K, can_repack
 
 MAX_ROWS = 16
+TILED_MAX_ROWS = 256
+"""Above MAX_ROWS rows the kernel runs in row tiles of ``block_m`` (a GEMM), where a table
+entry of M's bucket (32 ... 256) says so; otherwise such batches are not taken."""
 
 
 class Int4GemvConfig(NamedTuple):
@@ -24,6 +27,7 @@ class Int4GemvConfig(NamedTuple):
     num_stages: int
     kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
     preload: int = 0  # 1: the first tile into registers before the PDL wait (tiles == 1)
+    block_m: int = 0  # x rows a program (above MAX_ROWS rows: 16 to 64); 0: M's bucket
 
 
 # (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields (bits "fp8": e4m3, group = K), from
@@ -116,14 +120,21 @@ def pick_config(
 ) -> Int4GemvConfig | None:
     """The measured config of M's bucket (and prologue), else the heuristic's; None where the
     table says the other decode kernel is faster (no prologue)."""
-    key = (bits, n, k, group, m_bucket(m))  # bits: 4, 8, or "fp8"
+    key = (bits, n, k, group, row_bucket(m))  # bits: 4, 8, or "fp8"
     if prologue is not None:
         tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
         return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
     if key in TUNED_CONFIGS:
         tuned = TUNED_CONFIGS[key]
         return None if tuned is None else Int4GemvConfig(*tuned)
+    if m > MAX_ROWS:  # row tiles only where measured
+        return None
     return heuristic_config(n, k, group, m, num_sms(device))
+
+
+def row_bucket(m: int) -> int:
+    """The table key of M rows: ``m_bucket`` up to 16, then the next power of two."""
+    return m_bucket(m) if m <= MAX_ROWS else triton.next_power_of_2(m)
 
 
 def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
@@ -133,6 +144,8 @@ def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
     if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
         return None
     if cfg.preload and cfg.tiles != 1:
+        return None
+    if cfg.block_m and (cfg.block_m & (cfg.block_m - 1) or not 16 <= cfg.block_m <= 64):
         return None
     k_slice = k // (cfg.ksplit * cfg.kgrid)
     if k_slice % (TILE_K * cfg.tiles):
@@ -153,7 +166,7 @@ def takes(
     norm prologue takes one row."""
     fp8 = words.dtype == torch.float8_e4m3fn
     k = words.shape[1] if fp8 else words.shape[1] * 32 // bits
-    if not 1 <= m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
+    if not 1 <= m <= TILED_MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return False
     if prologue == "norm" and m != 1:
         return False

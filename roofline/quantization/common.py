@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roofline.quantization import formats
+from roofline.quantization import formats, repacked
 from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
@@ -153,6 +153,8 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
+    if getattr(layer, "canonical_released", False):  # the repacked copy only (repacked.py)
+        return repacked.repacked_linear(layer, x, bias)
     words = getattr(layer, "gemv_words", None)
     if words is not None and x.shape[0] <= GEMV_MAX_ROWS:
         from roofline.kernels import int4_gemv
@@ -216,6 +218,8 @@ def silu_mul_linear(
         x = gate_up if fused else silu_and_mul(gate_up)
         if int4_gemv.supports(x, words, layer.gemv_group, silu_mul=fused, bits=bits):
             return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, silu_mul=fused, bits=bits)
+        if getattr(layer, "canonical_released", False):
+            return repacked.repacked_linear(layer, silu_and_mul(gate_up), bias)
     if USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -268,6 +272,15 @@ class CanonicalLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         prepare_kernel_layout(self.kind, layer)
+        repacked.release_canonical(self.kind, layer)
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """A repacked layer's decode reads its kernel copy (the same bytes as the canonical
+        tensors, int8's zero offsets aside), which may be all it keeps."""
+        if getattr(layer, "gemv_words", None) is None:
+            return super().weight_bytes(layer)
+        tensors = {id(t): t for t in (layer.gemv_words, layer.gemv_pairs)}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quantized_linear(self.kind, layer, x, bias)

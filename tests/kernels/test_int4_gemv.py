@@ -112,6 +112,8 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="does not match"):
         ig.int4_gemv(x, words, pairs)
     with pytest.raises(ValueError, match="rows"):
+        ig.int4_gemv(torch.zeros(257, K, dtype=torch.bfloat16, device=DEVICE), words, pairs)
+    with pytest.raises(ValueError, match="not taken"):  # row tiles only where measured
         ig.int4_gemv(torch.zeros(17, K, dtype=torch.bfloat16, device=DEVICE), words, pairs)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         ig.int4_gemv(torch.zeros(1, K, device=DEVICE), words, pairs)

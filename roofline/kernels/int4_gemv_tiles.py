@@ -1,0 +1,246 @@
+"""The register-level pieces of ``kernels.int4_gemv``: each layout's weight tile turned into a
+16-bit MMA operand (int4 / int8 nibble planes by one ``lop3`` per word and nibble pair; fp8 e4m3
+by byte permutes and one paired multiply), the prologues' x tiles (RMSNorm, SiLU-and-mul), one
+tile's group-wise accumulation (``_tile``), and ``dequantize_words``: a repacked weight back to
+a 16-bit ``[N, K]`` matrix in one launch (the dequantize + cuBLAS path of large batches)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.gemv import _first, _silu_mul
+
+
+@triton.constexpr_function
+def _e4m3_asm(bf16):
+    """PTX: e4m3 bytes 0, 1 of ``$2`` -> the 16-bit pair ``$0``, bytes 2, 3 -> ``$1``. bf16: shift
+    4, fields 0x07F0, times 2^120 (0x7B80); fp16: shift 1, fields 0x3F80, times 2^8 (0x5C00)."""
+    sh, mask, scale, kind = (
+        ("4", "0x07F007F0", "0x7B807B80", "bf16x2")
+        if bf16
+        else ("1", "0x3F803F80", "0x5C005C00", "f16x2")
+    )
+    return (
+        "{ .reg .b32 a<2>, b<2>, c; mov.b32 c, " + scale + "; "
+        "prmt.b32 a0, 0, $2, 0x5140; prmt.b32 a1, 0, $2, 0x7362; "
+        "shr.b32 b0, a0, " + sh + "; shr.b32 b1, a1, " + sh + "; "
+        "and.b32 b0, b0, " + mask + "; and.b32 b1, b1, " + mask + "; "
+        "lop3.b32 b0, b0, 0x80008000, a0, 0xf8; lop3.b32 b1, b1, 0x80008000, a1, 0xf8; "
+        "mul.rn." + kind + " $0, b0, c; mul.rn." + kind + " $1, b1, c; }"
+    )
+
+
+@triton.jit
+def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
+    ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
+    src = words >> SH if SH > 0 else words
+    if ASM:  # one lop3: (src & 0x000F000F) | MAGIC
+        v = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 983055, " + _decimal(MAGIC) + ", 234;", "=r,r", [src],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        v = (src & 0x000F000F) | MAGIC
+    lo = v.to(tl.int16).to(DTYPE, bitcast=True)
+    hi = (v >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.constexpr_function
+def _decimal(value):
+    return str(int(value))
+
+
+@triton.jit
+def _cat(a, b):
+    """``[R, C]`` and ``[R, C]`` -> ``[R, 2C]`` (a's columns first)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+             DTYPE: tl.constexpr):  # fmt: skip
+    """Nibble pairs P0 .. P0 + PAIRS - 1 of a tile's words: the ``[rows, 32 * PAIRS]`` operand of
+    tile elements ``32 P0 ..``."""
+    if PAIRS == 1:
+        a = _pair(words, 4 * P0, MAGIC, ASM, DTYPE)
+    elif PAIRS == 2:
+        a = _cat(
+            _pair(words, 4 * P0, MAGIC, ASM, DTYPE), _pair(words, 4 * P0 + 4, MAGIC, ASM, DTYPE)
+        )
+    else:
+        a = _cat(
+            _cat(_pair(words, 0, MAGIC, ASM, DTYPE), _pair(words, 4, MAGIC, ASM, DTYPE)),
+            _cat(_pair(words, 8, MAGIC, ASM, DTYPE), _pair(words, 12, MAGIC, ASM, DTYPE)),
+        )
+    return a
+
+
+@triton.jit
+def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """A row tile of e4m3 bytes read as ``[rows, 32]`` int32 words (element ``4 w + b`` in byte b
+    of word w) -> the ``[rows, 128]`` operand in x's dtype, exactly. Compiled: each byte moves to
+    the top of a 16-bit lane, its exponent and mantissa shift into the 16-bit type's fields (sign
+    kept) and one paired multiply rebiases the exponent (bf16 by 2^120, fp16 by 2^8; subnormals
+    and zeros included), about 2.5 instructions an element, no conversion unit."""
+    if ASM:
+        pairs = tl.inline_asm_elementwise(
+            _e4m3_asm(DTYPE == tl.bfloat16), "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        e0 = pairs[0].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w, 4w + 1
+        e1 = (pairs[0] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+        e2 = pairs[1].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w + 2, 4w + 3
+        e3 = (pairs[1] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    else:  # the interpreter: decode each byte arithmetically (exact in fp32)
+        e0 = _e4m3_value(words).to(DTYPE)
+        e1 = _e4m3_value(words >> 8).to(DTYPE)
+        e2 = _e4m3_value(words >> 16).to(DTYPE)
+        e3 = _e4m3_value(words >> 24).to(DTYPE)
+    tile = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [rows, 32, pair, half]: 4 w + 2 p + h
+    return tl.reshape(tile, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """The e4m3 value of the low byte of each int32 as fp32 (finite values)."""
+    e = (byte >> 3) & 0xF
+    m = (byte & 0x7).to(tl.float32)
+    mag = tl.where(
+        e == 0, m * 0.125 * 0.015625, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32))
+    )
+    return tl.where((byte & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _norm_tile(x, w, rstd, ASM: tl.constexpr):
+    """``w * (x * rstd).to(dtype)`` rounded as ``rms_norm`` rounds it, for one x tile; computed
+    once per element in the load layout (the reduction over an axis of one element keeps
+    Triton from recomputing it in the dot operand's replicated layout, as ``gemv._silu_mul``)."""
+    normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+    out = (normed * w.to(tl.float32)).to(x.dtype)
+    if ASM:
+        out = tl.reduce(tl.reshape(out, (out.shape[0], 1, out.shape[1])), 1, _first)
+    return out
+
+
+@triton.jit
+def _scale_pair(ptrs, PAIR32: tl.constexpr):
+    """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs."""
+    if PAIR32:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.int32)))  # [BN]: scale low, offset high
+        S_DTYPE: tl.constexpr = ptrs.dtype.element_ty
+        s = v.to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
+        o = (v >> 16).to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
+    else:
+        s = tl.load(ptrs).to(tl.float32)
+        o = tl.load(ptrs + 1).to(tl.float32)
+    return s, o
+
+
+@triton.jit
+def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
+          BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
+          PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+          ASM: tl.constexpr, PAIR32: tl.constexpr):  # fmt: skip
+    """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
+    and ``words_hi``; FP8: e4m3 bytes) against the matching x tile, group by group."""
+    DTYPE: tl.constexpr = ones.dtype
+    # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
+    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
+    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
+    for j in tl.static_range(128 // GK):
+        kg = kt + GK * j
+        if SILU_MUL:
+            xt = _silu_mul(tl.load(x_ptrs + kg), tl.load(x_ptrs + kg + K), ASM, True)
+            xt1 = xt
+        elif NORM:
+            xt = _norm_tile(tl.load(x_ptrs + kg), tl.load(nw_ptrs + kg), rstd, ASM)
+            xt1 = xt
+        elif FP8:  # no offsets: no sum of x
+            xt = tl.load(x_ptrs + kg)
+            xt1 = xt
+        else:  # two loads of the same tile (one per dot's operand layout): both are pipelined
+            # by cp.async, where one tile feeding both dots would not be
+            xt = tl.load(x_ptrs + kg)  # [GK, C]
+            xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
+        if FP8:  # [BN, 32] words of e4m3 bytes: sum q x; the row's scale comes at the end
+            acc = tl.dot(_fp8_operand(words, DTYPE, ASM), xt, acc)
+        else:
+            a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
+            d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
+            if BITS == 8:
+                a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
+                d = tl.dot(a_hi, xt, d)
+            xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
+            if GROUP <= 128:
+                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
+            else:  # a slice may start inside a group; a 128-tile never straddles one
+                s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
+            acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
+    return acc
+
+
+@triton.jit
+def _dequant_words_kernel(
+    q_ptr,  # [N, K // 8] int32 repacked int4 (int8: [N, K // 4], two nibble planes a tile)
+    so_ptr,  # [N, K // GROUP, 2] (scale, offset)
+    out_ptr,  # [N, K] 16-bit
+    N,
+    stride_qn,
+    stride_so,
+    stride_on,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = tl.bfloat16 if OUT == tl.float32 else OUT  # the operand's type
+    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
+    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
+    if BITS == 4:
+        BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
+    else:
+        BASE: tl.constexpr = 17 * 1024.0 + 128.0 if DTYPE == tl.float16 else 17 * 128.0 + 128.0
+    WPT: tl.constexpr = 16 * (BITS // 4)
+    tile = tl.program_id(1)
+    rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + tile * WPT + tl.arange(0, 16)[None, :]
+    v = _operand(tl.load(q_ptrs), 4, 0, MAGIC, ASM, DTYPE).to(tl.float32)  # [BN, 128]: B + q
+    if BITS == 8:
+        v += _operand(tl.load(q_ptrs + 16), 4, 0, MAGIC_HI, ASM, DTYPE).to(tl.float32)
+    cols = tile * 128 + tl.arange(0, 128)  # [128]
+    so = so_ptr + rows[:, None] * stride_so + 2 * (cols // GROUP)[None, :]  # [BN, 128]
+    w = (v - BASE) * tl.load(so).to(tl.float32) + tl.load(so + 1).to(tl.float32)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + cols[None, :]
+    tl.store(out_ptrs, w.to(OUT), mask=(offs_n < N)[:, None])
+
+
+def dequantize_words(
+    words: torch.Tensor,  # [N, K // 8] (int4) or [N, K // 4] (int8 planes) int32, repacked
+    scale_pairs: torch.Tensor,  # [N, K // group, 2]
+    bits: int,
+    dtype: torch.dtype,  # bf16 / fp16 / fp32
+) -> torch.Tensor:  # [N, K]
+    """The repacked weight as a ``dtype`` matrix, ``q s + offset`` computed in fp32 and rounded
+    once (``formats.dequantize_int4`` / ``dequantize_int8``'s values)."""
+    check_device(words, scale_pairs)
+    n = words.shape[0]
+    k = words.shape[1] * 32 // bits
+    num_groups = scale_pairs.shape[1]
+    if bits not in (4, 8) or scale_pairs.shape != (n, num_groups, 2) or k % num_groups:
+        raise ValueError(f"dequantize_words: {bits}-bit [{n}, {k}] with {scale_pairs.shape}")
+    out = torch.empty(n, k, dtype=dtype, device=words.device)
+    block_n = 32
+    grid = (triton.cdiv(n, block_n), k // 128)
+    _dequant_words_kernel[grid](
+        words, scale_pairs, out, n, words.stride(0), scale_pairs.stride(0), out.stride(0),
+        BITS=bits, GROUP=k // num_groups, BLOCK_N=block_n, ASM=not is_interpret(), num_warps=4,
+    )  # fmt: skip
+    return out
