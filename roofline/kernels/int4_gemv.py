@@ -131,6 +131,8 @@ def _int4_gemv_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
     PREFETCH_LINES: tl.constexpr,  # 128-byte lines per MMA row prefetched before the wait
     PRELOAD: tl.constexpr,  # the first tile loaded into registers before the wait
+    NORM_CHUNKS: tl.constexpr,  # cdiv(K, 1024) with NORM: the statistic's loads, unrolled
+    NORM_EVEN: tl.constexpr,  # K % 1024 == 0
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if BITS == 4:
@@ -175,8 +177,11 @@ def _int4_gemv_kernel(
     if NORM:  # the row's fp32 statistic (BLOCK_M == 1), as rms_norm: sum of squares * (1 / K)
         offs_s = tl.arange(0, 1024)
         sq = tl.zeros((1024,), dtype=tl.float32)
-        for s0 in range(0, K, 1024):
-            xs0 = tl.load(x_ptr + s0 + offs_s, mask=offs_s < K - s0, other=0.0).to(tl.float32)
+        for s0 in tl.static_range(0, NORM_CHUNKS * 1024, 1024):  # every load in flight at once
+            if NORM_EVEN:  # K a multiple of 1024: unmasked, vectorized
+                xs0 = tl.load(x_ptr + s0 + offs_s).to(tl.float32)
+            else:
+                xs0 = tl.load(x_ptr + s0 + offs_s, mask=offs_s < K - s0, other=0.0).to(tl.float32)
             sq += _mul_rn(xs0, xs0, ASM)
         rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_k + eps)  # scalar
         nw_col = k_origin + slice_c * k_slice  # [C]
@@ -367,7 +372,8 @@ def int4_gemv(
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
-        PRELOAD=bool(cfg.preload),
+        PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
+        NORM_EVEN=k % 1024 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out
