@@ -16,7 +16,8 @@ as it is), one session.
 4. int4 / int8 at 32-256 rows: ``int4_gemv`` row tiles over the repacked copy vs today's
    ``mixed_gemm`` (or dequantize + cuBLAS) vs dequantizing the repacked copy; winners installed
    (a layer all of whose buckets int4_gemv covers keeps only the repacked copy);
-5. 8B batch-1 (and 32) decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on ``quant_gemv``;
+5. 8B batch-1 (and 32) decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on
+   ``quant_gemv``; ``/nosiluepi``: the MLP's SiLU-and-mul not in the gate | up GEMV's epilogue;
    ``/pf64k``: a 64 KiB L2 prefetch a program before the PDL wait), each beside its roofline
    (weight bytes + KV over the copy bandwidth of this run), the weights' logical and resident
    GiB, and a kernel profile of the quantized steps with each kernel's exclusive time (its part
@@ -24,7 +25,8 @@ as it is), one session.
 
 Each section prints its error and goes on; the summary table comes last.
 
-    python scripts/gpu_gemv8.py            # about 3 minutes
+    python scripts/gpu_gemv8.py            # about 3.5 minutes
+    python scripts/gpu_gemv8.py --skip-sweep --methods bf16,int8,int4,fp8   # the committed tables
 """
 
 from __future__ import annotations
@@ -522,6 +524,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
         quant, _, variant = method.partition("/")
         try:
             common.USE_FP8_GEMV = variant != "old"
+            fused_decode.SILU_EPILOGUE = variant != "nosiluepi"
             ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
             t0 = time.perf_counter()
             llm = LLM(
@@ -562,6 +565,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             traceback.print_exc()
         finally:
             common.USE_FP8_GEMV = True
+            fused_decode.SILU_EPILOGUE = True
             ig.PREFETCH_BYTES = 16384
             fused_decode.set_enabled(True)
             llm = None
@@ -572,7 +576,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-sweep", action="store_true", help="the committed tables as they are")
-    ap.add_argument("--methods", default="bf16,int8,int4,fp8,fp8/old,int8/pf64k")
+    ap.add_argument("--methods", default="bf16,int8,int4,fp8,fp8/old,int4/nosiluepi")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.perf_counter()

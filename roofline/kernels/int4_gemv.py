@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.gemv import _mul_rn, m_bucket
+from roofline.kernels.gemv import _mul_rn, _silu_mul, m_bucket
 from roofline.kernels.int4_gemv_configs import (
     MAX_ROWS,
     PROLOGUE_TUNED_CONFIGS,
@@ -87,7 +87,7 @@ __all__ = [
     "MAX_ROWS", "PROLOGUE_TUNED_CONFIGS", "TILED_MAX_ROWS", "TILE_K", "TUNED_CONFIGS",
     "Int4GemvConfig", "_resolve", "can_repack", "heuristic_config", "int4_gemv", "int4_gemv_ref",
     "pack_scales", "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports",
-    "takes", "unrepack_int4", "unrepack_int8", "weight_k",
+    "splits_gate_up", "takes", "unrepack_int4", "unrepack_int8", "weight_k",
 ]  # fmt: skip
 
 
@@ -133,6 +133,7 @@ def _int4_gemv_kernel(
     PRELOAD: tl.constexpr,  # the first tile loaded into registers before the wait
     NORM_CHUNKS: tl.constexpr,  # cdiv(K, 1024) with NORM: the statistic's loads, unrolled
     NORM_EVEN: tl.constexpr,  # K % 1024 == 0
+    SILU_OUT: tl.constexpr,  # gate | up weight: out = silu(gate) * up, [M, N // 2]
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if BITS == 4:
@@ -150,7 +151,10 @@ def _int4_gemv_kernel(
     k_origin = tl.program_id(1) * (k_slice * KSPLIT)  # this program's K part
     r = tl.arange(0, BLOCK_N)
     slice_r = r // ROWS  # [BN]: the K-slice of each MMA row
-    rows = tl.minimum(pid * ROWS + r % ROWS, N - 1).to(tl.int64)  # clamped: padding re-reads
+    if SILU_OUT:  # gate | up: a program's rows are ROWS // 2 gate rows and the same up rows
+        rows = _gate_up_rows(r % ROWS, pid, N, ROWS // 2)
+    else:
+        rows = tl.minimum(pid * ROWS + r % ROWS, N - 1).to(tl.int64)  # clamped: padding re-reads
     c = tl.arange(0, COLS)
     slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
     m_c = tl.minimum(pid_m * BLOCK_M + c % BLOCK_M, M - 1).to(tl.int64)
@@ -208,13 +212,17 @@ def _int4_gemv_kernel(
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
-    offs_n = pid * ROWS + tl.arange(0, ROWS)
+    offs_n = pid * ROWS + tl.arange(0, ROWS)  # (SILU_OUT: the program's slots, not rows)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SILU_OUT:
+        real_n = _gate_up_rows(tl.arange(0, ROWS), pid, N, ROWS // 2)
+    else:
+        real_n = tl.minimum(offs_n, N - 1)
     if FP8:  # the row's scale (partial sums are scaled before they are added: still ordered)
-        res *= tl.load(so_ptr + tl.minimum(offs_n, N - 1))[:, None]
+        res *= tl.load(so_ptr + real_n)[:, None]
     if KGRID == 1:
-        _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
-                HAS_BIAS, RESIDUAL)  # fmt: skip
+        _epilogue(res, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N,
+                  stride_om, stride_rm, HAS_BIAS, RESIDUAL, SILU_OUT, ROWS, ASM)  # fmt: skip
     else:  # partial sums out; the row block's last program to arrive adds them in part order
         m_pad = num_mb * BLOCK_M
         rows_p = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * m_pad + offs_m[None, :]
@@ -227,8 +235,38 @@ def _int4_gemv_kernel(
             for part in range(KGRID):
                 total += tl.load(part_ptr + part * part_size + rows_p, cache_modifier=".cg")
             tl.store(count_ptr + tl.program_id(0), 0)  # zero again for the next launch
-            _finish(total, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om,
-                    stride_rm, HAS_BIAS, RESIDUAL)  # fmt: skip
+            _epilogue(total, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N,
+                      stride_om, stride_rm, HAS_BIAS, RESIDUAL, SILU_OUT, ROWS, ASM)  # fmt: skip
+
+
+@triton.jit
+def _gate_up_rows(i, pid, N, HALF: tl.constexpr):
+    """Weight rows of slots ``i`` (< 2 HALF) of program ``pid`` over a gate | up weight of N
+    rows: gate rows ``pid * HALF ..`` then the same up rows (``N // 2`` further)."""
+    n_half = N // 2
+    return ((i // HALF) * n_half + tl.minimum(pid * HALF + i % HALF, n_half - 1)).to(tl.int64)
+
+
+@triton.jit
+def _epilogue(res, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N, stride_om,
+              stride_rm, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU_OUT: tl.constexpr,
+              ROWS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """``_finish``, or with SILU_OUT: the bias, gate and up rounded as the GEMV's output, then
+    ``silu(gate) * up`` as ``silu_and_mul`` rounds it, stored as ``[M, N // 2]``."""
+    if SILU_OUT:
+        HALF: tl.constexpr = ROWS // 2
+        dtype = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + real_n).to(tl.float32)[:, None]
+        res = res.to(dtype)
+        gate, up = tl.split(tl.permute(tl.reshape(res, (2, HALF, res.shape[1])), (1, 2, 0)))
+        act = _silu_mul(gate, up, ASM, False)  # [HALF, BM]
+        offs_a = pid * HALF + tl.arange(0, HALF)
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_a[:, None]
+        tl.store(out_ptrs, act, mask=(offs_m[None, :] < M) & (offs_a[:, None] < N // 2))
+    else:
+        _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
+                HAS_BIAS, RESIDUAL)  # fmt: skip
 
 
 @triton.jit
@@ -252,6 +290,13 @@ FP8_DTYPE = torch.float8_e4m3fn
 PREFETCH_BYTES = int(os.environ.get("ROOFLINE_INT4_GEMV_PREFETCH", "16384"))
 """Weight bytes a program asks into L2 before its PDL wait (the start of each MMA row's slice,
 whole 128-byte lines), while the previous kernel still runs."""
+
+
+def splits_gate_up(n: int, cfg: Int4GemvConfig) -> bool:
+    """Whether a program of ``cfg`` can own ``rows / 2`` gate rows and the same up rows of a
+    gate | up weight of ``n`` rows (``silu_out``), with no program straddling the halves."""
+    rows = cfg.block_n // cfg.ksplit
+    return n % 2 == 0 and rows % 2 == 0 and (n // 2) % (rows // 2) == 0
 
 
 def weight_k(words: torch.Tensor, bits: int) -> int:
@@ -290,6 +335,7 @@ def int4_gemv(
     silu_mul: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    silu_out: bool = False,
     bits: int = 4,
     config: Int4GemvConfig | None = None,
     warmup: bool = False,
@@ -298,9 +344,11 @@ def int4_gemv(
     ``silu(x[:, :K]) * x[:, K:]``; ``norm = (weight [K], eps)`` feeds ``rms_norm(x)`` (one
     row), rounded as ``kernels.rmsnorm`` rounds it (only the fp32 sum's order differs);
     ``residual [M, N]`` is added to the rounded result and the sum rounded (a decoder layer's
-    next residual stream). ``config`` overrides the picked one (sweeps); one that cannot run
-    raises ValueError. ``warmup`` compiles without launching. An fp8 e4m3 ``words`` (with
-    ``bits=8``) is the canonical fp8 weight, its ``scale_pairs`` the per-channel fp32 scales."""
+    next residual stream); ``silu_out`` (a gate | up weight) returns ``silu(gate) * up``
+    ``[M, N / 2]`` with ``silu_and_mul``'s bits. ``config`` overrides the picked one (sweeps);
+    one that cannot run raises ValueError. ``warmup`` compiles without launching. An fp8 e4m3
+    ``words`` (with ``bits=8``) is the canonical fp8 weight, its ``scale_pairs`` the
+    per-channel fp32 scales."""
     check_device(x, words)
     fp8 = words.dtype == FP8_DTYPE
     if bits not in (4, 8) or (fp8 and bits != 8):
@@ -333,14 +381,18 @@ def int4_gemv(
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"int4_gemv: residual must be [{m}, {n}] with contiguous rows")
     prologue = "silu" if silu_mul else "norm" if norm is not None else None
+    if silu_out and (silu_mul or residual is not None or n % 2):
+        raise ValueError("int4_gemv: silu_out takes a gate | up weight, no SiLU prologue or add")
     cfg = config or pick_config(n, k, group, m, x.device, "fp8" if fp8 else bits, prologue)
     if cfg is None:
         raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
     if k_slice is None:
         raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot run K = {k}, group {group}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     rows = cfg.block_n // cfg.ksplit
+    if silu_out and not splits_gate_up(n, cfg):
+        raise ValueError(f"int4_gemv: config {tuple(cfg)} cannot split a gate | up of {n} rows")
+    out = torch.empty(m, n // 2 if silu_out else n, dtype=x.dtype, device=x.device)
     block_m = cfg.block_m or m_bucket(m)
     num_mb = triton.cdiv(m, block_m)
     grid = (triton.cdiv(n, rows) * num_mb, cfg.kgrid)
@@ -373,7 +425,7 @@ def int4_gemv(
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
         PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
-        NORM_EVEN=k % 1024 == 0,
+        NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 # inputs for the statistic, which pays at one row (as the SiLU prologue: layers.linear).
 MAX_ROWS = 1
 _ENABLED = os.environ.get("ROOFLINE_FUSED_DECODE", "1") != "0"
+SILU_EPILOGUE = os.environ.get("ROOFLINE_GEMV_SILU_EPILOGUE", "1") != "0"
+"""Quantized (repacked) MLPs: the gate | up GEMV computes the SiLU-and-mul in its epilogue."""
 _MOE_ENABLED = os.environ.get("ROOFLINE_FUSED_MOE_DECODE", "1") != "0"
 
 
@@ -196,6 +198,34 @@ def linear_add(
         return gemv_preload.gemv_preload(x, linear.weight, linear.bias, silu_mul=silu_mul,
                                          residual=residual)  # fmt: skip
     return skinny_gemm(x, linear.weight, linear.bias, silu_mul=silu_mul, residual=residual)
+
+
+def mlp_norm_add(
+    gate_up: MergedLinear,
+    down: MergedLinear,
+    norm: nn.Module,
+    h: torch.Tensor,  # [M, hidden]: the residual stream
+    residual: torch.Tensor,  # [M, hidden]
+) -> torch.Tensor:
+    """``residual + down(silu_and_mul(gate_up(norm(h))))``: on repacked quantized linears the
+    gate | up GEMV writes ``silu(gate) * up`` itself (``int4_gemv``'s ``silu_out``: no SiLU
+    launch, half the down projection's input; ``SILU_EPILOGUE``), else as two GEMMs."""
+    if SILU_EPILOGUE and _gemv_linear(gate_up) and _gemv_linear(down):
+        from roofline.kernels import int4_gemv
+
+        words, bits = gate_up.gemv_words, gate_up.gemv_bits
+        k = int4_gemv.weight_k(words, bits)
+        fmt = "fp8" if words.dtype == torch.float8_e4m3fn else bits
+        cfg = int4_gemv.pick_config(words.shape[0], k, gate_up.gemv_group, h.shape[0], h.device,
+                                    fmt, "norm")  # fmt: skip
+        plain_down = int4_gemv.takes(h.shape[0], h.dtype, h.device, down.gemv_words,
+                                     down.gemv_group, down.gemv_bits)  # fmt: skip
+        if cfg is not None and plain_down and int4_gemv.splits_gate_up(words.shape[0], cfg):
+            act = int4_gemv.int4_gemv(h, words, gate_up.gemv_pairs, gate_up.bias,
+                                      norm=(norm.weight, norm.eps), silu_out=True, bits=bits,
+                                      config=cfg)  # fmt: skip
+            return linear_add(down, act, residual)
+    return linear_add(down, norm_linear(gate_up, norm, h), residual, silu_mul=True)
 
 
 def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,7 @@ class LlamaMLP(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if norm is not None and residual is not None:  # fused decode: x is the residual stream
-            gate_up = fused_decode.norm_linear(self.gate_up_proj, norm, x)
-            return fused_decode.linear_add(self.down_proj, gate_up, residual, silu_mul=True)
+            return fused_decode.mlp_norm_add(self.gate_up_proj, self.down_proj, norm, x, residual)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
             out = self.down_proj.forward_silu_mul(gate_up)

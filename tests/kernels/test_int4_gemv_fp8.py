@@ -1,8 +1,9 @@
 """``kernels.int4_gemv`` over fp8 e4m3 weights (the canonical ``[N, K]`` weight read as int32
-words, one fp32 scale per row) and the ``preload`` configs (the first tile loaded before the PDL
-wait): against x times the exactly dequantized weight in plain torch, every e4m3 code decoded
-exactly, the prologues and epilogue against the unfused kernels, the refusals, and the fused
-decode layer's calls on an fp8 linear."""
+words, one fp32 scale per row), the ``preload`` configs (the first tile loaded before the PDL
+wait) and the ``silu_out`` epilogue of a gate | up weight: against x times the exactly
+dequantized weight in plain torch, every e4m3 code decoded exactly, the prologues and epilogues
+against the unfused kernels, the refusals, and the fused decode layer's calls (its MLP with and
+without the SiLU epilogue) on fp8 linears."""
 
 from __future__ import annotations
 
@@ -130,8 +131,9 @@ def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPat
     common.prepare_kernel_layout("fp8", layer, cuda_only=False)
     assert layer.gemv_words is layer.qweight and layer.gemv_bits == 8 and layer.gemv_group == K
     assert fused_decode._gemv_linear(layer)
-    for fuse in (True, False):
+    for fuse, epilogue in ((True, False), (False, False), (False, True)):
         monkeypatch.setitem(common.GEMV_FUSE_SILU, "fp8", fuse)
+        monkeypatch.setattr(fused_decode, "SILU_EPILOGUE", epilogue)
         norm = nn.Module()
         norm.weight = nn.Parameter((torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16))
         norm.weight.data = norm.weight.data.to(DEVICE)
@@ -145,3 +147,55 @@ def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPat
         got = fused_decode.linear_add(layer, gate_up, residual, silu_mul=True)
         plain = _reference(silu_and_mul(gate_up), layer.qweight, layer.scales)
         assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
+        gu = MergedLinear(K, [128, 128], bias=False, method=Fp8LinearMethod())
+        down = MergedLinear(128, [K], bias=False, method=Fp8LinearMethod())
+        for lin, (n_out, k_in) in ((gu, (256, K)), (down, (K, 128))):
+            w_l = torch.randn(n_out, k_in, generator=gen) / k_in**0.5
+            if lin is gu:
+                lin.method.load(lin, 0, "weight", w_l[:128])
+                lin.method.load(lin, 1, "weight", w_l[128:])
+            else:
+                lin.method.load(lin, 0, "weight", w_l)
+        gu, down = gu.to(DEVICE), down.to(DEVICE)
+        for lin in (gu, down):
+            common.prepare_kernel_layout("fp8", lin, cuda_only=False)
+        res_h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = fused_decode.mlp_norm_add(gu, down, norm, h, res_h)
+        act = silu_and_mul(_reference(rms_norm(h, norm.weight, 1e-5), gu.qweight, gu.scales))
+        plain = _reference(act, down.qweight, down.scales)
+        assert_close(got, (plain.float() + res_h.float()).to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_silu_out_epilogue(fmt: str) -> None:
+    """A gate | up GEMV writing ``silu(gate) * up``: silu_and_mul of its plain output (one row
+    with the norm prologue, three rows plain, K over the grid)."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(64, K, generator=gen) / K**0.5
+    if fmt == "int4":
+        q = formats.quantize_int4(w, 128, False, torch.bfloat16)
+        words, pairs, bits = ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets), 4
+    elif fmt == "int8":
+        q8 = formats.quantize_int8(w, K, torch.bfloat16)
+        words, pairs, bits = ig.repack_int8(q8.qweight), ig.pack_scales(q8.scales, None), 8
+    else:
+        words, pairs = formats.quantize_fp8(w)
+        bits = 8
+    words, pairs = words.to(DEVICE), pairs.to(DEVICE)
+    h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm = ((torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE), 1e-5)
+    bias = torch.randn(64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for cfg in (ig.Int4GemvConfig(64, 4, 1, 4, 2), ig.Int4GemvConfig(32, 2, 1, 4, 2, 2, 1)):
+        full = ig.int4_gemv(h, words, pairs, bias, norm=norm, bits=bits, config=cfg)
+        got = ig.int4_gemv(h, words, pairs, bias, norm=norm, bits=bits, config=cfg, silu_out=True)
+        assert got.shape == (1, 32)
+        assert_close(got, silu_and_mul(full), torch.bfloat16)
+    x = torch.randn(3, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cfg = ig.Int4GemvConfig(64, 2, 1, 4, 2)
+    got = ig.int4_gemv(x, words, pairs, bits=bits, config=cfg, silu_out=True)
+    plain = ig.int4_gemv(x, words, pairs, bits=bits, config=cfg)
+    assert_close(got, silu_and_mul(plain), torch.bfloat16)
+    assert not ig.splits_gate_up(64, ig.Int4GemvConfig(64, 64, 1, 4, 2))  # one row a program
+    with pytest.raises(ValueError, match="silu_out"):
+        residual = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEVICE)
+        ig.int4_gemv(x, words, pairs, bits=bits, silu_out=True, residual=residual)
