@@ -144,6 +144,10 @@ def parity() -> None:
                 ref = ig.int4_gemv(rms_norm(h, nw, 1e-5), words, pairs, bits=b)
                 got = ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5), bits=b)
                 errs.append(qdb.rel_err(got, ref))
+                if layer == "gate_up":  # the SiLU epilogue: silu_and_mul's bits of that output
+                    act = ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5), bits=b, silu_out=True)
+                    errs.append(qdb.rel_err(act, silu_and_mul(got)))
+                    SUMMARY[f"silu_out_exact_{fmt}"] = torch.equal(act, silu_and_mul(got))
             else:
                 x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
                 res = torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16)
