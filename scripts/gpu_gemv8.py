@@ -215,8 +215,21 @@ def gemv_sweep(copy_bw: float) -> None:
         ring16 = [(w16.clone(),) for _ in range(max(2, math.ceil(qdb.RING_BYTES / (2 * n * k))))]
         x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
         t16 = qdb.time_ring(partial(skinny_gemm, x), ring16)
-        del ring16
         parts = [f"bf16 {t16 * 1e6:5.1f} us {100 * 2 * n * k / t16 / copy_bw:3.0f}%"]
+        if layer in ("qkv", "gate_up"):  # bf16 norm prologue: statistic unrolled vs a loop
+            from roofline.kernels import gemv
+
+            nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+            norm_gemm = partial(skinny_gemm, x, norm=(nw, 1e-5))
+            times = {}
+            for unroll in (True, False):
+                gemv.NORM_UNROLL = unroll
+                times[unroll] = qdb.time_ring(norm_gemm, ring16)
+            gemv.NORM_UNROLL = True
+            parts.append(
+                f"bf16 norm unrolled {times[True] * 1e6:.1f} / loop {times[False] * 1e6:.1f} us"
+            )
+        del ring16
         for fmt in FORMATS:
             ring, canon_ring, deq = ring_of(fmt, n, k)
             qbytes = qdb.nbytes(*ring[0])

@@ -44,6 +44,7 @@ else ``heuristic_config``: at least 1.5 programs per SM, 4 to 32 KiB weight tile
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,17 @@ from roofline.kernels.activation import _expf, silu_and_mul_ref
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 MAX_BLOCK_M = 16  # rows of x per program; larger M takes a second grid axis (re-reading W)
+NORM_UNROLL = os.environ.get("ROOFLINE_GEMV_NORM_UNROLL", "1") != "0"
+"""The RMSNorm prologue's statistic loads unrolled (all in flight before the first add; at
+K / BLOCK_K = 16 steps a loop waits for one L2 round trip per step)."""
+
+
+def _norm_steps(k: int, block_k: int) -> int:
+    """The unrolled statistic's steps (0: the loop), at most 64."""
+    steps = triton.cdiv(k, block_k)
+    return steps if NORM_UNROLL and steps <= 64 else 0
+
+
 MIN_PROGRAMS_PER_SM = 1.5  # the heuristic's BLOCK_N keeps at least this many programs per SM
 
 # (N, K, m_bucket) -> (block_n, block_k, num_warps, num_stages, use_dot), measured on an H100
@@ -261,6 +273,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
     PREFETCH_LINES: tl.constexpr,  # 128-byte weight lines per row prefetched before the wait
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
+    NORM_STEPS: tl.constexpr = 0,  # RMS_NORM: cdiv(K, BLOCK_K) unrolled statistic steps; 0: a loop
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -279,9 +292,14 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_wait()
     if RMS_NORM:  # the rows' fp32 statistic, as rms_norm: sum of rounded squares * (1 / K)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
-            sq += _mul_rn(xk, xk, LIBDEVICE)
+        if NORM_STEPS > 0:  # unrolled, the same order: every load in flight at once
+            for k0 in tl.static_range(0, NORM_STEPS * BLOCK_K, BLOCK_K):
+                xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0)
+                sq += _mul_rn(xk.to(tl.float32), xk.to(tl.float32), LIBDEVICE)
+        else:  # one dependent L2 round trip a step
+            for k0 in range(0, K, BLOCK_K):
+                xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
+                sq += _mul_rn(xk, xk, LIBDEVICE)
         rstd = tl.rsqrt(tl.sum(sq, axis=1) * inv_k + eps)  # [BM]
         nw_ptrs = norm_w_ptr + offs_k[None, :]  # [1, BK]
 
@@ -409,6 +427,7 @@ def _prepare(
         SILU_MUL=silu_mul, LIBDEVICE=(silu_mul or norm is not None) and compiled,
         RMS_NORM=norm is not None, ADD_RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1, LINE_ELEMS=line_elems,
+        NORM_STEPS=_norm_steps(k, cfg.block_k) if norm is not None else 0,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if pdl:
