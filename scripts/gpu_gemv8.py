@@ -458,20 +458,28 @@ def attention_chain() -> None:
 
 
 def profile_durations(calls: list) -> dict[str, float]:
-    """Mean profiler duration (us) per kernel name over one eager run of ``calls``."""
+    """Mean profiler duration (us) per kernel name over replays of one CUDA graph of ``calls``
+    (as the engine runs them: with PDL a kernel may start before its predecessor ends)."""
     from torch.profiler import ProfilerActivity, profile
 
     for c in calls:
         c()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for c in calls:
             c()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
         torch.cuda.synchronize()
     per: dict[str, list[float]] = collections.defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name:
             per[e.name.split("(")[0]].append(e.device_time)
+    del graph
     return {n: sum(v) / len(v) for n, v in per.items()}
 
 
@@ -496,11 +504,16 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 
     from roofline import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10 + 3 * steps, ignore_eos=True)
     engine.add_request(f"profile-{label}", [(7 * j) % 1000 + 10 for j in range(128)], params)
     for _ in range(8):
         engine.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / steps * 1e6
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -523,7 +536,10 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
         count[name] += 1
         last_end = max(last_end, end)
     busy = sum(excl.values()) / steps
-    lines = [f"profile {label} batch 1: busy (union of kernels) {busy:.0f} us/step"]
+    lines = [
+        f"profile {label} batch 1: wall {wall_us:.0f} us/step, busy (union of kernels) "
+        f"{busy:.0f} us/step"
+    ]
     for name in sorted(excl, key=lambda n: -excl[n])[:10]:
         lines.append(
             f"  {excl[name] / steps:7.1f} us/step exclusive, {dur[name] / steps:7.1f} duration, "
