@@ -292,17 +292,17 @@ def _rotary_kv_store_kernel(
     IS_INT: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent (see kernels/gemv.py)
 ):
-    if PDL:  # q/k/v come from the previous kernel: wait for it, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)  # step inputs and the cos/sin table: no
+    offs_r = tl.arange(0, BLOCK_R)  # kernel of the step writes them, so read before the wait
     r_mask = offs_r < HALF
     cs_row = cos_sin_ptr + pos * stride_cos_sin
     dtype = k_ptr.dtype.element_ty
     cos = _round(tl.load(cs_row + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
     sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
+    if PDL:  # q/k/v come from the previous kernel: wait for it, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if QK_NORM:  # Qwen3: RMSNorm of each q head (over HEAD_DIM == 2 * HALF), then RoPE
         offs_hq = tl.arange(0, BLOCK_HQ)
         q_mask = (offs_hq < NUM_Q_HEADS)[:, None] & r_mask[None, :]
