@@ -30,16 +30,18 @@ class Int4GemvConfig(NamedTuple):
     block_m: int = 0  # x rows a program (above MAX_ROWS rows: 16 to 64); 0: M's bucket
 
 
-# (bits, N, K, group, m_bucket(M)) -> Int4GemvConfig fields (bits "fp8": e4m3, group = K), from
-# scripts/gpu_quant.py --sweep
-# (H100, Llama-3.1-8B shapes); None: kernels.quant_gemv measured faster there (not taken).
-# Llama-3.1-8B qkv / o / gate_up / down on an H100 (scripts/gpu_quant.py --quick --sweep, two runs,
-# 2026-11-24), us and % of copy: one row int4 8.3 / 6.0 / 24.5 / 16.6 (56 / 51 / 88 / 65%;
-# quant_gemv 29 / 24 / 46 / 26%), int8 12.4 / 9.3 / 44.6 / 25.0 (71 / 61 / 89 / 79%; quant_gemv
-# 67 / 59 / 85 / 77%); 4 and 16 rows int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30% (quant_gemv
-# 2-11%).
+# (bits, N, K, group, row_bucket(M)) -> Int4GemvConfig fields (bits "fp8": e4m3, group = K);
+# None: kernels.quant_gemv measured faster there (not taken; above 16 rows: not taken in row
+# tiles either, see quantization/repacked.py). Llama-3.1-8B qkv / o / gate_up / down, H100.
+# One row (scripts/gpu_gemv8.py, 2026-11-24 08:20; the first tile preloaded before the PDL wait
+# where a 7th field is 1), us and % of copy: int4 8.1 / 6.0 / 24.9 / 16.0 (57 / 51 / 87 / 67%),
+# int8 10.3 / 8.3 / 42.4 / 24.8 (84 / 70 / 96 / 82%; was 71 / 60 / 89 / 75%), fp8 10.7 / 8.0 /
+# 40.1 / 23.6 (81 / 72 / 101 / 86%; quant_gemv 76 / 69 / 98 / 90%). 4 and 16 rows
+# (scripts/gpu_quant.py --quick --sweep, earlier): int4 45 / 42 / 71 / 54% and 35 / 20 / 67 / 30%;
+# fp8 at 4 / 16 rows 13.1 / 19.7, 12.8 / 18.3, 45.0 / 56.9, 31.1 / 56.4 us (quant_gemv 20.0 /
+# 23.0, 24.9 / 25.6, 49.7 / 55.6, 79.0 / 80.3).
 TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None] = {
-    (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 2),
+    (4, 6144, 4096, 128, 1): (128, 8, 1, 4, 2, 1, 1),
     (4, 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
     (4, 6144, 4096, 128, 16): (64, 2, 2, 4, 3),
     (4, 4096, 4096, 128, 1): (128, 8, 4, 4, 3),
@@ -48,26 +50,34 @@ TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None
     (4, 28672, 4096, 128, 1): (128, 8, 2, 4, 2),
     (4, 28672, 4096, 128, 4): (64, 4, 1, 4, 3),
     (4, 28672, 4096, 128, 16): (64, 1, 2, 4, 3),
-    (4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 4),
+    (4, 4096, 14336, 128, 1): (128, 8, 1, 4, 2, 2, 1),
     (4, 4096, 14336, 128, 4): (64, 8, 1, 4, 3),
     (4, 4096, 14336, 128, 16): (64, 2, 1, 4, 3),
-    (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
-    (8, 4096, 4096, 4096, 1): (64, 16, 1, 4, 3),
-    (8, 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
-    (8, 4096, 14336, 14336, 1): (64, 16, 1, 4, 4),
+    (8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    (8, 4096, 4096, 4096, 1): (128, 8, 1, 4, 2, 2, 1),
+    (8, 28672, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    (8, 4096, 14336, 14336, 1): (64, 8, 2, 4, 3),
+    ("fp8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    ("fp8", 4096, 4096, 4096, 1): (64, 8, 2, 4, 3),
+    ("fp8", 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
+    ("fp8", 28672, 4096, 4096, 16): None,
+    ("fp8", 4096, 14336, 14336, 1): (128, 8, 1, 4, 4, 2),
 }
 # With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
 # N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
-# One row, same runs: int4 qkv / gate_up with the norm 9.8 / 26.9 us (rms_norm + GEMV 12.0 /
-# 27.7), int8 12.8 / 43.9 (13.9 / 49.6); down with the SiLU int4 20.6 (apart 18.4: not fused,
-# common.GEMV_FUSE_SILU), int8 26.6 (apart 30.7).
+# One row, same run: qkv / gate_up with the norm int4 9.1 / 26.5 us (rms_norm + GEMV 10.1 /
+# 28.1), int8 12.6 / 43.8 (14.4 / 45.1), fp8 11.2 / 41.9 (13.0 / 43.9); down with the SiLU int4
+# 24.0 (apart 18.9), int8 29.0 (28.6), fp8 25.9 (28.9): common.GEMV_FUSE_SILU.
 PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int | str, int, int, int, int], tuple[int, ...]] = {
-    ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3),
+    ("norm", 4, 6144, 4096, 128, 1): (128, 8, 1, 4, 3, 1, 1),
     ("norm", 4, 28672, 4096, 128, 1): (128, 8, 1, 4, 3),
     ("norm", 8, 6144, 4096, 4096, 1): (64, 8, 1, 4, 3),
     ("norm", 8, 28672, 4096, 4096, 1): (128, 8, 1, 4, 3),
-    ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2),
-    ("silu", 8, 4096, 14336, 14336, 1): (64, 8, 1, 4, 3),
+    ("norm", "fp8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    ("norm", "fp8", 28672, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2, 1),
+    ("silu", 8, 4096, 14336, 14336, 1): (128, 4, 1, 4, 3, 2),
+    ("silu", "fp8", 4096, 14336, 14336, 1): (128, 4, 1, 4, 3, 2, 1),
 }
 
 

@@ -70,9 +70,10 @@ USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
 # ROOFLINE_FP8_GEMV=0 keeps them on kernels.quant_gemv.
 USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
-# silu_and_mul launch first (H100, 8B down at one row: int4 fused 20.6 us vs 18.4 apart; int8
-# 26.6 vs 30.7).
-GEMV_FUSE_SILU: dict[int | str, bool] = {4: False, 8: True, "fp8": True}
+# silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
+# vs 18.9 apart; int8 29.0 vs 28.6; fp8 25.9 vs 28.9). The fused decode layer's MLP takes neither
+# where the gate | up GEMV computes the SiLU itself (layers.fused_decode.SILU_EPILOGUE).
+GEMV_FUSE_SILU: dict[int | str, bool] = {4: False, 8: False, "fp8": True}
 
 
 def gemv_fuses_silu(layer: nn.Module) -> bool:
