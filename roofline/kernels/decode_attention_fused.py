@@ -60,6 +60,14 @@ large batches it measured far slower than the split-K kernel plus its merge (H10
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 
 
+UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128)}
+"""(query heads, KV heads, head_dim) whose decode steps keep ``rotary_kv_store`` +
+``decode_attention`` + its merge, measured faster: H100, Llama-3.1-8B's attention after the int4
+qkv GEMV at one row, 32 layers in a CUDA graph with PDL, 160-token context: +7.5 us a layer for
+the three kernels (``rotary_kv_store`` hidden under the GEMV's tail: +0.01 us) vs +11.4 us for
+this kernel (13 us of its own with PDL off; ``scripts/gpu_gemv8.py``)."""
+
+
 def set_enabled(enabled: bool) -> None:
     """Turn the fused decode attention on or off for forwards from now on (benchmarks compare)."""
     global _ENABLED
@@ -87,6 +95,7 @@ def applies(
         and cos_sin_cache.shape[1] == head_dim
         and head_dim % 2 == 0
         and (q.is_cuda or is_interpret())
+        and (q.shape[1], k_cache.shape[2], head_dim) not in UNFUSED_FASTER
     )
 
 

@@ -114,6 +114,8 @@ def test_applies() -> None:
         fused.set_enabled(True)
     with pytest.raises(ValueError):
         fused.set_split_tokens(100)
+    q8b, cache8b = torch.empty(1, 32, 128, device=DEVICE), torch.empty(4, 16, 8, 128, device=DEVICE)
+    assert not fused.applies(q8b, cache8b, torch.empty(10, 128, device=DEVICE), quantized=False)
 
 
 def test_compiles_for_hopper() -> None:
