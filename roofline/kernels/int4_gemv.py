@@ -68,6 +68,7 @@ from roofline.kernels.int4_gemv_configs import (
     heuristic_config,
     pick_config,
     prologue_heuristic,
+    table_format,
     takes,
 )
 from roofline.kernels.int4_gemv_tiles import _tile
@@ -80,6 +81,7 @@ from roofline.kernels.int4_layout import (
     repack_int8,
     unrepack_int4,
     unrepack_int8,
+    weight_k,
 )
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
@@ -87,7 +89,7 @@ __all__ = [
     "MAX_ROWS", "PROLOGUE_TUNED_CONFIGS", "TILED_MAX_ROWS", "TILE_K", "TUNED_CONFIGS",
     "Int4GemvConfig", "_resolve", "can_repack", "heuristic_config", "int4_gemv", "int4_gemv_ref",
     "pack_scales", "pick_config", "prologue_heuristic", "repack_int4", "repack_int8", "supports",
-    "splits_gate_up", "takes", "unrepack_int4", "unrepack_int8", "weight_k",
+    "splits_gate_up", "table_format", "takes", "unrepack_int4", "unrepack_int8", "weight_k",
 ]  # fmt: skip
 
 
@@ -134,6 +136,7 @@ def _int4_gemv_kernel(
     NORM_CHUNKS: tl.constexpr,  # cdiv(K, 1024) with NORM: the statistic's loads, unrolled
     NORM_EVEN: tl.constexpr,  # K % 1024 == 0
     SILU_OUT: tl.constexpr,  # gate | up weight: out = silu(gate) * up, [M, N // 2]
+    CANON: tl.constexpr,  # the canonical int4 / int8 bytes read as int32 words (GROUP >= 128)
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if BITS == 4:
@@ -158,7 +161,8 @@ def _int4_gemv_kernel(
     c = tl.arange(0, COLS)
     slice_c = c // BLOCK_M  # [C]: the K-slice of each x column
     m_c = tl.minimum(pid_m * BLOCK_M + c % BLOCK_M, M - 1).to(tl.int64)
-    offs_w = tl.arange(0, 32 if FP8 else 16)  # one plane's words of a tile
+    WLOAD: tl.constexpr = 32 if FP8 or (CANON and BITS == 8) else 16
+    offs_w = tl.arange(0, WLOAD)  # one plane's words of a tile (canonical int8: both)
     slice_words = k_slice // 128 * WPT
     q_row = q_ptr + k_origin // 128 * WPT + rows * stride_qn + slice_r * slice_words  # [BN]
     q_ptrs = q_row[:, None] + offs_w[None, :]
@@ -171,7 +175,7 @@ def _int4_gemv_kernel(
     if PRELOAD:  # the first tile into registers before the wait (TILES == 1)
         w_first = tl.load(q_ptrs)
         w_first_hi = w_first
-        if BITS == 8 and not FP8:
+        if BITS == 8 and not FP8 and not CANON:
             w_first_hi = tl.load(q_ptrs + 16)
     if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
         offs_p = tl.minimum(tl.arange(0, PREFETCH_LINES) * 32, slice_words - 1)  # 128-B lines
@@ -198,17 +202,19 @@ def _int4_gemv_kernel(
     k_start = 0
     if PRELOAD:  # the first tile came in before the wait
         acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
-                    BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32)  # fmt: skip
+                    BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                    CANON)  # fmt: skip
         k_start = 128
     for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
             kt = k0 + 128 * t
             words = tl.load(q_ptrs + kt // 128 * WPT)  # [BN, 16] int32 (int8: low nibbles)
             words_hi = words
-            if BITS == 8 and not FP8:
+            if BITS == 8 and not FP8 and not CANON:
                 words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
             acc = _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
-                        BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32)  # fmt: skip
+                        BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                        CANON)  # fmt: skip
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
@@ -287,6 +293,7 @@ def _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_o
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 FP8_DTYPE = torch.float8_e4m3fn
+CANON_BITS = {torch.uint8: 4, torch.int8: 8}
 PREFETCH_BYTES = int(os.environ.get("ROOFLINE_INT4_GEMV_PREFETCH", "16384"))
 """Weight bytes a program asks into L2 before its PDL wait (the start of each MMA row's slice,
 whole 128-byte lines), while the previous kernel still runs."""
@@ -297,12 +304,6 @@ def splits_gate_up(n: int, cfg: Int4GemvConfig) -> bool:
     gate | up weight of ``n`` rows (``silu_out``), with no program straddling the halves."""
     rows = cfg.block_n // cfg.ksplit
     return n % 2 == 0 and rows % 2 == 0 and (n // 2) % (rows // 2) == 0
-
-
-def weight_k(words: torch.Tensor, bits: int) -> int:
-    """K of a weight in ``int4_gemv``'s layouts: int32 words of 8 (int4) or 4 (int8 planes)
-    elements, or one e4m3 byte per element."""
-    return words.shape[1] if words.dtype == FP8_DTYPE else words.shape[1] * 32 // bits
 
 
 def _counters(device: torch.device, num: int) -> torch.Tensor:
@@ -318,7 +319,8 @@ def _counters(device: torch.device, num: int) -> torch.Tensor:
 def supports(
     x: torch.Tensor, words: torch.Tensor, group: int, silu_mul: bool = False, bits: int = 4
 ) -> bool:
-    """Whether ``int4_gemv`` takes this x against a repacked weight (with its picked config)."""
+    """Whether ``int4_gemv`` takes this x against a weight in one of its layouts (with its
+    picked config)."""
     k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
         return False
@@ -351,8 +353,9 @@ def int4_gemv(
     per-channel fp32 scales."""
     check_device(x, words)
     fp8 = words.dtype == FP8_DTYPE
-    if bits not in (4, 8) or (fp8 and bits != 8):
-        raise ValueError(f"int4_gemv: bits must be 4 or 8 (fp8: 8), got {bits}")
+    canon = words.dtype in (torch.uint8, torch.int8)  # the canonical int4 / int8 bytes
+    if bits not in (4, 8) or (fp8 and bits != 8) or (canon and bits != CANON_BITS[words.dtype]):
+        raise ValueError(f"int4_gemv: bits {bits} do not fit a {words.dtype} weight")
     m, n = x.shape[0], words.shape[0]
     k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
@@ -374,6 +377,8 @@ def int4_gemv(
     if not scale_pairs.is_contiguous() or not words.is_contiguous():
         raise ValueError("int4_gemv: the weight and its scales must be contiguous")
     group = k // num_groups
+    if canon and group % TILE_K:
+        raise ValueError(f"int4_gemv: the canonical layout takes groups of 128k, not {group}")
     if not can_repack(k, group):
         raise ValueError(f"int4_gemv: K = {k} with groups of {group} cannot be repacked")
     if norm is not None and (m != 1 or silu_mul or norm[0].shape != (k,)):
@@ -383,7 +388,7 @@ def int4_gemv(
     prologue = "silu" if silu_mul else "norm" if norm is not None else None
     if silu_out and (silu_mul or residual is not None or n % 2):
         raise ValueError("int4_gemv: silu_out takes a gate | up weight, no SiLU prologue or add")
-    cfg = config or pick_config(n, k, group, m, x.device, "fp8" if fp8 else bits, prologue)
+    cfg = config or pick_config(n, k, group, m, x.device, table_format(words, bits), prologue)
     if cfg is None:
         raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
@@ -411,7 +416,7 @@ def int4_gemv(
     lines = triton.next_power_of_2(min(triton.cdiv(k_slice * bits // 8, 128), budget))
     if pdl:
         extra["launch_pdl"] = True
-    q = words.view(torch.int32) if fp8 else words  # e4m3 bytes read four to a word
+    q = words.view(torch.int32) if fp8 or canon else words  # bytes read four to a word
     launch(
         x, q, scale_pairs, bias if bias is not None else scale_pairs, out,
         norm[0] if norm is not None else x, residual if residual is not None else out, parts,
@@ -425,7 +430,7 @@ def int4_gemv(
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
         PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
-        NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out,
+        NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out

@@ -11,7 +11,7 @@ import triton
 
 from roofline.kernels import num_sms
 from roofline.kernels.gemv import m_bucket
-from roofline.kernels.int4_layout import TILE_K, can_repack
+from roofline.kernels.int4_layout import TILE_K, can_repack, weight_k
 
 MAX_ROWS = 16
 TILED_MAX_ROWS = 256
@@ -125,21 +125,36 @@ def pick_config(
     group: int,
     m: int,
     device: torch.device,
-    bits: int | str = 4,
+    bits: int | str = 4,  # table_format's key
     prologue: str | None = None,
 ) -> Int4GemvConfig | None:
     """The measured config of M's bucket (and prologue), else the heuristic's; None where the
     table says the other decode kernel is faster (no prologue)."""
-    key = (bits, n, k, group, row_bucket(m))  # bits: 4, 8, or "fp8"
+    key = (bits, n, k, group, row_bucket(m))  # bits: table_format's key
+    keys = [key, (int(bits[1:]), *key[1:])] if bits in ("c4", "c8") else [key]
     if prologue is not None:
-        tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *key))
-        return Int4GemvConfig(*tuned) if tuned else prologue_heuristic(k, group)
-    if key in TUNED_CONFIGS:
-        tuned = TUNED_CONFIGS[key]
-        return None if tuned is None else Int4GemvConfig(*tuned)
+        for kk in keys:
+            tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *kk))
+            if tuned:
+                return Int4GemvConfig(*tuned)
+        return prologue_heuristic(k, group)
+    for kk in keys:
+        if kk in TUNED_CONFIGS:
+            tuned = TUNED_CONFIGS[kk]
+            return None if tuned is None else Int4GemvConfig(*tuned)
     if m > MAX_ROWS:  # row tiles only where measured
         return None
     return heuristic_config(n, k, group, m, num_sms(device))
+
+
+def table_format(words: torch.Tensor, bits: int) -> int | str:
+    """The tables' format key of a weight: 4 / 8 (repacked int4 / int8 planes), "fp8", or "c4" /
+    "c8" (the canonical int4 / int8 bytes read as they are; absent entries fall back to 4 / 8)."""
+    if words.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if words.dtype in (torch.uint8, torch.int8):
+        return f"c{bits}"
+    return bits
 
 
 def row_bucket(m: int) -> int:
@@ -174,11 +189,12 @@ def takes(
 ) -> bool:
     """``supports`` by shapes only (the fused decode layer asks before its inputs exist); the
     norm prologue takes one row."""
-    fp8 = words.dtype == torch.float8_e4m3fn
-    k = words.shape[1] if fp8 else words.shape[1] * 32 // bits
+    k = weight_k(words, bits)
+    if words.dtype in (torch.uint8, torch.int8) and group % TILE_K:
+        return False  # the canonical layouts: whole tiles per group
     if not 1 <= m <= TILED_MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return False
     if prologue == "norm" and m != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, device, "fp8" if fp8 else bits, prologue)
+    cfg = pick_config(words.shape[0], k, group, m, device, table_format(words, bits), prologue)
     return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None

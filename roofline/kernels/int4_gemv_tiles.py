@@ -34,9 +34,9 @@ def _e4m3_asm(bf16):
 
 
 @triton.jit
-def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
-    """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
-    ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
+def _halves(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibbles SH/4 (low half) and SH/4 + 4 (high half) of every word as 16-bit floats
+    ``B + q``: two ``[rows, words]`` tensors."""
     src = words >> SH if SH > 0 else words
     if ASM:  # one lop3: (src & 0x000F000F) | MAGIC
         v = tl.inline_asm_elementwise(
@@ -47,7 +47,51 @@ def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE
         v = (src & 0x000F000F) | MAGIC
     lo = v.to(tl.int16).to(DTYPE, bitcast=True)
     hi = (v >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pair(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibbles SH/4 and SH/4 + 4 of every word as two 16-bit floats ``B + q``, laid out as the
+    ``[rows, 2 * words]`` operand (element ``2 w`` = low half of word w)."""
+    lo, hi = _halves(words, SH, MAGIC, ASM, DTYPE)
     return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _quads(e0, e1, e2, e3):
+    """Four ``[rows, W]`` tensors holding elements ``4 w + i`` -> ``[rows, 4 W]`` in order."""
+    tile = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [rows, W, pair, half]: 4 w + 2 p + h
+    return tl.reshape(tile, (e0.shape[0], 4 * e0.shape[1]))
+
+
+@triton.jit
+def _canonical_int4(words, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """Canonical int4 words (element ``8 w + n`` in nibble n of word w) -> the ``[rows, 8 W]``
+    operand ``B + q`` in natural order: the lop3 of nibble pairs (n, n + 4), then the halves
+    interleaved in registers (no repacked copy)."""
+    e0, e4 = _halves(words, 0, MAGIC, ASM, DTYPE)
+    e1, e5 = _halves(words, 4, MAGIC, ASM, DTYPE)
+    e2, e6 = _halves(words, 8, MAGIC, ASM, DTYPE)
+    e3, e7 = _halves(words, 12, MAGIC, ASM, DTYPE)
+    even = tl.join(tl.join(e0, e4), tl.join(e2, e6))  # [rows, W, h, a]: 8 w + 4 h + 2 a
+    odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))  # + 1
+    tile = tl.join(even, odd)  # [rows, W, h, a, b]: element 8 w + 4 h + 2 a + b
+    return tl.reshape(tile, (words.shape[0], 8 * words.shape[1]))
+
+
+@triton.jit
+def _canonical_int8(words, MAGIC: tl.constexpr, MAGIC_HI: tl.constexpr, ASM: tl.constexpr,
+                    DTYPE: tl.constexpr):  # fmt: skip
+    """Canonical int8 words (element ``4 w + b`` in byte b) -> the low and high nibble planes of
+    ``u = q + 128`` as two ``[rows, 4 W]`` operands in natural order (``B + lo``,
+    ``16 (B' + hi)``): nibble pairs (0, 4) and (2, 6) are bytes (0, 2), (1, 3)."""
+    u = words ^ -2139062144  # 0x80808080: each byte q + 128
+    l0, l2 = _halves(u, 0, MAGIC, ASM, DTYPE)  # low nibbles of bytes 0 and 2
+    h0, h2 = _halves(u, 4, MAGIC_HI, ASM, DTYPE)
+    l1, l3 = _halves(u, 8, MAGIC, ASM, DTYPE)
+    h1, h3 = _halves(u, 12, MAGIC_HI, ASM, DTYPE)
+    return _quads(l0, l1, l2, l3), _quads(h0, h1, h2, h3)
 
 
 @triton.constexpr_function
@@ -146,9 +190,10 @@ def _scale_pair(ptrs, PAIR32: tl.constexpr):
 def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
           BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
           PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-          ASM: tl.constexpr, PAIR32: tl.constexpr):  # fmt: skip
+          ASM: tl.constexpr, PAIR32: tl.constexpr, CANON: tl.constexpr):  # fmt: skip
     """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
-    and ``words_hi``; FP8: e4m3 bytes) against the matching x tile, group by group."""
+    and ``words_hi``; FP8: e4m3 bytes; CANON: the canonical int4 / int8 bytes) against the
+    matching x tile, group by group."""
     DTYPE: tl.constexpr = ones.dtype
     # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
     MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
@@ -171,11 +216,17 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
         if FP8:  # [BN, 32] words of e4m3 bytes: sum q x; the row's scale comes at the end
             acc = tl.dot(_fp8_operand(words, DTYPE, ASM), xt, acc)
         else:
-            a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
-            d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
-            if BITS == 8:
-                a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
-                d = tl.dot(a_hi, xt, d)
+            if CANON and BITS == 4:  # canonical words (GK == 128)
+                d = tl.dot(_canonical_int4(words, MAGIC, ASM, DTYPE), xt)
+            elif CANON:
+                a, a_hi = _canonical_int8(words, MAGIC, MAGIC_HI, ASM, DTYPE)
+                d = tl.dot(a_hi, xt, tl.dot(a, xt))
+            else:
+                a = _operand(words, PAIRS, PAIRS * j, MAGIC, ASM, DTYPE)  # [BN, GK]
+                d = tl.dot(a, xt)  # [BN, C]: sum (BASE + q) x over the group (or tile)
+                if BITS == 8:
+                    a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
+                    d = tl.dot(a_hi, xt, d)
             xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
             if GROUP <= 128:
                 s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each

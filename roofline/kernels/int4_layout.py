@@ -24,6 +24,17 @@ TILE_K = 128  # K elements per repacked tile (16 int32 words per row and nibble 
 TILE_WORDS = TILE_K // 8
 
 
+def weight_k(words: torch.Tensor, bits: int) -> int:
+    """K of a weight in one of ``kernels.int4_gemv``'s layouts: repacked int32 words of 8 (int4)
+    or 4 (int8 planes) elements, the canonical int4 bytes (uint8, two elements each), or one
+    canonical int8 / e4m3 byte per element."""
+    if words.dtype == torch.uint8:
+        return 2 * words.shape[1]
+    if words.dtype in (torch.int8, torch.float8_e4m3fn):
+        return words.shape[1]
+    return words.shape[1] * 32 // bits
+
+
 def can_repack(k: int, group: int) -> bool:
     """Whether a weight with K inputs and this group size can take the repacked layout."""
     return k % TILE_K == 0 and (group in (32, 64) or group % TILE_K == 0) and k % group == 0

@@ -69,6 +69,10 @@ USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
 # fp8 weight-only decode batches take it over the canonical e4m3 weight itself (no copy);
 # ROOFLINE_FP8_GEMV=0 keeps them on kernels.quant_gemv.
 USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
+# int4 / int8 layers whose groups hold whole 128-element tiles give kernels.int4_gemv their
+# canonical tensors as they are (no repacked copy: one copy of the weight on the GPU);
+# ROOFLINE_GEMV_CANONICAL=0 repacks them instead.
+CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
 # silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
 # vs 18.9 apart; int8 29.0 vs 28.6; fp8 25.9 vs 28.9). The fused decode layer's MLP takes neither
@@ -257,6 +261,11 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
     k = layer.qweight.shape[1] * (2 if bits == 4 else 1)
     group = k // layer.scales.shape[1]
     if not int4_gemv.can_repack(k, group):
+        return
+    if CANONICAL_GEMV and group % int4_gemv.TILE_K == 0:  # read as they are
+        layer.gemv_words = layer.qweight
+        layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
+        layer.gemv_bits, layer.gemv_group = bits, group
         return
     repack = int4_gemv.repack_int4 if bits == 4 else int4_gemv.repack_int8
     with torch.no_grad():

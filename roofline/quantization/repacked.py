@@ -37,7 +37,7 @@ def _shape(layer: nn.Module) -> tuple[int | str, int, int, int]:
     from roofline.kernels import int4_gemv
 
     words = layer.gemv_words
-    fmt = "fp8" if words.dtype == torch.float8_e4m3fn else layer.gemv_bits
+    fmt = int4_gemv.table_format(words, layer.gemv_bits)
     return fmt, words.shape[0], int4_gemv.weight_k(words, layer.gemv_bits), layer.gemv_group
 
 

@@ -1,9 +1,9 @@
 """``kernels.int4_gemv`` over fp8 e4m3 weights (the canonical ``[N, K]`` weight read as int32
-words, one fp32 scale per row), the ``preload`` configs (the first tile loaded before the PDL
-wait) and the ``silu_out`` epilogue of a gate | up weight: against x times the exactly
-dequantized weight in plain torch, every e4m3 code decoded exactly, the prologues and epilogues
-against the unfused kernels, the refusals, and the fused decode layer's calls (its MLP with and
-without the SiLU epilogue) on fp8 linears."""
+words, one fp32 scale per row) and over the canonical int4 / int8 bytes, the ``preload``
+configs (the first tile loaded before the PDL wait) and the ``silu_out`` epilogue of a gate | up
+weight: against x times the exactly dequantized weight in plain torch, every e4m3 code decoded
+exactly, the prologues and epilogues against the unfused kernels, the refusals, and the fused
+decode layer's calls (its MLP with and without the SiLU epilogue) on fp8 linears."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_fp8_prologues_and_residual() -> None:
 def test_fp8_refusals() -> None:
     q, s = _fp8_weight()
     x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="fp8: 8"):
+    with pytest.raises(ValueError, match="do not fit"):
         ig.int4_gemv(x, q, s, bits=4)
     with pytest.raises(ValueError, match="fp32"):
         ig.int4_gemv(x, q, s.to(torch.bfloat16), bits=8)
@@ -199,3 +199,40 @@ def test_silu_out_epilogue(fmt: str) -> None:
     with pytest.raises(ValueError, match="silu_out"):
         residual = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEVICE)
         ig.int4_gemv(x, words, pairs, bits=bits, silu_out=True, residual=residual)
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 128), ("int4", 256), ("int8", K), ("int8", 128)])
+def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) -> None:
+    """int4 / int8 canonical bytes (no repack) against the dequantized weight; the layer's kernel
+    layout is its own qweight with ``common.CANONICAL_GEMV``; groups of 64 are refused."""
+    from roofline.quantization import common
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    if kind == "int4":
+        q = formats.quantize_int4(w, group, False, torch.bfloat16)
+        qweight, pairs, bits = q.qweight, ig.pack_scales(q.scales, q.offsets), 4
+        dense = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
+    else:
+        q8 = formats.quantize_int8(w, group, torch.bfloat16)
+        qweight, pairs, bits = q8.qweight, ig.pack_scales(q8.scales, None), 8
+        dense = formats.dequantize_int8(q8.qweight, q8.scales, torch.float32)
+    qweight, pairs, dense = qweight.to(DEVICE), pairs.to(DEVICE), dense.to(DEVICE)
+    for m, cfg in ((1, ig.Int4GemvConfig(64, 4, 1, 4, 2, 1, 1)), (3, None), (16, None)):
+        x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(x, qweight, pairs, bits=bits, config=cfg)
+        assert_close(got, (x.float() @ dense.T).to(x.dtype), torch.bfloat16)
+    q64 = formats.quantize_int4(w, 64, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="canonical"):
+        ig.int4_gemv(x, q64.qweight.to(DEVICE), ig.pack_scales(q64.scales, q64.offsets).to(DEVICE))
+
+    from roofline.layers.linear import MergedLinear
+    from roofline.quantization.int4 import Int4LinearMethod
+    from roofline.quantization.int8 import Int8LinearMethod
+
+    method = Int4LinearMethod(group) if kind == "int4" else Int8LinearMethod(group)
+    layer = MergedLinear(K, [N], bias=False, method=method)
+    layer.method.load(layer, 0, "weight", w)
+    monkeypatch.setattr(common, "CANONICAL_GEMV", True)
+    common.prepare_kernel_layout(kind, layer, cuda_only=False)
+    assert layer.gemv_words is layer.qweight and layer.gemv_bits == bits
