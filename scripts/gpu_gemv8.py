@@ -1,32 +1,28 @@
-"""Batch-1 decode GEMVs of the quantized methods on an H100 (Llama-3.1-8B config, random weights):
-``kernels.int4_gemv`` for int4 g128, int8 (nibble planes) and fp8 e4m3 (the canonical weight read
-as it is), one session.
+"""Batch-1 decode of the quantized methods on an H100 (Llama-3.1-8B config, random weights):
+``kernels.int4_gemv`` for int4 g128, int8 and fp8 e4m3, and where a decode layer's time goes.
 
-1. parity on the GPU: every format against x times the exactly dequantized weight (8B shapes,
-   M = 1/3/16, bf16 and fp16, the picked config and a preloading one), the norm / SiLU
-   prologues and the residual epilogue against the unfused path;
-2. per 8B shape at one row, a config sweep per format (with ``preload``: the first tile in
-   registers before the PDL wait), beside ``quant_gemv`` (the older CUDA-core kernel) and the
-   bf16 skinny GEMM; the norm / SiLU prologue configs; fp8 at 4 and 16 rows against
-   ``quant_gemv``. Winners are installed for the runs below and printed as tables;
-3. where an attention layer's time goes at one row: 32 layers of the norm-fused qkv GEMV alone,
-   then followed by ``rotary_kv_store`` (PDL on and off), by ``rotary_kv_store`` +
-   ``decode_attention``, and by the fused decode attention, in one CUDA graph each: the marginal
-   microseconds of each kernel beside the duration the profiler reports for it;
-4. int4 / int8 at 32-256 rows: ``int4_gemv`` row tiles over the repacked copy vs today's
-   ``mixed_gemm`` (or dequantize + cuBLAS) vs dequantizing the repacked copy; winners installed
-   (a layer all of whose buckets int4_gemv covers keeps only the repacked copy);
-5. 8B batch-1 (and 32) decode per method (bf16, int8, int4, fp8; ``fp8/old``: fp8 on
-   ``quant_gemv``; ``/nosiluepi``: the MLP's SiLU-and-mul not in the gate | up GEMV's epilogue;
-   ``/pf64k``: a 64 KiB L2 prefetch a program before the PDL wait), each beside its roofline
-   (weight bytes + KV over the copy bandwidth of this run), the weights' logical and resident
-   GiB, and a kernel profile of the quantized steps with each kernel's exclusive time (its part
-   of the step not overlapped by the kernel before it).
+1. parity on the GPU: every layout (repacked int4 / int8, fp8, the canonical int4 / int8 bytes)
+   against x times the exactly dequantized weight at one and 16 rows, the norm / SiLU prologues,
+   the residual epilogue and the SiLU epilogue (bit-exact against ``silu_and_mul``);
+2. the canonical int4 / int8 bytes read as they are vs the repacked copies, per 8B shape at
+   1 / 4 / 16 rows (canonical winners installed as the "c4" / "c8" tables);
+3. the fused decode MLP at one row, 8 layers in a CUDA graph per format: the SiLU in the gate |
+   up GEMV's epilogue vs its own launch vs the down projection's prologue;
+4. an attention layer at one row, 32 layers in a CUDA graph with PDL: rotary_kv_store +
+   decode_attention + merge vs the fused decode attention, Llama-3.1-8B and Qwen3-0.6B shapes,
+   160 and 1000 tokens;
+5. 8B batch-1 decode per method (``/fusedattn``: the fused decode attention at every shape;
+   ``/canon``: int4 / int8 layers read from their canonical tensors, no repacked copy), each
+   beside its roofline (weight bytes + KV over the copy bandwidth of this run), the weights'
+   GiB read and resident, and a kernel profile with each kernel's exclusive time (its part of
+   the step not overlapped by the kernel before it).
 
-Each section prints its error and goes on; the summary table comes last.
+``--full-sweep`` adds the one-row config sweep of every format (with ``preload``: the first tile
+in registers before the PDL wait) and int4_gemv's row tiles against ``mixed_gemm`` at 32-256
+rows. Each section prints its error and goes on; the summary table comes last.
 
-    python scripts/gpu_gemv8.py            # about 3.5 minutes
-    python scripts/gpu_gemv8.py --skip-sweep --methods bf16,int8,int4,fp8   # the committed tables
+    python scripts/gpu_gemv8.py                  # about 2.5 minutes
+    python scripts/gpu_gemv8.py --full-sweep     # about 4 minutes
 """
 
 from __future__ import annotations
@@ -44,10 +40,12 @@ from functools import partial
 import gpu_quant  # scripts/ is on sys.path when run as a script
 import quant_decode_bench as qdb
 import torch
+import triton
 
 from roofline import LLM
 from roofline.bench import latency
 from roofline.bench.ceilings import measure
+from roofline.kernels import decode_attention_fused as attn_fused
 from roofline.kernels import int4_gemv as ig
 from roofline.kernels import quant_gemv
 from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -86,17 +84,25 @@ def section(name: str):
 
 
 def fmt_key(fmt: str) -> int | str:
-    return {"int4": 4, "int8": 8, "fp8": "fp8"}[fmt]
+    return {"int4": 4, "int8": 8, "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
 
 
 def bits_of(fmt: str) -> int:
-    return 4 if fmt == "int4" else 8
+    return 4 if fmt in ("int4", "c4") else 8
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
     """(words, pairs, canonical (qweight, scales, offsets), fp32 dequantized [N, K])."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
+    if fmt == "c4":  # the canonical bytes, read as they are
+        q = formats.quantize_int4(w, 128, False, dtype)
+        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
+        return q.qweight, ig.pack_scales(q.scales, q.offsets), tuple(q), deq
+    if fmt == "c8":
+        q = formats.quantize_int8(w, k, dtype)
+        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
+        return q.qweight, ig.pack_scales(q.scales, None), (q.qweight, q.scales, None), deq
     if fmt == "int4":
         q = formats.quantize_int4(w, 128, False, dtype)
         deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
@@ -111,52 +117,65 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
 
 
 def group_of(fmt: str, k: int) -> int:
-    return 128 if fmt == "int4" else k
+    return 128 if fmt in ("int4", "c4") else k
 
 
 @section("parity")
 def parity() -> None:
-    worst = 0.0
-    for fmt in FORMATS:
+    """Every layout against x times the exactly dequantized weight (picked configs, one and 16
+    rows), the prologues and epilogues against the unfused kernels; compiles first, in parallel."""
+    cases = []  # (fmt, layer, label, fn(warmup) -> out, ref thunk)
+    for fmt in FORMATS + ("c4", "c8"):
         for layer, (n, k) in SHAPES.items():
             words, pairs, _, deq = make_weight(fmt, n, k, seed=3)
-            errs = []
-            dtypes = (torch.bfloat16, torch.float16) if fmt == "fp8" and layer == "o" else (None,)
-            for dtype in dtypes:
-                for m in (1, 3, 16):
-                    x = torch.randn(m, k, device=DEVICE, dtype=dtype or torch.bfloat16)
-                    ref = (x.float() @ deq.T).to(x.dtype)
-                    errs.append(qdb.rel_err(ig.int4_gemv(x, words, pairs, bits=bits_of(fmt)), ref))
-                pre = C(128, 8, 1, 4, 3, 1, 1)
-                if ig._resolve(pre, k, group_of(fmt, k)) is not None:
-                    x = torch.randn(1, k, device=DEVICE, dtype=dtype or torch.bfloat16)
-                    got = ig.int4_gemv(x, words, pairs, bits=bits_of(fmt), config=pre)
-                    errs.append(qdb.rel_err(got, (x.float() @ deq.T).to(x.dtype)))
-            # prologues and the residual epilogue against the unfused path (one row)
             b = bits_of(fmt)
+            run = partial(ig.int4_gemv, words=words, scale_pairs=pairs, bits=b)
+            for m in (1, 16):
+                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                ref = (x.float() @ deq.T).to(x.dtype)
+                cases.append((fmt, layer, f"M={m}", partial(run, x), ref))
+            if fmt == "fp8" and layer == "o":
+                x = torch.randn(3, k, device=DEVICE, dtype=torch.float16)
+                cases.append((fmt, layer, "fp16", partial(run, x), (x.float() @ deq.T).half()))
             if layer == "down":
                 gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
                 ref = (silu_and_mul_ref(gu).float() @ deq.T).to(gu.dtype)
-                errs.append(qdb.rel_err(ig.int4_gemv(gu, words, pairs, silu_mul=True, bits=b), ref))
+                cases.append((fmt, layer, "silu", partial(run, gu, silu_mul=True), ref))
             elif layer in ("qkv", "gate_up"):
                 h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
                 nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-                ref = ig.int4_gemv(rms_norm(h, nw, 1e-5), words, pairs, bits=b)
-                got = ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5), bits=b)
-                errs.append(qdb.rel_err(got, ref))
-                if layer == "gate_up":  # the SiLU epilogue: silu_and_mul's bits of that output
-                    act = ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5), bits=b, silu_out=True)
-                    errs.append(qdb.rel_err(act, silu_and_mul(got)))
-                    SUMMARY[f"silu_out_exact_{fmt}"] = torch.equal(act, silu_and_mul(got))
+                ref = (rms_norm(h, nw, 1e-5).float() @ deq.T).to(h.dtype)
+                cases.append((fmt, layer, "norm", partial(run, h, norm=(nw, 1e-5)), ref))
+                if layer == "gate_up":  # the SiLU epilogue vs silu_and_mul of the same GEMV
+                    plain = partial(run, h, norm=(nw, 1e-5))
+                    act = partial(run, h, norm=(nw, 1e-5), silu_out=True)
+                    cases.append((fmt, layer, "silu_out", act, plain))
             else:
                 x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
                 res = torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16)
-                ref = ig.int4_gemv(x, words, pairs, bits=b) + res
-                errs.append(qdb.rel_err(ig.int4_gemv(x, words, pairs, residual=res, bits=b), ref))
-            worst = max(worst, *errs)
-            print(f"{fmt:4} {layer:7}: max rel err " + " ".join(f"{e:.1e}" for e in errs))
+                ref = ((x.float() @ deq.T).to(x.dtype).float() + res.float()).to(x.dtype)
+                cases.append((fmt, layer, "residual", partial(run, x, residual=res), ref))
+    qdb.precompile([partial(fn, warmup=True) for *_, fn, _ in cases])
+    worst = 0.0
+    lines: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for fmt, layer, label, fn, ref in cases:
+        if callable(ref):  # silu_out: silu_and_mul's bits of the plain GEMV's output
+            got, plain = fn(), silu_and_mul(ref())
+            err = qdb.rel_err(got, plain)
+            SUMMARY[f"silu_out_exact_{fmt}"] = torch.equal(got, plain)
+        else:
+            err = qdb.rel_err(fn(), ref)
+        worst = max(worst, err)
+        lines[(fmt, layer)].append(f"{label} {err:.1e}")
+    for (fmt, layer), errs in lines.items():
+        print(f"{fmt:4} {layer:7}: max rel err " + ", ".join(errs))
+    exact = {f: SUMMARY.get(f"silu_out_exact_{f}") for f in FORMATS + ("c4", "c8")}
+    print(f"SiLU epilogue bit-exact vs silu_and_mul: {exact}")
     SUMMARY["parity_worst"] = worst
-    TABLE.append(f"parity int4/int8/fp8 int4_gemv: worst max-rel error {worst:.2e} (bound 1e-2)")
+    TABLE.append(
+        f"parity int4/int8/fp8/canonical int4_gemv: worst max-rel error {worst:.2e} (bound 1e-2); "
+        f"SiLU epilogue exact {exact}"
+    )
 
 
 def m1_candidates(fmt: str, layer: str) -> list[ig.Int4GemvConfig]:
@@ -326,6 +345,95 @@ ROW_TILE_CANDIDATES = [  # no or few register spills on sm_90 (ptxas, int4 and i
 ]  # fmt: skip
 
 
+@section("canonical vs repacked")
+def canon_sweep(copy_bw: float) -> None:
+    """int4 g128 and int8 read from their canonical bytes (no repacked copy) vs the repacked
+    layouts, per 8B shape: one row (the repacked table's config and a few around it, the
+    prologue variants the fused decode layer runs) and 4 / 16 rows (the repacked tables'
+    configs). Canonical winners go to the "c4" / "c8" tables for the decode runs below."""
+    tuned: dict = {}
+    for fmt, rep in (("c4", "int4"), ("c8", "int8")):
+        for layer, (n, k) in SHAPES.items():
+            ring, _, deq = ring_of(fmt, n, k)
+            ring_rep, _, _ = ring_of(rep, n, k)
+            qbytes = qdb.nbytes(*ring[0])
+            group = group_of(fmt, k)
+            x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+            base = ig.pick_config(n, k, group, 1, x.device, fmt_key(rep))
+            around = [base, base._replace(preload=0), base._replace(num_stages=3),
+                      base._replace(num_warps=8), C(64, 8, 1, 4, 3, 1, 1), C(128, 8, 1, 4, 2, 2, 1),
+                      C(64, 8, 2, 4, 3), C(128, 4, 1, 4, 3, 4, 1)]  # fmt: skip
+            ref = (x.float() @ deq.T).to(x.dtype)
+            good = sweep_configs(fmt, x, ring, ref, around)
+            t_rep = qdb.time_ring(
+                partial(ig.int4_gemv, x, bits=bits_of(fmt), config=base), ring_rep
+            )
+            parts = [f"repacked {t_rep * 1e6:.1f} us {100 * qbytes / t_rep / copy_bw:.0f}%"]
+            if good:
+                t, cfg = good[0]
+                tuned[(fmt_key(fmt), n, k, group, 1)] = tuple(cfg)
+                ig.TUNED_CONFIGS[(fmt_key(fmt), n, k, group, 1)] = tuple(cfg)
+                parts.append(f"canonical {t * 1e6:.1f} us {100 * qbytes / t / copy_bw:.0f}% "
+                             f"{tuple(cfg)}")  # fmt: skip
+            for m in (4, 16):
+                xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                t_c = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring)
+                t_r = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring_rep)
+                parts.append(f"M={m} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
+            line = f"{fmt} {layer:7} M=1: " + " | ".join(parts)
+            print(line, flush=True)
+            TABLE.append(line)
+            del ring, ring_rep
+            torch.cuda.empty_cache()
+    print("\nint4_gemv.TUNED_CONFIGS canonical (measured here) = {")
+    for key, cfg in tuned.items():
+        print(f"    {key!r}: {cfg!r},")
+    print("}")
+    SUMMARY["tuned_canonical"] = {repr(k): v for k, v in tuned.items()}
+
+
+def _mlp(variant: str, bits: int, h, norm, gate_up: tuple, down: tuple) -> torch.Tensor:
+    """One fused decode MLP: the SiLU in the gate | up epilogue, apart, or in the down prologue."""
+    if variant == "epilogue":
+        act = ig.int4_gemv(h, *gate_up, norm=norm, silu_out=True, bits=bits)
+        return ig.int4_gemv(act, *down, residual=h, bits=bits)
+    gu = ig.int4_gemv(h, *gate_up, norm=norm, bits=bits)
+    if variant == "apart":
+        return ig.int4_gemv(silu_and_mul(gu), *down, residual=h, bits=bits)
+    return ig.int4_gemv(gu, *down, silu_mul=True, residual=h, bits=bits)
+
+
+@section("MLP at one row")
+def mlp_chain(copy_bw: float) -> None:
+    """8 layers of the fused decode MLP (norm + gate | up, then down + residual) in one CUDA
+    graph per format: the SiLU in the gate | up epilogue, as its own launch, or as the down
+    projection's prologue."""
+    n, k = SHAPES["gate_up"]
+    layers = 8
+    for fmt in ("int4", "int8", "fp8"):
+        b = bits_of(fmt)
+        gus = [make_weight(fmt, n, k, seed=i)[:2] for i in range(layers)]
+        downs = [make_weight(fmt, k, n // 2, seed=100 + i)[:2] for i in range(layers)]
+        h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        norm = (nw, 1e-5)
+
+        times = {}
+        for name in ("epilogue", "apart", "prologue"):
+            calls = [partial(_mlp, name, b, h, norm, gus[i], downs[i]) for i in range(layers)]
+            times[name] = qdb.time_graph(calls) * 1e6
+        weights = qdb.nbytes(*gus[0], *downs[0])
+        line = f"MLP {fmt}: " + ", ".join(
+            f"SiLU {name} {t:.1f} us/layer ({100 * weights / (t * 1e-6) / copy_bw:.0f}%)"
+            for name, t in times.items()
+        )
+        print(line, flush=True)
+        TABLE.append(line)
+        SUMMARY[f"mlp_{fmt}"] = times
+        del gus, downs
+        torch.cuda.empty_cache()
+
+
 def _dequant_linear(x: torch.Tensor, bits: int, words: torch.Tensor, pairs: torch.Tensor):
     from roofline.kernels.int4_gemv_tiles import dequantize_words
 
@@ -384,77 +492,73 @@ def row_tiles(copy_bw: float) -> None:
     SUMMARY["tuned_row_tiles"] = {repr(k): v for k, v in tuned.items()}
 
 
-@section("attention-layer kernels at one row")
-def attention_chain() -> None:
-    """32 layers of [norm-fused int4 qkv GEMV (+ the attention kernels)] in one CUDA graph: the
-    marginal time of ``rotary_kv_store`` and the attention per layer, and what the profiler
-    reports as their duration (with PDL a kernel starts early and waits inside)."""
-    from roofline.kernels import pdl
+def _attn_layer(variant: str, qkv_fn, dims: tuple, rope: tuple, cache: tuple, ctx: int):
+    """One attention layer's kernels after its qkv GEMV: none, rotary_kv_store + decode_attention
+    (+ merge), or the fused decode attention."""
     from roofline.kernels.decode_attention import decode_attention
     from roofline.kernels.decode_attention_fused import fused_decode_attention
     from roofline.kernels.kv_store import rotary_kv_store
 
-    layers, n, k = 32, 6144, 4096
-    weights = [make_weight("int4", n, k, seed=i)[:2] for i in range(layers)]
-    h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-    nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-    pages, page_size, ctx = 64, 16, 160
-    kc = torch.randn(pages, page_size, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    cos_sin = torch.randn(4096, 128, device=DEVICE, dtype=torch.bfloat16)
-    pos = torch.tensor([ctx - 1], device=DEVICE)
-    slot = torch.tensor([ctx - 1], device=DEVICE, dtype=torch.int64)
-    table = torch.arange(pages, device=DEVICE, dtype=torch.int32)[None]
-    seq = torch.tensor([ctx], device=DEVICE, dtype=torch.int32)
-
-    def qkv(i):
-        out = ig.int4_gemv(h, *weights[i], norm=(nw, 1e-5))
-        return (
-            out[:, :4096].view(1, 32, 128),
-            out[:, 4096:5120].view(1, 8, 128),
-            out[:, 5120:].view(1, 8, 128),
-        )
-
-    def gemv_only(i):
-        qkv(i)
-
-    def rotary(i):
-        q, kk, v = qkv(i)
-        rotary_kv_store(q, kk, v, pos, cos_sin, kc, vc, slot)
-
-    def unfused(i):
-        q, kk, v = qkv(i)
-        rotary_kv_store(q, kk, v, pos, cos_sin, kc, vc, slot)
+    heads, kv_heads, hd = dims
+    out = qkv_fn()
+    q = out[:, : heads * hd].view(1, heads, hd)
+    k = out[:, heads * hd : (heads + kv_heads) * hd].view(1, kv_heads, hd)
+    v = out[:, (heads + kv_heads) * hd :].view(1, kv_heads, hd)
+    pos, cos_sin, qk_norm = rope
+    kc, vc, slot, table, seq = cache
+    if variant == "unfused":
+        rotary_kv_store(q, k, v, pos, cos_sin, kc, vc, slot, qk_norm=qk_norm)
         decode_attention(q, kc, vc, table, seq, 0.088, max_seq_len=ctx)
+    elif variant == "fused":
+        fused_decode_attention(q, k, v, pos, cos_sin, qk_norm, kc, vc, slot, table, seq, 0.088, ctx)
 
-    def fused(i):
-        q, kk, v = qkv(i)
-        fused_decode_attention(q, kk, v, pos, cos_sin, None, kc, vc, slot, table, seq, 0.088, ctx)
 
-    results = {}
-    for pdl_on in (True, False):
-        pdl.set_pdl(pdl_on)
-        for name, fn in (("gemv", gemv_only), ("+rotary", rotary), ("+rotary+attn", unfused),
-                         ("+fused attn", fused)):  # fmt: skip
-            if not pdl_on and name in ("+rotary+attn",):
-                continue
-            t = qdb.time_graph([partial(fn, i) for i in range(layers)]) * 1e6
-            results[(pdl_on, name)] = t
-            durs = profile_durations([partial(fn, i) for i in range(layers)])
-            shown = ", ".join(f"{kn[:26]} {d:.1f}" for kn, d in durs.items())
-            on = "on " if pdl_on else "off"
-            print(f"  PDL {on} {name:13}: {t:6.2f} us/layer; profiler {shown}", flush=True)
-    pdl.set_pdl(True)
-    for pdl_on in (True, False):
-        base = results[(pdl_on, "gemv")]
-        line = f"attention kernels, PDL {'on' if pdl_on else 'off'}: " + ", ".join(
-            f"{name} +{t - base:.2f} us/layer"
-            for (p, name), t in results.items()
-            if p == pdl_on and name != "gemv"
-        )
-        print(line)
+@section("attention-layer kernels at one row")
+def attention_chain() -> None:
+    """32 layers of [qkv GEMV (+ the attention kernels)] in one CUDA graph (PDL as the engine
+    runs it): the marginal microseconds of rotary_kv_store + decode_attention + merge vs the fused
+    decode attention, for Llama-3.1-8B (32 / 8 heads, the int4 norm-fused qkv GEMV) and a
+    Qwen3-0.6B-shaped layer (16 / 8 heads, q/k norm, its bf16 qkv GEMV), at 160 and 1000 tokens."""
+    from roofline.kernels.gemv import skinny_gemm
+
+    layers, page_size = 32, 16
+    for model, dims, qk in (("8B", (32, 8, 128), False), ("0.6B", (16, 8, 128), True)):
+        heads, kv_heads, hd = dims
+        n = (heads + 2 * kv_heads) * hd
+        k = 4096 if model == "8B" else 1024
+        h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        if model == "8B":
+            ws = [make_weight("int4", n, k, seed=i)[:2] for i in range(layers)]
+            fns = [partial(ig.int4_gemv, h, *w, norm=(nw, 1e-5)) for w in ws]
+        else:
+            ws = [
+                torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(layers)
+            ]
+            fns = [partial(skinny_gemm, h, w, norm=(nw, 1e-5)) for w in ws]
+        norm_w = torch.rand(hd, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        qk_norm = (norm_w, norm_w, 1e-6) if qk else None
+        cos_sin = torch.randn(4096, hd, device=DEVICE, dtype=torch.bfloat16)
+        parts = []
+        for ctx in (160, 1000):
+            pages = triton.cdiv(ctx, page_size) + 1
+            kc = torch.randn(pages, page_size, kv_heads, hd, device=DEVICE, dtype=torch.bfloat16)
+            cache = (kc, torch.randn_like(kc), torch.tensor([ctx - 1], device=DEVICE),
+                     torch.arange(pages, device=DEVICE, dtype=torch.int32)[None],
+                     torch.tensor([ctx], device=DEVICE, dtype=torch.int32))  # fmt: skip
+            rope = (torch.tensor([ctx - 1], device=DEVICE), cos_sin, qk_norm)
+            t = {}
+            for variant in ("gemv", "unfused", "fused"):
+                calls = [partial(_attn_layer, variant, f, dims, rope, cache, ctx) for f in fns]
+                t[variant] = qdb.time_graph(calls) * 1e6
+            parts.append(f"ctx {ctx}: rotary+attention+merge +{t['unfused'] - t['gemv']:.2f}, "
+                         f"fused +{t['fused'] - t['gemv']:.2f} us/layer")  # fmt: skip
+            SUMMARY[f"attention_{model}_{ctx}"] = t
+        line = f"attention {model} ({heads}/{kv_heads} heads, PDL): " + "; ".join(parts)
+        print(line, flush=True)
         TABLE.append(line)
-    SUMMARY["attention_chain"] = {f"{p} {n}": t for (p, n), t in results.items()}
+        del ws, fns
+        torch.cuda.empty_cache()
 
 
 def profile_durations(calls: list) -> dict[str, float]:
@@ -552,13 +656,17 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 @section("decode per method")
 def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
     for method in methods:
-        batches = [1, 32] if method in ("bf16", "int8", "int4") else [1]
+        batches = [1]
         llm = None
         quant, _, variant = method.partition("/")
+        fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
             common.USE_FP8_GEMV = variant != "old"
+            common.CANONICAL_GEMV = variant == "canon"
             fused_decode.SILU_EPILOGUE = variant != "nosiluepi"
             ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
+            if variant == "fusedattn":  # every shape on the fused decode attention
+                attn_fused.UNFUSED_FASTER.clear()
             t0 = time.perf_counter()
             llm = LLM(
                 "llama-3.1-8b", load_format="dummy", device=DEVICE, max_model_len=1024,
@@ -597,6 +705,8 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             print(f"decode {method} FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
         finally:
+            attn_fused.UNFUSED_FASTER.update(fused_shapes)
+            common.CANONICAL_GEMV = False
             common.USE_FP8_GEMV = True
             fused_decode.SILU_EPILOGUE = True
             ig.PREFETCH_BYTES = 16384
@@ -608,8 +718,15 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--skip-sweep", action="store_true", help="the committed tables as they are")
-    ap.add_argument("--methods", default="bf16,int8,int4,fp8,fp8/old,int4/nosiluepi")
+    ap.add_argument(
+        "--full-sweep", action="store_true",
+        help="also the one-row config sweep of every format and the row-tile sweep (~70 s more)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,fp8",
+        help="decode runs; variants /fusedattn /canon /nosiluepi /old (fp8 on quant_gemv) /pf64k",
+    )  # fmt: skip
+    ap.add_argument("--profile", default="int8,int4", help="decode runs to profile")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -618,11 +735,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
     parity()
-    if not args.skip_sweep:
+    if args.full_sweep:
         gemv_sweep(bw)
         row_tiles(bw)
+    canon_sweep(bw)
+    mlp_chain(bw)
     attention_chain()
-    decode(ceil, args.methods.split(","), profiled=("int4", "int8", "fp8"))
+    decode(ceil, args.methods.split(","), profiled=tuple(args.profile.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
     os.makedirs(args.out, exist_ok=True)
