@@ -31,93 +31,41 @@ import argparse
 import collections
 import gc
 import json
-import math
 import os
 import time
 import traceback
 from functools import partial
 
-import gpu_quant  # scripts/ is on sys.path when run as a script
+import gemv8_sweeps  # scripts/ is on sys.path when run as a script
+import gpu_quant
 import quant_decode_bench as qdb
 import torch
 import triton
+from gemv8_common import (
+    DEVICE,
+    FORMATS,
+    SHAPES,
+    SUMMARY,
+    TABLE,
+    C,
+    bits_of,
+    fmt_key,
+    group_of,
+    make_weight,
+    ring_of,
+    section,
+    sweep_configs,
+)  # fmt: skip
 
 from roofline import LLM
 from roofline.bench import latency
 from roofline.bench.ceilings import measure
 from roofline.kernels import decode_attention_fused as attn_fused
 from roofline.kernels import int4_gemv as ig
-from roofline.kernels import quant_gemv
 from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
-from roofline.kernels.gemv import skinny_gemm
 from roofline.kernels.rmsnorm import rms_norm
 from roofline.layers import fused_decode
-from roofline.quantization import common, formats
-
-SHAPES = qdb.SHAPES
-FORMATS = ("int4", "int8", "fp8")
-DEVICE = "cuda"
-SUMMARY: dict[str, object] = {}
-TABLE: list[str] = []
-C = ig.Int4GemvConfig
-
-
-def section(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
-                traceback.print_exc()
-                SUMMARY[f"{name}_error"] = repr(e)
-            finally:
-                print(f"({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
-        return run
-
-    return wrap
-
-
-def fmt_key(fmt: str) -> int | str:
-    return {"int4": 4, "int8": 8, "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
-
-
-def bits_of(fmt: str) -> int:
-    return 4 if fmt in ("int4", "c4") else 8
-
-
-def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
-    """(words, pairs, canonical (qweight, scales, offsets), fp32 dequantized [N, K])."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
-    if fmt == "c4":  # the canonical bytes, read as they are
-        q = formats.quantize_int4(w, 128, False, dtype)
-        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
-        return q.qweight, ig.pack_scales(q.scales, q.offsets), tuple(q), deq
-    if fmt == "c8":
-        q = formats.quantize_int8(w, k, dtype)
-        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
-        return q.qweight, ig.pack_scales(q.scales, None), (q.qweight, q.scales, None), deq
-    if fmt == "int4":
-        q = formats.quantize_int4(w, 128, False, dtype)
-        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
-        return ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets), tuple(q), deq
-    if fmt == "int8":
-        q = formats.quantize_int8(w, k, dtype)
-        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
-        canon = (q.qweight, q.scales, None)
-        return ig.repack_int8(q.qweight), ig.pack_scales(q.scales, None), canon, deq
-    q, s = formats.quantize_fp8(w)
-    return q, s.float().contiguous(), (q, s, None), q.float() * s.float()[:, None]
-
-
-def group_of(fmt: str, k: int) -> int:
-    return 128 if fmt in ("int4", "c4") else k
+from roofline.quantization import common
 
 
 @section("parity")
@@ -176,173 +124,6 @@ def parity() -> None:
         f"parity int4/int8/fp8/canonical int4_gemv: worst max-rel error {worst:.2e} (bound 1e-2); "
         f"SiLU epilogue exact {exact}"
     )
-
-
-def m1_candidates(fmt: str, layer: str) -> list[ig.Int4GemvConfig]:
-    """One row: the families that won before (tiles 1-4, two to four stages, K over the grid),
-    each tiles-1 config also with ``preload``."""
-    base = [
-        (128, 8, 1, 4, 2, 2), (128, 8, 1, 4, 3, 2), (128, 8, 2, 4, 2), (128, 8, 4, 4, 3),
-        (128, 8, 1, 4, 3), (128, 4, 1, 4, 3, 4), (128, 4, 1, 4, 3, 2), (64, 16, 1, 4, 3),
-        (64, 16, 1, 4, 4), (64, 8, 1, 4, 3), (64, 8, 2, 4, 3), (128, 16, 1, 4, 3),
-        (128, 8, 1, 4, 4, 2), (64, 8, 1, 4, 3, 2), (128, 4, 2, 4, 2, 2), (128, 8, 1, 4, 2),
-    ]  # fmt: skip
-    cfgs = [C(*c) for c in base]
-    cfgs += [c._replace(preload=1) for c in cfgs if c.tiles == 1]
-    return cfgs
-
-
-def sweep_configs(fmt, x, ring, ref, cfgs, **kw) -> list[tuple[float, ig.Int4GemvConfig]]:
-    """(seconds, config) of each config that runs, fastest first; wrong results dropped."""
-    w0, p0 = ring[0]
-    k = ig.weight_k(w0, bits_of(fmt))
-    cfgs = [c for c in dict.fromkeys(cfgs) if ig._resolve(c, k, group_of(fmt, k)) is not None]
-    run = partial(ig.int4_gemv, x, bits=bits_of(fmt), **kw)
-    qdb.precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
-    results = []
-    for cfg in cfgs:
-        try:
-            results.append((qdb.time_ring(lambda w, p, c=cfg: run(w, p, config=c), ring), cfg))
-        except Exception as e:  # noqa: BLE001
-            print(f"    {fmt} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
-    good = []
-    for t, cfg in sorted(results):
-        err = qdb.rel_err(run(w0, p0, config=cfg), ref)
-        if err < 1e-2:
-            good.append((t, cfg))
-        else:
-            print(f"    {fmt} {tuple(cfg)} {t * 1e6:.1f} us is WRONG: max rel error {err:.2e}")
-        if len(good) >= 4:
-            break
-    return good
-
-
-def ring_of(fmt: str, n: int, k: int):
-    words, pairs, canon, deq = make_weight(fmt, n, k)
-    copies = max(2, math.ceil(qdb.RING_BYTES / qdb.nbytes(words, pairs)))
-    ring = [(words.clone(), pairs.clone()) for _ in range(copies)]
-    canon_ring = [tuple(None if t is None else t.clone() for t in canon) for _ in range(copies)]
-    return ring, canon_ring, deq
-
-
-@section("decode GEMV sweep")
-def gemv_sweep(copy_bw: float) -> None:
-    tuned: dict = {}
-    tuned_pro: dict = {}
-    for layer, (n, k) in SHAPES.items():
-        w16 = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
-        ring16 = [(w16.clone(),) for _ in range(max(2, math.ceil(qdb.RING_BYTES / (2 * n * k))))]
-        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        t16 = qdb.time_ring(partial(skinny_gemm, x), ring16)
-        parts = [f"bf16 {t16 * 1e6:5.1f} us {100 * 2 * n * k / t16 / copy_bw:3.0f}%"]
-        if layer in ("qkv", "gate_up"):  # bf16 norm prologue: statistic unrolled vs a loop
-            from roofline.kernels import gemv
-
-            nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-            norm_gemm = partial(skinny_gemm, x, norm=(nw, 1e-5))
-            times = {}
-            for unroll in (True, False):
-                gemv.NORM_UNROLL = unroll
-                times[unroll] = qdb.time_ring(norm_gemm, ring16)
-            gemv.NORM_UNROLL = True
-            parts.append(
-                f"bf16 norm unrolled {times[True] * 1e6:.1f} / loop {times[False] * 1e6:.1f} us"
-            )
-        del ring16
-        for fmt in FORMATS:
-            ring, canon_ring, deq = ring_of(fmt, n, k)
-            qbytes = qdb.nbytes(*ring[0])
-            key = (fmt_key(fmt), n, k, group_of(fmt, k), 1)
-            old_cfg = ig.pick_config(n, k, group_of(fmt, k), 1, x.device, fmt_key(fmt))
-            ref = (x.float() @ deq.T).to(x.dtype)
-            good = sweep_configs(fmt, x, ring, ref, m1_candidates(fmt, layer) + [old_cfg])
-            t_old_kernel = qdb.time_ring(partial(quant_gemv.quant_gemv, fmt, x), canon_ring)
-            if good:
-                t, cfg = good[0]
-                tuned[key] = tuple(cfg)
-                ig.TUNED_CONFIGS[key] = tuple(cfg)
-                top = "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good)
-                print(f"  {fmt} {layer} M=1: {top} | before {tuple(old_cfg)}", flush=True)
-                parts.append(
-                    f"{fmt} {t * 1e6:5.1f} us {100 * qbytes / t / copy_bw:3.0f}% "
-                    f"(quant_gemv {100 * qbytes / t_old_kernel / copy_bw:3.0f}%)"
-                )
-                SUMMARY[f"gemv_{fmt}_{layer}_1"] = (t * 1e6, tuple(cfg), t_old_kernel * 1e6)
-            prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts)
-            if fmt == "fp8":  # 4 and 16 rows: int4_gemv's heuristic vs quant_gemv
-                for m in (4, 16):
-                    xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-                    t_new = qdb.time_ring(partial(ig.int4_gemv, xm, bits=8), ring)
-                    t_q = qdb.time_ring(partial(quant_gemv.quant_gemv, "fp8", xm), canon_ring)
-                    parts.append(f"fp8 M={m} {t_new * 1e6:.1f} vs quant_gemv {t_q * 1e6:.1f} us")
-                    if t_q < t_new:
-                        tuned[("fp8", n, k, k, m)] = None
-                        ig.TUNED_CONFIGS[("fp8", n, k, k, m)] = None
-            del ring, canon_ring
-            torch.cuda.empty_cache()
-        line = f"{layer:7} M=1: " + " | ".join(parts)
-        print(line, flush=True)
-        TABLE.append(line)
-    print("\nint4_gemv.TUNED_CONFIGS (measured here) = {")
-    for key, cfg in list(tuned.items()) + list(tuned_pro.items()):
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
-    print("common.GEMV_FUSE_SILU =", common.GEMV_FUSE_SILU)
-    SUMMARY["tuned"] = {repr(k): v for k, v in tuned.items()}
-    SUMMARY["tuned_prologue"] = {repr(k): v for k, v in tuned_pro.items()}
-
-
-def prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts) -> None:
-    """The norm (qkv, gate_up) or SiLU (down) prologue at one row: a few configs, fused vs the
-    prologue's own kernel + the GEMV; the SiLU choice is installed per format."""
-    if layer == "o":
-        return
-    b = bits_of(fmt)
-    w0, p0 = ring[0]
-    if layer == "down":
-        x = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
-        kw: dict = {"silu_mul": True}
-        plain = silu_and_mul(x)
-        prologue = "silu"
-    else:
-        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-        kw = {"norm": (nw, 1e-5)}
-        plain = rms_norm(x, nw, 1e-5)
-        prologue = "norm"
-    ref = ig.int4_gemv(plain, w0, p0, bits=b)
-    cfgs = [
-        C(*c)
-        for c in [
-            (128, 4, 1, 4, 3), (128, 8, 1, 4, 3), (64, 8, 1, 4, 3), (128, 4, 1, 4, 3, 2),
-            (128, 8, 1, 4, 3, 1, 1), (128, 4, 1, 4, 3, 2, 1), (64, 8, 1, 4, 3, 1, 1),
-        ]
-    ]  # fmt: skip
-    good = sweep_configs(fmt, x, ring, ref, cfgs, **kw)
-    if not good:
-        return
-    t, cfg = good[0]
-    key = (prologue, fmt_key(fmt), n, k, group_of(fmt, k), 1)
-    tuned_pro[key] = tuple(cfg)
-    ig.PROLOGUE_TUNED_CONFIGS[key] = tuple(cfg)
-    first = silu_and_mul if prologue == "silu" else partial(rms_norm, weight=nw, eps=1e-5)
-    t_apart = qdb.time_ring(lambda w, p: ig.int4_gemv(first(x), w, p, bits=b), ring)
-    fuse_key = "fp8" if fmt == "fp8" else b
-    if prologue == "silu":
-        common.GEMV_FUSE_SILU[fuse_key] = t < t_apart
-    parts.append(f"{fmt} {prologue} fused {t * 1e6:.1f} / apart {t_apart * 1e6:.1f} us")
-    print(f"  {fmt} {layer} {prologue}: " + "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good))
-
-
-ROW_TILE_CANDIDATES = [  # no or few register spills on sm_90 (ptxas, int4 and int8)
-    C(*c)
-    for c in [
-        (64, 1, 1, 4, 3, 1, 0, 32), (64, 1, 1, 4, 4, 1, 0, 32), (64, 1, 1, 4, 2, 1, 0, 32),
-        (64, 2, 1, 4, 3, 1, 0, 16), (128, 2, 1, 4, 3, 1, 0, 16), (64, 1, 1, 4, 3, 2, 0, 32),
-        (128, 1, 2, 8, 3, 1, 0, 32), (128, 1, 1, 8, 3, 1, 0, 32), (64, 1, 1, 8, 3, 1, 0, 64),
-        (64, 1, 1, 8, 2, 1, 0, 64), (128, 1, 1, 8, 3, 1, 0, 64), (128, 1, 1, 4, 3, 1, 0, 32),
-    ]
-]  # fmt: skip
 
 
 @section("canonical vs repacked")
@@ -434,64 +215,6 @@ def mlp_chain(copy_bw: float) -> None:
         torch.cuda.empty_cache()
 
 
-def _dequant_linear(x: torch.Tensor, bits: int, words: torch.Tensor, pairs: torch.Tensor):
-    from roofline.kernels.int4_gemv_tiles import dequantize_words
-
-    return torch.nn.functional.linear(x, dequantize_words(words, pairs, bits, x.dtype))
-
-
-@section("row tiles above 16 rows")
-def row_tiles(copy_bw: float) -> None:
-    """int4 / int8 at 32-256 rows: ``int4_gemv`` in row tiles over the repacked copy against
-    what those batches run today (``mixed_gemm``'s table config, or dequantize + cuBLAS where
-    it chose that) and against dequantizing the repacked copy + cuBLAS. The faster of the two
-    repacked paths is installed where it is within 3% of today's or faster (None: dequantize);
-    a layer whose buckets are all covered keeps only the repacked copy (quantization.repacked)."""
-    from roofline.kernels import mixed_gemm
-    from roofline.kernels.dequant_gemm import dequant_cublas_gemm
-
-    tuned: dict = {}
-    for fmt in ("int4", "int8"):
-        for layer, (n, k) in SHAPES.items():
-            ring, canon_ring, deq = ring_of(fmt, n, k)
-            qbytes = qdb.nbytes(*ring[0])
-            parts = []
-            for m in (32, 64, 128, 256):
-                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-                cfg = mixed_gemm.pick_config(fmt, m, n, k, x.device)
-                if cfg is None:
-                    now = partial(dequant_cublas_gemm, fmt, x)
-                else:
-                    now = partial(mixed_gemm.mixed_gemm, fmt, x, config=cfg)
-                t_now = qdb.time_ring(lambda q, s, o, f=now: f(q, s, o), canon_ring)
-                t_dq = qdb.time_ring(partial(_dequant_linear, x, bits_of(fmt)), ring)
-                ref = (x.float() @ deq.T).to(x.dtype)
-                good = sweep_configs(fmt, x, ring, ref, ROW_TILE_CANDIDATES)
-                t_new, best = good[0] if good else (math.nan, None)
-                key = (fmt_key(fmt), n, k, group_of(fmt, k), m)
-                pick = (t_dq, None) if not t_new <= t_dq else (t_new, best)  # None: repack dq
-                if pick[0] <= 1.03 * t_now:  # the released layer's path at this bucket
-                    tuned[key] = None if pick[1] is None else tuple(pick[1])
-                    ig.TUNED_CONFIGS[key] = tuned[key]
-                parts.append(
-                    f"M={m} {'mixed' if cfg else 'dq+cuBLAS'} {t_now * 1e6:.1f} | row tiles "
-                    f"{t_new * 1e6:.1f} ({100 * qbytes / t_new / copy_bw:.0f}%) | repack dq "
-                    f"{t_dq * 1e6:.1f} us"
-                )
-                print(f"  {fmt} {layer} M={m}: " + "; ".join(
-                    f"{tuple(c)} {t * 1e6:.1f}" for t, c in good), flush=True)  # fmt: skip
-            line = f"{fmt} {layer:7} " + " || ".join(parts)
-            print(line, flush=True)
-            TABLE.append(line)
-            del ring, canon_ring
-            torch.cuda.empty_cache()
-    print("\nint4_gemv.TUNED_CONFIGS row tiles (measured here) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
-    SUMMARY["tuned_row_tiles"] = {repr(k): v for k, v in tuned.items()}
-
-
 def _attn_layer(variant: str, qkv_fn, dims: tuple, rope: tuple, cache: tuple, ctx: int):
     """One attention layer's kernels after its qkv GEMV: none, rotary_kv_store + decode_attention
     (+ merge), or the fused decode attention."""
@@ -559,32 +282,6 @@ def attention_chain() -> None:
         TABLE.append(line)
         del ws, fns
         torch.cuda.empty_cache()
-
-
-def profile_durations(calls: list) -> dict[str, float]:
-    """Mean profiler duration (us) per kernel name over replays of one CUDA graph of ``calls``
-    (as the engine runs them: with PDL a kernel may start before its predecessor ends)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    per: dict[str, list[float]] = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name:
-            per[e.name.split("(")[0]].append(e.device_time)
-    del graph
-    return {n: sum(v) / len(v) for n, v in per.items()}
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -736,8 +433,8 @@ def main() -> None:
     SUMMARY["copy_bw"] = bw
     parity()
     if args.full_sweep:
-        gemv_sweep(bw)
-        row_tiles(bw)
+        gemv8_sweeps.gemv_sweep(bw)
+        gemv8_sweeps.row_tiles(bw)
     canon_sweep(bw)
     mlp_chain(bw)
     attention_chain()

@@ -1,0 +1,116 @@
+"""Shared pieces of ``scripts/gpu_gemv8.py`` and ``scripts/gemv8_sweeps.py``: the sections'
+error handling and summary, the 8B shapes and weight formats (repacked int4 / int8, fp8, the
+canonical int4 / int8 bytes "c4" / "c8"), random weights per format, rings of copies that keep
+every call out of L2, and the timed config sweep that drops wrong results."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import traceback
+from functools import partial
+
+import quant_decode_bench as qdb  # scripts/ is on sys.path when run as a script
+import torch
+
+from roofline.kernels import int4_gemv as ig
+from roofline.quantization import formats
+
+SHAPES = qdb.SHAPES
+FORMATS = ("int4", "int8", "fp8")
+DEVICE = "cuda"
+SUMMARY: dict[str, object] = {}
+TABLE: list[str] = []
+C = ig.Int4GemvConfig
+
+
+def section(name: str):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            print(f"\n=== {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()
+                SUMMARY[f"{name}_error"] = repr(e)
+            finally:
+                print(f"({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        return run
+
+    return wrap
+
+
+def fmt_key(fmt: str) -> int | str:
+    return {"int4": 4, "int8": 8, "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
+
+
+def bits_of(fmt: str) -> int:
+    return 4 if fmt in ("int4", "c4") else 8
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
+    """(words, pairs, canonical (qweight, scales, offsets), fp32 dequantized [N, K])."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
+    if fmt == "c4":  # the canonical bytes, read as they are
+        q = formats.quantize_int4(w, 128, False, dtype)
+        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
+        return q.qweight, ig.pack_scales(q.scales, q.offsets), tuple(q), deq
+    if fmt == "c8":
+        q = formats.quantize_int8(w, k, dtype)
+        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
+        return q.qweight, ig.pack_scales(q.scales, None), (q.qweight, q.scales, None), deq
+    if fmt == "int4":
+        q = formats.quantize_int4(w, 128, False, dtype)
+        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
+        return ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets), tuple(q), deq
+    if fmt == "int8":
+        q = formats.quantize_int8(w, k, dtype)
+        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
+        canon = (q.qweight, q.scales, None)
+        return ig.repack_int8(q.qweight), ig.pack_scales(q.scales, None), canon, deq
+    q, s = formats.quantize_fp8(w)
+    return q, s.float().contiguous(), (q, s, None), q.float() * s.float()[:, None]
+
+
+def group_of(fmt: str, k: int) -> int:
+    return 128 if fmt in ("int4", "c4") else k
+
+
+def sweep_configs(fmt, x, ring, ref, cfgs, **kw) -> list[tuple[float, ig.Int4GemvConfig]]:
+    """(seconds, config) of each config that runs, fastest first; wrong results dropped."""
+    w0, p0 = ring[0]
+    k = ig.weight_k(w0, bits_of(fmt))
+    cfgs = [c for c in dict.fromkeys(cfgs) if ig._resolve(c, k, group_of(fmt, k)) is not None]
+    run = partial(ig.int4_gemv, x, bits=bits_of(fmt), **kw)
+    qdb.precompile([partial(run, w0, p0, config=c, warmup=True) for c in cfgs])
+    results = []
+    for cfg in cfgs:
+        try:
+            results.append((qdb.time_ring(lambda w, p, c=cfg: run(w, p, config=c), ring), cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"    {fmt} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+    good = []
+    for t, cfg in sorted(results):
+        err = qdb.rel_err(run(w0, p0, config=cfg), ref)
+        if err < 1e-2:
+            good.append((t, cfg))
+        else:
+            print(f"    {fmt} {tuple(cfg)} {t * 1e6:.1f} us is WRONG: max rel error {err:.2e}")
+        if len(good) >= 4:
+            break
+    return good
+
+
+def ring_of(fmt: str, n: int, k: int):
+    words, pairs, canon, deq = make_weight(fmt, n, k)
+    copies = max(2, math.ceil(qdb.RING_BYTES / qdb.nbytes(words, pairs)))
+    ring = [(words.clone(), pairs.clone()) for _ in range(copies)]
+    canon_ring = [tuple(None if t is None else t.clone() for t in canon) for _ in range(copies)]
+    return ring, canon_ring, deq
