@@ -60,6 +60,7 @@ from gemv8_common import (
 from roofline import LLM
 from roofline.bench import latency
 from roofline.bench.ceilings import measure
+from roofline.kernels import decode_attention
 from roofline.kernels import decode_attention_fused as attn_fused
 from roofline.kernels import int4_gemv as ig
 from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -271,10 +272,14 @@ def attention_chain() -> None:
                      torch.tensor([ctx], device=DEVICE, dtype=torch.int32))  # fmt: skip
             rope = (torch.tensor([ctx - 1], device=DEVICE), cos_sin, qk_norm)
             t = {}
-            for variant in ("gemv", "unfused", "fused"):
-                calls = [partial(_attn_layer, variant, f, dims, rope, cache, ctx) for f in fns]
+            for variant in ("gemv", "unfused", "unfused_nopdl", "fused"):
+                decode_attention.PDL_ATTENTION = variant != "unfused_nopdl"
+                kind = "unfused" if variant == "unfused_nopdl" else variant
+                calls = [partial(_attn_layer, kind, f, dims, rope, cache, ctx) for f in fns]
                 t[variant] = qdb.time_graph(calls) * 1e6
-            parts.append(f"ctx {ctx}: rotary+attention+merge +{t['unfused'] - t['gemv']:.2f}, "
+            decode_attention.PDL_ATTENTION = True
+            parts.append(f"ctx {ctx}: rotary+attention+merge +{t['unfused'] - t['gemv']:.2f} "
+                         f"(split/merge without PDL +{t['unfused_nopdl'] - t['gemv']:.2f}), "
                          f"fused +{t['fused'] - t['gemv']:.2f} us/layer")  # fmt: skip
             SUMMARY[f"attention_{model}_{ctx}"] = t
         line = f"attention {model} ({heads}/{kv_heads} heads, PDL): " + "; ".join(parts)

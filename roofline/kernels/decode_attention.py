@@ -21,11 +21,14 @@ the probability columns before ``p @ v``; the softmax sum uses the unscaled prob
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, num_sms
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.pdl import pdl_enabled
 from roofline.quantization.kv_cache import dequantize
 
 LOG2E = 1.4426950408889634
@@ -139,7 +142,11 @@ def _decode_split_kernel(
     KV_QUANT: tl.constexpr,
     HAS_START: tl.constexpr,
     MERGE_PREFIX: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
 ):
+    if PDL:  # q and the step's K/V row come from the previous kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -243,7 +250,11 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the partials come from the split kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -376,6 +387,7 @@ def decode_attention(
         MERGE_PREFIX=merge_prefix,
         num_warps=num_warps,
         num_stages=num_stages,
+        **_pdl_meta(),
     )
     if not single and partials is None:
         merge_partials(part_out, part_lse, out)
@@ -401,8 +413,21 @@ def merge_partials(
         BLOCK_S=max(2, triton.next_power_of_2(num_slots)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         num_warps=4,
+        **_pdl_meta(),
     )
     return out
+
+
+PDL_ATTENTION = os.environ.get("ROOFLINE_PDL_ATTENTION", "1") != "0"
+"""The split and merge kernels launch as programmatic dependents (``kernels.pdl``): each waits
+for its predecessor first, then lets the next kernel launch, so launches overlap and the next
+layer's GEMV prefetches its weights while the merge runs."""
+
+
+def _pdl_meta() -> dict:
+    if PDL_ATTENTION and not is_interpret() and pdl_enabled():
+        return {"PDL": True, "launch_pdl": True}
+    return {}
 
 
 def scale_args(
