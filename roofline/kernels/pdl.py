@@ -12,9 +12,8 @@ chain, and an early trigger anywhere is safe.
 
 ``ROOFLINE_PDL``: ``1`` on, ``0`` off, ``auto`` (the default) on from compute capability 9.0.
 ``set_pdl`` switches it for kernels launched from then on (benchmarks compare both). The
-kernels that take part include ``kernels.gemv`` (skinny GEMMs), ``kernels.int4_gemv``,
-``kernels.kv_store`` (``rotary_kv_store``) and ``kernels.decode_attention``'s split and merge
-kernels (``PDL_ATTENTION``).
+kernels that take part are ``kernels.gemv`` (skinny GEMMs) and ``kernels.kv_store``
+(``rotary_kv_store``).
 """
 
 from __future__ import annotations
