@@ -425,7 +425,7 @@ def main() -> None:
         help="also the one-row config sweep of every format and the row-tile sweep (~70 s more)",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,fp8",
+        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,int4/canon,fp8",
         help="decode runs; variants /fusedattn /canon /nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
     ap.add_argument("--profile", default="int8,int4", help="decode runs to profile")
