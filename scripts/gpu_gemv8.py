@@ -82,7 +82,9 @@ def parity() -> None:
             for m in (1, 16):
                 x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
                 ref = (x.float() @ deq.T).to(x.dtype)
-                cases.append((fmt, layer, f"M={m}", partial(run, x), ref))
+                cfg = ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt))
+                cfg = cfg or ig.heuristic_config(n, k, group_of(fmt, k), m, 132)  # (quant_gemv's)
+                cases.append((fmt, layer, f"M={m}", partial(run, x, config=cfg), ref))
             if fmt == "fp8" and layer == "o":
                 x = torch.randn(3, k, device=DEVICE, dtype=torch.float16)
                 cases.append((fmt, layer, "fp16", partial(run, x), (x.float() @ deq.T).half()))
