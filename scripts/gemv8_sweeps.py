@@ -169,19 +169,12 @@ ROW_TILE_CANDIDATES = [  # no or few register spills on sm_90 (ptxas, int4 and i
 ]  # fmt: skip
 
 
-def _dequant_linear(x: torch.Tensor, bits: int, words: torch.Tensor, pairs: torch.Tensor):
-    from roofline.kernels.int4_gemv_tiles import dequantize_words
-
-    return torch.nn.functional.linear(x, dequantize_words(words, pairs, bits, x.dtype))
-
-
 @section("row tiles above 16 rows")
 def row_tiles(copy_bw: float) -> None:
-    """int4 / int8 at 32-256 rows: ``int4_gemv`` in row tiles over the repacked copy against
-    what those batches run today (``mixed_gemm``'s table config, or dequantize + cuBLAS where
-    it chose that) and against dequantizing the repacked copy + cuBLAS. The faster of the two
-    repacked paths is installed where it is within 3% of today's or faster (None: dequantize);
-    a layer whose buckets are all covered keeps only the repacked copy (quantization.repacked)."""
+    """int4 / int8 at 32-256 rows: ``int4_gemv`` in row tiles over the repacked copy against what
+    those batches run (``mixed_gemm``'s table config, or dequantize + cuBLAS where it chose
+    that): whether the repacked copy alone could serve them, letting a layer drop its canonical
+    tensors. Informational: nothing is installed."""
     from roofline.kernels import mixed_gemm
     from roofline.kernels.dequant_gemm import dequant_cublas_gemm
 
@@ -199,19 +192,14 @@ def row_tiles(copy_bw: float) -> None:
                 else:
                     now = partial(mixed_gemm.mixed_gemm, fmt, x, config=cfg)
                 t_now = qdb.time_ring(lambda q, s, o, f=now: f(q, s, o), canon_ring)
-                t_dq = qdb.time_ring(partial(_dequant_linear, x, bits_of(fmt)), ring)
                 ref = (x.float() @ deq.T).to(x.dtype)
                 good = sweep_configs(fmt, x, ring, ref, ROW_TILE_CANDIDATES)
                 t_new, best = good[0] if good else (math.nan, None)
-                key = (fmt_key(fmt), n, k, group_of(fmt, k), m)
-                pick = (t_dq, None) if not t_new <= t_dq else (t_new, best)  # None: repack dq
-                if pick[0] <= 1.03 * t_now:  # the released layer's path at this bucket
-                    tuned[key] = None if pick[1] is None else tuple(pick[1])
-                    ig.TUNED_CONFIGS[key] = tuned[key]
+                if best is not None:
+                    tuned[(fmt_key(fmt), n, k, group_of(fmt, k), m)] = tuple(best)
                 parts.append(
                     f"M={m} {'mixed' if cfg else 'dq+cuBLAS'} {t_now * 1e6:.1f} | row tiles "
-                    f"{t_new * 1e6:.1f} ({100 * qbytes / t_new / copy_bw:.0f}%) | repack dq "
-                    f"{t_dq * 1e6:.1f} us"
+                    f"{t_new * 1e6:.1f} us ({100 * qbytes / t_new / copy_bw:.0f}%)"
                 )
                 print(f"  {fmt} {layer} M={m}: " + "; ".join(
                     f"{tuple(c)} {t * 1e6:.1f}" for t, c in good), flush=True)  # fmt: skip
@@ -220,7 +208,7 @@ def row_tiles(copy_bw: float) -> None:
             TABLE.append(line)
             del ring, canon_ring
             torch.cuda.empty_cache()
-    print("\nint4_gemv.TUNED_CONFIGS row tiles (measured here) = {")
+    print("\nint4_gemv row tiles, the fastest config per bucket (not installed) = {")
     for key, cfg in tuned.items():
         print(f"    {key!r}: {cfg!r},")
     print("}")

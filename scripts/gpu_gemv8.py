@@ -385,21 +385,16 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             rows = latency.run(llm.llm_engine, ceil, batches, 128, 64)
             print(latency.format_rows(rows), flush=True)
             r = rows[0]
-            released = sum(
-                bool(getattr(m, "canonical_released", False)) for m in model.modules()
-            )  # layers keeping only the repacked copy
             roof = 1e3 / r.roofline_step_ms  # weights + KV over this run's copy bandwidth
             SUMMARY[f"decode_{method}"] = {
                 "startup_s": startup, "weight_bytes": wbytes, "resident_bytes": resident,
                 "bs1_tok_s": r.output_tok_s, "step_ms": r.step_ms_p50, "roofline_tok_s": roof,
-                "released_layers": released,
                 "step_ms_by_batch": {x.batch_size: x.step_ms_p50 for x in rows},
             }  # fmt: skip
             TABLE.append(
                 f"{method:10} bs1 {r.output_tok_s:6.1f} tok/s = {r.roofline_pct:4.1f}% of its "
                 f"roofline ({roof:5.0f}); step {r.step_ms_p50:.3f} ms; weights {wbytes / 2**30:.2f}"
-                f" GiB read, {resident / 2**30:.2f} GiB resident ({released} layers repacked "
-                f"only); start-up {startup:.1f} s"
+                f" GiB read, {resident / 2**30:.2f} GiB resident; start-up {startup:.1f} s"
                 + "".join(f"; b{x.batch_size} {x.step_ms_p50:.2f} ms" for x in rows[1:])
             )
             print(TABLE[-1], flush=True)

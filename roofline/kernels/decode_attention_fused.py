@@ -60,14 +60,6 @@ large batches it measured far slower than the split-K kernel plus its merge (H10
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 
 
-UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128)}
-"""(query heads, KV heads, head_dim) whose decode steps keep ``rotary_kv_store`` +
-``decode_attention`` + its merge, measured faster: H100, Llama-3.1-8B's attention after the int4
-qkv GEMV at one row, 32 layers in a CUDA graph with PDL, 160-token context: +7.5 us a layer for
-the three kernels (``rotary_kv_store`` hidden under the GEMV's tail: +0.01 us) vs +11.4 us for
-this kernel (13 us of its own with PDL off; ``scripts/gpu_gemv8.py``)."""
-
-
 def set_enabled(enabled: bool) -> None:
     """Turn the fused decode attention on or off for forwards from now on (benchmarks compare)."""
     global _ENABLED
@@ -80,6 +72,16 @@ def set_split_tokens(tokens: int) -> None:
     if tokens < 1 or tokens & (tokens - 1):
         raise ValueError(f"split tokens must be a power of two, got {tokens}")
     SPLIT_TOKENS = tokens
+
+
+UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128)}
+"""(query heads, KV heads, head_dim) whose decode steps keep ``rotary_kv_store`` +
+``decode_attention`` + its merge, measured faster: H100, Llama-3.1-8B's attention after the int4
+qkv GEMV at one row, 32 layers in a CUDA graph with PDL, 160-token context: +7.5 us a layer for
+the three kernels (``rotary_kv_store`` hidden under the GEMV's tail: +0.01 us) vs +11.4 us for
+this kernel (13 us of its own with PDL off); second run, with the split and merge kernels as
+PDL dependents: +6.8 / +7.2 us vs +11.3 / +11.8 at 160 / 1000 tokens, 8B batch-1 decode bf16
+179.0 vs 172.3 tok/s (``scripts/gpu_gemv8.py``)."""
 
 
 def applies(

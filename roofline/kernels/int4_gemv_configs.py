@@ -15,8 +15,10 @@ from roofline.kernels.int4_layout import TILE_K, can_repack, weight_k
 
 MAX_ROWS = 16
 TILED_MAX_ROWS = 256
-"""Above MAX_ROWS rows the kernel runs in row tiles of ``block_m`` (a GEMM), where a table
-entry of M's bucket (32 ... 256) says so; otherwise such batches are not taken."""
+"""Above MAX_ROWS rows the kernel runs in row tiles of ``block_m`` (a GEMM) given a config (the
+sweeps) or a table entry of M's bucket (32 ... 256). The layers do not route such batches to it:
+on the H100 ``mixed_gemm`` measured faster at most 8B shapes and buckets
+(``scripts/gemv8_sweeps.py``), and it reads the canonical tensors the larger batches keep."""
 
 
 class Int4GemvConfig(NamedTuple):
@@ -30,9 +32,9 @@ class Int4GemvConfig(NamedTuple):
     block_m: int = 0  # x rows a program (above MAX_ROWS rows: 16 to 64); 0: M's bucket
 
 
-# (bits, N, K, group, row_bucket(M)) -> Int4GemvConfig fields (bits "fp8": e4m3, group = K);
-# None: kernels.quant_gemv measured faster there (not taken; above 16 rows: not taken in row
-# tiles either, see quantization/repacked.py). Llama-3.1-8B qkv / o / gate_up / down, H100.
+# (table_format, N, K, group, row_bucket(M)) -> Int4GemvConfig fields (fp8: group = K); None:
+# kernels.quant_gemv measured faster there (not taken). Llama-3.1-8B qkv / o / gate_up / down,
+# H100.
 # One row (scripts/gpu_gemv8.py, 2026-11-24 08:20; the first tile preloaded before the PDL wait
 # where a 7th field is 1), us and % of copy: int4 8.1 / 6.0 / 24.9 / 16.0 (57 / 51 / 87 / 67%),
 # int8 10.3 / 8.3 / 42.4 / 24.8 (84 / 70 / 96 / 82%; was 71 / 60 / 89 / 75%), fp8 10.7 / 8.0 /
@@ -62,6 +64,12 @@ TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None
     ("fp8", 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
     ("fp8", 28672, 4096, 4096, 16): None,
     ("fp8", 4096, 14336, 14336, 1): (128, 8, 1, 4, 4, 2),
+    # the canonical int8 bytes (common.CANONICAL_GEMV), one row, same script's second run:
+    # 12.5 / 8.4 / 44.2 / 24.7 us (68 / 68 / 90 / 80%; repacked 82 / 68 / 94 / 80%)
+    ("c8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    ("c8", 4096, 4096, 4096, 1): (128, 4, 1, 4, 3, 4, 1),
+    ("c8", 28672, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    ("c8", 4096, 14336, 14336, 1): (64, 8, 2, 4, 3),
 }
 # With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
 # N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).

@@ -1,16 +1,13 @@
 """The register-level pieces of ``kernels.int4_gemv``: each layout's weight tile turned into a
 16-bit MMA operand (int4 / int8 nibble planes by one ``lop3`` per word and nibble pair; fp8 e4m3
 by byte permutes and one paired multiply), the prologues' x tiles (RMSNorm, SiLU-and-mul), one
-tile's group-wise accumulation (``_tile``), and ``dequantize_words``: a repacked weight back to
-a 16-bit ``[N, K]`` matrix in one launch (the dequantize + cuBLAS path of large batches)."""
+tile's group-wise accumulation (``_tile``)."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
 from roofline.kernels.gemv import _first, _silu_mul
 
 
@@ -234,64 +231,3 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
                 s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
             acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
     return acc
-
-
-@triton.jit
-def _dequant_words_kernel(
-    q_ptr,  # [N, K // 8] int32 repacked int4 (int8: [N, K // 4], two nibble planes a tile)
-    so_ptr,  # [N, K // GROUP, 2] (scale, offset)
-    out_ptr,  # [N, K] 16-bit
-    N,
-    stride_qn,
-    stride_so,
-    stride_on,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    OUT: tl.constexpr = out_ptr.dtype.element_ty
-    DTYPE: tl.constexpr = tl.bfloat16 if OUT == tl.float32 else OUT  # the operand's type
-    MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
-    MAGIC_HI: tl.constexpr = 0x74007400 if DTYPE == tl.float16 else 0x45004500
-    if BITS == 4:
-        BASE: tl.constexpr = 1024.0 if DTYPE == tl.float16 else 128.0
-    else:
-        BASE: tl.constexpr = 17 * 1024.0 + 128.0 if DTYPE == tl.float16 else 17 * 128.0 + 128.0
-    WPT: tl.constexpr = 16 * (BITS // 4)
-    tile = tl.program_id(1)
-    rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    q_ptrs = q_ptr + rows[:, None] * stride_qn + tile * WPT + tl.arange(0, 16)[None, :]
-    v = _operand(tl.load(q_ptrs), 4, 0, MAGIC, ASM, DTYPE).to(tl.float32)  # [BN, 128]: B + q
-    if BITS == 8:
-        v += _operand(tl.load(q_ptrs + 16), 4, 0, MAGIC_HI, ASM, DTYPE).to(tl.float32)
-    cols = tile * 128 + tl.arange(0, 128)  # [128]
-    so = so_ptr + rows[:, None] * stride_so + 2 * (cols // GROUP)[None, :]  # [BN, 128]
-    w = (v - BASE) * tl.load(so).to(tl.float32) + tl.load(so + 1).to(tl.float32)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + cols[None, :]
-    tl.store(out_ptrs, w.to(OUT), mask=(offs_n < N)[:, None])
-
-
-def dequantize_words(
-    words: torch.Tensor,  # [N, K // 8] (int4) or [N, K // 4] (int8 planes) int32, repacked
-    scale_pairs: torch.Tensor,  # [N, K // group, 2]
-    bits: int,
-    dtype: torch.dtype,  # bf16 / fp16 / fp32
-) -> torch.Tensor:  # [N, K]
-    """The repacked weight as a ``dtype`` matrix, ``q s + offset`` computed in fp32 and rounded
-    once (``formats.dequantize_int4`` / ``dequantize_int8``'s values)."""
-    check_device(words, scale_pairs)
-    n = words.shape[0]
-    k = words.shape[1] * 32 // bits
-    num_groups = scale_pairs.shape[1]
-    if bits not in (4, 8) or scale_pairs.shape != (n, num_groups, 2) or k % num_groups:
-        raise ValueError(f"dequantize_words: {bits}-bit [{n}, {k}] with {scale_pairs.shape}")
-    out = torch.empty(n, k, dtype=dtype, device=words.device)
-    block_n = 32
-    grid = (triton.cdiv(n, block_n), k // 128)
-    _dequant_words_kernel[grid](
-        words, scale_pairs, out, n, words.stride(0), scale_pairs.stride(0), out.stride(0),
-        BITS=bits, GROUP=k // num_groups, BLOCK_N=block_n, ASM=not is_interpret(), num_warps=4,
-    )  # fmt: skip
-    return out

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roofline.quantization import formats, repacked
+from roofline.quantization import formats
 from roofline.quantization.base import LinearMethod, load_rows, shard_offset
 
 DECODE_MAX_ROWS = 16
@@ -69,9 +69,10 @@ USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
 # fp8 weight-only decode batches take it over the canonical e4m3 weight itself (no copy);
 # ROOFLINE_FP8_GEMV=0 keeps them on kernels.quant_gemv.
 USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
-# int4 / int8 layers whose groups hold whole 128-element tiles give kernels.int4_gemv their
-# canonical tensors as they are (no repacked copy: one copy of the weight on the GPU);
-# ROOFLINE_GEMV_CANONICAL=0 repacks them instead.
+# ROOFLINE_GEMV_CANONICAL=1: int8 layers whose groups hold whole 128-element tiles give
+# kernels.int4_gemv their canonical tensors as they are (one copy of the weight on the GPU: 8B
+# 8.47 GiB resident instead of 14.97) at 2% of batch-1 speed (H100, 8B: 276.3 vs 282.0 tok/s;
+# scripts/gpu_gemv8.py). int4 always repacks (read canonically it measured 266 vs 401 tok/s).
 CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
 # silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
@@ -158,8 +159,6 @@ def quantized_linear(
         return F.linear(x, dequantize(kind, layer, x.dtype), bias)
     from roofline.kernels import dequant_gemm as kernels
 
-    if getattr(layer, "canonical_released", False):  # the repacked copy only (repacked.py)
-        return repacked.repacked_linear(layer, x, bias)
     words = getattr(layer, "gemv_words", None)
     if words is not None and x.shape[0] <= GEMV_MAX_ROWS:
         from roofline.kernels import int4_gemv
@@ -223,8 +222,6 @@ def silu_mul_linear(
         x = gate_up if fused else silu_and_mul(gate_up)
         if int4_gemv.supports(x, words, layer.gemv_group, silu_mul=fused, bits=bits):
             return int4_gemv.int4_gemv(x, words, layer.gemv_pairs, bias, silu_mul=fused, bits=bits)
-        if getattr(layer, "canonical_released", False):
-            return repacked.repacked_linear(layer, silu_and_mul(gate_up), bias)
     if USE_QUANT_GEMV:
         from roofline.kernels import quant_gemv
 
@@ -238,7 +235,8 @@ def silu_mul_linear(
 def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -> None:
     """After loading: a CUDA int4 or int8 layer whose shape allows it gets
     ``gemv_words`` and ``gemv_pairs``, the repacked copies ``kernels.int4_gemv`` reads for decode
-    batches (the canonical tensors stay for the other paths), ``gemv_bits`` and ``gemv_group``;
+    batches (the canonical tensors stay for the larger batches: ``mixed_gemm`` and dequantize +
+    cuBLAS read them), ``gemv_bits`` and ``gemv_group``;
     an fp8 layer gets its own ``qweight`` and fp32 ``scales`` as they are (no copy).
     ``cuda_only=False`` makes them on any device (the interpreter's tests)."""
     layer.gemv_words = None
@@ -262,7 +260,7 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
     group = k // layer.scales.shape[1]
     if not int4_gemv.can_repack(k, group):
         return
-    if CANONICAL_GEMV and group % int4_gemv.TILE_K == 0:  # read as they are
+    if CANONICAL_GEMV and kind == "int8" and group % int4_gemv.TILE_K == 0:  # as they are
         layer.gemv_words = layer.qweight
         layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
         layer.gemv_bits, layer.gemv_group = bits, group
@@ -282,11 +280,10 @@ class CanonicalLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         prepare_kernel_layout(self.kind, layer)
-        repacked.release_canonical(self.kind, layer)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """A repacked layer's decode reads its kernel copy (the same bytes as the canonical
-        tensors, int8's zero offsets aside), which may be all it keeps."""
+        tensors, int8's zero offsets aside)."""
         if getattr(layer, "gemv_words", None) is None:
             return super().weight_bytes(layer)
         tensors = {id(t): t for t in (layer.gemv_words, layer.gemv_pairs)}

@@ -235,4 +235,8 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
     layer.method.load(layer, 0, "weight", w)
     monkeypatch.setattr(common, "CANONICAL_GEMV", True)
     common.prepare_kernel_layout(kind, layer, cuda_only=False)
-    assert layer.gemv_words is layer.qweight and layer.gemv_bits == bits
+    assert layer.gemv_bits == bits
+    if kind == "int8":  # read as it is; int4 always repacks (canonical measured far slower)
+        assert layer.gemv_words is layer.qweight
+    else:
+        assert layer.gemv_words.dtype == torch.int32
