@@ -12,7 +12,7 @@
    decode_attention + merge vs the fused decode attention, Llama-3.1-8B and Qwen3-0.6B shapes,
    160 and 1000 tokens;
 5. 8B batch-1 decode per method (``/fusedattn``: the fused decode attention at every shape;
-   ``/canon``: int4 / int8 layers read from their canonical tensors, no repacked copy), each
+   ``/canon``: int8 layers read from their canonical tensors, no repacked copy), each
    beside its roofline (weight bytes + KV over the copy bandwidth of this run), the weights'
    GiB read and resident, and a kernel profile with each kernel's exclusive time (its part of
    the step not overlapped by the kernel before it).
@@ -422,7 +422,7 @@ def main() -> None:
         help="also the one-row config sweep of every format and the row-tile sweep (~70 s more)",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,int4/canon,fp8",
+        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,fp8",
         help="decode runs; variants /fusedattn /canon /nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
     ap.add_argument("--profile", default="int8,int4", help="decode runs to profile")
