@@ -160,7 +160,7 @@ def _grouped_tile(
     return w.to(dtype)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _mixed_gemm_kernel(
     x_ptr,  # [M, K] 16-bit (fp8 with X_SCALE: W8A8)
     xs_ptr,  # fp32 [M] per-token scales of an fp8 x (X_SCALE)
@@ -188,7 +188,8 @@ def _mixed_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,  # K slices (any count up to K // BLOCK_K: slices differ by at most one tile)
+    SPLIT: tl.constexpr,  # SPLIT_K > 1
     FIXUP: tl.constexpr,  # SPLIT_K > 1: the last slice reduces (else a second launch does)
     NUM_STAGES: tl.constexpr,
     FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
@@ -205,8 +206,10 @@ def _mixed_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: rows past M are never stored
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    k_len = (K // (SPLIT_K * BLOCK_K)) * BLOCK_K  # whole tiles (the launcher checks)
-    k_first = tl.program_id(1) * k_len
+    k_tiles = K // BLOCK_K  # whole tiles (the launcher checks); slice s takes tiles
+    tile_first = (tl.program_id(1) * k_tiles) // SPLIT_K  # [s k_tiles / S, (s+1) k_tiles / S)
+    k_first = tile_first * BLOCK_K
+    k_len = (((tl.program_id(1) + 1) * k_tiles) // SPLIT_K - tile_first) * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     if KIND == 1:
         q_cols = k_first // 2 + tl.arange(0, BLOCK_K // 2)  # [BK // 2] bytes
@@ -238,7 +241,7 @@ def _mixed_gemm_kernel(
         acc *= tl.load(xs_ptr + rows_m)[None, :]
     mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)  # [BN, BM]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -251,7 +254,7 @@ def _mixed_gemm_kernel(
             arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # .cg: L2, never a stale L1 line
+                for s in range(SPLIT_K):  # .cg: L2, never a stale L1 line
                     part = ws_ptr + s * slice_size + offs_ws
                     total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
@@ -348,8 +351,8 @@ def _launch(
         KIND=code, GROUP=0 if row_scale else group, ROW_SCALE=row_scale, SCALAR_SCALE=scalar,
         HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
-        FIXUP=fixup, NUM_STAGES=cfg.num_stages, FAST_FP8=not is_interpret(),
-        num_warps=cfg.num_warps, **({"grid": grid} if warmup else {}),
+        SPLIT=cfg.split_k > 1, FIXUP=fixup, NUM_STAGES=cfg.num_stages,
+        FAST_FP8=not is_interpret(), num_warps=cfg.num_warps, **({"grid": grid} if warmup else {}),
     )  # fmt: skip
     if cfg.split_k > 1 and not fixup:
         target = ws

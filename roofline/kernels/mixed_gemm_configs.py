@@ -24,7 +24,7 @@ class MixedGemmConfig(NamedTuple):
     block_n: int  # weight rows per program (the MMA's M side): 64, 128 or 256
     block_k: int  # reduction elements per pipeline step: 64 or 128 (256 for small tiles)
     group_m: int  # row blocks of x that walk the same weight columns together (L2 reuse)
-    split_k: int  # K slices, each its own program; > 1 adds the fp32 reduction launch
+    split_k: int  # K slices (any count), each its own program, reduced in fp32
     num_warps: int
     num_stages: int
 
@@ -145,13 +145,12 @@ def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> Mixe
 
 def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
     """The config made valid for this weight: BLOCK_K halved (down to 32) until it divides K
-    and a tile sits in one group or holds whole groups, SPLIT_K halved until every slice is
-    whole tiles."""
+    and a tile sits in one group or holds whole groups, SPLIT_K at most the number of K tiles
+    (slices are whole tiles and differ by at most one)."""
     block_k, split_k = cfg.block_k, cfg.split_k
     while block_k > 32 and ((group % block_k and block_k % group) or k % block_k):
         block_k //= 2
     if (group % block_k and block_k % group) or k % block_k:
         raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")
-    while split_k > 1 and k % (split_k * block_k):
-        split_k //= 2
+    split_k = max(1, min(split_k, k // block_k))  # slices of whole tiles, none empty
     return cfg._replace(block_k=block_k, split_k=split_k)

@@ -68,6 +68,26 @@ def test_mixed_gemm_matches_dequantize_then_matmul(kind: str, group: int, config
     assert_close(got, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "kind,group,config",
+    [
+        ("int8", K, MixedGemmConfig(32, 128, 32, 8, 3, 4, 2)),  # 8 K tiles in 3 slices: 3/3/2
+        ("int4", 128, MixedGemmConfig(16, 256, 64, 8, 3, 8, 2)),  # a 256-row weight tile
+        ("fp8", K, MixedGemmConfig(64, 256, 64, 8, 5, 16, 2)),  # 16 warps; 5 slices > 4 tiles: 4
+    ],
+)
+def test_mixed_gemm_uneven_split_k_and_wide_weight_tiles(kind: str, group: int, config) -> None:
+    """Split-K into a count that does not divide the K tiles (slices differ by one tile) and
+    weight tiles of 256 rows (fewer re-reads of x per weight byte)."""
+    qweight, scales, offsets = _weight(kind, group, seed=9)
+    x = _x(41)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    bias = bias.to(DEVICE)
+    expected = mg.mixed_gemm_ref(kind, x, qweight, scales, offsets, bias)
+    got = mixed_gemm(kind, x, qweight, scales, offsets, bias, config=config)
+    assert_close(got, expected, torch.bfloat16)
+
+
 @pytest.mark.parametrize("m", [17, 70])
 def test_mixed_gemm_fp16_symmetric_int4_several_row_blocks(m: int) -> None:
     qweight, scales, offsets = _weight("int4", 128, seed=3, symmetric=True)
@@ -129,7 +149,7 @@ def test_config_choice_and_validation() -> None:
             assert not (c.block_k == 64 and c.num_warps == 8), (kind, n, k, bucket)
     # a tile that would straddle groups of 32 shrinks; split-K shrinks to whole tiles
     cfg = mg.check_config(96 * 4, 32, MixedGemmConfig(32, 64, 128, 8, 8, 4, 3))
-    assert cfg.block_k == 128 and cfg.split_k == 1
+    assert cfg.block_k == 128 and cfg.split_k == 3  # one slice per K tile at most
     cfg = mg.check_config(4096, 4096, MixedGemmConfig(32, 64, 128, 8, 4, 4, 3))
     assert cfg.split_k == 4
     cfg = mg.check_config(384, 128, MixedGemmConfig(32, 64, 256, 8, 1, 4, 3))
@@ -154,11 +174,12 @@ def _hopper_kernel(kind: int, group: int, row_scale: bool, cfg: MixedGemmConfig,
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
         "K": "i32",
         "stride_xm": "i32", "stride_qn": "i32", "stride_s": "i32", "stride_om": "i32",
+        "SPLIT_K": "i32",
     }  # fmt: skip
     constexprs = dict(
         KIND=kind, GROUP=group, ROW_SCALE=row_scale, SCALAR_SCALE=False, HAS_BIAS=True,
         X_SCALE=w8a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, FIXUP=cfg.split_k > 1,
+        GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1, FIXUP=cfg.split_k > 1,
         NUM_STAGES=cfg.num_stages, FAST_FP8=True,
     )  # fmt: skip
     divisible = ("N", "K", "stride_xm", "stride_qn", "stride_om")
