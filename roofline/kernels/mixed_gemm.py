@@ -193,6 +193,7 @@ def _mixed_gemm_kernel(
     FIXUP: tl.constexpr,  # SPLIT_K > 1: the last slice reduces (else a second launch does)
     NUM_STAGES: tl.constexpr,
     FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
+    W_AS_B: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -219,7 +220,10 @@ def _mixed_gemm_kernel(
         q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k_first + offs_k)[None, :]
         q_step = BLOCK_K
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_first + offs_k)[None, :]  # [BM, BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if W_AS_B:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(k_first, k_first + k_len, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs)  # [BM, BK]
         if ROW_SCALE:
@@ -229,9 +233,14 @@ def _mixed_gemm_kernel(
                 q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, BLOCK_N,
                 BLOCK_K,
             )  # fmt: skip
-        acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        if W_AS_B:  # the weight from shared memory: wgmma's B operand
+            acc_t = tl.dot(x, tl.trans(w), acc_t)  # [BM, BN]
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         q_ptrs += q_step
         x_ptrs += BLOCK_K
+    if W_AS_B:
+        acc = tl.trans(acc_t)  # [BN, BM]
     if ROW_SCALE:
         if SCALAR_SCALE:
             acc *= tl.load(s_ptr).to(tl.float32)
@@ -352,7 +361,8 @@ def _launch(
         HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
         SPLIT=cfg.split_k > 1, FIXUP=fixup, NUM_STAGES=cfg.num_stages,
-        FAST_FP8=not is_interpret(), num_warps=cfg.num_warps, **({"grid": grid} if warmup else {}),
+        FAST_FP8=not is_interpret(), W_AS_B=cfg.w_as_b, num_warps=cfg.num_warps,
+        **({"grid": grid} if warmup else {}),
     )  # fmt: skip
     if cfg.split_k > 1 and not fixup:
         target = ws

@@ -27,6 +27,7 @@ class MixedGemmConfig(NamedTuple):
     split_k: int  # K slices (any count), each its own program, reduced in fp32
     num_warps: int
     num_stages: int
+    w_as_b: bool = False  # the weight as the MMA's B operand, staged in shared memory (below)
 
 
 MIXED_MAX_ROWS = 256
