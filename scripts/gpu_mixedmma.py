@@ -41,31 +41,34 @@ BF16 = torch.bfloat16
 SUMMARY: dict[str, object] = {}
 TABLE: list[str] = []
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, w_as_b) per M bucket; w_as_b: the weight
-# is wgmma's B operand from shared memory (no register operand: see mixed_gemm's doc)
-T = True
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, mode) per M bucket; mode (MODE_* of
+# mixed_gemm_configs): 0 the weight in registers as wgmma's A operand (the shipped kind), T the
+# weight staged in shared memory as the B operand, W registers with each tile's MMAs awaited
+T, W = mg.MODE_SMEM, mg.MODE_REG_WAIT
 FAMILIES = {
     128: [
-        (128, 64, 128, 4, 3, 0), (128, 256, 64, 8, 3, 0),
+        (128, 64, 128, 4, 3, 0), (128, 256, 64, 8, 3, 0), (128, 64, 128, 4, 3, W),
+        (128, 256, 64, 8, 3, W),
         (128, 256, 64, 8, 3, T), (64, 256, 64, 8, 3, T), (64, 256, 64, 4, 4, T),
         (128, 128, 64, 4, 3, T), (64, 128, 128, 4, 3, T),
     ],
     2048: [
         (128, 256, 64, 8, 3, T), (64, 256, 64, 8, 3, T), (256, 128, 64, 8, 3, T),
         (128, 128, 64, 4, 3, T), (128, 128, 64, 4, 4, T), (128, 256, 64, 8, 4, T),
-        (128, 256, 64, 8, 3, 0),
+        (128, 256, 64, 8, 3, 0), (128, 128, 128, 8, 3, W),
     ],
     32: [
-        (32, 64, 128, 4, 4, 0), (32, 256, 64, 8, 4, 0),
+        (32, 64, 128, 4, 4, 0), (32, 256, 64, 8, 4, 0), (32, 64, 128, 4, 4, W),
+        (32, 128, 128, 4, 4, W),
         (32, 256, 64, 4, 4, T), (32, 128, 64, 4, 4, T), (32, 128, 128, 4, 3, T),
     ],
     256: [
-        (128, 64, 128, 4, 3, 0), (128, 256, 64, 8, 3, 0),
+        (128, 64, 128, 4, 3, 0), (128, 256, 64, 8, 3, 0), (128, 64, 128, 4, 3, W),
         (128, 256, 64, 8, 3, T), (64, 256, 64, 8, 3, T), (128, 128, 64, 4, 3, T),
         (256, 128, 64, 8, 3, T), (128, 128, 128, 8, 3, T),
     ],
     64: [
-        (64, 64, 128, 4, 3, 0),
+        (64, 64, 128, 4, 3, 0), (64, 64, 128, 4, 3, W),
         (64, 256, 64, 8, 3, T), (64, 256, 64, 4, 4, T), (64, 128, 128, 4, 3, T),
         (64, 128, 64, 4, 4, T),
     ],
@@ -103,14 +106,14 @@ def candidates(kind: str, m: int, n: int, k: int) -> list[MixedGemmConfig]:
     out: list[MixedGemmConfig] = []
     w_bytes = {"int4": 0.5}.get(kind, 1)
     x_bytes = 1 if kind == "w8a8" else 2
-    for bm, bn, bk, warps, stages, w_as_b in FAMILIES[m]:
-        if kind == "w8a8" and (bk < 64 or (w_as_b and bm < 64)):
+    for bm, bn, bk, warps, stages, mode in FAMILIES[m]:
+        if kind == "w8a8" and (bk < 64 or (mode == 1 and bm < 64)):
             continue  # (fp8 x with fewer than 64 rows as the A operand: no fp8 MMA)
-        staged = bn * bk * 2 if w_as_b and kind != "w8a8" else 0  # the widened weight tile
+        staged = bn * bk * 2 if mode == 1 and kind != "w8a8" else 0  # the widened weight tile
         if stages * bk * (bm * x_bytes + bn * w_bytes) + staged > SMEM_LIMIT:
             continue
         for sk in splits(m, n, k, bm, bn, bk):
-            out.append(MixedGemmConfig(bm, bn, bk, 8, sk, warps, stages, bool(w_as_b)))
+            out.append(MixedGemmConfig(bm, bn, bk, 8, sk, warps, stages, mode))
     return out
 
 
@@ -202,9 +205,12 @@ def race(repeats: int) -> None:
             line = []
             for m in (125, 253):
                 picked = mg.pick_config(kind, m, n, k, qw.device)
-                cfgs = {"shipped": picked, "bad-rs": bad, "bad-ss": bad._replace(w_as_b=True)}
+                cfgs = {"shipped": picked, "bad-reg": bad, "bad-smem": bad._replace(mode=1),
+                        "bad-wait": bad._replace(mode=2)}  # fmt: skip
+                if picked is not None:
+                    cfgs["shipped-wait"] = picked._replace(mode=2)
                 for name, c in cfgs.items():
-                    if c is None or (name != "shipped" and m != 253):
+                    if c is None or (name.startswith("bad") and m != 253):
                         continue
                     fn = base.ours(kind, c)
                     wrong, worst = 0, 0.0

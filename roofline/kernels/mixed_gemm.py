@@ -46,6 +46,9 @@ from roofline.kernels.dequant_gemm import dequant_gemm_ref as mixed_gemm_ref
 from roofline.kernels.mixed_gemm_configs import (
     M_BUCKETS,
     MIXED_MAX_ROWS,
+    MODE_REG,
+    MODE_REG_WAIT,
+    MODE_SMEM,
     TUNED_CONFIGS,
     MixedGemmConfig,
     check_config,
@@ -55,7 +58,8 @@ from roofline.kernels.mixed_gemm_configs import (
 )
 
 __all__ = [
-    "M_BUCKETS", "TUNED_CONFIGS", "MIXED_MAX_ROWS", "MixedGemmConfig", "check_config",
+    "M_BUCKETS", "TUNED_CONFIGS", "MIXED_MAX_ROWS", "MODE_REG", "MODE_REG_WAIT", "MODE_SMEM",
+    "MixedGemmConfig", "check_config",
     "fp8_scaled_gemm", "heuristic_config", "m_bucket", "mixed_gemm", "mixed_gemm_ref",
     "pick_config", "supports", "w8a8_gemm",
 ]  # fmt: skip
@@ -91,6 +95,18 @@ def _e4m3_to_bf16(q):
         is_pure=True,
         pack=4,
     )
+
+
+@triton.jit
+def _opaque(v, PTX: tl.constexpr):
+    """``v`` through an identity the compiler cannot see into (inline PTX; the interpreter has
+    none and needs none): a product added to the accumulator this way is not folded back into
+    the MMA's accumulate, so the MMAs complete (``wgmma.wait_group 0``) before the loop goes on."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return v
 
 
 @triton.jit
@@ -192,8 +208,9 @@ def _mixed_gemm_kernel(
     SPLIT: tl.constexpr,  # SPLIT_K > 1
     FIXUP: tl.constexpr,  # SPLIT_K > 1: the last slice reduces (else a second launch does)
     NUM_STAGES: tl.constexpr,
-    FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
-    W_AS_B: tl.constexpr = False,
+    FAST_FP8: tl.constexpr,  # inline PTX (e4m3 -> bf16, _opaque); False under the interpreter
+    MODE: tl.constexpr = 0,  # mixed_gemm_configs.MODE_*: 0 weight in registers (A), 1 staged
+    # in shared memory (B), 2 in registers with each K tile's MMAs completed before the next
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -220,7 +237,7 @@ def _mixed_gemm_kernel(
         q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k_first + offs_k)[None, :]
         q_step = BLOCK_K
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_first + offs_k)[None, :]  # [BM, BK]
-    if W_AS_B:
+    if MODE == 1:
         acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -233,13 +250,15 @@ def _mixed_gemm_kernel(
                 q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, BLOCK_N,
                 BLOCK_K,
             )  # fmt: skip
-        if W_AS_B:  # the weight from shared memory: wgmma's B operand
+        if MODE == 1:  # the weight from shared memory: wgmma's B operand
             acc_t = tl.dot(x, tl.trans(w), acc_t)  # [BM, BN]
+        elif MODE == 2:  # a fresh product per tile, read before the next tile is widened
+            acc += _opaque(tl.dot(w, tl.trans(x)), FAST_FP8)  # [BN, BM]
         else:
             acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         q_ptrs += q_step
         x_ptrs += BLOCK_K
-    if W_AS_B:
+    if MODE == 1:
         acc = tl.trans(acc_t)  # [BN, BM]
     if ROW_SCALE:
         if SCALAR_SCALE:
@@ -361,7 +380,7 @@ def _launch(
         HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
         SPLIT=cfg.split_k > 1, FIXUP=fixup, NUM_STAGES=cfg.num_stages,
-        FAST_FP8=not is_interpret(), W_AS_B=cfg.w_as_b, num_warps=cfg.num_warps,
+        FAST_FP8=not is_interpret(), MODE=cfg.mode, num_warps=cfg.num_warps,
         **({"grid": grid} if warmup else {}),
     )  # fmt: skip
     if cfg.split_k > 1 and not fixup:

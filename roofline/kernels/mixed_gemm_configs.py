@@ -27,8 +27,20 @@ class MixedGemmConfig(NamedTuple):
     split_k: int  # K slices (any count), each its own program, reduced in fp32
     num_warps: int
     num_stages: int
-    w_as_b: bool = False  # the weight as the MMA's B operand, staged in shared memory (below)
+    mode: int = 0  # how the widened weight meets the MMA: MODE_* below
 
+
+MODE_REG = 0
+"""The weight tile widened in registers is wgmma's A operand, the MMAs of one K tile in flight
+while the next is widened. ptxas before 13.3 may reuse an A register for the next tile before
+the MMA reading it has run (triton-lang/triton#9433): wrong results, sometimes."""
+MODE_SMEM = 1
+"""The widened tile is stored to shared memory and is the MMA's B operand (x is A): no register
+operand; Triton waits for the MMAs before the buffer is rewritten. Fewer than 64 rows of x:
+``mma.sync`` (synchronous)."""
+MODE_REG_WAIT = 2
+"""As MODE_REG, but each K tile's product is a fresh MMA chain added to the accumulator, so
+every MMA of a tile completes before the loop widens the next tile (no register reuse race)."""
 
 MIXED_MAX_ROWS = 256
 """Above this many rows the library GEMM takes over unless the table has the bucket itself:

@@ -74,9 +74,11 @@ def test_mixed_gemm_matches_dequantize_then_matmul(kind: str, group: int, config
         ("int8", K, MixedGemmConfig(32, 128, 32, 8, 3, 4, 2)),  # 8 K tiles in 3 slices: 3/3/2
         ("int4", 128, MixedGemmConfig(16, 256, 64, 8, 3, 8, 2)),  # a 256-row weight tile
         ("fp8", K, MixedGemmConfig(64, 256, 64, 8, 5, 16, 2)),  # 16 warps; 5 slices > 4 tiles: 4
-        ("int8", 128, MixedGemmConfig(64, 128, 64, 8, 3, 4, 2, True)),  # weight as B operand
-        ("int4", 64, MixedGemmConfig(64, 256, 64, 8, 2, 8, 2, True)),
-        ("fp8", K, MixedGemmConfig(32, 256, 64, 8, 1, 4, 2, True)),
+        ("int8", 128, MixedGemmConfig(64, 128, 64, 8, 3, 4, 2, 1)),  # weight as B operand
+        ("int4", 64, MixedGemmConfig(64, 256, 64, 8, 2, 8, 2, 1)),
+        ("fp8", K, MixedGemmConfig(32, 256, 64, 8, 1, 4, 2, 1)),
+        ("int4", 128, MixedGemmConfig(32, 64, 64, 8, 2, 4, 2, 2)),  # a fresh MMA chain per tile
+        ("int8", K, MixedGemmConfig(16, 64, 128, 8, 1, 4, 2, 2)),
     ],
 )
 def test_mixed_gemm_uneven_split_k_and_wide_weight_tiles(kind: str, group: int, config) -> None:
@@ -104,7 +106,7 @@ def test_mixed_gemm_fp16_symmetric_int4_several_row_blocks(m: int) -> None:
 
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize(
-    "config", [CONFIGS[1], CONFIGS[2], MixedGemmConfig(64, 128, 64, 8, 2, 4, 2, True)]
+    "config", [CONFIGS[1], CONFIGS[2], MixedGemmConfig(64, 128, 64, 8, 2, 4, 2, 1)]
 )
 def test_fp8_scaled_gemm_matches_w8a8_reference(per_channel: bool, config) -> None:
     qweight, scales, _ = _weight("fp8", K if per_channel else 0, seed=4)
@@ -185,7 +187,7 @@ def _hopper_kernel(kind: int, group: int, row_scale: bool, cfg: MixedGemmConfig,
         KIND=kind, GROUP=group, ROW_SCALE=row_scale, SCALAR_SCALE=False, HAS_BIAS=True,
         X_SCALE=w8a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1, FIXUP=cfg.split_k > 1,
-        NUM_STAGES=cfg.num_stages, FAST_FP8=True, W_AS_B=cfg.w_as_b,
+        NUM_STAGES=cfg.num_stages, FAST_FP8=True, MODE=cfg.mode,
     )  # fmt: skip
     divisible = ("N", "K", "stride_xm", "stride_qn", "stride_om")
     return compile_sm90(mg._mixed_gemm_kernel, signature, constexprs, cfg.num_warps, divisible)
@@ -198,8 +200,9 @@ HOPPER_CASES = [  # (kind, group, row_scale, config, w8a8, expected wgmma operan
     (1, 128, False, MixedGemmConfig(32, 64, 256, 8, 4, 4, 3), False, "bf16.bf16"),
     (2, 0, True, MixedGemmConfig(64, 128, 128, 8, 2, 8, 4), False, "bf16.bf16"),
     (2, 0, True, MixedGemmConfig(128, 128, 128, 8, 1, 8, 4), True, "e4m3.e4m3"),
-    (0, 0, True, MixedGemmConfig(128, 256, 64, 8, 1, 8, 3, True), False, "bf16.bf16"),
-    (1, 128, False, MixedGemmConfig(64, 256, 64, 8, 1, 4, 4, True), False, "bf16.bf16"),
+    (0, 0, True, MixedGemmConfig(128, 256, 64, 8, 1, 8, 3, 1), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(64, 256, 64, 8, 1, 4, 4, 1), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(128, 64, 128, 8, 1, 4, 3, 2), False, "bf16.bf16"),
 ]
 
 
@@ -243,8 +246,8 @@ def test_kernels_compile_for_hopper() -> None:
     report = json.loads(run.stdout.strip().splitlines()[-1])
     for (*_, cfg, w8a8, types), got in zip(HOPPER_CASES, report, strict=True):
         assert got["forms"] and all(f.endswith(types) for f in got["forms"]), got
-        # dequantized weights feed wgmma from registers, or (w_as_b) from shared memory
-        assert got["register_a"] == (not w8a8 and not cfg.w_as_b), got
+        # dequantized weights feed wgmma from registers, or (MODE_SMEM) from shared memory
+        assert got["register_a"] == (not w8a8 and cfg.mode != mg.MODE_SMEM), got
         assert got["pipelined"], got  # the K loop copies tiles ahead with cp.async
         assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
 
