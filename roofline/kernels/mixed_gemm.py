@@ -3,34 +3,44 @@
 layouts of ``roofline.quantization.formats`` (int8 with group scales, int4 nibbles with group
 scales and offsets, fp8 e4m3 with per-channel or per-tensor scales), read as stored.
 
-Each program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``: it computes ``W_tile @ x_tile^T``,
-so the weight is the left operand of the tensor-core MMA. On Hopper that operand may come from
-registers (wgmma's register-A form): the quantized tile is copied to shared memory by the
-software pipeline (``num_stages``, ``cp.async``), loaded to registers in the MMA's operand
-layout, widened and scaled there (``w = q * s (+ offset)`` in fp32, rounded once to x's dtype,
-the values of ``formats.dequantize_*``) and fed to ``tl.dot`` without a second trip through
-shared memory, while x (16-bit, the right operand) goes straight from shared memory. int4 bytes
-are split into their nibbles with ``tl.join(low, high).reshape`` (the canonical interleaved
-order, no repack: Triton's linear layouts make the split register-local). Group scales (and
-int4 offsets) are loaded once per K tile per weight row (a tile never straddles groups unless it
-holds whole groups, whose scales are broadcast); one scale per row (per-channel int8, fp8) is
+Each program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``. The quantized weight tile is
+copied to shared memory by the software pipeline (``num_stages``, ``cp.async``), loaded to
+registers, widened and scaled there (``w = q * s (+ offset)`` in fp32, rounded once to x's dtype,
+the values of ``formats.dequantize_*``) and meets x (16-bit, from shared memory) in the tensor
+cores in one of three ways (``MixedGemmConfig.mode``):
+
+* ``MODE_REG``: ``W_tile @ x_tile^T`` with the widened weight as wgmma's A operand straight from
+  registers, the MMAs of one K tile in flight while the next tile is widened. ptxas before 13.3
+  (Triton 3.6 bundles 12.8) may give an A register of an MMA still in flight to the next tile's
+  widening (triton-lang/triton#9433; seen in this kernel's SASS): wrong results, sometimes;
+* ``MODE_REG_WAIT``: the same, but each K tile's product is a fresh MMA chain added to the
+  accumulator through an opaque identity, so all of a tile's MMAs complete before the loop
+  goes on (one ``wgmma.wait_group 0`` per tile): no register can be reused early;
+* ``MODE_SMEM``: ``x_tile @ W_tile^T``: the widened tile is stored to shared memory and is the
+  MMA's B operand (x the A operand; fewer than 64 rows of x take ``mma.sync``); wide weight
+  tiles (256 rows: m64n256 MMAs) read x from L2 a quarter as often as 64-row tiles.
+
+int4 bytes are split into their nibbles with ``tl.join(low, high).reshape`` (the canonical
+interleaved order, no repack: Triton's linear layouts make the split register-local). Group scales
+(and int4 offsets) are loaded once per K tile per weight row (a tile never straddles groups unless
+it holds whole groups, whose scales are broadcast); one scale per row (per-channel int8, fp8) is
 applied to the finished accumulator in the epilogue instead. No int-to-float or fp8-to-float
-conversion instructions (quarter rate on Hopper, they would bound the kernel): integers are
-widened through the mantissa of 1.0f and one FMA, e4m3 by moving its bits into bf16 fields and
-one bf16x2 multiply (inline PTX; the interpreter takes the plain conversion).
+conversion instructions (quarter rate on Hopper, they would bound the kernel): integers are widened
+through the mantissa of 1.0f and one FMA, e4m3 by moving its bits into bf16 fields and one bf16x2
+multiply (inline PTX; the interpreter takes the plain conversion).
 
 W8A8 (``w8a8_gemm``, ``fp8_scaled_gemm``) is the same kernel with an fp8 x: both operands go to
 the e4m3 tensor cores from shared memory, the per-token and per-channel scales multiply the
 fp32 accumulator.
 
-The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together,
-so a weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K``
-(small M: too few output tiles to occupy every SM) gives each program one slice of K; the slices'
-fp32 partial sums go to a workspace, and the last slice of a tile to finish (an acq_rel atomic
-counts arrivals) adds them all in slice order, applies the bias, stores the tile and resets its
-counter: one launch, deterministic, CUDA-graph replayable. Configs come from
-``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by
-``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is
+The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together, so a
+weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K`` (small M:
+too few output tiles to occupy every SM) gives each program one slice of K (any number: slices hold
+whole K tiles, differing by one at most); the slices' fp32 partial sums go to a workspace, and the
+last slice of a tile to finish (an acq_rel atomic counts arrivals) adds them all in slice order,
+applies the bias, stores the tile and resets its counter: one launch, deterministic, CUDA-graph
+replayable. Configs come from ``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured
+on an H100 by ``scripts/gpu_mixedmma.py``), else ``heuristic_config``; ``mixed_gemm_ref`` is
 ``dequant_gemm_ref`` (dequantize, round to x's dtype, fp32 matmul).
 """
 
