@@ -240,7 +240,9 @@ def kernel_kind(name: str) -> str:
 
 
 @base.section("engine")
-def engine(methods: list[str], num_requests: int, profile_requests: int) -> None:
+def engine(
+    methods: list[str], num_requests: int, profile_requests: int, step_batches: list[int]
+) -> None:
     """Per method: the offline workload (input 100-1024, output 512) with its steps split into
     prefill-bearing and decode-only, then a profiled run of ``profile_requests`` of them: kernel
     time by kind (GEMM, attention, other) and device idle time; bf16 first (the denominator)."""
@@ -250,7 +252,7 @@ def engine(methods: list[str], num_requests: int, profile_requests: int) -> None
     from torch.profiler import ProfilerActivity, profile
 
     from roofline import LLM, SamplingParams
-    from roofline.bench import throughput, workloads
+    from roofline.bench import latency, throughput, workloads
     from roofline.bench.ceilings import measure
 
     ceil = measure(torch.device("cuda"), torch.bfloat16)
@@ -265,6 +267,10 @@ def engine(methods: list[str], num_requests: int, profile_requests: int) -> None
             )  # fmt: skip
             startup = time.perf_counter() - t0
             vocab = llm.llm_engine.model_config.vocab_size
+            steps = {}
+            if step_batches:
+                rows = latency.run(llm.llm_engine, ceil, step_batches, 128, 32)
+                steps = {r.batch_size: r.step_ms_p50 for r in rows}
             warm = [[7] * n for n in base.WARM_LENS]  # compile the prefill shapes first
             llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
             out_len = base.OUTPUT_LEN
@@ -282,7 +288,9 @@ def engine(methods: list[str], num_requests: int, profile_requests: int) -> None
                         f", tokens {sum(toks) / len(toks):.0f})"
                     )
             line = (
-                f"{method:9} start-up {startup:4.1f} s; offline {num_requests} req: "
+                f"{method:9} start-up {startup:4.1f} s; decode step ms "
+                + " ".join(f"b{b} {t:.2f}" for b, t in steps.items())
+                + f"; offline {num_requests} req: "
                 f"{res.output_tok_s:6.0f} out tok/s ({res.elapsed_s:.2f} s, "
                 f"{res.roofline_pct:.0f}% of roofline, max running {res.max_running}, "
                 f"preemptions {res.num_preemptions}); " + "; ".join(parts)
@@ -290,7 +298,7 @@ def engine(methods: list[str], num_requests: int, profile_requests: int) -> None
             print(line, flush=True)
             TABLE.append(line)
             SUMMARY[f"engine_{method}"] = {
-                "out_tok_s": res.output_tok_s, "elapsed_s": res.elapsed_s,
+                "out_tok_s": res.output_tok_s, "elapsed_s": res.elapsed_s, "step_ms": steps,
                 "phases": {kd: sum(v) for kd, v in phases.items() if kd in ("prefill", "decode")},
             }  # fmt: skip
             if profile_requests:
@@ -354,6 +362,7 @@ def main() -> None:
     ap.add_argument("--race", type=int, default=20, help="repeats per config (0: skip)")
     ap.add_argument("--engine", default="", help="methods for the engine section: bf16,int8,...")
     ap.add_argument("--requests", type=int, default=256, help="offline workload requests")
+    ap.add_argument("--steps", default="8,32,128", help="decode step batches (empty: none)")
     ap.add_argument("--profile-requests", type=int, default=64, help="profiled run (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="CPU: the sweep's logic only")
@@ -369,7 +378,21 @@ def main() -> None:
     tuned = (sweep(ms, args.kinds.split(","), args.budget) or {}) if ms else {}
     summarize(tuned, args.out)
     if args.engine:
-        engine(args.engine.split(","), args.requests, args.profile_requests)
+        steps = [int(v) for v in args.steps.split(",") if v]
+        engine(args.engine.split(","), args.requests, args.profile_requests, steps)
+        base_run = SUMMARY.get("engine_bf16")
+        for method in args.engine.split(",")[1:]:
+            got = SUMMARY.get(f"engine_{method}")
+            if base_run and got:
+                ratios = " ".join(
+                    f"b{b} {base_run['step_ms'][b] / t:.2f}x"
+                    for b, t in got["step_ms"].items()
+                    if b in base_run["step_ms"]
+                )
+                TABLE.append(
+                    f"{method} / bf16: offline {got['out_tok_s'] / base_run['out_tok_s']:.2f}x, "
+                    f"decode steps {ratios}"
+                )
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s)")
     print("\n".join(TABLE))
     with open(os.path.join(args.out, "gpu_mixedmma.json"), "w") as f:
