@@ -135,7 +135,8 @@ def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmCo
         split_k *= 2
     num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
     num_stages = 4 if block_n * block_k <= 64 * 128 else 3
-    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
+    mode = MODE_REG if kind == "w8a8" else MODE_REG_WAIT  # (fp8 x: both operands in smem)
+    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages, mode)
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
