@@ -241,7 +241,11 @@ def kernel_kind(name: str) -> str:
 
 @base.section("engine")
 def engine(
-    methods: list[str], num_requests: int, profile_requests: int, step_batches: list[int]
+    methods: list[str],
+    num_requests: int,
+    profile_requests: int,
+    step_batches: list[int],
+    profile_methods: list[str] | None = None,
 ) -> None:
     """Per method: the offline workload (input 100-1024, output 512) with its steps split into
     prefill-bearing and decode-only, then a profiled run of ``profile_requests`` of them: kernel
@@ -301,7 +305,7 @@ def engine(
                 "out_tok_s": res.output_tok_s, "elapsed_s": res.elapsed_s, "step_ms": steps,
                 "phases": {kd: sum(v) for kd, v in phases.items() if kd in ("prefill", "decode")},
             }  # fmt: skip
-            if profile_requests:
+            if profile_requests and (profile_methods is None or method in profile_methods):
                 wl = workloads.synthetic(profile_requests, (100, 1024), (out_len, out_len), vocab)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     t1 = time.perf_counter()
@@ -363,6 +367,7 @@ def main() -> None:
     ap.add_argument("--engine", default="", help="methods for the engine section: bf16,int8,...")
     ap.add_argument("--requests", type=int, default=256, help="offline workload requests")
     ap.add_argument("--steps", default="8,32,128", help="decode step batches (empty: none)")
+    ap.add_argument("--profile-methods", default="", help="methods to profile (empty: all)")
     ap.add_argument("--profile-requests", type=int, default=64, help="profiled run (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="CPU: the sweep's logic only")
@@ -379,7 +384,8 @@ def main() -> None:
     summarize(tuned, args.out)
     if args.engine:
         steps = [int(v) for v in args.steps.split(",") if v]
-        engine(args.engine.split(","), args.requests, args.profile_requests, steps)
+        profiled = args.profile_methods.split(",") if args.profile_methods else None
+        engine(args.engine.split(","), args.requests, args.profile_requests, steps, profiled)
         base_run = SUMMARY.get("engine_bf16")
         for method in args.engine.split(",")[1:]:
             got = SUMMARY.get(f"engine_{method}")
