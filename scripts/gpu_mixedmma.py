@@ -246,10 +246,12 @@ def engine(
     profile_requests: int,
     step_batches: list[int],
     profile_methods: list[str] | None = None,
+    profile_output: int = 0,
 ) -> None:
-    """Per method: the offline workload (input 100-1024, output 512) with its steps split into
-    prefill-bearing and decode-only, then a profiled run of ``profile_requests`` of them: kernel
-    time by kind (GEMM, attention, other) and device idle time; bf16 first (the denominator)."""
+    """Per method: decode steps at ``step_batches``, the offline workload (input 100-1024, output
+    512) with its steps split into prefill-bearing and decode-only, then a profiled run of
+    ``profile_requests`` (``profile_output`` tokens each: the same concurrency, fewer decode
+    steps): kernel time by kind (GEMM, attention, other); bf16 first (the denominator)."""
     import gc
 
     from gpu_profile_presets import phase_split
@@ -306,7 +308,8 @@ def engine(
                 "phases": {kd: sum(v) for kd, v in phases.items() if kd in ("prefill", "decode")},
             }  # fmt: skip
             if profile_requests and (profile_methods is None or method in profile_methods):
-                wl = workloads.synthetic(profile_requests, (100, 1024), (out_len, out_len), vocab)
+                p_out = profile_output or out_len
+                wl = workloads.synthetic(profile_requests, (100, 1024), (p_out, p_out), vocab)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     t1 = time.perf_counter()
                     throughput.run(llm, ceil, wl, use_tqdm=False)
@@ -321,7 +324,8 @@ def engine(
                         per_name[e.name] = per_name.get(e.name, 0.0) + e.device_time / 1e6
                 busy = sum(per_kind.values())
                 line = (
-                    f"  profiled {profile_requests} req: wall {wall:.2f} s, kernels {busy:.2f} s "
+                    f"  profiled {profile_requests} req x {p_out} out: wall {wall:.2f} s, "
+                    f"kernels {busy:.2f} s "
                     + ", ".join(f"{kd} {t:.2f} s ({100 * t / wall:.0f}%)" for kd, t in
                                 sorted(per_kind.items(), key=lambda kv: -kv[1]))
                 )  # fmt: skip
@@ -368,6 +372,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256, help="offline workload requests")
     ap.add_argument("--steps", default="8,32,128", help="decode step batches (empty: none)")
     ap.add_argument("--profile-methods", default="", help="methods to profile (empty: all)")
+    ap.add_argument("--profile-output", type=int, default=128, help="profiled run's output len")
     ap.add_argument("--profile-requests", type=int, default=64, help="profiled run (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="CPU: the sweep's logic only")
@@ -385,7 +390,10 @@ def main() -> None:
     if args.engine:
         steps = [int(v) for v in args.steps.split(",") if v]
         profiled = args.profile_methods.split(",") if args.profile_methods else None
-        engine(args.engine.split(","), args.requests, args.profile_requests, steps, profiled)
+        engine(
+            args.engine.split(","), args.requests, args.profile_requests, steps, profiled,
+            args.profile_output,
+        )  # fmt: skip
         base_run = SUMMARY.get("engine_bf16")
         for method in args.engine.split(",")[1:]:
             got = SUMMARY.get(f"engine_{method}")
