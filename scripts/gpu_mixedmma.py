@@ -228,6 +228,56 @@ def race(repeats: int) -> None:
             print(f"{kind:4} {layer:7}: " + "; ".join(line), flush=True)
 
 
+@base.section("fp8 norm")
+def fp8_norm() -> None:
+    """W8A8 with the RMSNorm quantizing its rows (``RMSNorm(..., fp8=True)`` -> ``Fp8Rows``)
+    against norm, then the layer quantizing x: the same numbers (parity on the GPU), and the
+    time of norm + quantization + GEMM each way (qkv and gate_up shapes)."""
+    from roofline.layers.linear import MergedLinear
+    from roofline.layers.norm import RMSNorm
+    from roofline.quantization.fp8 import Fp8LinearMethod
+
+    hidden = 4096
+    norm = RMSNorm(hidden).to("cuda", BF16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for layer_name in ("qkv", "gate_up"):
+        n, k = SHAPES[layer_name]
+        layer = MergedLinear(k, [n], method=Fp8LinearMethod(w8a8=True), params_dtype=BF16)
+        layer = layer.to("cuda")
+        layer.load(0, "weight", torch.randn(n, k, device="cuda", dtype=BF16) * 0.02)
+        layer.process_weights_after_loading()
+        for m in (128, 2048, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            res = torch.randn(m, k, device="cuda", dtype=BF16)
+            with torch.no_grad():
+                rows, r1 = norm(x, res, fp8=True)
+                fused = layer(rows)
+                normed, r2 = norm(x, res)
+                apart = layer(normed)
+            err = base.rel_err(fused, apart)
+            same_res = torch.equal(r1, r2)
+
+            def run_fused(x=x, res=res, layer=layer):
+                return layer(norm(x, res, fp8=True)[0])
+
+            def run_apart(x=x, res=res, layer=layer):
+                return layer(norm(x, res)[0])
+
+            with torch.no_grad():
+                t_f = base.time_graph([run_fused] * 4)
+                t_a = base.time_graph([run_apart] * 4)
+            line = (
+                f"{layer_name:7} M={m:5}: fused norm+quant vs apart: rel err {err:.1e}, "
+                f"residual equal {same_res}; {t_f * 1e6:7.1f} vs {t_a * 1e6:7.1f} us "
+                f"(saves {100 * (1 - t_f / t_a):.1f}%)"
+            )
+            print(line, flush=True)
+            SUMMARY[f"fp8norm_{layer_name}_{m}"] = (err, same_res, t_f * 1e6, t_a * 1e6)
+            if not err < 2e-2 or not same_res:
+                TABLE.append("FP8 NORM PARITY FAILED: " + line)
+
+
 KERNEL_KINDS = (
     ("attention", ("attention", "attn", "flash", "cascade")),
     ("gemm", ("gemm", "gemv", "matmul", "cutlass", "xmma", "nvjet", "sm90", "cublas", "dequant",
@@ -376,6 +426,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="int8,int4,w8a8,fp8")
     ap.add_argument("--budget", type=float, default=70.0, help="seconds for the sweep")
     ap.add_argument("--race", type=int, default=20, help="repeats per config (0: skip)")
+    ap.add_argument("--fp8-norm", action="store_true", help="RMSNorm+fp8 quant parity, timing")
     ap.add_argument("--engine", default="", help="methods for the engine section: bf16,int8,...")
     ap.add_argument("--requests", type=int, default=256, help="offline workload requests")
     ap.add_argument("--steps", default="8,32,128", help="decode step batches (empty: none)")
@@ -392,6 +443,8 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.race:
         race(args.race)
+    if args.fp8_norm:
+        fp8_norm()
     ms = [int(v) for v in args.m.split(",") if v]
     tuned = (sweep(ms, args.kinds.split(","), args.budget) or {}) if ms else {}
     summarize(tuned, args.out)
