@@ -1,15 +1,15 @@
 """Wide weight tiles for the mixed-input GEMM at decode batches (M = 32..256) on one GPU (H100,
 Llama-3.1-8B shapes, random weights), and where an offline step's time goes.
 
-Why: at 128 rows the shipped configs (64 weight rows per program) re-read all of x once per 64
-weight rows: qkv at M = 128 moves 96 MiB of x from L2 for 24 MiB of int8 weight (gate_up 448
+Why: at 128 rows the configs shipped so far (64 weight rows per program) re-read all of x once
+per 64 weight rows: qkv at M = 128 moves 96 MiB of x from L2 for 24 MiB of int8 weight (gate_up 448
 MiB of x for 112 MiB), so the kernel runs at the L2 bandwidth, not the tensor cores or HBM.
 256-row weight tiles (8 or 16 warps) cut that 4x; uneven split-K fills the SMs again.
 
 ``sweep``: per M (128, 2048, 32, 256, 64), method (int8 per channel, int4 g128, fp8 weight-only,
 W8A8) and shape (qkv / o / gate_up / down): every candidate tile x split-K, each checked against
 x times the exactly dequantized weight ON THE GPU before it is timed (a wrong config is printed
-and never picked), beside bf16 cuBLAS, the shipped pick and the library GEMM; prints the winners
+and never picked), beside bf16 cuBLAS, the table's pick and the library GEMM; prints the winners
 as a ``TUNED_CONFIGS`` literal (also ``$OUT/mixed_mma_tuned.txt``).
 
     python scripts/gpu_mixedmma.py --budget 70              # first check, ~90 s
@@ -42,8 +42,9 @@ SUMMARY: dict[str, object] = {}
 TABLE: list[str] = []
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, mode) per M bucket; mode (MODE_* of
-# mixed_gemm_configs): 0 the weight in registers as wgmma's A operand (the shipped kind), T the
-# weight staged in shared memory as the B operand, W registers with each tile's MMAs awaited
+# mixed_gemm_configs): 0 the weight in registers as wgmma's A operand (shipped so far: racy),
+# T the weight staged in shared memory as the B operand, W registers with each tile's MMAs
+# awaited
 T, W = mg.MODE_SMEM, mg.MODE_REG_WAIT
 FAMILIES = {
     128: [
@@ -399,7 +400,7 @@ def engine(
 
 def summarize(tuned: dict, out_dir: str) -> None:
     TABLE.append(
-        "bf16 time / ours: best | best race-free (shipped; library), per shape qkv/o/gate_up/down:"
+        "bf16 time / ours: best | best race-free (table; library), per shape qkv/o/gate_up/down:"
     )
     for m in sorted({key[3] for key in tuned}, reverse=True):
         cells = []
