@@ -13,9 +13,9 @@ cores in one of three ways (``MixedGemmConfig.mode``):
   registers, the MMAs of one K tile in flight while the next tile is widened. ptxas before 13.3
   (Triton 3.6 bundles 12.8) may give an A register of an MMA still in flight to the next tile's
   widening (triton-lang/triton#9433; seen in this kernel's SASS): wrong results, sometimes;
-* ``MODE_REG_WAIT``: the same, but each K tile's product is a fresh MMA chain added to the
-  accumulator through an opaque identity, so all of a tile's MMAs complete before the loop
-  goes on (one ``wgmma.wait_group 0`` per tile): no register can be reused early;
+* ``MODE_REG_WAIT``: the same, but the accumulator goes through an opaque identity (inline
+  PTX ``mov``) after each K tile, so all of a tile's MMAs complete before the loop goes on (one
+  ``wgmma.wait_group 0`` per tile): no register can be reused early;
 * ``MODE_SMEM``: ``x_tile @ W_tile^T``: the widened tile is stored to shared memory and is the
   MMA's B operand (x the A operand; fewer than 64 rows of x take ``mma.sync``); wide weight
   tiles (256 rows: m64n256 MMAs) read x from L2 a quarter as often as 64-row tiles.
@@ -110,8 +110,8 @@ def _e4m3_to_bf16(q):
 @triton.jit
 def _opaque(v, PTX: tl.constexpr):
     """``v`` through an identity the compiler cannot see into (inline PTX; the interpreter has
-    none and needs none): a product added to the accumulator this way is not folded back into
-    the MMA's accumulate, so the MMAs complete (``wgmma.wait_group 0``) before the loop goes on."""
+    none and needs none): an MMA accumulator read this way is complete (``wgmma.wait_group 0``)
+    before the loop goes on."""
     if PTX:
         return tl.inline_asm_elementwise(
             "mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1
@@ -262,8 +262,8 @@ def _mixed_gemm_kernel(
             )  # fmt: skip
         if MODE == 1:  # the weight from shared memory: wgmma's B operand
             acc_t = tl.dot(x, tl.trans(w), acc_t)  # [BM, BN]
-        elif MODE == 2:  # a fresh product per tile, read before the next tile is widened
-            acc += _opaque(tl.dot(w, tl.trans(x)), FAST_FP8)  # [BN, BM]
+        elif MODE == 2:  # the accumulator read after each tile: its MMAs complete first
+            acc = _opaque(tl.dot(w, tl.trans(x), acc), FAST_FP8)  # [BN, BM]
         else:
             acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         q_ptrs += q_step
