@@ -319,10 +319,11 @@ def engine(
         llm = None
         try:
             t0 = time.perf_counter()
+            quant, _, kv = method.partition("+kv-")  # "fp8-w8a8+kv-fp8": an fp8 KV cache too
             llm = LLM(
                 base.MODEL, load_format="dummy", device="cuda", max_model_len=4096,
                 max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                quantization=None if method == "bf16" else method,
+                quantization=None if quant == "bf16" else quant, kv_cache_dtype=kv or "auto",
             )  # fmt: skip
             startup = time.perf_counter() - t0
             vocab = llm.llm_engine.model_config.vocab_size
@@ -448,6 +449,7 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",") if v]
     tuned = (sweep(ms, args.kinds.split(","), args.budget) or {}) if ms else {}
     summarize(tuned, args.out)
+    mg.TUNED_CONFIGS.update(tuned)  # the engine runs below use this run's winners
     if args.engine:
         steps = [int(v) for v in args.steps.split(",") if v]
         profiled = args.profile_methods.split(",") if args.profile_methods else None
