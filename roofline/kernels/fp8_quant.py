@@ -83,6 +83,46 @@ def _store_quantized(q_ptrs, x, scale, mask, FP8_MAX_: tl.constexpr, OUT_FP8: tl
     tl.store(q_ptrs, q, mask=mask)
 
 
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr,  # [M, H]
+    residual_ptr,  # [M, H] (HAS_RESIDUAL)
+    weight_ptr,  # [H]
+    q_ptr,  # [M, H] fp8
+    s_ptr,  # [M] fp32
+    residual_out_ptr,  # [M, H] (HAS_RESIDUAL): x + residual
+    H,
+    inv_hidden,
+    eps,
+    stride_xm,
+    stride_rm,
+    stride_qm,
+    stride_om,
+    FP8_MAX_: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row: (x + residual, stored), RMSNorm as ``kernels.rmsnorm`` rounds it (the normed
+    row rounded to x's dtype, times the weight, rounded again), then per-token fp8 as
+    ``_fp8_per_token_kernel``: the 16-bit normed row is never written."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_rm + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_om + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) * inv_hidden + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (((xf * rstd).to(x.dtype).to(tl.float32)) * w).to(x.dtype).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX_), 1e-12)
+    tl.store(s_ptr + row, scale)
+    _store_quantized(q_ptr + row * stride_qm + offs, y, scale, mask, FP8_MAX_, OUT_FP8)
+
+
 ONE_CHUNK_MAX = 16384
 """Rows up to this long are held in registers (16 warps: 32 fp32 per thread) and read once;
 longer rows are walked twice in chunks (the second read mostly from L2). Measured on the H100:
@@ -126,3 +166,41 @@ def silu_mul_quantize_fp8_per_token(
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must hold gate and up halves: {tuple(gate_up.shape)}")
     return _launch(gate_up, gate_up.shape[-1] // 2, out_dtype, True)
+
+
+def rms_norm_quantize_fp8_per_token(
+    x: torch.Tensor,  # [M, H], rows contiguous
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [M, H]
+    out_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``quantize_fp8_per_token(rms_norm(x (+ residual), weight, eps))`` in one launch:
+    (fp8 [M, H], fp32 scales [M, 1], the new residual ``x + residual`` or None). Rows up to
+    ``ONE_CHUNK_MAX`` (the row is held in registers)."""
+    check_device(x, weight)
+    m, h = x.shape
+    if x.stride(1) != 1 or weight.shape != (h,) or h > ONE_CHUNK_MAX:
+        raise ValueError(
+            f"rms_norm_quantize_fp8_per_token: x {tuple(x.shape)}, weight "
+            f"{tuple(weight.shape)} (rows contiguous, at most {ONE_CHUNK_MAX})"
+        )
+    q = torch.empty(m, h, dtype=out_dtype, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {(m, h)}")
+        res_out = torch.empty_like(x)
+    if m == 0:
+        return q, scales, res_out
+    block = triton.next_power_of_2(h)
+    r = residual if residual is not None else x
+    ro = res_out if res_out is not None else x
+    _rms_norm_fp8_kernel[(m,)](
+        x, r, weight, q, scales, ro, h, 1.0 / h, eps, x.stride(0), r.stride(0), q.stride(0),
+        ro.stride(0), FP8_MAX_=FP8_MAX, OUT_FP8=out_dtype == FP8_DTYPE,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(16, max(4, block // 512)), enable_fp_fusion=False,
+    )  # fmt: skip
+    return q, scales, res_out

@@ -3,34 +3,44 @@
 layouts of ``roofline.quantization.formats`` (int8 with group scales, int4 nibbles with group
 scales and offsets, fp8 e4m3 with per-channel or per-tensor scales), read as stored.
 
-Each program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``: it computes ``W_tile @ x_tile^T``,
-so the weight is the left operand of the tensor-core MMA. On Hopper that operand may come from
-registers (wgmma's register-A form): the quantized tile is copied to shared memory by the
-software pipeline (``num_stages``, ``cp.async``), loaded to registers in the MMA's operand
-layout, widened and scaled there (``w = q * s (+ offset)`` in fp32, rounded once to x's dtype,
-the values of ``formats.dequantize_*``) and fed to ``tl.dot`` without a second trip through
-shared memory, while x (16-bit, the right operand) goes straight from shared memory. int4 bytes
-are split into their nibbles with ``tl.join(low, high).reshape`` (the canonical interleaved
-order, no repack: Triton's linear layouts make the split register-local). Group scales (and
-int4 offsets) are loaded once per K tile per weight row (a tile never straddles groups unless it
-holds whole groups, whose scales are broadcast); one scale per row (per-channel int8, fp8) is
+Each program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``. The quantized weight tile is
+copied to shared memory by the software pipeline (``num_stages``, ``cp.async``), loaded to
+registers, widened and scaled there (``w = q * s (+ offset)`` in fp32, rounded once to x's dtype,
+the values of ``formats.dequantize_*``) and meets x (16-bit, from shared memory) in the tensor
+cores in one of three ways (``MixedGemmConfig.mode``):
+
+* ``MODE_REG``: ``W_tile @ x_tile^T`` with the widened weight as wgmma's A operand straight from
+  registers, the MMAs of one K tile in flight while the next tile is widened. ptxas before 13.3
+  (Triton 3.6 bundles 12.8) may give an A register of an MMA still in flight to the next tile's
+  widening (triton-lang/triton#9433; seen in this kernel's SASS): wrong results, sometimes;
+* ``MODE_REG_WAIT``: the same, but the accumulator goes through an opaque identity (inline
+  PTX ``mov``) after each K tile, so all of a tile's MMAs complete before the loop goes on (one
+  ``wgmma.wait_group 0`` per tile): no register can be reused early;
+* ``MODE_SMEM``: ``x_tile @ W_tile^T``: the widened tile is stored to shared memory and is the
+  MMA's B operand (x the A operand; fewer than 64 rows of x take ``mma.sync``); wide weight
+  tiles (256 rows: m64n256 MMAs) read x from L2 a quarter as often as 64-row tiles.
+
+int4 bytes are split into their nibbles with ``tl.join(low, high).reshape`` (the canonical
+interleaved order, no repack: Triton's linear layouts make the split register-local). Group scales
+(and int4 offsets) are loaded once per K tile per weight row (a tile never straddles groups unless
+it holds whole groups, whose scales are broadcast); one scale per row (per-channel int8, fp8) is
 applied to the finished accumulator in the epilogue instead. No int-to-float or fp8-to-float
-conversion instructions (quarter rate on Hopper, they would bound the kernel): integers are
-widened through the mantissa of 1.0f and one FMA, e4m3 by moving its bits into bf16 fields and
-one bf16x2 multiply (inline PTX; the interpreter takes the plain conversion).
+conversion instructions (quarter rate on Hopper, they would bound the kernel): integers are widened
+through the mantissa of 1.0f and one FMA, e4m3 by moving its bits into bf16 fields and one bf16x2
+multiply (inline PTX; the interpreter takes the plain conversion).
 
 W8A8 (``w8a8_gemm``, ``fp8_scaled_gemm``) is the same kernel with an fp8 x: both operands go to
 the e4m3 tensor cores from shared memory, the per-token and per-channel scales multiply the
 fp32 accumulator.
 
-The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together,
-so a weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K``
-(small M: too few output tiles to occupy every SM) gives each program one slice of K; the slices'
-fp32 partial sums go to a workspace, and the last slice of a tile to finish (an acq_rel atomic
-counts arrivals) adds them all in slice order, applies the bias, stores the tile and resets its
-counter: one launch, deterministic, CUDA-graph replayable. Configs come from
-``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured on an H100 by
-``scripts/gpu_mixedgemm.py --sweep``), else ``heuristic_config``; ``mixed_gemm_ref`` is
+The tile order is grouped (``GROUP_M`` row blocks of x walk the same weight columns together, so a
+weight tile is read from HBM once and served from L2 to its neighbours), and ``SPLIT_K`` (small M:
+too few output tiles to occupy every SM) gives each program one slice of K (any number: slices hold
+whole K tiles, differing by one at most); the slices' fp32 partial sums go to a workspace, and the
+last slice of a tile to finish (an acq_rel atomic counts arrivals) adds them all in slice order,
+applies the bias, stores the tile and resets its counter: one launch, deterministic, CUDA-graph
+replayable. Configs come from ``mixed_gemm_configs.TUNED_CONFIGS[(kind, N, K, m_bucket)]`` (measured
+on an H100 by ``scripts/gpu_mixedmma.py``), else ``heuristic_config``; ``mixed_gemm_ref`` is
 ``dequant_gemm_ref`` (dequantize, round to x's dtype, fp32 matmul).
 """
 
@@ -46,6 +56,9 @@ from roofline.kernels.dequant_gemm import dequant_gemm_ref as mixed_gemm_ref
 from roofline.kernels.mixed_gemm_configs import (
     M_BUCKETS,
     MIXED_MAX_ROWS,
+    MODE_REG,
+    MODE_REG_WAIT,
+    MODE_SMEM,
     TUNED_CONFIGS,
     MixedGemmConfig,
     check_config,
@@ -55,7 +68,8 @@ from roofline.kernels.mixed_gemm_configs import (
 )
 
 __all__ = [
-    "M_BUCKETS", "TUNED_CONFIGS", "MIXED_MAX_ROWS", "MixedGemmConfig", "check_config",
+    "M_BUCKETS", "TUNED_CONFIGS", "MIXED_MAX_ROWS", "MODE_REG", "MODE_REG_WAIT", "MODE_SMEM",
+    "MixedGemmConfig", "check_config",
     "fp8_scaled_gemm", "heuristic_config", "m_bucket", "mixed_gemm", "mixed_gemm_ref",
     "pick_config", "supports", "w8a8_gemm",
 ]  # fmt: skip
@@ -91,6 +105,18 @@ def _e4m3_to_bf16(q):
         is_pure=True,
         pack=4,
     )
+
+
+@triton.jit
+def _opaque(v, PTX: tl.constexpr):
+    """``v`` through an identity the compiler cannot see into (inline PTX; the interpreter has
+    none and needs none): an MMA accumulator read this way is complete (``wgmma.wait_group 0``)
+    before the loop goes on."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return v
 
 
 @triton.jit
@@ -160,7 +186,7 @@ def _grouped_tile(
     return w.to(dtype)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _mixed_gemm_kernel(
     x_ptr,  # [M, K] 16-bit (fp8 with X_SCALE: W8A8)
     xs_ptr,  # fp32 [M] per-token scales of an fp8 x (X_SCALE)
@@ -188,10 +214,13 @@ def _mixed_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,  # K slices (any count up to K // BLOCK_K: slices differ by at most one tile)
+    SPLIT: tl.constexpr,  # SPLIT_K > 1
     FIXUP: tl.constexpr,  # SPLIT_K > 1: the last slice reduces (else a second launch does)
     NUM_STAGES: tl.constexpr,
-    FAST_FP8: tl.constexpr,  # inline-PTX e4m3 -> bf16 (False under the interpreter)
+    FAST_FP8: tl.constexpr,  # inline PTX (e4m3 -> bf16, _opaque); False under the interpreter
+    MODE: tl.constexpr = 0,  # mixed_gemm_configs.MODE_*: 0 weight in registers (A), 1 staged
+    # in shared memory (B), 2 in registers with each K tile's MMAs completed before the next
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -205,8 +234,10 @@ def _mixed_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: rows past M are never stored
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    k_len = (K // (SPLIT_K * BLOCK_K)) * BLOCK_K  # whole tiles (the launcher checks)
-    k_first = tl.program_id(1) * k_len
+    k_tiles = K // BLOCK_K  # whole tiles (the launcher checks); slice s takes tiles
+    tile_first = (tl.program_id(1) * k_tiles) // SPLIT_K  # [s k_tiles / S, (s+1) k_tiles / S)
+    k_first = tile_first * BLOCK_K
+    k_len = (((tl.program_id(1) + 1) * k_tiles) // SPLIT_K - tile_first) * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     if KIND == 1:
         q_cols = k_first // 2 + tl.arange(0, BLOCK_K // 2)  # [BK // 2] bytes
@@ -216,7 +247,10 @@ def _mixed_gemm_kernel(
         q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k_first + offs_k)[None, :]
         q_step = BLOCK_K
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_first + offs_k)[None, :]  # [BM, BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if MODE == 1:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(k_first, k_first + k_len, BLOCK_K, num_stages=NUM_STAGES):
         x = tl.load(x_ptrs)  # [BM, BK]
         if ROW_SCALE:
@@ -226,9 +260,16 @@ def _mixed_gemm_kernel(
                 q_ptrs, s_ptr, o_ptr, rows_n, k0, stride_s, x.dtype, KIND, GROUP, BLOCK_N,
                 BLOCK_K,
             )  # fmt: skip
-        acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        if MODE == 1:  # the weight from shared memory: wgmma's B operand
+            acc_t = tl.dot(x, tl.trans(w), acc_t)  # [BM, BN]
+        elif MODE == 2:  # the accumulator read after each tile: its MMAs complete first
+            acc = _opaque(tl.dot(w, tl.trans(x), acc), FAST_FP8)  # [BN, BM]
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         q_ptrs += q_step
         x_ptrs += BLOCK_K
+    if MODE == 1:
+        acc = tl.trans(acc_t)  # [BN, BM]
     if ROW_SCALE:
         if SCALAR_SCALE:
             acc *= tl.load(s_ptr).to(tl.float32)
@@ -238,7 +279,7 @@ def _mixed_gemm_kernel(
         acc *= tl.load(xs_ptr + rows_m)[None, :]
     mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)  # [BN, BM]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -251,7 +292,7 @@ def _mixed_gemm_kernel(
             arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # .cg: L2, never a stale L1 line
+                for s in range(SPLIT_K):  # .cg: L2, never a stale L1 line
                     part = ws_ptr + s * slice_size + offs_ws
                     total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
@@ -348,8 +389,9 @@ def _launch(
         KIND=code, GROUP=0 if row_scale else group, ROW_SCALE=row_scale, SCALAR_SCALE=scalar,
         HAS_BIAS=bias is not None, X_SCALE=x_scales is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
-        FIXUP=fixup, NUM_STAGES=cfg.num_stages, FAST_FP8=not is_interpret(),
-        num_warps=cfg.num_warps, **({"grid": grid} if warmup else {}),
+        SPLIT=cfg.split_k > 1, FIXUP=fixup, NUM_STAGES=cfg.num_stages,
+        FAST_FP8=not is_interpret(), MODE=cfg.mode, num_warps=cfg.num_warps,
+        **({"grid": grid} if warmup else {}),
     )  # fmt: skip
     if cfg.split_k > 1 and not fixup:
         target = ws

@@ -24,10 +24,23 @@ class MixedGemmConfig(NamedTuple):
     block_n: int  # weight rows per program (the MMA's M side): 64, 128 or 256
     block_k: int  # reduction elements per pipeline step: 64 or 128 (256 for small tiles)
     group_m: int  # row blocks of x that walk the same weight columns together (L2 reuse)
-    split_k: int  # K slices, each its own program; > 1 adds the fp32 reduction launch
+    split_k: int  # K slices (any count), each its own program, reduced in fp32
     num_warps: int
     num_stages: int
+    mode: int = 0  # how the widened weight meets the MMA: MODE_* below
 
+
+MODE_REG = 0
+"""The weight tile widened in registers is wgmma's A operand, the MMAs of one K tile in flight
+while the next is widened. ptxas before 13.3 may reuse an A register for the next tile before
+the MMA reading it has run (triton-lang/triton#9433): wrong results, sometimes."""
+MODE_SMEM = 1
+"""The widened tile is stored to shared memory and is the MMA's B operand (x is A): no register
+operand; Triton waits for the MMAs before the buffer is rewritten. Fewer than 64 rows of x:
+``mma.sync`` (synchronous)."""
+MODE_REG_WAIT = 2
+"""As MODE_REG, but the accumulator goes through an opaque identity after each K tile, so every
+MMA of a tile completes before the loop widens the next tile (no register reuse race)."""
 
 MIXED_MAX_ROWS = 256
 """Above this many rows the library GEMM takes over unless the table has the bucket itself:
@@ -38,65 +51,78 @@ Triton fp8 kernel 1.05-1.38x)."""
 
 # (kind, N, K, m_bucket) -> config tuple, or None where the library GEMM measured faster
 # (kind int8/int4/fp8: dequantize + cuBLAS; kind "w8a8": torch._scaled_mm).
-# scripts/gpu_mixedgemm.py --quick --sweep on an H100 80GB HBM3 (2026-11-24, Llama-3.1-8B qkv /
-# o / gate_up / down), the fastest config whose result matched the reference. Configs with
-# BLOCK_K 64 and 8 warps are left out: one of them ((128, 128, 64, 8, 1, 8, 3)) gave wrong
-# results on the H100 (intermittently for int8, always for int4) while the interpreter and
-# every other shape matched; (256, 128, 64, 8, 1, 8, 4), measured right and fastest for gate_up
-# at 256 rows, is replaced by the next best for that reason.
+# scripts/gpu_mixedmma.py on an H100 80GB HBM3 (2026-11-24, Llama-3.1-8B qkv / o / gate_up /
+# down): the fastest race-free config (16-bit x: MODE_REG_WAIT or MODE_SMEM; every candidate
+# checked against the reference on the GPU three times before it was timed) unless the library
+# GEMM was faster. Weight-only kinds above MIXED_MAX_ROWS stay on the library GEMM (M = 2048:
+# dequantize + cuBLAS 0.83-0.87x of bf16, the best mixed config 0.39-0.68x).
 TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {
-    ("int4", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("int4", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("int4", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
-    ("int4", 4096, 14336, 32): (32, 128, 256, 8, 4, 8, 3),
-    ("int8", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("int8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("int8", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
-    ("int8", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("fp8", 6144, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("fp8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("fp8", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4),
-    ("fp8", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4),
-    ("w8a8", 6144, 4096, 32): (32, 64, 256, 8, 1, 8, 3),
-    ("w8a8", 4096, 4096, 32): (32, 64, 256, 8, 2, 8, 3),
-    ("w8a8", 28672, 4096, 32): (32, 128, 256, 8, 1, 8, 3),
-    ("w8a8", 4096, 14336, 32): (32, 64, 256, 8, 4, 8, 3),
-    ("int4", 6144, 4096, 128): (64, 64, 128, 8, 2, 4, 3),
-    ("int4", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("int4", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
-    ("int4", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("int8", 6144, 4096, 128): (128, 64, 128, 8, 2, 4, 3),
-    ("int8", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("int8", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
-    ("int8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("fp8", 6144, 4096, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("fp8", 4096, 4096, 128): (128, 64, 128, 8, 2, 4, 3),
-    ("fp8", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3),
-    ("fp8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
+    ("int8", 28672, 4096, 32): (32, 128, 128, 8, 1, 4, 3, 1),
+    ("int8", 6144, 4096, 32): (32, 64, 128, 8, 1, 4, 4, 2),
+    ("int8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("int8", 4096, 14336, 32): (32, 128, 128, 8, 8, 4, 3, 1),
+    ("int4", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4, 2),
+    ("int4", 6144, 4096, 32): (32, 64, 128, 8, 3, 4, 4, 2),
+    ("int4", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("int4", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("fp8", 28672, 4096, 32): (32, 128, 128, 8, 1, 4, 3, 1),
+    ("fp8", 6144, 4096, 32): (32, 64, 128, 8, 1, 4, 4, 2),
+    ("fp8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("fp8", 4096, 14336, 32): (32, 128, 128, 8, 8, 4, 3, 1),
+    ("w8a8", 28672, 4096, 32): (32, 64, 128, 8, 1, 4, 4, 0),
+    ("w8a8", 6144, 4096, 32): (32, 64, 128, 8, 1, 4, 4, 0),
+    ("w8a8", 4096, 4096, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("w8a8", 4096, 14336, 32): (32, 64, 128, 8, 4, 4, 4, 2),
+    ("int8", 28672, 4096, 64): (64, 128, 128, 8, 1, 4, 3, 1),
+    ("int8", 6144, 4096, 64): (64, 64, 128, 8, 3, 4, 3, 2),
+    ("int8", 4096, 4096, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("int8", 4096, 14336, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("int4", 28672, 4096, 64): (64, 128, 128, 8, 1, 4, 3, 1),
+    ("int4", 6144, 4096, 64): (64, 64, 128, 8, 3, 4, 3, 2),
+    ("int4", 4096, 4096, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("int4", 4096, 14336, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("fp8", 28672, 4096, 64): (64, 128, 128, 8, 1, 4, 3, 1),
+    ("fp8", 6144, 4096, 64): (64, 64, 128, 8, 1, 4, 3, 2),
+    ("fp8", 4096, 4096, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("fp8", 4096, 14336, 64): (64, 64, 128, 8, 4, 4, 3, 2),
+    ("w8a8", 28672, 4096, 64): (64, 64, 128, 8, 1, 4, 3, 0),
+    ("w8a8", 6144, 4096, 64): None,
+    ("w8a8", 4096, 4096, 64): (64, 64, 128, 8, 4, 4, 3, 0),
+    ("w8a8", 4096, 14336, 64): (64, 64, 128, 8, 4, 4, 3, 0),
+    ("int8", 28672, 4096, 128): (128, 128, 64, 8, 1, 4, 3, 1),
+    ("int8", 6144, 4096, 128): (128, 64, 128, 8, 1, 4, 3, 2),
+    ("int8", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("int8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("int4", 28672, 4096, 128): (128, 64, 128, 8, 1, 4, 3, 2),
+    ("int4", 6144, 4096, 128): (128, 64, 128, 8, 3, 4, 3, 2),
+    ("int4", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("int4", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("fp8", 28672, 4096, 128): (128, 128, 64, 8, 1, 4, 3, 1),
+    ("fp8", 6144, 4096, 128): (128, 64, 128, 8, 1, 4, 3, 2),
+    ("fp8", 4096, 4096, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("fp8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3, 2),
+    ("w8a8", 28672, 4096, 128): None,
     ("w8a8", 6144, 4096, 128): None,
     ("w8a8", 4096, 4096, 128): None,
-    ("w8a8", 28672, 4096, 128): None,
-    ("w8a8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3),
-    ("int4", 6144, 4096, 256): (
-        128,
-        64,
-        128,
-        8,
-        1,
-        4,
-        3,
-    ),  # (128, 64, 64, 8, 2, 4, 4): 49.3 us, 0.4% faster
-    ("int4", 4096, 4096, 256): None,
-    ("int4", 28672, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
-    ("int4", 4096, 14336, 256): (128, 64, 128, 8, 4, 4, 3),
-    ("int8", 6144, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
-    ("int8", 4096, 4096, 256): (128, 64, 128, 8, 2, 4, 3),
-    ("int8", 28672, 4096, 256): (128, 64, 128, 8, 1, 4, 3),
-    ("int8", 4096, 14336, 256): (128, 64, 128, 8, 2, 4, 3),
+    ("w8a8", 4096, 14336, 128): (128, 64, 128, 8, 4, 4, 3, 0),
+    ("int8", 28672, 4096, 256): (256, 64, 64, 8, 1, 4, 3, 2),
+    ("int8", 6144, 4096, 256): (128, 64, 128, 8, 1, 4, 3, 2),
+    ("int8", 4096, 4096, 256): (128, 64, 128, 8, 2, 4, 3, 2),
+    ("int8", 4096, 14336, 256): (256, 64, 64, 8, 4, 4, 3, 2),
+    ("int4", 28672, 4096, 256): (256, 64, 64, 8, 1, 4, 3, 2),
+    ("int4", 6144, 4096, 256): None,
+    ("int4", 4096, 4096, 256): (128, 64, 128, 8, 2, 4, 3, 2),
+    ("int4", 4096, 14336, 256): (128, 64, 128, 8, 2, 4, 3, 2),
+    ("fp8", 28672, 4096, 256): (128, 128, 64, 8, 1, 4, 3, 1),
+    ("fp8", 6144, 4096, 256): (128, 64, 128, 8, 1, 4, 3, 2),
+    ("fp8", 4096, 4096, 256): (128, 64, 128, 8, 2, 4, 3, 2),
+    ("fp8", 4096, 14336, 256): (256, 64, 64, 8, 4, 4, 3, 2),
+    ("w8a8", 28672, 4096, 256): (128, 128, 128, 8, 1, 8, 3, 1),
     ("w8a8", 6144, 4096, 256): None,
     ("w8a8", 4096, 4096, 256): None,
-    ("w8a8", 28672, 4096, 256): (128, 128, 128, 8, 1, 8, 3),
     ("w8a8", 4096, 14336, 256): None,
+    ("w8a8", 4096, 4096, 2048): (128, 256, 64, 8, 1, 8, 4, 1),
+    ("w8a8", 4096, 14336, 2048): (128, 256, 64, 8, 1, 8, 4, 1),
 }
 
 
@@ -122,7 +148,8 @@ def heuristic_config(kind: str, m: int, n: int, k: int, sms: int) -> MixedGemmCo
         split_k *= 2
     num_warps = 8 if max(block_m, block_k) * block_n >= 128 * 128 else 4  # (4 spill there)
     num_stages = 4 if block_n * block_k <= 64 * 128 else 3
-    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages)
+    mode = MODE_REG if kind == "w8a8" else MODE_REG_WAIT  # (fp8 x: both operands in smem)
+    return MixedGemmConfig(block_m, block_n, block_k, 8, split_k, num_warps, num_stages, mode)
 
 
 def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> MixedGemmConfig | None:
@@ -145,13 +172,12 @@ def pick_config(kind: str, m: int, n: int, k: int, device: torch.device) -> Mixe
 
 def check_config(k: int, group: int, cfg: MixedGemmConfig) -> MixedGemmConfig:
     """The config made valid for this weight: BLOCK_K halved (down to 32) until it divides K
-    and a tile sits in one group or holds whole groups, SPLIT_K halved until every slice is
-    whole tiles."""
+    and a tile sits in one group or holds whole groups, SPLIT_K at most the number of K tiles
+    (slices are whole tiles and differ by at most one)."""
     block_k, split_k = cfg.block_k, cfg.split_k
     while block_k > 32 and ((group % block_k and block_k % group) or k % block_k):
         block_k //= 2
     if (group % block_k and block_k % group) or k % block_k:
         raise ValueError(f"mixed_gemm: no K tile fits K = {k} with groups of {group}")
-    while split_k > 1 and k % (split_k * block_k):
-        split_k //= 2
+    split_k = max(1, min(split_k, k // block_k))  # slices of whole tiles, none empty
     return cfg._replace(block_k=block_k, split_k=split_k)

@@ -168,6 +168,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}mlp.", shard, parallel)
         self._fusable: bool | None = None  # fused_decode.layer_supports, decided at first use
+        self._fp8_norms: tuple[bool, bool] | None = None  # norms that quantize for W8A8 GEMMs
 
     def forward(
         self,
@@ -183,13 +184,18 @@ class LlamaDecoderLayer(nn.Module):
             if self._fusable and fused_decode.applies(self, x):
                 h = self.self_attn(positions, x, ctx, self.input_layernorm, residual=x)
                 return self.mlp(h, self.post_attention_layernorm, residual=h), None
+        if self._fp8_norms is None:
+            from roofline.quantization.fp8 import fp8_norms
+
+            self._fp8_norms = fp8_norms(self)
+        fp8_in, fp8_post = self._fp8_norms
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, fp8=fp8_in)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8=fp8_in)
         x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8_post)
         return self.mlp(x), residual
 
 

@@ -22,6 +22,8 @@ float8_e4m3fn plus ``weight_scale`` per tensor or per channel) load as they are;
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -36,6 +38,50 @@ def check_fp8_device(device: torch.device) -> None:
             f"fp8 quantization needs fp8 support (compute capability 8.9+: Ada, Hopper); {name} "
             "has none: use quantization='int8' instead"
         )
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token for W8A8 GEMMs (the RMSNorm before them did it:
+    ``layers.norm.RMSNorm(..., fp8=True)``): what ``Fp8LinearMethod.apply`` takes instead of a
+    16-bit x, so the normed 16-bit rows are never written and never re-read to quantize."""
+
+    q: torch.Tensor  # fp8 [M, K]
+    scales: torch.Tensor  # fp32 [M, 1]
+    dtype: torch.dtype  # the activations' 16-bit dtype (the GEMM's output dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def takes_fp8_rows(linear: nn.Module | None) -> bool:
+    """Whether ``linear`` (a ``MergedLinear`` whose forward is not overridden) runs W8A8, so its
+    input norm may hand it ``Fp8Rows``."""
+    from roofline.layers.linear import MergedLinear
+
+    method = getattr(linear, "method", None)
+    return (
+        isinstance(linear, MergedLinear)
+        and type(linear).forward is MergedLinear.forward
+        and isinstance(method, Fp8LinearMethod)
+        and method.w8a8
+    )
+
+
+def fp8_norms(layer: nn.Module) -> tuple[bool, bool]:
+    """(input norm, post-attention norm) of a decoder layer that may quantize their output for
+    the W8A8 GEMM they feed (``self_attn.qkv_proj``, ``mlp.gate_up_proj``; rows the fused
+    kernel holds in registers)."""
+    from roofline.kernels.fp8_quant import ONE_CHUNK_MAX
+
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norm = getattr(layer, "input_layernorm", None)
+    if norm is None or norm.weight.numel() > ONE_CHUNK_MAX:
+        return False, False
+    return (
+        takes_fp8_rows(getattr(attn, "qkv_proj", None)),
+        takes_fp8_rows(getattr(mlp, "gate_up_proj", None)),
+    )
 
 
 class Fp8LinearMethod(common.CanonicalLinearMethod):
@@ -82,6 +128,10 @@ class Fp8LinearMethod(common.CanonicalLinearMethod):
             raise ValueError(f"an fp8 layer takes weight, weight_scale or bias, not {name!r}")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # quantized by the norm before this layer (W8A8 only)
+            if not x.q.is_cuda:
+                return fp8_rows_ref(x, layer.qweight, layer.scales, bias)
+            return fp8_gemm(x.q, x.scales, layer.qweight, layer.scales, bias, x.dtype)
         if not self.w8a8:
             return common.quantized_linear(self.kind, layer, x, bias)
         if x.is_cuda:
@@ -124,6 +174,19 @@ def w8a8_ref(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def fp8_rows_ref(
+    rows: Fp8Rows,
+    qweight: torch.Tensor,  # fp8 [N, K]
+    scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, N] in rows.dtype
+    """``w8a8_ref`` for rows already quantized: fp32 matmul, both scales applied."""
+    out = (rows.q.float() @ qweight.float().T) * rows.scales * scales.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(rows.dtype)
 
 
 def w8a8_linear(

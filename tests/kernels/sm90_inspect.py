@@ -66,3 +66,67 @@ def ptxas_usage(kernel) -> tuple[int, int]:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0
+
+
+def sass_lines(kernel) -> list[tuple[int, str]]:
+    """(address, instruction) of the kernel's SASS (cuobjdump of its cubin, Triton's own)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run(
+            [cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def _written_registers(ins: str) -> set[int]:
+    """General registers an instruction writes (its first operand; 64/128-bit forms write 2/4)."""
+    m = re.match(r"(@!?U?P\w+\s+)?([A-Z][\w.]*)\s+R(\d+)\b", ins)
+    if not m or m.group(2).split(".")[0] in ("ST", "STS", "STG", "STL", "RED", "BRA", "HGMMA"):
+        return set()
+    op, first = m.group(2), int(m.group(3))
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return set(range(first, first + width))
+
+
+def register_a_hazards(kernel) -> list[str]:
+    """Instructions that overwrite a register-sourced wgmma A operand (``HGMMA ... Rn,`` reads
+    Rn..Rn+3) before a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` has waited for that MMA, walking forward
+    from each HGMMA and once around its loop (a backward branch): the pattern ptxas before 13.3
+    emits for a pipelined register-operand wgmma (triton-lang/triton#9433), which gives wrong
+    results when the MMA reads its operand late."""
+    lines = sass_lines(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(lines)}
+    found = []
+    for i, (addr, ins) in enumerate(lines):
+        m = re.search(r"HGMMA\.\S+\s+R\d+,\s+R(\d+),", ins)
+        if not m:
+            continue
+        live = set(range(int(m.group(1)), int(m.group(1)) + 4))
+        j, steps, wrapped = i + 1, 0, False
+        while j < len(lines) and steps < 4000:
+            a, nxt = lines[j]
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in nxt:
+                break
+            if live & _written_registers(nxt):
+                found.append(f"{a:#06x} {nxt}  (A operand of the HGMMA at {addr:#06x})")
+                break
+            b = re.search(r"BRA\s+0x([0-9a-f]+)", nxt)
+            if b and not wrapped and int(b.group(1), 16) < a and int(b.group(1), 16) in index:
+                j, wrapped = index[int(b.group(1), 16)], True  # once around the loop
+            else:
+                j += 1
+            steps += 1
+    return found

@@ -68,6 +68,31 @@ def test_mixed_gemm_matches_dequantize_then_matmul(kind: str, group: int, config
     assert_close(got, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "kind,group,config",
+    [
+        ("int8", K, MixedGemmConfig(32, 128, 32, 8, 3, 4, 2)),  # 8 K tiles in 3 slices: 3/3/2
+        ("int4", 128, MixedGemmConfig(16, 256, 64, 8, 3, 8, 2)),  # a 256-row weight tile
+        ("fp8", K, MixedGemmConfig(64, 256, 64, 8, 5, 16, 2)),  # 16 warps; 5 slices > 4 tiles: 4
+        ("int8", 128, MixedGemmConfig(64, 128, 64, 8, 3, 4, 2, 1)),  # weight as B operand
+        ("int4", 64, MixedGemmConfig(64, 256, 64, 8, 2, 8, 2, 1)),
+        ("fp8", K, MixedGemmConfig(32, 256, 64, 8, 1, 4, 2, 1)),
+        ("int4", 128, MixedGemmConfig(32, 64, 64, 8, 2, 4, 2, 2)),  # a fresh MMA chain per tile
+        ("int8", K, MixedGemmConfig(16, 64, 128, 8, 1, 4, 2, 2)),
+    ],
+)
+def test_mixed_gemm_uneven_split_k_and_wide_weight_tiles(kind: str, group: int, config) -> None:
+    """Split-K into a count that does not divide the K tiles (slices differ by one tile) and
+    weight tiles of 256 rows (fewer re-reads of x per weight byte)."""
+    qweight, scales, offsets = _weight(kind, group, seed=9)
+    x = _x(41)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    bias = bias.to(DEVICE)
+    expected = mg.mixed_gemm_ref(kind, x, qweight, scales, offsets, bias)
+    got = mixed_gemm(kind, x, qweight, scales, offsets, bias, config=config)
+    assert_close(got, expected, torch.bfloat16)
+
+
 @pytest.mark.parametrize("m", [17, 70])
 def test_mixed_gemm_fp16_symmetric_int4_several_row_blocks(m: int) -> None:
     qweight, scales, offsets = _weight("int4", 128, seed=3, symmetric=True)
@@ -80,7 +105,9 @@ def test_mixed_gemm_fp16_symmetric_int4_several_row_blocks(m: int) -> None:
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
-@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]])
+@pytest.mark.parametrize(
+    "config", [CONFIGS[1], CONFIGS[2], MixedGemmConfig(64, 128, 64, 8, 2, 4, 2, 1)]
+)
 def test_fp8_scaled_gemm_matches_w8a8_reference(per_channel: bool, config) -> None:
     qweight, scales, _ = _weight("fp8", K if per_channel else 0, seed=4)
     x = _x(33) * 3
@@ -120,16 +147,19 @@ def test_config_choice_and_validation() -> None:
     finally:
         mg.TUNED_CONFIGS.clear()
         mg.TUNED_CONFIGS.update(old)
-    # every shipped config is valid for its shape, and none is of the class that failed on
-    # the H100 (64-wide K tiles with 8 warps)
+    # every shipped config is valid for its shape, and none with a 16-bit x feeds wgmma from
+    # registers pipelined across K tiles (the ptxas 12.8 race that gave wrong results on the
+    # H100); the heuristic is race-free too
     for (kind, n, k, bucket), cfg in mg.TUNED_CONFIGS.items():
         if cfg is not None:
             c = MixedGemmConfig(*cfg)
             assert mg.check_config(k, 128 if kind == "int4" else k, c) == c
-            assert not (c.block_k == 64 and c.num_warps == 8), (kind, n, k, bucket)
+            assert kind == "w8a8" or c.mode != mg.MODE_REG, (kind, n, k, bucket)
+    for m in (17, 100, 300):
+        assert mg.heuristic_config("int4", m, 4096, 4096, 132).mode != mg.MODE_REG
     # a tile that would straddle groups of 32 shrinks; split-K shrinks to whole tiles
     cfg = mg.check_config(96 * 4, 32, MixedGemmConfig(32, 64, 128, 8, 8, 4, 3))
-    assert cfg.block_k == 128 and cfg.split_k == 1
+    assert cfg.block_k == 128 and cfg.split_k == 3  # one slice per K tile at most
     cfg = mg.check_config(4096, 4096, MixedGemmConfig(32, 64, 128, 8, 4, 4, 3))
     assert cfg.split_k == 4
     cfg = mg.check_config(384, 128, MixedGemmConfig(32, 64, 256, 8, 1, 4, 3))
@@ -154,47 +184,56 @@ def _hopper_kernel(kind: int, group: int, row_scale: bool, cfg: MixedGemmConfig,
         "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
         "K": "i32",
         "stride_xm": "i32", "stride_qn": "i32", "stride_s": "i32", "stride_om": "i32",
+        "SPLIT_K": "i32",
     }  # fmt: skip
     constexprs = dict(
         KIND=kind, GROUP=group, ROW_SCALE=row_scale, SCALAR_SCALE=False, HAS_BIAS=True,
         X_SCALE=w8a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, FIXUP=cfg.split_k > 1,
-        NUM_STAGES=cfg.num_stages, FAST_FP8=True,
+        GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1, FIXUP=cfg.split_k > 1,
+        NUM_STAGES=cfg.num_stages, FAST_FP8=True, MODE=cfg.mode,
     )  # fmt: skip
     divisible = ("N", "K", "stride_xm", "stride_qn", "stride_om")
     return compile_sm90(mg._mixed_gemm_kernel, signature, constexprs, cfg.num_warps, divisible)
 
 
 HOPPER_CASES = [  # (kind, group, row_scale, config, w8a8, expected wgmma operand types)
-    (0, 0, True, MixedGemmConfig(32, 128, 128, 8, 1, 4, 4), False, "bf16.bf16"),
-    (1, 128, False, MixedGemmConfig(128, 64, 128, 8, 1, 4, 3), False, "bf16.bf16"),
-    (1, 32, False, MixedGemmConfig(64, 128, 128, 8, 4, 8, 4), False, "bf16.bf16"),
-    (1, 128, False, MixedGemmConfig(32, 64, 256, 8, 4, 4, 3), False, "bf16.bf16"),
-    (2, 0, True, MixedGemmConfig(64, 128, 128, 8, 2, 8, 4), False, "bf16.bf16"),
+    (0, 0, True, MixedGemmConfig(32, 128, 128, 8, 1, 4, 4, 2), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(128, 64, 128, 8, 1, 4, 3, 2), False, "bf16.bf16"),
+    (1, 32, False, MixedGemmConfig(64, 128, 128, 8, 4, 8, 4, 2), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(32, 64, 256, 8, 4, 4, 3, 2), False, "bf16.bf16"),
+    (2, 0, True, MixedGemmConfig(64, 128, 128, 8, 2, 8, 4, 2), False, "bf16.bf16"),
     (2, 0, True, MixedGemmConfig(128, 128, 128, 8, 1, 8, 4), True, "e4m3.e4m3"),
+    (2, 0, True, MixedGemmConfig(128, 256, 64, 8, 2, 8, 3, 1), True, "e4m3.e4m3"),
+    (0, 0, True, MixedGemmConfig(128, 256, 64, 8, 1, 8, 3, 1), False, "bf16.bf16"),
+    (1, 128, False, MixedGemmConfig(64, 256, 64, 8, 1, 4, 4, 1), False, "bf16.bf16"),
 ]
+RACY_CASE = (1, 128, False, MixedGemmConfig(128, 128, 64, 8, 1, 8, 3, mg.MODE_REG), False)
+"""The register-operand form pipelined across K tiles: ptxas 12.8 reuses A registers of MMAs
+still in flight (the H100 gave wrong results for this tile); the SASS check must flag it."""
 
 
 def hopper_report() -> list[dict]:
-    """Compile HOPPER_CASES for sm_90 (run in a process without TRITON_INTERPRET, where the
-    kernels are compiled functions) and report what the PTX and ptxas say."""
-    from sm90_inspect import ptxas_usage, uses_register_a, wgmma_forms
+    """Compile HOPPER_CASES (then RACY_CASE) for sm_90 (run in a process without
+    TRITON_INTERPRET, where the kernels are compiled functions) and report what the PTX,
+    ptxas and the SASS say."""
+    from sm90_inspect import ptxas_usage, register_a_hazards, uses_register_a, wgmma_forms
 
     report = []
-    for kind, group, row_scale, cfg, w8a8, _ in HOPPER_CASES:
+    for kind, group, row_scale, cfg, w8a8 in [c[:5] for c in HOPPER_CASES] + [RACY_CASE]:
         kernel = _hopper_kernel(kind, group, row_scale, cfg, w8a8)
         registers, spilled = ptxas_usage(kernel)
         report.append({
             "forms": wgmma_forms(kernel), "register_a": uses_register_a(kernel),
             "pipelined": "cp.async" in kernel.asm["ptx"], "registers": registers,
-            "spilled": spilled,
+            "spilled": spilled, "hazards": register_a_hazards(kernel),
         })  # fmt: skip
     return report
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU compiles the kernels itself in the tests above")
-def test_kernels_compile_for_hopper() -> None:
-    """Code the interpreter accepts but the GPU compiler rejects fails here."""
+def test_kernels_compile_for_hopper_without_register_races() -> None:
+    """Code the interpreter accepts but the GPU compiler rejects fails here; so does a config
+    whose SASS overwrites a wgmma A register before that MMA has been waited for."""
     import json
     import os
     import pathlib
@@ -212,12 +251,15 @@ def test_kernels_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    for (*_, w8a8, types), got in zip(HOPPER_CASES, report, strict=True):
+    *report, racy = json.loads(run.stdout.strip().splitlines()[-1])
+    for (*_, cfg, w8a8, types), got in zip(HOPPER_CASES, report, strict=True):
         assert got["forms"] and all(f.endswith(types) for f in got["forms"]), got
-        assert got["register_a"] != w8a8, got  # dequantized weights feed wgmma from registers
+        # dequantized weights feed wgmma from registers, or (MODE_SMEM) from shared memory
+        assert got["register_a"] == (not w8a8 and cfg.mode != mg.MODE_SMEM), got
         assert got["pipelined"], got  # the K loop copies tiles ahead with cp.async
         assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
+        assert got["hazards"] == [], got
+    assert racy["register_a"] and racy["hazards"], racy  # the check finds the known race
 
 
 @pytest.mark.parametrize("m,inter", [(3, 96), (5, 2048 + 64), (2, 16384 + 32)])
