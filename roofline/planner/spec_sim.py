@@ -118,7 +118,7 @@ class _SimDecoder(SpecDecoder):
                 waiting.append((r, start, tokens))
         self._shadows = waiting
         if decided:
-            self.switch.decay_pool()  # type: ignore[union-attr]
+            self.switch.shadows_decided()  # type: ignore[union-attr]
 
 
 def verification_shape(sched_out: SchedulerOutput, page_size: int) -> StepShape | None:

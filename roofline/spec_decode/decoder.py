@@ -228,7 +228,7 @@ class SpecDecoder:
                 waiting.append((r, start, tokens))  # its tokens are still to come
         self._shadows = waiting
         if decided:
-            switch.decay_pool()  # type: ignore[union-attr]
+            switch.shadows_decided()  # type: ignore[union-attr]
 
     @staticmethod
     def is_decode_step(sched_out: SchedulerOutput, speculated: bool) -> bool:

@@ -85,6 +85,8 @@ SHADOW_EVERY = 4
 """Steps between shadow proposals while off (proposers with ``shadows``)."""
 SHADOW_REQUESTS = 16
 """Requests asked per shadow round (round robin over the running ones)."""
+RESHADOW_ALPHA = 0.05
+"""Pooled acceptance change (from shadows) that brings the next evaluation forward."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -143,6 +145,8 @@ class AdaptiveSwitch:
         self.requests: dict[str, _RequestState] = {}
         self._pool = [0.0, 0.0]
         """Pooled (successes, failures) over every request, forgetting per step."""
+        self._eval_alpha = self.alpha_prior
+        """Pooled acceptance at the last evaluation."""
         self._mode: dict[int, bool] = {}
         self._next_eval: dict[int, int] = {}
         self._off_since: dict[int, int] = {}
@@ -200,6 +204,14 @@ class AdaptiveSwitch:
     def decay_pool(self) -> None:
         self._pool[0] *= POOL_DECAY
         self._pool[1] *= POOL_DECAY
+
+    def shadows_decided(self) -> None:
+        """A shadow round was decided: re-evaluate at once (not after ``REEVALUATE_STEPS``)
+        when the pooled acceptance moved by more than ``RESHADOW_ALPHA`` since the last
+        evaluation, so measured acceptance turns speculation on without waiting."""
+        self.decay_pool()
+        if abs(self.pooled_alpha() - self._eval_alpha) > RESHADOW_ALPHA:
+            self._next_eval.clear()
 
     def alpha(self, request_id: str) -> float:
         st = self.requests.get(request_id)
@@ -262,13 +274,20 @@ class AdaptiveSwitch:
         the running requests' mean context, which prices the steps)."""
         extra = 0.0
         context = 0
+        pooled = self.pooled_alpha()
+        k, step, everyone = self.k, self.step, self._all_propose
+        tau_pooled = expected_tokens(pooled, k) - 1.0
+        requests = self.requests
         for r in running:
             context += r.num_computed_tokens
-            rid = r.request_id
-            if self.wants(rid):
-                st = self.requests.get(rid)
-                share = 1.0 if st is None else st.yield_
-                extra += share * (expected_tokens(self.alpha(rid), self.k) - 1.0)
+            st = requests.get(r.request_id)
+            if st is None:
+                extra += tau_pooled
+            elif everyone or not st.off or step >= st.retry_step:  # wants()
+                a = (st.successes + PRIOR_WEIGHT * pooled) / (
+                    st.successes + st.failures + PRIOR_WEIGHT
+                )
+                extra += st.yield_ * (expected_tokens(a, k) - 1.0)
         n = max(len(running), 1)
         if running:
             self.context_len = context / n
@@ -303,6 +322,7 @@ class AdaptiveSwitch:
         if last is False and self.step < self._next_eval.get(b, 0):
             return False  # off: nothing per step but this check
         gain = self.predicted_gain(running, b)
+        self._eval_alpha = self.pooled_alpha()
         on = gain >= 1.0 + (OFF_MARGIN if last else ON_MARGIN)
         if self.trace is not None:
             self.trace.append((self.step, b, on, gain, self.ratio(b), self.pooled_alpha()))

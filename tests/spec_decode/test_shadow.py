@@ -86,8 +86,9 @@ def test_measured_acceptance_turns_speculation_on_without_a_probe():
             break
         for r in running:  # each request continues its prompt's pattern: 1 token per step
             r.output_token_ids.append(r.prompt_token_ids[len(r.output_token_ids) % 5])
-    assert on_at is not None and on_at < 64 and dec.switch.num_on_steps == 1
-    assert dec.switch.pooled_alpha() > 0.8
+    # on as soon as a shadow round moved the estimate (not REEVALUATE_STEPS later)
+    assert on_at is not None and on_at < 3 * SHADOW_EVERY and dec.switch.num_on_steps == 1
+    assert dec.switch.pooled_alpha() > 0.6
 
 
 def test_a_draft_model_never_shadows():
