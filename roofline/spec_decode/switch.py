@@ -96,6 +96,15 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def alpha_for_gain(gain: float, k: int) -> float:
+    """The acceptance at which ``expected_tokens(alpha, k) - 1 == gain`` (bisection)."""
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) - 1.0 < gain else (lo, mid)
+    return (lo + hi) / 2
+
+
 @dataclass
 class _RequestState:
     successes: float = 0.0
@@ -133,6 +142,9 @@ class AdaptiveSwitch:
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(largest + 1)]
         """num_running -> its bucket (one list index per step)."""
         self.alpha_prior = alpha_prior
+        self._alpha_stop = alpha_for_gain(REQ_MIN_GAIN, k)
+        self._alpha_resume = alpha_for_gain(2 * REQ_MIN_GAIN, k)
+        """A request stops proposing below the first acceptance, resumes above the second."""
         self.reset()
 
     def reset(self) -> None:
@@ -222,7 +234,8 @@ class AdaptiveSwitch:
 
     def record(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
         """One verification of ``request_id`` (or a shadow proposal decided by the emitted
-        tokens); turns the request off (with backoff) or on."""
+        tokens); turns the request off (with backoff) or on. Once per request per step: its
+        gain test compares alpha with the thresholds of ``REQ_MIN_GAIN`` (tau is monotone)."""
         if num_proposed <= 0:
             return
         st = self.requests.get(request_id)
@@ -231,12 +244,16 @@ class AdaptiveSwitch:
         failed = num_accepted < num_proposed
         st.successes = DECAY * st.successes + num_accepted
         st.failures = DECAY * st.failures + failed
-        self._pool[0] += num_accepted
-        self._pool[1] += failed
-        gain = expected_tokens(self.alpha(request_id), self.k) - 1.0
-        if st.off and gain >= 2 * REQ_MIN_GAIN:
+        pool = self._pool
+        pool[0] += num_accepted
+        pool[1] += failed
+        pooled = (pool[0] + POOL_PRIOR_WEIGHT * self.alpha_prior) / (
+            pool[0] + pool[1] + POOL_PRIOR_WEIGHT
+        )
+        a = (st.successes + PRIOR_WEIGHT * pooled) / (st.successes + st.failures + PRIOR_WEIGHT)
+        if st.off and a >= self._alpha_resume:
             st.off, st.backoff = False, BACKOFF_MIN
-        elif gain < REQ_MIN_GAIN:
+        elif a < self._alpha_stop:
             if st.off:  # a retry that failed: wait longer
                 st.backoff = min(2 * st.backoff, BACKOFF_MAX)
             st.off, st.retry_step = True, self.step + st.backoff
