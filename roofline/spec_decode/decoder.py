@@ -263,29 +263,36 @@ class SpecDecoder:
         requests: list[Request] = []
         max_lens: list[int] = []
         switch = self.switch
-        for r in running:
+        wants = switch.wants if switch is not None else None
+        k, max_len, running_status = (
+            self.config.num_speculative_tokens,
+            self.max_model_len,
+            RequestStatus.RUNNING,
+        )
+        for r in running:  # once per running request per speculative step: kept lean
+            num_known = len(r.prompt_token_ids) + len(r.output_token_ids)
             if (
-                r.status is not RequestStatus.RUNNING
+                r.status is not running_status
                 or r.num_pending_tokens
-                or r.num_computed_tokens != r.num_known_tokens - 1
+                or r.num_computed_tokens != num_known - 1
             ):
                 continue  # still prefilling, or its last token is in flight
-            if switch is not None and not switch.wants(r.request_id):
+            if wants is not None and not wants(r.request_id):
                 continue  # its acceptance does not pay for its rows: plain decoding
-            room = min(
-                r.max_tokens - r.num_output_tokens - 1,
-                self.max_model_len - r.num_known_tokens - 1,
-            )
+            room = min(r.max_tokens - len(r.output_token_ids), max_len - num_known) - 1
             if room > 0:
                 requests.append(r)
-                max_lens.append(min(room, self.config.num_speculative_tokens))
+                max_lens.append(room if room < k else k)
         if requests:
             proposals = self.proposer.propose(requests, max_lens)
+            num_proposed = 0
             for r, tokens, n in zip(requests, proposals.token_ids, max_lens):
-                r.spec_token_ids = list(tokens[:n])
-                self._num_proposed += len(r.spec_token_ids)
+                tokens = list(tokens[:n])
+                r.spec_token_ids = tokens
+                num_proposed += len(tokens)
                 if switch is not None:
-                    switch.proposed(r.request_id, len(r.spec_token_ids), n)
+                    switch.proposed(r.request_id, len(tokens), n)
+            self._num_proposed += num_proposed
             self._proposed = requests
         self.stats.propose_s += time.perf_counter() - t0
         self.stats.num_propose_calls += 1
