@@ -228,19 +228,26 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
     hw = ceil.as_gpu_spec()
     timer = None
     if cal is not None:
+        by_bucket: dict[int, list[str]] = {}
         for b, ctx, plain, ph, grid, gh in cal.table:
-            rows.append(
-                f"llama8b graphs b={b:<3} ctx {ctx:4} plain {plain * 1e3:6.2f}+{ph * 1e3:4.2f} ms, "
-                f"verify grid {b * (K + 1):3} rows {grid * 1e3:6.2f}+{gh * 1e3:4.2f} ms "
-                f"({(grid + gh) / (plain + ph):.2f}x) replays bucket {cal.replays[b]}"
+            by_bucket.setdefault(b, []).append(
+                f"ctx {ctx}: plain {plain * 1e3:5.2f}+{ph * 1e3:4.2f} grid {grid * 1e3:5.2f}+"
+                f"{gh * 1e3:4.2f} ms ({(grid + gh) / (plain + ph):.2f}x)"
             )
+        for b, parts in by_bucket.items():
+            rows.append(f"llama8b graphs b={b:<3} ({b * (K + 1):3} rows) " + " | ".join(parts)
+                        + f" | replays bucket {cal.replays[b]}")  # fmt: skip
             print(rows[-1], flush=True)
         summary["calibration"] = {"table": cal.table, "replays": cal.replays}
-        timer = fit_floored(cal.points(K), cfg, hw)
-        rows.append(f"step model on the graph timings: mean error {timer.mean_rel_error:.1%}, "
-                    f"max {timer.max_rel_error:.1%}, terms " + ", ".join(
-                        f"{n}={v:.3g}" for n, v in timer.terms().items() if v))  # fmt: skip
-        print(rows[-1], flush=True)
+        try:
+            timer = fit_floored(cal.points(K), cfg, hw)
+            rows.append(f"step model on the graph timings: mean error {timer.mean_rel_error:.1%}"
+                        f", max {timer.max_rel_error:.1%}, terms " + ", ".join(
+                            f"{n}={v:.3g}" for n, v in timer.terms().items() if v))  # fmt: skip
+            print(rows[-1], flush=True)
+        except Exception:
+            traceback.print_exc()
+            timer = None
     oracle: OracleProposer = spec.proposer  # type: ignore[assignment]
     successor = plant(llm)
     alphas = (0.5, 0.9) if quick else ALPHAS
@@ -295,8 +302,8 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
             if timer is not None:
                 pred = roofline_speedup(cfg, None, hw, eff, K, batch, ctx, timer=timer,
                                         spec_host_s=host_prior).speedup  # fmt: skip
-                bucket = switch.bucket(batch) if switch is not None else batch
-                device_ms = cal.spec.seconds(bucket, ctx) * 1e3
+            if cal is not None and switch is not None:
+                device_ms = cal.spec.seconds(switch.bucket(batch), ctx) * 1e3
             pred_roofline = roofline_speedup(cfg, None, hw, eff, K, batch, ctx).speedup
             parts = {n: v / spec_steps * 1e3 for n, v in clock.acc.items()}
             parts["fold"] -= waited / spec_steps * 1e3  # the wait is the device's
