@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import random
@@ -65,8 +66,15 @@ def prompts_for(batch: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 30000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
 
 
+_RUNS = itertools.count()
+
+
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Generate greedily; wall time, steps and the speculative counters of this run."""
+    """Generate greedily (the engine's own step loop); wall time, steps, the speculative
+    counters of this run, and the steady rate: tokens per second from the step after the last
+    prefill to the first request's finish (every request running: what a server whose batch
+    stays full sees, and what the planner predicts; the whole-run rate also waits for the
+    unluckiest request of the batch)."""
     engine = llm.llm_engine
     stats = engine.spec.stats if engine.spec is not None else None
     r0 = stats.num_rejections if stats is not None else 0
@@ -74,11 +82,29 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     timing0 = dataclasses.replace(engine.step_timing)
     s0 = engine.get_stats()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    run = next(_RUNS)
+    ids = [f"t{run}-{i}" for i in range(len(prompts))]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params, stream=False)
+    reqs = [engine._groups[rid].seqs[0] for rid in ids]
+    sched = engine.scheduler
+    start = end = None  # (seconds, tokens) at the steady window's ends
+    while engine.has_unfinished_requests():
+        engine.step()
+        if end is not None:
+            continue
+        if start is None:
+            if not sched.num_waiting and all(r.output_token_ids for r in reqs):
+                start = (time.perf_counter(), sum(len(r.output_token_ids) for r in reqs))
+        elif sched.num_running < len(reqs):
+            end = (time.perf_counter(), sum(len(r.output_token_ids) for r in reqs))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    steady = float("nan")
+    if start is not None and end is not None and end[0] > start[0]:
+        steady = (end[1] - start[1]) / (end[0] - start[0])
     s1 = engine.get_stats()
     steps = engine.step_timing.since(timing0).steps
     drafts = s1.spec_decode_num_drafts_total - s0.spec_decode_num_drafts_total
@@ -88,11 +114,12 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     rejections = (stats.num_rejections - r0) if stats is not None else 0
     propose = (stats.propose_s - p0[0], stats.num_propose_calls - p0[1]) if stats else (0.0, 0)
     return {
-        "tokens": [o.outputs[0].token_ids for o in outs],
+        "tokens": [list(r.output_token_ids) for r in reqs],
         "wall_s": wall,
         "steps": steps,
         "step_s": wall / max(steps, 1),
         "tok_s": len(prompts) * max_tokens / wall,
+        "steady_tok_s": steady,
         "acceptance": accepted / proposed if proposed else 0.0,
         "mean_len": mean_len,
         "propose_s": propose[0],
@@ -155,22 +182,34 @@ def plant(llm: LLM):
 
 
 class HostClock:
-    """Wall seconds spent in the engine's step phases (methods wrapped on the instances)."""
+    """Wall seconds spent in the engine's step phases and, inside the runner's launch, in its
+    parts (methods and module functions wrapped, restored by ``close``)."""
 
     PHASES = ("propose", "schedule", "launch", "fold", "emit")
+    PARTS = ("build", "grid", "stage", "replay", "logits", "verify")
 
     def __init__(self, engine) -> None:
-        self.engine = engine
-        self.acc = dict.fromkeys(self.PHASES, 0.0)
-        self._targets = [
-            (engine.spec, "propose"),
-            (engine.scheduler, "schedule"),
-            (engine.runner, "launch"),
-            (engine, "_fold"),
-            (engine, "_emit"),
-        ]
-        for (obj, attr), name in zip(self._targets, self.PHASES):
-            setattr(obj, attr, self._wrap(getattr(obj, attr), name))
+        import roofline.worker.model_runner as mr
+
+        self.acc = dict.fromkeys(self.PHASES + self.PARTS, 0.0)
+        self._restore: list[tuple[object, str, object]] = []
+        runner = engine.runner
+        targets = [(engine.spec, "propose"), (engine.scheduler, "schedule"),
+                   (runner, "launch"), (engine, "_fold"), (engine, "_emit"),
+                   (mr, "grid_layout"), (mr, "launch_verification"),
+                   (runner.model, "compute_logits")]  # fmt: skip
+        names = ["propose", "schedule", "launch", "fold", "emit", "grid", "verify", "logits"]
+        if runner.verify_graphs is not None:
+            targets += [(runner.verify_graphs, "stage"), (runner.verify_graphs, "replay")]
+            names += ["stage", "replay"]
+        for (obj, attr), name in zip(targets, names):
+            self._patch(obj, attr, self._wrap(getattr(obj, attr), name))
+        self._patch(mr.HostBatch, "build", staticmethod(self._wrap(mr.HostBatch.build, "build")))
+
+    def _patch(self, obj, attr: str, value) -> None:
+        own = vars(obj).get(attr, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        self._restore.append((obj, attr, own))
+        setattr(obj, attr, value)
 
     def _wrap(self, fn, name):
         def timed_call(*args, **kwargs):
@@ -183,8 +222,14 @@ class HostClock:
         return timed_call
 
     def close(self) -> None:
-        for obj, attr in self._targets:
-            delattr(obj, attr)  # the class's method again
+        for obj, attr, own in reversed(self._restore):
+            if own is _MISSING:
+                delattr(obj, attr)  # the class's method again
+            else:
+                setattr(obj, attr, own)
+
+
+_MISSING = object()
 
 
 def section_gemm(rows: list[str], summary: dict) -> None:
@@ -251,8 +296,8 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
     oracle: OracleProposer = spec.proposer  # type: ignore[assignment]
     successor = plant(llm)
     alphas = (0.5, 0.9) if quick else ALPHAS
-    cases = ((1, 128), (8, 64), (32, 64), (128, 96)) if quick else (
-        (1, 256), (8, 128), (32, 128), (128, 128)
+    cases = ((1, 128), (8, 128), (32, 128), (128, 128)) if quick else (
+        (1, 256), (8, 256), (32, 192), (128, 192)
     )  # fmt: skip
     for batch, max_tokens in cases:
         prompts = prompts_for(batch, batch)
@@ -270,8 +315,9 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
                "base_chain_ok": chain_ok(prompts, base["tokens"], successor)}  # fmt: skip
         t_plain = base_decode / max(base["steps"] - prefill_steps, 1)
         rows.append(
-            f"llama8b b={batch:<3} plain {base['tok_s']:.0f} tok/s, {t_plain * 1e3:.2f} ms/decode "
-            f"step, prefill {prefill:.2f} s, planted chain ok {res['base_chain_ok']:.2f}"
+            f"llama8b b={batch:<3} plain {base['tok_s']:.0f} tok/s (steady "
+            f"{base['steady_tok_s']:.0f}), {t_plain * 1e3:.2f} ms/decode step, prefill "
+            f"{prefill:.2f} s, planted chain ok {res['base_chain_ok']:.2f}"
         )
         print(rows[-1], flush=True)
         host_prior = SPEC_HOST_S + SPEC_HOST_PER_REQUEST_S * batch
@@ -293,6 +339,8 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
             speedup_auto = base["wall_s"] / auto["wall_s"]
             dec = base_decode / max(run["wall_s"] - prefill, 1e-9)
             dec_auto = base_decode / max(auto["wall_s"] - prefill, 1e-9)
+            steady = run["steady_tok_s"] / base["steady_tok_s"]
+            steady_auto = auto["steady_tok_s"] / base["steady_tok_s"]
             eff = run["alpha"]
             spec_steps = max(run["steps"] - prefill_steps, 1)
             t_spec = (run["wall_s"] - prefill) / spec_steps
@@ -306,6 +354,7 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
                 device_ms = cal.spec.seconds(switch.bucket(batch), ctx) * 1e3
             pred_roofline = roofline_speedup(cfg, None, hw, eff, K, batch, ctx).speedup
             parts = {n: v / spec_steps * 1e3 for n, v in clock.acc.items()}
+            res.setdefault("host_parts_ms", {})[alpha] = dict(parts)
             parts["fold"] -= waited / spec_steps * 1e3  # the wait is the device's
             parts["wait"] = waited / spec_steps * 1e3
             on_share = switch.num_on_steps / max(switch.step, 1) if switch else float("nan")
@@ -319,6 +368,8 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
                 "speedup_adaptive": speedup_auto,
                 "decode_speedup_forced": dec,
                 "decode_speedup_adaptive": dec_auto,
+                "steady_speedup_forced": steady,
+                "steady_speedup_adaptive": steady_auto,
                 "tok_s": run["tok_s"],
                 "tok_s_adaptive": auto["tok_s"],
                 "effective_acceptance": eff,
@@ -337,17 +388,20 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
                 "chain_ok": ok,
             }
             rows.append(
-                f"llama8b b={batch:<3} a={alpha} (eff {eff:.2f}/{auto['alpha']:.2f}) "
-                f"forced {dec:4.2f}x (len {run['mean_len']:.2f}) | planner {pred:4.2f}x "
-                f"({(dec / pred - 1) * 100:+.0f}%) roofline {pred_roofline:4.2f}x | adaptive "
-                f"{dec_auto:4.2f}x (want >= {want:.2f}; spec {on_share:.0%} of steps, {flips} "
-                f"changes, {shadowed} shadowed) chain {ok:.2f}"
+                f"llama8b b={batch:<3} a={alpha} (eff {eff:.2f}/{auto['alpha']:.2f}) forced "
+                f"{dec:4.2f}x steady {steady:4.2f}x (len {run['mean_len']:.2f}) | planner "
+                f"{pred:4.2f}x ({(steady / pred - 1) * 100:+.0f}% steady) roofline "
+                f"{pred_roofline:4.2f}x | adaptive {dec_auto:4.2f}x steady {steady_auto:4.2f}x "
+                f"(want >= {want:.2f}; spec {on_share:.0%} of steps, {flips} changes, {shadowed} "
+                f"shadowed) chain {ok:.2f}"
             )
             print(rows[-1], flush=True)
+            launch = ", ".join(f"{n} {parts.pop(n):.2f}" for n in HostClock.PARTS)
             rows.append(
                 f"   spec step {t_spec * 1e3:.2f} ms = {t_spec / t_plain:.2f} plain (device "
                 f"model {device_ms:.2f} ms at ctx {ctx}, host prior {host_prior * 1e3:.2f}); "
                 + ", ".join(f"{n} {v:.2f}" for n, v in parts.items())
+                + f"; in launch: {launch}"
             )
             print(rows[-1], flush=True)
             if switch is not None and dec_auto < want:  # why: the switch's first decisions

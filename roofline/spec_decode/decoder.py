@@ -201,6 +201,7 @@ class SpecDecoder:
         if requests:
             proposals = self.proposer.propose(requests, max_lens)
             switch = self.switch
+            switch.shadowed()  # type: ignore[union-attr]
             for r, tokens, m in zip(requests, proposals.token_ids, max_lens):
                 tokens = list(tokens[:m])
                 switch.proposed(r.request_id, len(tokens), m)  # type: ignore[union-attr]

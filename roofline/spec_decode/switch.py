@@ -87,6 +87,9 @@ SHADOW_REQUESTS = 16
 """Requests asked per shadow round (round robin over the running ones)."""
 RESHADOW_ALPHA = 0.05
 """Pooled acceptance change (from shadows) that brings the next evaluation forward."""
+MIN_EVIDENCE = 8.0
+"""Pooled trials before which a shadowing proposer's prior acceptance turns speculation on only
+for a gain of ``UNCERTAIN`` (near break-even, the shadows decide within a few steps)."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -159,6 +162,7 @@ class AdaptiveSwitch:
         """Pooled (successes, failures) over every request, forgetting per step."""
         self._eval_alpha = self.alpha_prior
         """Pooled acceptance at the last evaluation."""
+        self._last_shadow = -SHADOW_EVERY
         self._mode: dict[int, bool] = {}
         self._next_eval: dict[int, int] = {}
         self._off_since: dict[int, int] = {}
@@ -278,8 +282,13 @@ class AdaptiveSwitch:
         return st is None or not st.off or self.step >= st.retry_step
 
     def shadow_due(self) -> bool:
-        """Whether this (non-speculative) step asks a few requests for shadow proposals."""
-        return self.shadows and self.step % SHADOW_EVERY == 0
+        """Whether this (non-speculative) step asks a few requests for shadow proposals (every
+        ``SHADOW_EVERY`` steps, the first round at once)."""
+        return self.shadows and self.step - self._last_shadow >= SHADOW_EVERY
+
+    def shadowed(self) -> None:
+        """A shadow round was proposed this step."""
+        self._last_shadow = self.step
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -340,7 +349,10 @@ class AdaptiveSwitch:
             return False  # off: nothing per step but this check
         gain = self.predicted_gain(running, b)
         self._eval_alpha = self.pooled_alpha()
-        on = gain >= 1.0 + (OFF_MARGIN if last else ON_MARGIN)
+        margin = OFF_MARGIN if last else ON_MARGIN
+        if self.shadows and sum(self._pool) < MIN_EVIDENCE:
+            margin = UNCERTAIN - 1.0  # on the prior acceptance alone: only a clear gain
+        on = gain >= 1.0 + margin
         if self.trace is not None:
             self.trace.append((self.step, b, on, gain, self.ratio(b), self.pooled_alpha()))
         self._mode[b] = on

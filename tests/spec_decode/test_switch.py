@@ -290,3 +290,15 @@ def test_cheapest_bucket_replays_each_batch():
     seconds = {64: 12.8, 80: 16.8, 96: 15.5, 112: 22.1, 128: 20.2}
     got = cheapest_buckets(list(seconds), seconds)
     assert got == {64: 64, 80: 96, 96: 96, 112: 128, 128: 128}
+
+
+def test_shadows_decide_a_cold_start_near_break_even():
+    # the prior acceptance (0.6) predicts 1.15x at batch 128 (ratio 2.0), the truth is 0.4:
+    # a shadowing proposer waits for its shadows instead of speculating on the prior
+    s = _shadow_switch(0.6, 2.0)
+    assert abs(expected_tokens(0.6, K) / 2.0 - 1.155) < 0.01
+    gain, modes = simulate_shadows(s, 0.4, 128, 300, true_ratio=2.0)
+    assert not any(modes[:PROBE_PERIOD]) and gain > 0.99  # then one cost probe (gain 0.82)
+    # a clear prior gain (batch 1) turns it on at once
+    s = AdaptiveSwitch(K, {1: 1.0}, {1: 1.1}, 0.6, (0.0, 0.0), True)
+    assert s.choose(_requests(1))
