@@ -405,6 +405,7 @@ def section_llama(ceil, summary: dict, rows: list[str], quick: bool) -> None:
             )
             print(rows[-1], flush=True)
             if switch is not None and dec_auto < want:  # why: the switch's first decisions
+                res[f"a{alpha}"]["trace"] = switch.trace[:24]
                 for step, b, on, gain, rho, pooled in switch.trace[:12]:
                     print(f"   step {step} b={b} on={on} gain {gain:.2f} rho {rho:.2f} "
                           f"pooled alpha {pooled:.2f}")  # fmt: skip
@@ -610,6 +611,7 @@ def main() -> None:
             rows.append(f"{name}: FAILED (see the traceback above)")
             free()
     summary["wall_s"] = time.perf_counter() - t_start
+    summary["rows"] = rows  # the printed table, in case stdout does not come back
     with open(os.path.join(args.out, "gpu_specdec.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(f"\n=== speculative decoding summary ({summary['wall_s']:.0f} s) ===")
