@@ -35,7 +35,10 @@ the proposer's prior acceptance would pay at the measured cost, after 16, 32, ..
 ``PROBE_PERIOD`` steps off.
 
 **The step.** Speculate when ``(b + sum(tau_r - 1)) / b / rho(b)`` over the requests that would
-propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no flapping).
+propose is above ``1 + ON_MARGIN`` at the pooled acceptance minus one standard error
+(:meth:`AdaptiveSwitch.confidence`: a few dozen shadow trials at 0.74 must not turn a batch of
+128 on where 0.70 breaks even), and above ``1 + OFF_MARGIN`` at the estimate once on
+(hysteresis, no flapping).
 While off, that O(batch) estimate is redone only every ``REEVALUATE_STEPS`` steps: a step
 without speculation costs two dict lookups. The mode not running is measured (a probe of
 ``PROBE_STEPS`` steps) only where its cost decides: a predicted gain within ``UNCERTAIN`` of
@@ -217,6 +220,15 @@ class AdaptiveSwitch:
         s, f = self._pool
         return (s + POOL_PRIOR_WEIGHT * self.alpha_prior) / (s + f + POOL_PRIOR_WEIGHT)
 
+    def confidence(self) -> float:
+        """``tau`` at the pooled acceptance minus one standard error (of the pool's effective
+        trials, its prior's included) over ``tau`` at the estimate: turning speculation on near
+        break-even needs the gain to hold at a pessimistic acceptance."""
+        s, f = self._pool
+        a = self.pooled_alpha()
+        se = math.sqrt(a * (1.0 - a) / (s + f + POOL_PRIOR_WEIGHT))
+        return expected_tokens(max(a - se, 0.0), self.k) / expected_tokens(a, self.k)
+
     def decay_pool(self) -> None:
         self._pool[0] *= POOL_DECAY
         self._pool[1] *= POOL_DECAY
@@ -349,10 +361,13 @@ class AdaptiveSwitch:
             return False  # off: nothing per step but this check
         gain = self.predicted_gain(running, b)
         self._eval_alpha = self.pooled_alpha()
-        margin = OFF_MARGIN if last else ON_MARGIN
-        if self.shadows and sum(self._pool) < MIN_EVIDENCE:
-            margin = UNCERTAIN - 1.0  # on the prior acceptance alone: only a clear gain
-        on = gain >= 1.0 + margin
+        if last:
+            on = gain >= 1.0 + OFF_MARGIN
+        else:  # turning on: at the acceptance one standard error below the estimate
+            margin = ON_MARGIN
+            if self.shadows and sum(self._pool) < MIN_EVIDENCE:
+                margin = UNCERTAIN - 1.0  # on the prior acceptance alone: only a clear gain
+            on = gain * self.confidence() >= 1.0 + margin
         if self.trace is not None:
             self.trace.append((self.step, b, on, gain, self.ratio(b), self.pooled_alpha()))
         self._mode[b] = on

@@ -302,3 +302,24 @@ def test_shadows_decide_a_cold_start_near_break_even():
     # a clear prior gain (batch 1) turns it on at once
     s = AdaptiveSwitch(K, {1: 1.0}, {1: 1.1}, 0.6, (0.0, 0.0), True)
     assert s.choose(_requests(1))
+
+
+def test_near_break_even_a_large_batch_stays_off():
+    # batch 128, a verification step at 2.7 plain steps, true acceptance 0.7 (tau 2.77: gain
+    # 1.03), but the first shadow rounds measured 0.74 over 50 trials (one standard error
+    # high): the point estimate (1.11x) would turn speculation on, its lower bound does not
+    s = _shadow_switch(0.6, 2.7)
+    s._pool = [38.1, 11.9]
+    running = _requests(128)
+    assert abs(s.pooled_alpha() - 0.74) < 0.005
+    assert s.predicted_gain(running, 128) >= 1.08 and s.confidence() < 0.92
+    assert not s.choose(running)
+    # with 0.9 measured the same way it pays at the lower bound too
+    s = _shadow_switch(0.6, 2.7)
+    s._pool = [46.4, 3.6]  # 0.88 over 50 trials
+    assert s.choose(running)
+    # and the whole loop at the true 0.7 never speculates in its first period
+    for seed in range(4):
+        s = _shadow_switch(0.6, 2.7)
+        gain, modes = simulate_shadows(s, 0.7, 128, PROBE_PERIOD, true_ratio=2.7, seed=seed)
+        assert not any(modes)
