@@ -72,8 +72,13 @@ ON_MARGIN, OFF_MARGIN = 0.08, 0.0
 """Step hysteresis: predicted gain needed to turn speculation on, and to keep it on."""
 REQ_MIN_GAIN = 0.1
 """A request keeps proposing while its proposals bring this many tokens per verification."""
+REQ_MIN_TRIALS = 8.0
+"""...judged on at least this many (decayed) trials of its own: a few rejections in a row at
+batch 1 (5 at alpha 0.46: a 5% event) must not stop the only request, and so the step."""
 DECAY = 0.97
-PRIOR_WEIGHT = 2.0
+PRIOR_WEIGHT = 4.0
+"""Trials the pooled estimate is worth in a request's own (four rejections in a row at alpha 0.46,
+an 8% event, must not stop the only request at batch 1)."""
 POOL_PRIOR_WEIGHT = 8.0
 """Trials the proposer's prior acceptance is worth in the pooled estimate (one early rejection
 at batch 1 must not turn speculation off)."""
@@ -269,7 +274,7 @@ class AdaptiveSwitch:
         a = (st.successes + PRIOR_WEIGHT * pooled) / (st.successes + st.failures + PRIOR_WEIGHT)
         if st.off and a >= self._alpha_resume:
             st.off, st.backoff = False, BACKOFF_MIN
-        elif a < self._alpha_stop:
+        elif a < self._alpha_stop and st.successes + st.failures >= REQ_MIN_TRIALS:
             if st.off:  # a retry that failed: wait longer
                 st.backoff = min(2 * st.backoff, BACKOFF_MAX)
             st.off, st.retry_step = True, self.step + st.backoff
