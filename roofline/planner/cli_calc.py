@@ -213,26 +213,48 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 def cmd_specdec(args: argparse.Namespace) -> int:
-    choice = optimal_draft_length(args.alpha, args.cost_ratio, args.max_k)
+    verify = args.verify_cost if args.verify_cost is not None else 1.0
+    choice = optimal_draft_length(args.alpha, args.cost_ratio, args.max_k, verify)
     rows = [[k, f"{e:.3f}", f"{s:.3f}", "<- best" if k == choice.best_k else ""]
             for k, e, s in choice.curve]  # fmt: skip
-    title = f"speculative decoding, acceptance {args.alpha}, draft/target cost {args.cost_ratio}"
+    title = (f"speculative decoding, acceptance {args.alpha}, draft/target cost "
+             f"{args.cost_ratio}, verification {verify:g} target steps")  # fmt: skip
     c.print_table(["k", "tokens/step", "speedup", ""], rows, title)
     near = choice.near_optimal(args.tolerance)
     print(f"best k = {choice.best_k} ({choice.best_speedup:.2f}x); within "
           f"{args.tolerance:.0%} of it: k = {near[0]}..{near[-1]}")  # fmt: skip
-    if args.model and args.draft_model:
+    if args.model:
+        from roofline.spec_decode.step_costs import SPEC_HOST_PER_REQUEST_S, SPEC_HOST_S
+
         _, target = c.model_of(args)
-        draft = resolve_model(args.draft_model)
+        draft = resolve_model(args.draft_model) if args.draft_model else None
         gpu, prec = c.gpu_of(args), c.precision_of(args)
+        timer, label = None, f"roofline on {gpu.name}"
+        if args.calibration:
+            from roofline.planner.calibration import load_calibration
+            from roofline.planner.step_model import timer_from_calibration
+
+            timer, note = timer_from_calibration(load_calibration(args.calibration), target)
+            label = f"calibration {args.calibration}"
+            if note:
+                print(note)
+        k = args.k if args.k is not None else choice.best_k
         rows = []
         for b in c.parse_int_list(args.batch_sizes):
-            r = roofline_speedup(target, draft, gpu, args.alpha, choice.best_k, b, args.context,
-                                 prec)  # fmt: skip
+            host = (args.spec_host_ms * 1e-3 if args.spec_host_ms is not None
+                    else SPEC_HOST_S + SPEC_HOST_PER_REQUEST_S * b)  # fmt: skip
+            r = roofline_speedup(target, draft, gpu, args.alpha, k, b, args.context, prec,
+                                 timer=timer, spec_host_s=host)  # fmt: skip
             rows.append([b, c.ms(r.target_step_s), c.ms(r.draft_step_s), c.ms(r.verify_step_s),
-                         f"{r.cost_ratio:.3f}", f"{r.speedup:.2f}"])  # fmt: skip
-        c.print_table(["batch", "target ms", "draft ms", "verify ms", "cost ratio", "speedup"],
-                      rows, f"\nroofline, k={choice.best_k}, context {args.context}")  # fmt: skip
+                         c.ms(r.host_s), f"{r.verify_cost:.2f}", f"{r.cost_ratio:.3f}",
+                         f"{r.speedup:.2f}"])  # fmt: skip
+        c.print_table(
+            ["batch", "target ms", "draft ms", "verify ms", "host ms", "verify/target",
+             "draft/target", "speedup"],
+            rows,
+            f"\n{label}, k={k}, context {args.context} (verification: b x (1 + k) rows, "
+            "KV read once per request; host: the synchronous step's)",
+        )  # fmt: skip
     return 0
 
 
@@ -314,7 +336,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cost-ratio", type=float, default=0.05, help="draft / target step time")
     p.add_argument("--max-k", type=int, default=16)
     p.add_argument("--tolerance", type=float, default=0.02, help="'flat' band around the best")
-    p.add_argument("--draft-model", help="with --model: price steps with the roofline")
+    p.add_argument(
+        "--verify-cost",
+        type=float,
+        help="verification step / plain step (measured; default 1: memory-bound target)",
+    )
+    p.add_argument(
+        "--draft-model", help="with --model: the draft's steps priced by its roofline (default: "
+        "free proposals, n-gram)"
+    )  # fmt: skip
     p.add_argument("--batch-sizes", default="1,8,32,128")
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--context", type=int, default=1024, help="tokens per request")
+    p.add_argument("--k", type=int, help="proposals per step of the per-batch table (default: "
+                   "the best k above)")  # fmt: skip
+    p.add_argument(
+        "--calibration",
+        help="with --model: price steps with this calibration's step model (roofline bench "
+        "calibrate) instead of the roofline",
+    )
+    p.add_argument(
+        "--spec-host-ms",
+        type=float,
+        help="host time of a synchronous speculative step (default: the engine's prior, "
+        "0.6 ms + 0.045 ms per request)",
+    )
     p.set_defaults(plan_func=cmd_specdec)

@@ -95,7 +95,7 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
             raise ValueError(
                 f"--speculative wants a JSON object of SpecSimConfig fields "
                 f"(num_speculative_tokens, acceptance_rate, draft_cost_ratio, max_batch_size, "
-                f"seed): {e}"
+                f"seed, adaptive, host_s, host_per_request_s): {e}"
             ) from None
     # the engine's CUDA default; a calibration says what the measured engine did
     async_scheduling = not args.sync_scheduling and bool(meta.get("async_scheduling", True))
@@ -221,9 +221,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(workload, sim, timer)
     summary = summarize(result, slo)
     if sim.speculative is not None:
+        mode = "adaptive switch" if sim.speculative.adaptive else "always on"
         print(f"speculative: {result.spec_tokens_per_verification:.2f} tokens per verification "
               f"row (k = {sim.speculative.num_speculative_tokens}, acceptance "
-              f"{sim.speculative.acceptance_rate:g})")  # fmt: skip
+              f"{sim.speculative.acceptance_rate:g}); {mode}: "
+              f"{result.spec_step_share:.0%} of steps speculated")  # fmt: skip
     c.print_table(["", "value"], _summary_rows(summary), f"\n{args.num_requests} requests, {rate}")
     _warn_short(args, [(args.rate, summary)])
     _warn_region(timer)
@@ -355,7 +357,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--speculative",
         default=None,
         help='speculative decoding, JSON: {"num_speculative_tokens": 4, "acceptance_rate": 0.7, '
-        '"draft_cost_ratio": 0.1, "max_batch_size": 32}',
+        '"draft_cost_ratio": 0.1, "max_batch_size": 32, "adaptive": true} (adaptive: the '
+        "engine's switch decides each step, default)",
     )
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=500)

@@ -98,6 +98,8 @@ class SimResult:
     prefix_query_tokens: int
     spec_tokens_per_verification: float = 0.0
     """Mean tokens a verification row emitted (speculation on), else 0."""
+    spec_step_share: float = 0.0
+    """Share of the steps that verified proposals (the adaptive switch's choice)."""
 
     @property
     def duration_s(self) -> float:
@@ -157,7 +159,13 @@ def simulate(
     next_i = 0
     spec = None
     if sim.speculative is not None:
-        spec = SimSpeculator(sim.speculative, FAKE_TOKEN_ID, sim.scheduler.max_model_len)
+        spec = SimSpeculator(
+            sim.speculative,
+            FAKE_TOKEN_ID,
+            sim.scheduler.max_model_len,
+            timer,
+            sim.scheduler.max_num_seqs,
+        )
     while next_i < len(reqs) or sched.has_unfinished_requests():
         if not sim.async_scheduling or not sched.has_unfinished_requests():
             seen_until = clock  # an idle engine schedules as soon as a request arrives
@@ -182,12 +190,13 @@ def simulate(
             raise RuntimeError("the scheduler scheduled nothing with no arrivals left")
         if len(timeline) >= sim.max_num_steps:
             raise RuntimeError(f"simulation passed {sim.max_num_steps} steps")
-        shape = step_shape(out, sim.page_size)
-        dt = timer(shape)
+        # a verification step is priced as the engine runs it (spec_sim.verification_shape)
+        dt = spec.step_time_s(out, timer, sim.page_size) if spec is not None else 0.0
+        dt = dt or timer(step_shape(out, sim.page_size))
         verified = {}
         if spec is not None:
-            dt += spec.draft_time_s(out, timer)
             verified = spec.verify(out)
+            spec.observe(out, dt)
         during = (sched.num_running, sched.num_waiting, sched.kv_usage)
         sampled = {s.request.request_id: FAKE_TOKEN_ID for s in out.scheduled if s.samples}
         seen_until = clock  # async: the next step was scheduled while this one ran
@@ -220,4 +229,5 @@ def simulate(
         prefix_hit_tokens=kv.prefix_hits,
         prefix_query_tokens=kv.prefix_queries,
         spec_tokens_per_verification=spec.decoder.stats.mean_accepted_length if spec else 0.0,
+        spec_step_share=spec.num_spec_steps / max(len(timeline), 1) if spec else 0.0,
     )

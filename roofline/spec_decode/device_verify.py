@@ -21,6 +21,7 @@ accepted count), goes to pinned host memory behind the step with one event, read
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -78,18 +79,18 @@ def launch_verification(logits: Tensor, requests: list[Request]) -> DeviceVerify
     ks = [len(r.spec_token_ids) for r in requests]
     max_k = max(ks)
     width = max_k + 1
-    starts: list[int] = []
-    index: list[int] = []  # [R * width] row of each grid cell (a request's last row repeated)
+    k_np = np.asarray(ks, dtype=np.int64)  # [R]
+    ends = np.cumsum(k_np + 1)  # [R] one past each request's last row
+    if int(ends[-1]) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for {int(ends[-1])} verification rows")
+    # [R * width] row of each grid cell (a request's last row repeated)
+    cells = np.minimum(np.arange(width)[None, :], k_np[:, None])  # [R, W]
+    index = ((ends - k_np - 1)[:, None] + cells).ravel().tolist()
     proposals: list[int] = []  # [R * max_k] (0 past k_i: never accepted, masked)
-    row = 0
     for r, k in zip(requests, ks):
-        starts.append(row)
-        index.extend(row + min(j, k) for j in range(width))
-        proposals.extend(r.spec_token_ids)
-        proposals.extend([0] * (max_k - k))
-        row += k + 1
-    if row != logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logits rows for {row} verification rows")
+        proposals += r.spec_token_ids
+        if k < max_k:
+            proposals += [0] * (max_k - k)
     index_t, prop_t, k_t = upload([index, proposals, ks], device)
     index_t = index_t.view(len(requests), width)  # [R, W]
     prop_t = prop_t.view(len(requests), max_k)  # [R, K]

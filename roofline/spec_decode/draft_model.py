@@ -42,6 +42,8 @@ class _Mirror:
 
 class DraftModelProposer:
     needs_hidden_states = False
+    shadows = False
+    """Its proposals cost the draft's forward passes: never asked while speculation is off."""
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
         self.runner = runner

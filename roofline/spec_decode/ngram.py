@@ -23,6 +23,8 @@ from roofline.spec_decode.proposer import Proposals
 
 class NgramProposer:
     needs_hidden_states = False
+    shadows = True
+    """Proposing costs host microseconds and no state: measured while speculation is off."""
 
     def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
         self.k = num_speculative_tokens

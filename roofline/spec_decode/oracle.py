@@ -91,6 +91,7 @@ def plant_successor(model: torch.nn.Module, seed: int = 0) -> np.ndarray:
 
 class OracleProposer:
     needs_hidden_states = False
+    shadows = True
 
     def __init__(
         self, num_speculative_tokens: int, acceptance_rate: float, vocab_size: int, seed: int

@@ -34,6 +34,9 @@ class Proposals:
 
 class Proposer(Protocol):
     needs_hidden_states: bool
+    shadows: bool
+    """Proposing costs only host time and changes no state, so the adaptive switch may ask for
+    proposals no step verifies while speculation is off (n-gram: True; a draft model: False)."""
 
     def propose(
         self, requests: list[Request], max_lens: list[int], hidden_states: Tensor | None = None

@@ -1,16 +1,13 @@
 """The adaptive switch: speculate per step and per request only where it is predicted to pay.
 
-**Cost model.** Per batch bucket ``b`` (the decode graphs' buckets) a speculative step costs
-``rho(b) = T_spec(b) / T_plain(b)`` plain steps. The prior comes from start-up graph replays
-(:func:`calibrate`: a plain decode step + LM head against a ``b x (1 + k)`` verification grid +
-its LM head, + the draft's rounds), scaled by a host factor per mode (speculative steps are
-synchronous and expose host work that async plain steps hide: ``SPEC_HOST_PRIOR`` until
-measured). Online, each mode's wall seconds per decode-only step at ``b`` replace the prior
-once ``MIN_SAMPLES`` are in (the fastest of those first, then an EWMA whose samples are clipped
-at ``OUTLIER`` x the estimate: a GC pause or a compile must not turn speculation off), and their
-ratio to the prior updates that mode's host factor for buckets not measured yet. Not measured:
-the first step of a mode (it drains or defers the other mode's work) and steps with prefill
-chunks.
+**Cost model** (``step_costs.py``). Per batch bucket ``b`` a speculative step costs ``rho(b) =
+T_spec(b) / T_plain(b)`` plain steps, each ``T`` the device time of that step's graphs at the
+batch's mean context (timed at start-up at two contexts, :func:`step_costs.calibrate`) plus the
+host time it exposes: nothing for an async plain step until measured, ``fixed + per_request x
+b`` for a synchronous speculative one (a prior, then measured). Each steady decode-only step's
+wall time minus its device time updates that mode's host estimate at its bucket (and the
+per-request correction of buckets not measured yet). Not measured: the first step of a mode (it
+drains or defers the other mode's work) and steps with prefill chunks.
 
 **Acceptance, per request.** Each request keeps a Beta estimate of its per-token acceptance
 with exponential forgetting (``DECAY`` per verification): accepted proposals are successes, a
@@ -26,16 +23,28 @@ less than ``REQ_MIN_GAIN`` tokens per verification (``tau - 1``), is retried aft
 proposes nothing (n-gram without a match) counts in the step's prediction by the share of
 ``k`` it proposes (a moving average), but keeps being asked (asking costs microseconds).
 
+**Exploring while off.** A proposer whose proposals cost only host microseconds and no state
+(n-gram, the oracle: ``shadows``) keeps being measured while speculation is off: every
+``SHADOW_EVERY`` steps a few requests (``SpecDecoder.shadow``) are asked for proposals that no
+step verifies, and the tokens the target then emits decide them exactly as a greedy
+verification would (for a sampled request, a one-hot proposal is emitted with probability
+``p(token)``, its acceptance probability: the same estimate). So the acceptance is known
+without speculating, and speculation turns on as soon as it pays. A draft model's proposals
+cost its forward passes: with it, speculation is re-probed instead (``PROBE_STEPS`` steps) when
+the proposer's prior acceptance would pay at the measured cost, after 16, 32, ... up to
+``PROBE_PERIOD`` steps off.
+
 **The step.** Speculate when ``(b + sum(tau_r - 1)) / b / rho(b)`` over the requests that would
-propose is above ``1 + ON_MARGIN`` (``1 + OFF_MARGIN`` once on: hysteresis, no flapping).
+propose is above ``1 + ON_MARGIN`` at the pooled acceptance minus one standard error
+(:meth:`AdaptiveSwitch.confidence`: a few dozen shadow trials at 0.74 must not turn a batch of
+128 on where 0.70 breaks even), and above ``1 + OFF_MARGIN`` at the estimate once on
+(hysteresis, no flapping).
 While off, that O(batch) estimate is redone only every ``REEVALUATE_STEPS`` steps: a step
-without speculation costs two dict lookups. The mode not running is measured only near
-break-even (a predicted gain within ``UNCERTAIN``), once the running one is, and at most
-once per ``PROBE_PERIOD`` steps at that bucket (``PROBE_STEPS`` steps). While off,
-speculation is re-probed if the proposer's prior acceptance would pay at the measured cost
-(so the decision was the acceptance's), after 16, 32, ... up to ``PROBE_PERIOD`` steps:
-acceptance measured on a few verifications, or requests whose content changed, get measured
-again. Batches above the largest verification graph do not speculate.
+without speculation costs two dict lookups. The mode not running is measured (a probe of
+``PROBE_STEPS`` steps) only where its cost decides: a predicted gain within ``UNCERTAIN`` of
+break-even, its cost at that bucket never or long ago measured, once the running mode's is,
+and at most once per ``PROBE_PERIOD`` steps at that bucket. Batches above the largest
+verification graph do not speculate.
 """
 
 from __future__ import annotations
@@ -45,27 +54,31 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 from roofline.request import Request
+from roofline.spec_decode.step_costs import (
+    CONTEXTS,
+    MIN_SAMPLES,
+    SPEC_HOST_PER_REQUEST_S,
+    SPEC_HOST_S,
+    HostCosts,
+    StepCosts,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 128
 """Largest batch with verification graphs (and so the largest that speculates by default)."""
-CALIBRATION_CONTEXT = 1024
-SPEC_HOST_PRIOR = 1.1
-"""Host factor of a synchronous speculative step over its graph replay, until measured."""
-EMA = 0.25
-"""Weight of a new step-time sample."""
-MIN_SAMPLES = 2
-OUTLIER = 1.5
 ON_MARGIN, OFF_MARGIN = 0.08, 0.0
 """Step hysteresis: predicted gain needed to turn speculation on, and to keep it on."""
 REQ_MIN_GAIN = 0.1
 """A request keeps proposing while its proposals bring this many tokens per verification."""
+REQ_MIN_TRIALS = 8.0
+"""...judged on at least this many (decayed) trials of its own: a few rejections in a row at
+batch 1 (5 at alpha 0.46: a 5% event) must not stop the only request, and so the step."""
 DECAY = 0.97
-PRIOR_WEIGHT = 2.0
+PRIOR_WEIGHT = 4.0
+"""Trials the pooled estimate is worth in a request's own (four rejections in a row at alpha 0.46,
+an 8% event, must not stop the only request at batch 1)."""
 POOL_PRIOR_WEIGHT = 8.0
 """Trials the proposer's prior acceptance is worth in the pooled estimate (one early rejection
 at batch 1 must not turn speculation off)."""
@@ -75,7 +88,16 @@ REEVALUATE_STEPS = 16
 PROBE_PERIOD = 256
 PROBE_STEPS = 3
 """A probe's steps: its first is a transition (not measured), then MIN_SAMPLES measured."""
-UNCERTAIN = 1.5
+UNCERTAIN = 1.25
+SHADOW_EVERY = 4
+"""Steps between shadow proposals while off (proposers with ``shadows``)."""
+SHADOW_REQUESTS = 16
+"""Requests asked per shadow round (round robin over the running ones)."""
+RESHADOW_ALPHA = 0.05
+"""Pooled acceptance change (from shadows) that brings the next evaluation forward."""
+MIN_EVIDENCE = 8.0
+"""Pooled trials before which a shadowing proposer's prior acceptance turns speculation on only
+for a gain of ``UNCERTAIN`` (near break-even, the shadows decide within a few steps)."""
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -83,6 +105,15 @@ def expected_tokens(alpha: float, k: int) -> float:
     planner's ``expected_tokens_per_step`` without its argument checks (per request per step)."""
     a = min(max(alpha, 0.0), 0.999)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def alpha_for_gain(gain: float, k: int) -> float:
+    """The acceptance at which ``expected_tokens(alpha, k) - 1 == gain`` (bisection)."""
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) - 1.0 < gain else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass
@@ -96,29 +127,50 @@ class _RequestState:
     """Moving average of the share of the asked-for k it proposed (n-gram: no match, none)."""
 
 
+def _costs(t: StepCosts | dict[int, float]) -> StepCosts:
+    return t if isinstance(t, StepCosts) else StepCosts.constant(t)
+
+
 class AdaptiveSwitch:
     def __init__(
-        self, k: int, t_plain: dict[int, float], t_spec: dict[int, float], alpha_prior: float
+        self,
+        k: int,
+        t_plain: StepCosts | dict[int, float],
+        t_spec: StepCosts | dict[int, float],
+        alpha_prior: float,
+        spec_host: tuple[float, float] = (SPEC_HOST_S, SPEC_HOST_PER_REQUEST_S),
+        shadows: bool = False,
     ) -> None:
         self.k = k
-        self.t_plain, self.t_spec = t_plain, t_spec
-        """The prior: seconds per step of each bucket, from graph replays."""
-        self.buckets = sorted(t_spec)
+        self.t_plain, self.t_spec = _costs(t_plain), _costs(t_spec)
+        """Device seconds per step of each bucket (graph replays at start-up)."""
+        self.spec_host = spec_host
+        """Prior (fixed, per request) host seconds of a synchronous speculative step."""
+        self.shadows = shadows
+        """The proposer is measured while off (module docstring)."""
+        self.buckets = sorted(self.t_spec.base_s)
         largest = self.buckets[-1]
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(largest + 1)]
         """num_running -> its bucket (one list index per step)."""
         self.alpha_prior = alpha_prior
+        self._alpha_stop = alpha_for_gain(REQ_MIN_GAIN, k)
+        self._alpha_resume = alpha_for_gain(2 * REQ_MIN_GAIN, k)
+        """A request stops proposing below the first acceptance, resumes above the second."""
         self.reset()
 
     def reset(self) -> None:
         """Forget everything measured online (benchmarks: each run starts cold)."""
         self.step = 0
-        self.online: dict[tuple[int, bool], tuple[float, int, int]] = {}
-        """(bucket, speculating) -> (EWMA seconds per step, samples, step last measured)."""
-        self.host_factor = {False: 1.0, True: SPEC_HOST_PRIOR}
+        self.host = {False: HostCosts(0.0, 0.0), True: HostCosts(*self.spec_host)}
+        """Per mode: host seconds beyond the device's (prior, then measured)."""
+        self.context_len = float(CONTEXTS[0])
+        """Mean context of the running requests at the last evaluation."""
         self.requests: dict[str, _RequestState] = {}
         self._pool = [0.0, 0.0]
         """Pooled (successes, failures) over every request, forgetting per step."""
+        self._eval_alpha = self.alpha_prior
+        """Pooled acceptance at the last evaluation."""
+        self._last_shadow = -SHADOW_EVERY
         self._mode: dict[int, bool] = {}
         self._next_eval: dict[int, int] = {}
         self._off_since: dict[int, int] = {}
@@ -136,19 +188,21 @@ class AdaptiveSwitch:
         self.num_switches = 0
         """Times the step mode changed (probes included): the flapping measure."""
         self.num_on_steps = 0
+        self.num_shadowed = 0
+        """Shadow proposals decided (benchmarks)."""
         self._last_choice: bool | None = None
 
     # ------------------------------------------------------------------ cost model
     def bucket(self, num_running: int) -> int | None:
         return self._bucket_of[num_running] if 0 < num_running < len(self._bucket_of) else None
 
+    def device_seconds(self, bucket: int, speculating: bool) -> float:
+        return (self.t_spec if speculating else self.t_plain).seconds(bucket, self.context_len)
+
     def seconds(self, bucket: int, speculating: bool) -> float:
-        """Seconds per step at ``bucket``: measured online, else the prior x host factor."""
-        got = self.online.get((bucket, speculating))
-        if got is not None and got[1] >= MIN_SAMPLES:
-            return got[0]
-        prior = (self.t_spec if speculating else self.t_plain)[bucket]
-        return prior * self.host_factor[speculating]
+        """Seconds per step at ``bucket``: device time at the context plus host time."""
+        host = self.host[speculating].seconds(bucket)
+        return max(self.device_seconds(bucket, speculating) + host, 1e-9)
 
     def ratio(self, bucket: int) -> float:
         """rho: a speculative step's cost in plain steps."""
@@ -160,25 +214,37 @@ class AdaptiveSwitch:
         b = self.bucket(num_running)
         if b is None or seconds is None or self._transition or seconds <= 0:
             return
-        key = (b, speculated)
-        old = self.online.get(key)
-        if old is None:
-            got = (seconds, 1, self.step)
-        elif old[1] < MIN_SAMPLES:  # the fastest of the first samples
-            got = (min(old[0], seconds), old[1] + 1, self.step)
-        else:
-            clipped = min(seconds, OUTLIER * old[0])
-            got = ((1 - EMA) * old[0] + EMA * clipped, old[1] + 1, self.step)
-        self.online[key] = got
-        if got[1] >= MIN_SAMPLES:
-            prior = (self.t_spec if speculated else self.t_plain)[b]
-            factor = self.host_factor[speculated]
-            self.host_factor[speculated] = (1 - EMA) * factor + EMA * got[0] / prior
+        residual = seconds - self.device_seconds(b, speculated)
+        self.host[speculated].observe(b, residual, self.step)
+
+    def _measured(self, bucket: int, speculating: bool) -> bool:
+        return self.host[speculating].samples(bucket)[0] >= MIN_SAMPLES
 
     # ------------------------------------------------------------------ acceptance
     def pooled_alpha(self) -> float:
         s, f = self._pool
         return (s + POOL_PRIOR_WEIGHT * self.alpha_prior) / (s + f + POOL_PRIOR_WEIGHT)
+
+    def confidence(self) -> float:
+        """``tau`` at the pooled acceptance minus one standard error (of the pool's effective
+        trials, its prior's included) over ``tau`` at the estimate: turning speculation on near
+        break-even needs the gain to hold at a pessimistic acceptance."""
+        s, f = self._pool
+        a = self.pooled_alpha()
+        se = math.sqrt(a * (1.0 - a) / (s + f + POOL_PRIOR_WEIGHT))
+        return expected_tokens(max(a - se, 0.0), self.k) / expected_tokens(a, self.k)
+
+    def decay_pool(self) -> None:
+        self._pool[0] *= POOL_DECAY
+        self._pool[1] *= POOL_DECAY
+
+    def shadows_decided(self) -> None:
+        """A shadow round was decided: re-evaluate at once (not after ``REEVALUATE_STEPS``)
+        when the pooled acceptance moved by more than ``RESHADOW_ALPHA`` since the last
+        evaluation, so measured acceptance turns speculation on without waiting."""
+        self.decay_pool()
+        if abs(self.pooled_alpha() - self._eval_alpha) > RESHADOW_ALPHA:
+            self._next_eval.clear()
 
     def alpha(self, request_id: str) -> float:
         st = self.requests.get(request_id)
@@ -188,7 +254,9 @@ class AdaptiveSwitch:
         return (st.successes + PRIOR_WEIGHT * pooled) / (st.successes + st.failures + PRIOR_WEIGHT)
 
     def record(self, request_id: str, num_accepted: int, num_proposed: int) -> None:
-        """One verification of ``request_id``; turns the request off (with backoff) or on."""
+        """One verification of ``request_id`` (or a shadow proposal decided by the emitted
+        tokens); turns the request off (with backoff) or on. Once per request per step: its
+        gain test compares alpha with the thresholds of ``REQ_MIN_GAIN`` (tau is monotone)."""
         if num_proposed <= 0:
             return
         st = self.requests.get(request_id)
@@ -197,12 +265,16 @@ class AdaptiveSwitch:
         failed = num_accepted < num_proposed
         st.successes = DECAY * st.successes + num_accepted
         st.failures = DECAY * st.failures + failed
-        self._pool[0] += num_accepted
-        self._pool[1] += failed
-        gain = expected_tokens(self.alpha(request_id), self.k) - 1.0
-        if st.off and gain >= 2 * REQ_MIN_GAIN:
+        pool = self._pool
+        pool[0] += num_accepted
+        pool[1] += failed
+        pooled = (pool[0] + POOL_PRIOR_WEIGHT * self.alpha_prior) / (
+            pool[0] + pool[1] + POOL_PRIOR_WEIGHT
+        )
+        a = (st.successes + PRIOR_WEIGHT * pooled) / (st.successes + st.failures + PRIOR_WEIGHT)
+        if st.off and a >= self._alpha_resume:
             st.off, st.backoff = False, BACKOFF_MIN
-        elif gain < REQ_MIN_GAIN:
+        elif a < self._alpha_stop and st.successes + st.failures >= REQ_MIN_TRIALS:
             if st.off:  # a retry that failed: wait longer
                 st.backoff = min(2 * st.backoff, BACKOFF_MAX)
             st.off, st.retry_step = True, self.step + st.backoff
@@ -226,21 +298,42 @@ class AdaptiveSwitch:
         st = self.requests.get(request_id)
         return st is None or not st.off or self.step >= st.retry_step
 
+    def shadow_due(self) -> bool:
+        """Whether this (non-speculative) step asks a few requests for shadow proposals (every
+        ``SHADOW_EVERY`` steps, the first round at once)."""
+        return self.shadows and self.step - self._last_shadow >= SHADOW_EVERY
+
+    def shadowed(self) -> None:
+        """A shadow round was proposed this step."""
+        self._last_shadow = self.step
+
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
     # ------------------------------------------------------------------ the decision
     def predicted_gain(self, running: list[Request], bucket: int) -> float:
-        """Tokens per second speculating over not, for the requests that would propose."""
+        """Tokens per second speculating over not, for the requests that would propose (and
+        the running requests' mean context, which prices the steps)."""
         extra = 0.0
+        context = 0
+        pooled = self.pooled_alpha()
+        k, step, everyone = self.k, self.step, self._all_propose
+        tau_pooled = expected_tokens(pooled, k) - 1.0
+        requests = self.requests
         for r in running:
-            rid = r.request_id
-            if self.wants(rid):
-                st = self.requests.get(rid)
-                share = 1.0 if st is None else st.yield_
-                extra += share * (expected_tokens(self.alpha(rid), self.k) - 1.0)
+            context += r.num_computed_tokens
+            st = requests.get(r.request_id)
+            if st is None:
+                extra += tau_pooled
+            elif everyone or not st.off or step >= st.retry_step:  # wants()
+                a = (st.successes + PRIOR_WEIGHT * pooled) / (
+                    st.successes + st.failures + PRIOR_WEIGHT
+                )
+                extra += st.yield_ * (expected_tokens(a, k) - 1.0)
         n = max(len(running), 1)
+        if running:
+            self.context_len = context / n
         return (n + extra) / n / self.ratio(bucket)
 
     def choose(self, running: list[Request]) -> bool:
@@ -255,8 +348,7 @@ class AdaptiveSwitch:
     def _choose(self, running: list[Request]) -> bool:
         self.step += 1
         if self._last_choice:  # the pool forgets per speculative step
-            self._pool[0] *= POOL_DECAY
-            self._pool[1] *= POOL_DECAY
+            self.decay_pool()
         self._all_propose = False
         b = self.bucket(len(running))
         if b is None:
@@ -273,7 +365,14 @@ class AdaptiveSwitch:
         if last is False and self.step < self._next_eval.get(b, 0):
             return False  # off: nothing per step but this check
         gain = self.predicted_gain(running, b)
-        on = gain >= 1.0 + (OFF_MARGIN if last else ON_MARGIN)
+        self._eval_alpha = self.pooled_alpha()
+        if last:
+            on = gain >= 1.0 + OFF_MARGIN
+        else:  # turning on: at the acceptance one standard error below the estimate
+            margin = ON_MARGIN
+            if self.shadows and sum(self._pool) < MIN_EVIDENCE:
+                margin = UNCERTAIN - 1.0  # on the prior acceptance alone: only a clear gain
+            on = gain * self.confidence() >= 1.0 + margin
         if self.trace is not None:
             self.trace.append((self.step, b, on, gain, self.ratio(b), self.pooled_alpha()))
         self._mode[b] = on
@@ -283,15 +382,14 @@ class AdaptiveSwitch:
             self._next_eval[b] = self.step + REEVALUATE_STEPS
             if last is not False:
                 self._off_since[b] = self.step
-        since = self.step - self._last_probe.get((b, not on), -PROBE_PERIOD)
-        other = self.online.get((b, not on))
-        stale = other is None or other[1] < MIN_SAMPLES or self.step - other[2] > PROBE_PERIOD
+        since = self.step - self._last_probe.get((b, not on), 0)  # none in the first period
+        samples, at = self.host[not on].samples(b)
+        stale = samples < MIN_SAMPLES or self.step - at > PROBE_PERIOD
         near = abs(math.log(gain)) < math.log(UNCERTAIN)
-        mine = self.online.get((b, on))
-        measured = mine is not None and mine[1] >= MIN_SAMPLES  # this mode first, then the other
-        probe = since > PROBE_PERIOD and near and stale and measured
-        if not on and not probe:  # off on acceptance measured while on: re-measure it,
-            wait = self._reprobe.get(b, BACKOFF_MIN)  # after 16, 32, ... steps off
+        # the running mode measured first, then the other
+        probe = since > PROBE_PERIOD and near and stale and self._measured(b, on)
+        if not on and not probe and not self.shadows:  # off on acceptance measured while on:
+            wait = self._reprobe.get(b, BACKOFF_MIN)  # re-measure it after 16, 32, ... steps
             idle = min(since, self.step - self._off_since[b])
             pays = expected_tokens(self.alpha_prior, self.k) / self.ratio(b) >= 1 + ON_MARGIN
             if pays and idle >= wait:
@@ -305,67 +403,14 @@ class AdaptiveSwitch:
             return not on
         return on
 
-    def table(self) -> list[tuple[int, float, float, float]]:
-        """(bucket, plain step s, speculative step s, gain at the prior alpha) per bucket."""
+    def table(self, context_len: float | None = None) -> list[tuple[int, float, float, float]]:
+        """(bucket, plain step s, speculative step s, gain at the prior alpha) per bucket, at
+        ``context_len`` (default: the current estimate), host priors included."""
+        saved = self.context_len
+        if context_len is not None:
+            self.context_len = context_len
         tokens = expected_tokens(self.alpha_prior, self.k)
-        return [(b, self.t_plain[b], self.t_spec[b], tokens * self.t_plain[b] / self.t_spec[b])
-                for b in self.buckets]  # fmt: skip
-
-
-def _head_seconds(runner, rows: int, repeats: int = 3) -> float:
-    hidden = torch.zeros(rows, runner.model_config.hidden_size, dtype=runner.dtype,
-                         device=runner.device)  # fmt: skip
-    runner.model.compute_logits(hidden)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        runner.model.compute_logits(hidden)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
-
-
-@torch.inference_mode()
-def calibrate(spec, runner, draft_runner=None) -> AdaptiveSwitch | None:
-    """Capture verification graphs on ``runner`` (and ``draft_runner``) and time them against
-    the decode graphs; None when the runner has no decode graphs (CPU, enforce_eager)."""
-    from roofline.spec_decode.verify_graph import time_decode_graph
-
-    if runner.graphs is None or getattr(runner.backend, "name", "") != "triton":
-        return None  # the grid needs the multi-query kernel (the torch backend reads host lists)
-    k = spec.config.num_speculative_tokens
-    q = k + 1
-    max_batch = min(MAX_GRAPH_BATCH, runner.scheduler_config.max_num_seqs)
-    if spec.config.disable_by_batch_size is not None:
-        max_batch = min(max(spec.config.disable_by_batch_size, 1), max_batch)
-    runner.capture_verify_graphs(q, max_batch)
-    if draft_runner is not None and draft_runner.graphs is not None:
-        draft_runner.capture_verify_graphs(q, max_batch)
-    ctx = min(CALIBRATION_CONTEXT, runner.scheduler_config.max_model_len - q - 1)
-    vg = runner.verify_graphs
-    t_plain: dict[int, float] = {}
-    t_spec: dict[int, float] = {}
-    for b in vg.buckets:
-        if b not in runner.graphs.graphs:
-            continue
-        plain = time_decode_graph(runner.graphs, b, ctx) + _head_seconds(runner, b)
-        spec_s = vg.time_replays(b, ctx) + _head_seconds(runner, b * q)
-        if draft_runner is not None and draft_runner.verify_graphs is not None:
-            dg = draft_runner.verify_graphs
-            spec_s += dg.time_replays(b, ctx) + _head_seconds(draft_runner, b)
-            if b in draft_runner.graphs.graphs:
-                one = time_decode_graph(draft_runner.graphs, b, ctx) + _head_seconds(
-                    draft_runner, b
-                )
-                spec_s += (k - 1) * one
-        t_plain[b], t_spec[b] = plain, spec_s
-    torch.cuda.synchronize(runner.device)
-    if not t_spec:
-        return None
-    switch = AdaptiveSwitch(k, t_plain, t_spec, spec.alpha_prior)
-    for b, tp, ts, gain in switch.table():
-        logger.info(
-            "spec decode b=%d: plain %.3f ms, speculative %.3f ms, predicted gain %.2fx",
-            b, 1e3 * tp, 1e3 * ts, gain,
-        )  # fmt: skip
-    return switch
+        rows = [(b, self.seconds(b, False), self.seconds(b, True),
+                 tokens / self.ratio(b)) for b in self.buckets]  # fmt: skip
+        self.context_len = saved
+        return rows

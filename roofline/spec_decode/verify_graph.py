@@ -73,6 +73,9 @@ class VerifyGraphs:
         self.query_start_loc = torch.arange(0, rows + 1, query_len, dtype=i32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replay_bucket: dict[int, int] = {}
+        """bucket -> the (larger or equal) bucket whose graph replays it: the cheapest measured
+        (``step_costs.cheapest_buckets``); empty: each bucket its own."""
 
     def _meta(self, bs: int) -> AttentionMetadata:
         q = self.query_len
@@ -131,6 +134,7 @@ class VerifyGraphs:
         """Fill the static buffers and return the bucket to replay."""
         n = seq_lens.shape[0]
         bs = next(b for b in self.buckets if b >= n)
+        bs = self.replay_bucket.get(bs, bs)
         cells = bs * self.query_len
         if pending is not None:
             fill_pending(input_ids, pending)

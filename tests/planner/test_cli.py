@@ -43,6 +43,23 @@ def test_calculators(capsys, tmp_path):
     out = _run(capsys, "specdec", "--model", "qwen3-8b", "--draft-model", "qwen3-0.6b",
                "--batch-sizes", "1,64")  # fmt: skip
     assert "verify ms" in out
+    # n-gram (no draft): at batch 128 and a short context the 640-row verification is
+    # compute-bound and the synchronous step's host time adds to it: speculation loses
+    out = _run(capsys, "specdec", "--model", "llama-3.1-8b", "--alpha", "0.5", "--k", "4",
+               "--context", "128", "--batch-sizes", "1,128")  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert float(rows["1"][-1]) > 1.4 and float(rows["128"][-1]) < 0.8
+    out = _run(capsys, "specdec", "--alpha", "0.9", "--cost-ratio", "0", "--verify-cost", "2")
+    assert "verification 2 target steps" in out
+    # a calibration's step model prices the steps (decode points only: the verification's
+    # rows are priced by the same floor + fitted overhead)
+    cal = tmp_path / "spec_cal.json"
+    points = [CalibrationPoint(b, b * 512, 0, 5e-3 + b * 3e-5) for b in (1, 8, 32, 128, 256)]
+    ceil = {"bandwidth_bytes_per_s": 2.9e12, "matmul_flops_per_s": 7.5e14}
+    save_calibration(cal, Calibration(points, "test", "llama-3.1-8b", ceilings=ceil))
+    out = _run(capsys, "specdec", "--model", "llama-3.1-8b", "--alpha", "0.7", "--k", "4",
+               "--calibration", str(cal), "--batch-sizes", "1,128")  # fmt: skip
+    assert "calibration" in out and "verify/target" in out
 
 
 def test_simulate_and_fit(capsys, tmp_path):

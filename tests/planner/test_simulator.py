@@ -146,7 +146,8 @@ def test_speculation_emits_the_expected_run_per_verification(small_model):
     timer = RooflineStepTimer(small_model, gpu)
     work = _workload(4, 0.001, "64", "400")  # one request at a time: batch 1
     plain = simulate(work, _sim(), timer)
-    spec_cfg = SpecSimConfig(4, 0.7, draft_cost_ratio=0.1, seed=3)
+    # always on, no host time: the mechanics (the adaptive switch: the test below)
+    spec_cfg = SpecSimConfig(4, 0.7, 0.1, seed=3, adaptive=False, host_s=0, host_per_request_s=0)
     sim = SimConfig(_sim().scheduler, num_pages=4096, page_size=16, speculative=spec_cfg)
     spec = simulate(work, sim, timer)
     assert all(r.num_output_tokens == 400 for r in spec.requests)  # max_tokens never exceeded
@@ -161,12 +162,38 @@ def test_speculation_emits_the_expected_run_per_verification(small_model):
     ratio = (busy_spec / spec.num_steps) / (busy_plain / plain.num_steps)
     assert 1.3 < ratio < 1.8
     assert busy_spec < busy_plain / 1.5
-    off = SpecSimConfig(4, 0.7, max_batch_size=1)
+    off = SpecSimConfig(4, 0.7, max_batch_size=1, adaptive=False)
     busy = simulate(_workload(8, None, "64", "20"), SimConfig(_sim().scheduler, 4096, 16,
                     speculative=off), timer)  # fmt: skip
     assert busy.num_steps == simulate(_workload(8, None, "64", "20"), _sim(), timer).num_steps
     with pytest.raises(ValueError, match="acceptance_rate"):
         SpecSimConfig(4, 1.5)
+
+
+def test_the_adaptive_switch_speculates_where_it_pays(llama3_8b):
+    """The engine's switch in the simulator (8B roofline on the H100, n-gram proposals): at
+    batch 128 with acceptance 0.5 the 640-row verification and the synchronous step's host
+    time cost more than the 1.9 tokens a row brings, so it never speculates and costs nothing;
+    with 0.9 it turns on from what shadow proposals measure; at batch 1 it speculates."""
+    from roofline.planner.spec_sim import SpecSimConfig
+    from roofline.planner.specdec import expected_tokens_per_step
+
+    timer = RooflineStepTimer(llama3_8b, get_gpu("h100"))
+    sched = _sim(max_num_seqs=128, max_num_batched_tokens=8192).scheduler
+
+    def run(n, alpha, output="128"):
+        work = _workload(n, None, "64", output)
+        spec = SpecSimConfig(4, alpha, seed=1) if alpha is not None else None
+        return simulate(work, SimConfig(sched, 16384, 16, speculative=spec), timer)
+
+    plain = run(128, None).duration_s
+    low = run(128, 0.5)
+    assert low.spec_step_share == 0.0 and low.duration_s == pytest.approx(plain, rel=1e-9)
+    high = run(128, 0.9)
+    assert high.spec_step_share > 0.5 and high.duration_s < plain / 1.1
+    single, single_plain = run(1, 0.9, "512"), run(1, None, "512")
+    assert single.spec_step_share > 0.9
+    assert single_plain.duration_s / single.duration_s > 0.6 * expected_tokens_per_step(0.9, 4)
 
 
 def test_async_scheduling_delays_an_arrival_by_one_step():

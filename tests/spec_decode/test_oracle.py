@@ -146,5 +146,28 @@ def test_adaptive_switch_in_the_engine_loop(target):
         assert out.outputs[0].token_ids == chain
     s = spec.switch
     assert s.num_on_steps > 0 and spec.stats.num_drafts > 0
-    assert s.online and not s.requests  # step costs measured; finished requests forgotten
+    assert s.host[True].measured and not s.requests  # costs measured; finished forgotten
     assert abs(s.pooled_alpha() - 0.8) < 0.2
+
+
+def test_shadow_proposals_in_the_engine_loop(target):
+    """Speculation that never pays (a verification step priced at 50 plain steps) stays off,
+    yet shadow proposals measure the oracle's acceptance from the tokens the engine emits."""
+    spec_config = {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": 0.7}
+    llm = LLM(target, dtype="float32", device="cpu", speculative_config=spec_config)
+    spec = llm.llm_engine.spec
+    successor = plant_successor(llm.llm_engine.runner.model)
+    spec.proposer.set_successor(successor)
+    buckets = (1, 2, 4, 8)
+    spec.switch = AdaptiveSwitch(
+        4, {b: 1.0 for b in buckets}, {b: 50.0 for b in buckets}, 0.3, (0.0, 0.0), shadows=True
+    )
+    spec.max_batch_size = 8
+    prompts = [[5 + i, 9, 7 + i] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    s = spec.switch
+    assert s.num_on_steps == 0 and spec.stats.num_drafts == 0
+    assert s.num_shadowed > 100
+    # i.i.d. alpha 0.7 from the shadows alone (prior 0.3 worth 8 trials, pool forgetting)
+    assert abs(s.pooled_alpha() - 0.7) < 0.15
