@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, num_sms
+from roofline.kernels.cascade_grouped import GroupedTuning, grouped_cascade_attention
 from roofline.kernels.decode_attention import (
     LOG2E,
     _pick_config,
@@ -65,9 +66,12 @@ class CascadeTuning:
     """Run the prefix pass (tensor-core bound) on a side stream beside the suffix pass (memory
     bound), both writing partials, then the merge kernel; instead of the prefix pass first and
     the suffix kernel merging its slots. Off CUDA the same launches run in order."""
+    grouped: GroupedTuning | None = None
+    """Large batches (``grouped_applies``) run ``kernels/cascade_grouped.py`` with these
+    choices instead of the passes above (which then serve the small batches only)."""
 
 
-DEFAULT_TUNING = CascadeTuning(concurrent=True, suffix_config=(32, 4, 3))
+DEFAULT_TUNING = CascadeTuning(concurrent=True, suffix_config=(32, 4, 3), grouped=GroupedTuning())
 """Measured on an H100 (``scripts/gpu_presets.py``, B = 256, prefix 2,000, suffix 128, CUDA
 graphs): the passes one after the other 132 us (the old default: 128-row tiles, 5 splits),
 side by side with one 64-row-tile prefix split 96.7 us, with 32-key suffix tiles 95.8 us; plain
@@ -275,6 +279,11 @@ def cascade_attention(
         out = torch.empty_like(q)
     if num_reqs == 0:
         return out
+    if TUNING.grouped is not None and grouped_applies(num_reqs, num_kv_heads, q.device):
+        return grouped_cascade_attention(
+            q, k_cache, v_cache, block_table, seq_lens, prefix_pages, prefix_len, suffix_start,
+            scale, TUNING.grouped, out=out,
+        )  # fmt: skip
     group = num_heads // num_kv_heads
     block_m = block_m or prefix_block_m(num_reqs * group)
     row_blocks = triton.cdiv(num_reqs * group, block_m)
@@ -382,6 +391,13 @@ def shared_prefix_partials(
     )
 
 
+def grouped_applies(num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a batch runs the grouped kernels: when plain decode would give every (request,
+    KV head) one program anyway (two programs per SM or more), so one suffix program per
+    request loses no parallelism; smaller batches split their suffixes over more programs."""
+    return num_reqs * num_kv_heads >= 2 * num_sms(device)
+
+
 def choose_suffix_splits(num_reqs: int, num_kv_heads: int, max_suffix_len: int, sms: int) -> int:
     """Split count of the suffix pass: as plain decode would pick for the suffix length."""
     return choose_num_splits(num_reqs, num_kv_heads, max_suffix_len, sms, _pick_config(128)[0])
@@ -394,6 +410,7 @@ __all__ = [
     "cascade_attention",
     "cascade_attention_ref",
     "choose_prefix_splits",
+    "grouped_applies",
     "prefix_block_m",
     "shared_prefix_partials",
     "choose_suffix_splits",

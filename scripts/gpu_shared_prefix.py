@@ -1,0 +1,330 @@
+"""The shared-prefix preset's attention on the GPU: the grouped cascade kernels
+(``kernels/cascade_grouped.py``) against the previous cascade and plain decode, then the preset
+and the figures the change could regress. Sections (each in try/except: an error is printed and
+the next section runs):
+
+1. parity: greedy tokens with cascade off vs on (fp32: a tiny Llama at 160 rows and the
+   Qwen3-0.6B config at 64 rows, both past the grouped kernels' batch threshold), and the
+   kernels against plain decode at the preset's decode shape with some non-member rows;
+2. the cascade decode attention at B = 256, prefix 2,000, suffix 64 / 128 / 192 (CUDA-graph
+   timed): plain decode, the previous default, the grouped default, each grouped kernel alone,
+   then a staged sweep of the grouped launch choices (prefix tile and splits, suffix requests
+   per program and tile, the passes side by side or in turn);
+3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): cascade off, the
+   previous default, the grouped default, the sweep's best; time, % of roofline, GPU time by
+   phase (prefill-bearing vs decode steps);
+4. no regression: the default preset and 8B batch-1 decode (>= 169 tok/s);
+5. (full run) a kernel-time profile of the shared-prefix preset.
+
+    python scripts/gpu_shared_prefix.py --quick   # first check (~100 s)
+    python scripts/gpu_shared_prefix.py           # everything (< 4 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_presets import (  # noqa: E402
+    RESULTS,
+    ROWS,
+    TINY,
+    free,
+    graph_time,
+    row,
+    run_preset,
+    section,
+    set_cascade,
+    shared_batch,
+)
+
+from roofline import LLM, SamplingParams  # noqa: E402
+from roofline.bench import latency, workloads  # noqa: E402
+from roofline.bench.ceilings import measure  # noqa: E402
+from roofline.kernels import cascade_attention as ca  # noqa: E402
+from roofline.kernels.cascade_grouped import GroupedTuning, grouped_cascade_attention  # noqa: E402
+from roofline.kernels.decode_attention import decode_attention  # noqa: E402
+
+DEV = torch.device("cuda")
+OLD = dataclasses.replace(ca.DEFAULT_TUNING, grouped=None)  # the previous default
+
+
+def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: int,
+                  label: str) -> None:  # fmt: skip
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", max_num_seqs=n,
+              max_model_len=2048, kv_cache_memory_bytes=2 << 30)  # fmt: skip
+    if isinstance(config, str):  # a shipped config's name
+        llm = LLM(config, **kw)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            (Path(folder) / "config.json").write_text(json.dumps(config))
+            llm = LLM(folder, **kw)
+    vocab = llm.llm_engine.model_config.vocab_size
+    wl = workloads.shared_prefix(n, prefix, (own, own), (out_len, out_len), vocab, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    runner = llm.llm_engine.runner
+    count = [0]
+    detector = runner.cascade
+    if detector is not None:
+        plan_rows = detector.plan_rows
+
+        def counted(rows):
+            p = plan_rows(rows)
+            count[0] += p is not None
+            return p
+
+        detector.plan_rows = counted
+    runs, planned = {}, {}
+    saved = ca.TUNING
+    try:
+        for name, tuning in [("off", None), ("previous", OLD), ("grouped", ca.DEFAULT_TUNING)]:
+            set_cascade(llm, tuning)
+            llm.llm_engine.kv_manager.reset_prefix_cache()
+            count[0] = 0
+            outs = llm.generate(wl.prompts, params, use_tqdm=False)
+            runs[name], planned[name] = [o.outputs[0].token_ids for o in outs], count[0]
+    finally:
+        set_cascade(llm, saved)
+    for name in ("previous", "grouped"):
+        same = sum(a == b for a, b in zip(runs["off"], runs[name]))
+        row(f"parity {label}, cascade off vs {name}",
+            f"{same}/{n} identical ({planned[name]} cascade steps)")  # fmt: skip
+    del llm
+    free()
+
+
+@section("1. parity: greedy tokens cascade off vs on (fp32), kernels vs plain decode")
+def parity(quick: bool) -> None:
+    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)")
+    if not quick:
+        greedy_parity("qwen3-0.6b", 64, 512, 32, 16, "Qwen3-0.6B-config fp32 64 x (512 + 32)")
+    # kernel level: 256 rows at the preset's shape, every 7th row not a member (its whole
+    # context in the suffix pass), bf16 and fp32
+    for dtype in (torch.bfloat16, torch.float32):
+        b = shared_batch(256, 2000, 128)
+        if dtype is torch.float32:
+            for key in ("q", "kc", "vc"):
+                b[key] = b[key].float()
+        b["starts"][::7] = 0
+        ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
+                               max_seq_len=2128).float()  # fmt: skip
+        other = GroupedTuning(concurrent=False, prefix_splits=2, suffix_reqs=1)
+        for name, tuning in [("default", GroupedTuning()), ("in turn, 2 splits, 1 req", other)]:
+            out = grouped(b, tuning).float()
+            out2 = grouped(b, tuning).float()
+            row(f"kernel parity {str(dtype)[6:]} grouped {name}",
+                f"max|diff| vs plain {(out - ref).abs().max().item():.1e}, relaunch identical "
+                f"{bool(torch.equal(out, out2))}")  # fmt: skip
+
+
+def grouped(b: dict, tuning: GroupedTuning, passes: str = "both"):
+    return grouped_cascade_attention(
+        b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], b["pages"], b["prefix_len"],
+        b["starts"], 128**-0.5, tuning, passes=passes,
+    )  # fmt: skip
+
+
+def previous(b: dict):
+    saved = ca.TUNING
+    ca.TUNING = OLD
+    try:
+        return ca.cascade_attention(
+            b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], b["pages"], b["prefix_len"],
+            b["starts"], 128**-0.5, max_suffix_len=8448, max_prefix_len=8448,
+        )  # fmt: skip
+    finally:
+        ca.TUNING = saved
+
+
+def _time(name: str, fn, ref=None) -> float | None:
+    try:
+        t = graph_time(fn)
+        err = "" if ref is None else f"  max|diff| {(fn().float() - ref).abs().max().item():.1e}"
+    except Exception as e:  # noqa: BLE001 - a config may not compile
+        print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    print(f"  {name:64s} {t * 1e6:7.1f} us{err}", flush=True)
+    RESULTS[f"attn {name}"] = round(t * 1e6, 2)
+    return t
+
+
+@section("2. cascade decode attention, B=256, prefix 2000 (CUDA-graph timed)")
+def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
+    best: tuple[float, GroupedTuning] | None = None
+    for suffix in (64, 128, 192) if not quick else (128,):
+        b = shared_batch(256, 2000, suffix)
+        ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
+                               max_seq_len=2000 + suffix).float()  # fmt: skip
+        kv = 8 * 128 * 2 * 2
+        floor = (2000 + 256 * suffix) * kv / ceil.bandwidth_bytes_per_s
+        flops = 4 * 256 * 32 * 2000 * 128 / ceil.matmul_flops_per_s
+        row(f"attn floors, suffix {suffix}",
+            f"K/V reads {floor * 1e6:.1f} us (suffix alone {256 * suffix * kv / ceil.bandwidth_bytes_per_s * 1e6:.1f}), "  # noqa: E501
+            f"prefix MMA {flops * 1e6:.1f} us")  # fmt: skip
+        t_plain = _time(f"plain decode, suffix {suffix}", lambda: decode_attention(
+            b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5, max_seq_len=8448))  # fmt: skip  # noqa: B023, E501
+        t_prev = _time(f"previous cascade default, suffix {suffix}", lambda: previous(b), ref)  # noqa: B023
+        t_new = _time(f"grouped default, suffix {suffix}", lambda: grouped(b, GroupedTuning()),  # noqa: B023
+                      ref)  # fmt: skip
+        _time(f"  grouped prefix kernel alone, suffix {suffix}",
+              lambda: grouped(b, GroupedTuning(), "prefix"))  # fmt: skip  # noqa: B023
+        _time(f"  grouped suffix kernel alone, suffix {suffix}",
+              lambda: grouped(b, GroupedTuning(), "suffix"))  # fmt: skip  # noqa: B023
+        tma = GroupedTuning(suffix_tma=True, suffix=(16, 4, 3))
+        _time(f"  grouped TMA suffix kernel alone, suffix {suffix}",
+              lambda: grouped(b, tma, "suffix"))  # fmt: skip  # noqa: B023
+        _time(f"grouped, TMA suffix, suffix {suffix}", lambda: grouped(b, tma), ref)  # noqa: B023
+        if None not in (t_plain, t_prev, t_new):
+            row(f"attn suffix {suffix}: plain / previous / grouped",
+                f"{t_plain * 1e6:.1f} / {t_prev * 1e6:.1f} / {t_new * 1e6:.1f} us")  # fmt: skip
+        if suffix != 128:
+            continue
+        # staged sweep at suffix 128
+        base = GroupedTuning()
+        stage1 = [base]
+        prefix_cfgs = [(64, (64, 4, 2)), (128, (64, 8, 2)), (128, (64, 8, 3))]
+        if not quick:
+            prefix_cfgs += [(128, (32, 8, 3)), (64, (32, 4, 3)), (64, (128, 4, 2))]
+        for bm, pcfg in prefix_cfgs:
+            for splits in (1, 2):
+                stage1.append(dataclasses.replace(base, block_m=bm, prefix=pcfg,
+                                                  prefix_splits=splits))  # fmt: skip
+        stage1.append(dataclasses.replace(base, prefix_splits=2))
+        best = _sweep(b, ref, stage1, best)
+        stage2 = []
+        for reqs in (1, 2, 8, 16) if not quick else (1, 8):
+            stage2.append(dataclasses.replace(best[1], suffix_reqs=reqs))
+        for scfg in [(16, 4, 4), (64, 4, 3), (32, 8, 3)] + (
+            [] if quick else [(32, 4, 4), (32, 2, 3)]
+        ):
+            stage2.append(dataclasses.replace(best[1], suffix=scfg))
+        for scfg in [(16, 4, 3), (16, 4, 4), (16, 8, 3)]:  # pages through descriptors
+            for reqs in (4, 8) if not quick else (4,):
+                stage2.append(dataclasses.replace(best[1], suffix=scfg, suffix_reqs=reqs,
+                                                  suffix_tma=True))  # fmt: skip
+        best = _sweep(b, ref, stage2, best)
+        stage3 = [dataclasses.replace(best[1], concurrent=not best[1].concurrent),
+                  dataclasses.replace(best[1], merge_rows=32)]  # fmt: skip
+        best = _sweep(b, ref, stage3, best)
+        row("attn grouped best (suffix 128)", f"{best[0] * 1e6:.1f} us: {best[1]}")
+    # the suffix kernels as plain decode (no prefix): what they could do for other presets
+    for ctx in (128, 256):
+        b = shared_batch(256, 0, ctx)
+        gb = ctx * 256 * 8 * 128 * 2 * 2 / 1e9
+        for name, fn in [
+            ("plain decode", lambda: decode_attention(b["q"], b["kc"], b["vc"], b["table"],  # noqa: B023
+                                                      b["seq_lens"], 128**-0.5, max_seq_len=8448)),  # noqa: B023,E501
+            ("grouped suffix kernel", lambda: grouped(b, GroupedTuning(), "suffix")),  # noqa: B023
+            ("grouped TMA suffix kernel", lambda: grouped(b, tma, "suffix")),  # noqa: B023
+        ]:  # fmt: skip
+            t = _time(f"{name} as plain decode, B=256 ctx {ctx}", fn)
+            if t is not None:
+                row(f"{name} as plain decode, B=256 ctx {ctx}",
+                    f"{t * 1e6:.1f} us, {gb / t / 1e3:.2f} TB/s")  # fmt: skip
+    free()
+    return None if best is None else best[1]
+
+
+def _sweep(b, ref, cands, best):
+    for tuning in cands:
+        t = _time(_label(tuning), lambda: grouped(b, tuning), ref)  # noqa: B023
+        if t is not None and (best is None or t < best[0]):
+            err = (grouped(b, tuning).float() - ref).abs().max().item()
+            if err < 3e-2:
+                best = (t, tuning)
+    return best
+
+
+def _label(t: GroupedTuning) -> str:
+    way = "conc" if t.concurrent else "in turn"
+    tma = " tma" if t.suffix_tma else ""
+    return (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} | {t.suffix_reqs} req "
+            f"{t.suffix}{tma} | {way} merge {t.merge_rows}")  # fmt: skip
+
+
+@section("3. shared-prefix preset: cascade off / previous / grouped / best")
+def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> None:
+    saved = ca.TUNING
+    tunings = {"previous default": OLD, "grouped default": ca.DEFAULT_TUNING}
+    if best is not None and best != ca.DEFAULT_TUNING.grouped:
+        tunings["grouped best of sweep"] = dataclasses.replace(ca.DEFAULT_TUNING, grouped=best)
+    try:
+        if not quick:
+            set_cascade(llm, None)
+            run_preset(llm, ceil, "shared-prefix", "cascade off")
+        for name, tuning in tunings.items():
+            set_cascade(llm, tuning)
+            run_preset(llm, ceil, "shared-prefix", name, count_cascade=True)
+            if name == "grouped default":  # a second run: the figure's spread
+                run_preset(llm, ceil, "shared-prefix", name + ", again", count_cascade=True)
+    finally:
+        set_cascade(llm, saved)
+
+
+@section("4. no regression: the default preset, 8B batch-1 decode")
+def regressions(llm: LLM, ceil) -> None:
+    run_preset(llm, ceil, "default")
+    rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
+    print(latency.format_rows(rows), flush=True)
+    for r in latency.as_dicts(rows):
+        row("8B batch-1 decode", json.dumps(r)[:300])
+
+
+@section("5. kernel-time profile of the shared-prefix preset")
+def profile(llm: LLM, ceil) -> None:
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_preset(llm, ceil, "shared-prefix", "profiled")
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name][0] += 1
+            totals[evt.name][1] += evt.time_range.elapsed_us() / 1e6
+    total = sum(s for _, s in totals.values())
+    print(f"  kernel time in all: {total:.3f} s")
+    for name, (n, s) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:22]:
+        print(f"  {s * 1e3:8.1f} ms x{n:6d} {1e6 * s / n:8.1f} us  {name[:90]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    ceil = measure(DEV, torch.bfloat16)
+    row("ceilings", f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s")  # fmt: skip
+    parity(args.quick)
+    best = kernel_sweep(ceil, args.quick)
+    t0 = time.perf_counter()
+    kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
+    row("start-up", f"{time.perf_counter() - t0:.1f} s")
+    presets(llm, ceil, best, args.quick)
+    regressions(llm, ceil)
+    if not args.quick:
+        profile(llm, ceil)
+    print(f"\n=== gpu_shared_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
+    width = max(len(n) for n, _ in ROWS)
+    for name, value in ROWS:
+        print(f"{name.ljust(width)}  {value}")
+    with open(os.path.join(args.out, "shared_prefix.json"), "w") as f:
+        json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
