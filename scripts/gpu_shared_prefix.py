@@ -13,7 +13,10 @@ the next section runs):
 3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): cascade off, the
    previous default, the grouped default, the sweep's best; time, % of roofline, GPU time by
    phase (prefill-bearing vs decode steps);
-4. no regression: the default preset and 8B batch-1 decode (>= 169 tok/s);
+2b. prefill attention at the preset's admission shape (127 requests x 64 new tokens over a
+   2,000-token cached prefix) and over fresh short prompts: per-head tiles vs GQA-packed;
+4. no regression: the default preset, the short preset (GQA prefill on; off too in the full
+   run) and 8B batch-1 decode (>= 169 tok/s);
 5. (full run) a kernel-time profile of the shared-prefix preset.
 
     python scripts/gpu_shared_prefix.py --quick   # first check (~100 s)
@@ -51,8 +54,10 @@ from roofline import LLM, SamplingParams  # noqa: E402
 from roofline.bench import latency, workloads  # noqa: E402
 from roofline.bench.ceilings import measure  # noqa: E402
 from roofline.kernels import cascade_attention as ca  # noqa: E402
+from roofline.kernels import prefill_attention_gqa as gqa  # noqa: E402
 from roofline.kernels.cascade_grouped import GroupedTuning, grouped_cascade_attention  # noqa: E402
 from roofline.kernels.decode_attention import decode_attention  # noqa: E402
+from roofline.kernels.prefill_attention import prefill_attention  # noqa: E402
 
 DEV = torch.device("cuda")
 OLD = dataclasses.replace(ca.DEFAULT_TUNING, grouped=None)  # the previous default
@@ -251,6 +256,63 @@ def _label(t: GroupedTuning) -> str:
             f"{t.suffix}{tma} | {way} merge {t.merge_rows}")  # fmt: skip
 
 
+@section("2b. prefill attention at the preset's admission steps: 127 x 64 new over 2,000 cached")
+def prefill_kernels(ceil, quick: bool) -> tuple | None:
+    """The admission steps' attention: per-head tiles (the default descriptor variant and the
+    paged one) vs GQA-packed tiles per config; then fresh short prompts (the short preset's
+    kind of chunk)."""
+    best = None
+    for label, n, ctx, new in [("admission 127 x (2000 cached + 64)", 127, 2000, 64),
+                               ("fresh prompts 40 x 20..250", 40, 0, None)]:  # fmt: skip
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        page = 16
+        if new is None:
+            qlens = [20 + (230 * i) // (n - 1) for i in range(n)]
+        else:
+            qlens = [new] * n
+        shared = -(-ctx // page)
+        own = [-(-q // page) for q in qlens]
+        num_pages = shared + sum(own) + 1
+        kc = torch.randn(num_pages, page, 8, 128, device=DEV, generator=gen).to(torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.zeros(n, shared + max(own), dtype=torch.int32, device=DEV)
+        nxt = shared
+        for i, o in enumerate(own):
+            table[i, :shared] = torch.arange(shared, device=DEV)
+            table[i, shared : shared + o] = torch.arange(nxt, nxt + o, device=DEV)
+            nxt += o
+        seq = torch.tensor([ctx + q for q in qlens], dtype=torch.int32, device=DEV)
+        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32,
+                           device=DEV)  # fmt: skip
+        t_tok = sum(qlens)
+        q = torch.randn(t_tok, 32, 128, device=DEV, generator=gen).to(torch.bfloat16)
+        slots = torch.cat([table[i, (ctx + torch.arange(ql, device=DEV)) // page].long() * page
+                           + (ctx + torch.arange(ql, device=DEV)) % page
+                           for i, ql in enumerate(qlens)])  # fmt: skip
+        k_new = kc.view(-1, 8, 128)[slots]
+        v_new = vc.view(-1, 8, 128)[slots]
+        mq = max(qlens)
+        args = (q, kc, vc, table, qsl, seq, 128**-0.5)
+        flops = sum(4 * 128 * 32 * (ql * ctx + ql * (ql + 1) // 2) for ql in qlens)
+        ref = prefill_attention(*args, max_query_len=mq, variant="base").float()
+        cands = [("per-head, default variant",
+                  lambda: prefill_attention(*args, max_query_len=mq, k_new=k_new, v_new=v_new)),  # noqa: B023
+                 ("per-head, paged variant",
+                  lambda: prefill_attention(*args, max_query_len=mq, variant="base"))]  # noqa: B023  # fmt: skip
+        cfgs = [None, (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)]
+        for cfg in cfgs if not quick else cfgs[:4]:
+            cands.append((f"GQA-packed {cfg or 'default'}",
+                          lambda cfg=cfg: gqa.prefill_attention_gqa(*args, config=cfg)))  # noqa: B023  # fmt: skip
+        for name, fn in cands:
+            t = _time(f"{label}: {name}", fn, ref)
+            if t is not None:
+                row(f"prefill {label}: {name}", f"{t * 1e6:.1f} us, {flops / t / 1e12:.0f} TFLOP/s")
+                if name.startswith("GQA") and new is not None and (best is None or t < best[0]):
+                    best = (t, name)
+    free()
+    return best
+
+
 @section("3. shared-prefix preset: cascade off / previous / grouped / best")
 def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> None:
     saved = ca.TUNING
@@ -264,15 +326,28 @@ def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> None:
         for name, tuning in tunings.items():
             set_cascade(llm, tuning)
             run_preset(llm, ceil, "shared-prefix", name, count_cascade=True)
-            if name == "grouped default":  # a second run: the figure's spread
+            if name == "grouped default":  # a second run: the figure's spread; GQA prefill off
                 run_preset(llm, ceil, "shared-prefix", name + ", again", count_cascade=True)
+                gqa.ENABLED = False
+                try:
+                    run_preset(llm, ceil, "shared-prefix", name + ", GQA prefill off",
+                               count_cascade=True)  # fmt: skip
+                finally:
+                    gqa.ENABLED = True
     finally:
         set_cascade(llm, saved)
 
 
-@section("4. no regression: the default preset, 8B batch-1 decode")
-def regressions(llm: LLM, ceil) -> None:
+@section("4. no regression: the default and short presets, 8B batch-1 decode")
+def regressions(llm: LLM, ceil, quick: bool) -> None:
     run_preset(llm, ceil, "default")
+    run_preset(llm, ceil, "short", "GQA prefill on")
+    if not quick:
+        gqa.ENABLED = False
+        try:
+            run_preset(llm, ceil, "short", "GQA prefill off")
+        finally:
+            gqa.ENABLED = True
     rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
     print(latency.format_rows(rows), flush=True)
     for r in latency.as_dicts(rows):
@@ -310,12 +385,13 @@ def main() -> None:
         f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s")  # fmt: skip
     parity(args.quick)
     best = kernel_sweep(ceil, args.quick)
+    prefill_kernels(ceil, args.quick)
     t0 = time.perf_counter()
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
     row("start-up", f"{time.perf_counter() - t0:.1f} s")
     presets(llm, ceil, best, args.quick)
-    regressions(llm, ceil)
+    regressions(llm, ceil, args.quick)
     if not args.quick:
         profile(llm, ceil)
     print(f"\n=== gpu_shared_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")

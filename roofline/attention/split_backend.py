@@ -30,6 +30,7 @@ import torch
 from roofline.attention.cascade import CascadeMetadata
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.triton_backend import store_step_kv
+from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.prefill_attention import prefill_attention
@@ -92,7 +93,9 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
-        prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
+        prefix = None
+        if not _gqa_prefill(q, k_cache, meta):  # (the packed kernel reads the pages itself)
+            prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
         return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k, v, prefix)
 
 
@@ -132,7 +135,12 @@ def split_attention(
             k_scale=k_scale,
             v_scale=v_scale,
         )
-    if meta.num_reqs:
+    if meta.num_reqs and _gqa_prefill(q, k_cache, meta):  # short chunks: GQA-packed tiles
+        gqa.prefill_attention_gqa(
+            q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
+            out=out, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    elif meta.num_reqs:
         tiles = {}
         if meta.prefill_config is not None:  # a graph bucket: the paged kernel's tiles measured
             names = ("block_m", "block_n", "num_warps", "num_stages")  # for it (22.6 vs 29.9 us
@@ -156,3 +164,9 @@ def split_attention(
             **tiles,
         )
     return out
+
+
+def _gqa_prefill(q: torch.Tensor, k_cache: torch.Tensor, meta: SplitMetadata) -> bool:
+    """Whether the prefill part runs ``prefill_attention_gqa``: eager steps (a graph bucket
+    keeps its measured tiles) of short chunks."""
+    return meta.prefill_config is None and gqa.use_for(q, k_cache, meta.max_query_len)

@@ -17,6 +17,7 @@ import torch
 
 from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels import decode_attention_fused
+from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
@@ -119,6 +120,11 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
+        if gqa.use_for(q, k_cache, meta.max_query_len):  # short chunks: GQA-packed tiles
+            return gqa.prefill_attention_gqa(
+                q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+                scale, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
         return prefill_attention(
             q,
             k_cache,
