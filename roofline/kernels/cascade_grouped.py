@@ -56,9 +56,10 @@ class GroupedTuning:
     suffix_tma: bool = False
     """The suffix pass's K/V pages through tensor descriptors, one page per iteration
     (``suffix``'s BLOCK_N unused), where ``suffix_tma_applies``."""
-    merge_rows: int = 16
-    """Rows a merging suffix program combines at a time (its registers: the suffix kernel's
-    occupancy is what keeps its loads in flight)."""
+    merge_rows: int = 32
+    """Rows the merging program combines at a time (every slot's loads issued together): the
+    merge's registers count against the whole kernel's (the suffix kernel's occupancy is what
+    keeps its loads in flight; the prefix kernel measured 251 -> 180 registers at 64 -> 32)."""
     concurrent: bool = True
     """The prefix kernel on a side stream beside the suffix kernel."""
 
@@ -71,7 +72,7 @@ def _merge_unit(
     unit_req0,
     kv_head,
     num_reqs,
-    num_slots,
+    NUM_SLOTS: tl.constexpr,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -91,11 +92,11 @@ def _merge_unit(
         heads = kv_head * GROUP + offs_m % GROUP
         ok = (offs_m < GROUP_REQS * GROUP) & (req < num_reqs)
         mask = ok[:, None] & d_mask[None, :]
-        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots  # [MERGE_M]
+        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS  # [MERGE_M]
         m = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
         den = tl.zeros([MERGE_M], dtype=tl.float32)
         num = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
-        for j in range(num_slots):
+        for j in tl.static_range(NUM_SLOTS):  # every slot's loads at once
             lse = tl.load(
                 part_lse_ptr + row0 + j, mask=ok, other=float("-inf"), cache_modifier=".cg"
             )
@@ -128,7 +129,7 @@ def _arrive(
     unit_req0,
     kv_head,
     num_reqs,
-    num_slots,
+    NUM_SLOTS: tl.constexpr,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -144,12 +145,12 @@ def _arrive(
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == arrivals - 1:
         _merge_unit(part_out_ptr, part_lse_ptr, out_ptr, unit_req0, kv_head, num_reqs,
-                    num_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
+                    NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
                     MERGE_M, BLOCK_D)  # fmt: skip
         tl.store(counter, 0)  # ready for the next launch
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_slots", "arrivals"])
+@triton.jit(do_not_specialize=["num_reqs", "arrivals"])
 def _grouped_prefix_kernel(
     q_ptr,
     k_cache_ptr,
@@ -173,7 +174,7 @@ def _grouped_prefix_kernel(
     stride_ot,
     stride_oh,
     num_reqs,
-    num_slots,
+    NUM_SLOTS: tl.constexpr,
     arrivals,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -240,17 +241,17 @@ def _grouped_prefix_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-    row = (req.to(tl.int64) * NUM_HEADS + heads) * num_slots + split  # [BLOCK_M]
+    row = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS + split  # [BLOCK_M]
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
              mask=ok[:, None] & d_mask[None, :])  # fmt: skip
     lse = tl.where(member & (l_i > 0.0), m_i + tl.log2(l_safe), float("-inf"))
     tl.store(part_lse_ptr + row, lse, mask=ok)
     _arrive(counter_ptr, unit, arrivals, part_out_ptr, part_lse_ptr, out_ptr, unit_req0, kv_head,
-            num_reqs, num_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
+            num_reqs, NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
             MERGE_M, BLOCK_D)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "num_slots", "arrivals"])
+@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "arrivals"])
 def _grouped_suffix_kernel(
     q_ptr,
     k_cache_ptr,
@@ -275,7 +276,7 @@ def _grouped_suffix_kernel(
     stride_ot,
     stride_oh,
     num_reqs,
-    num_slots,
+    NUM_SLOTS: tl.constexpr,
     arrivals,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -294,7 +295,7 @@ def _grouped_suffix_kernel(
     kv_head = tl.program_id(1)
     group_id = part // (GROUP_REQS // REQS)
     req0 = part * REQS
-    slot = num_slots - 1
+    slot = NUM_SLOTS - 1
 
     # The program's requests as register vectors: flat iteration i -> (request j, block b)
     # with no load on the way (the loop's only indirect chain stays block table -> K/V).
@@ -361,17 +362,17 @@ def _grouped_suffix_kernel(
         m_i = m_new
         last = b == nb_j - 1  # the request's last block: its partial into the last slot
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        row = (req * NUM_HEADS + heads) * num_slots + slot  # [BLOCK_H]
+        row = (req * NUM_HEADS + heads) * NUM_SLOTS + slot  # [BLOCK_H]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                  acc / l_safe[:, None], mask=o_mask & last)  # fmt: skip
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask & last)
     _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, arrivals, part_out_ptr, part_lse_ptr,
-            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, num_slots, stride_ot, stride_oh,
+            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot, stride_oh,
             NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "num_slots", "arrivals"])
+@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "arrivals"])
 def _grouped_suffix_tma_kernel(
     q_ptr,
     k_desc,
@@ -390,7 +391,7 @@ def _grouped_suffix_tma_kernel(
     stride_ot,
     stride_oh,
     num_reqs,
-    num_slots,
+    NUM_SLOTS: tl.constexpr,
     arrivals,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -412,7 +413,7 @@ def _grouped_suffix_tma_kernel(
     kv_head = tl.program_id(1)
     group_id = part // (GROUP_REQS // REQS)
     req0 = part * REQS
-    slot = num_slots - 1
+    slot = NUM_SLOTS - 1
     offs_r = tl.arange(0, REQS)
     r_ok = req0 + offs_r < num_reqs
     seq = tl.load(seq_lens_ptr + req0 + offs_r, mask=r_ok, other=0).to(tl.int32)
@@ -465,13 +466,13 @@ def _grouped_suffix_tma_kernel(
         m_i = m_new
         last = b == nb_j - 1
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        row = (req * NUM_HEADS + heads) * num_slots + slot
+        row = (req * NUM_HEADS + heads) * NUM_SLOTS + slot
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                  acc / l_safe[:, None], mask=o_mask & last)  # fmt: skip
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask & last)
     _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, arrivals, part_out_ptr, part_lse_ptr,
-            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, num_slots, stride_ot, stride_oh,
+            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot, stride_oh,
             NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D)  # fmt: skip
 
 
@@ -571,13 +572,15 @@ def grouped_cascade_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     )  # fmt: skip
 
+    merge_m = min(t.merge_rows, block_m)
+
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
         _grouped_prefix_kernel[(num_groups * num_kv_heads, t.prefix_splits)](
             q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, arrivals,
-            NUM_SPLITS=t.prefix_splits, BLOCK_M=block_m, MERGE_M=block_m, BLOCK_N=block_n,
+            NUM_SPLITS=t.prefix_splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
             num_warps=num_warps,
             num_stages=num_stages, **common,
         )  # fmt: skip
@@ -596,7 +599,6 @@ def grouped_cascade_attention(
         return out
     block_n, num_warps, num_stages = t.suffix
     block_h = max(16, triton.next_power_of_2(group))
-    merge_m = min(t.merge_rows, block_m)
     if t.suffix_tma and suffix_tma_applies(k_cache, v_cache):
         k_desc, v_desc = (_page_desc(c) for c in (k_cache, v_cache))
         _grouped_suffix_tma_kernel[(num_groups * parts, num_kv_heads)](
