@@ -64,7 +64,7 @@ OLD = dataclasses.replace(ca.DEFAULT_TUNING, grouped=None)  # the previous defau
 
 
 def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: int,
-                  label: str) -> None:  # fmt: skip
+                  label: str, quick: bool = False) -> None:  # fmt: skip
     kw = dict(load_format="dummy", device="cuda", dtype="float32", max_num_seqs=n,
               max_model_len=2048, kv_cache_memory_bytes=2 << 30)  # fmt: skip
     if isinstance(config, str):  # a shipped config's name
@@ -91,15 +91,21 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
     runs, planned = {}, {}
     saved = ca.TUNING
     try:
-        for name, tuning in [("off", None), ("previous", OLD), ("grouped", ca.DEFAULT_TUNING)]:
+        modes = [("off", None, True), ("off, GQA prefill off", None, False),
+                 ("previous", OLD, True), ("grouped", ca.DEFAULT_TUNING, True)]  # fmt: skip
+        for name, tuning, gqa_on in modes:
+            if quick and name == "previous":
+                continue
             set_cascade(llm, tuning)
+            gqa.ENABLED = gqa_on
             llm.llm_engine.kv_manager.reset_prefix_cache()
             count[0] = 0
             outs = llm.generate(wl.prompts, params, use_tqdm=False)
             runs[name], planned[name] = [o.outputs[0].token_ids for o in outs], count[0]
     finally:
         set_cascade(llm, saved)
-    for name in ("previous", "grouped"):
+        gqa.ENABLED = True
+    for name in [n for n in ("off, GQA prefill off", "previous", "grouped") if n in runs]:
         same = sum(a == b for a, b in zip(runs["off"], runs[name]))
         row(f"parity {label}, cascade off vs {name}",
             f"{same}/{n} identical ({planned[name]} cascade steps)")  # fmt: skip
@@ -109,7 +115,7 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
 
 @section("1. parity: greedy tokens cascade off vs on (fp32), kernels vs plain decode")
 def parity(quick: bool) -> None:
-    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)")
+    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick)
     if not quick:
         greedy_parity("qwen3-0.6b", 64, 512, 32, 16, "Qwen3-0.6B-config fp32 64 x (512 + 32)")
     # kernel level: 256 rows at the preset's shape, every 7th row not a member (its whole
@@ -195,30 +201,27 @@ def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
             continue
         # staged sweep at suffix 128
         base = GroupedTuning()
-        stage1 = [base]
-        prefix_cfgs = [(64, (64, 4, 2)), (128, (64, 8, 2)), (128, (64, 8, 3))]
+        stage1 = [base, dataclasses.replace(base, prefix_splits=2)]
+        prefix_cfgs = [(128, (64, 8, 2), 1), (128, (64, 8, 2), 2), (64, (64, 4, 2), 1)]
         if not quick:
-            prefix_cfgs += [(128, (32, 8, 3)), (64, (32, 4, 3)), (64, (128, 4, 2))]
-        for bm, pcfg in prefix_cfgs:
-            for splits in (1, 2):
-                stage1.append(dataclasses.replace(base, block_m=bm, prefix=pcfg,
-                                                  prefix_splits=splits))  # fmt: skip
-        stage1.append(dataclasses.replace(base, prefix_splits=2))
+            prefix_cfgs += [(128, (64, 8, 3), 1), (128, (64, 8, 3), 2), (128, (32, 8, 3), 2)]
+            prefix_cfgs += [(64, (32, 4, 3), 1), (64, (128, 4, 2), 1), (64, (64, 4, 2), 2)]
+        for bm, pcfg, splits in prefix_cfgs:
+            stage1.append(dataclasses.replace(base, block_m=bm, prefix=pcfg, prefix_splits=splits))
         best = _sweep(b, ref, stage1, best)
         stage2 = []
         for reqs in (1, 2, 8, 16) if not quick else (1, 8):
             stage2.append(dataclasses.replace(best[1], suffix_reqs=reqs))
-        for scfg in [(16, 4, 4), (64, 4, 3), (32, 8, 3)] + (
-            [] if quick else [(32, 4, 4), (32, 2, 3)]
-        ):
+        for scfg in [(16, 4, 4), (64, 4, 3)] + ([] if quick else [(32, 8, 3), (32, 4, 4)]):
             stage2.append(dataclasses.replace(best[1], suffix=scfg))
-        for scfg in [(16, 4, 3), (16, 4, 4), (16, 8, 3)]:  # pages through descriptors
+        tma_cfgs = [(16, 4, 3)] if quick else [(16, 4, 3), (16, 4, 4), (16, 8, 3)]
+        for scfg in tma_cfgs:  # pages through descriptors
             for reqs in (4, 8) if not quick else (4,):
                 stage2.append(dataclasses.replace(best[1], suffix=scfg, suffix_reqs=reqs,
                                                   suffix_tma=True))  # fmt: skip
         best = _sweep(b, ref, stage2, best)
         stage3 = [dataclasses.replace(best[1], concurrent=not best[1].concurrent),
-                  dataclasses.replace(best[1], merge_rows=32)]  # fmt: skip
+                  dataclasses.replace(best[1], merge_rows=16)]  # fmt: skip
         best = _sweep(b, ref, stage3, best)
         row("attn grouped best (suffix 128)", f"{best[0] * 1e6:.1f} us: {best[1]}")
     # the suffix kernels as plain decode (no prefix): what they could do for other presets
@@ -327,7 +330,8 @@ def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> None:
             set_cascade(llm, tuning)
             run_preset(llm, ceil, "shared-prefix", name, count_cascade=True)
             if name == "grouped default":  # a second run: the figure's spread; GQA prefill off
-                run_preset(llm, ceil, "shared-prefix", name + ", again", count_cascade=True)
+                if not quick:
+                    run_preset(llm, ceil, "shared-prefix", name + ", again", count_cascade=True)
                 gqa.ENABLED = False
                 try:
                     run_preset(llm, ceil, "shared-prefix", name + ", GQA prefill off",
