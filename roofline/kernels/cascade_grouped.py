@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, num_sms
 from roofline.kernels.decode_attention import LOG2E
 from roofline.kernels.last_program import counters
 
@@ -47,8 +47,8 @@ class GroupedTuning:
     """Query rows per unit (requests x GQA group): the prefix tile's M."""
     prefix: tuple[int, int, int] = (64, 4, 3)
     """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel."""
-    prefix_splits: int = 1
-    """Slices of the prefix, one program each per unit."""
+    prefix_splits: int | None = None
+    """Slices of the prefix, one program each per unit; None: ``choose_prefix_splits``."""
     suffix_reqs: int = 4
     """Requests per suffix program (a power of two dividing the unit's requests)."""
     suffix: tuple[int, int, int] = (32, 4, 3)
@@ -511,6 +511,15 @@ def _page_desc(cache: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(cache, shape, strides, [1, page_size, head_dim])
 
 
+MAX_PREFIX_SPLITS = 8
+
+
+def choose_prefix_splits(num_units: int, num_sms_: int) -> int:
+    """Prefix slices per unit so the prefix kernel has about one program per SM (B = 256 x 8
+    KV heads: one slice of 64-row units, two of 128-row units; smaller batches more)."""
+    return max(1, min(num_sms_ // max(num_units, 1), MAX_PREFIX_SPLITS))
+
+
 def unit_shape(block_m: int, group: int, suffix_reqs: int) -> tuple[int, int]:
     """(requests per unit, requests per suffix program) for ``block_m`` query rows: the unit
     holds whole requests; a suffix program count that does not divide them falls back to one
@@ -555,13 +564,14 @@ def grouped_cascade_attention(
     group_reqs, reqs = unit_shape(block_m, group, t.suffix_reqs)
     num_groups = triton.cdiv(num_reqs, group_reqs)
     parts = group_reqs // reqs
-    num_slots = t.prefix_splits + 1
+    splits = t.prefix_splits or choose_prefix_splits(num_groups * num_kv_heads, num_sms(q.device))
+    num_slots = splits + 1
     part_out = torch.empty(
         num_reqs, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device
     )
     part_lse = torch.empty(num_reqs, num_heads, num_slots, dtype=torch.float32, device=q.device)
     counter = counters(q.device, num_groups * num_kv_heads, "cascade_grouped")
-    arrivals = {"both": t.prefix_splits + parts, "prefix": t.prefix_splits, "suffix": parts}[passes]
+    arrivals = {"both": splits + parts, "prefix": splits, "suffix": parts}[passes]
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
@@ -576,11 +586,11 @@ def grouped_cascade_attention(
 
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
-        _grouped_prefix_kernel[(num_groups * num_kv_heads, t.prefix_splits)](
+        _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
             q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, arrivals,
-            NUM_SPLITS=t.prefix_splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
+            NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
             num_warps=num_warps,
             num_stages=num_stages, **common,
         )  # fmt: skip
@@ -621,4 +631,10 @@ def grouped_cascade_attention(
     return out
 
 
-__all__ = ["GroupedTuning", "grouped_cascade_attention", "suffix_tma_applies", "unit_shape"]
+__all__ = [
+    "GroupedTuning",
+    "choose_prefix_splits",
+    "grouped_cascade_attention",
+    "suffix_tma_applies",
+    "unit_shape",
+]

@@ -113,3 +113,11 @@ def test_grouped_applies_from_two_programs_per_sm() -> None:
 
     cpu = torch.device("cpu")  # the default SM count (132)
     assert grouped_applies(33, 8, cpu) and not grouped_applies(32, 8, cpu)
+
+
+def test_prefix_splits_fill_the_sms() -> None:
+    from roofline.kernels.cascade_grouped import MAX_PREFIX_SPLITS, choose_prefix_splits
+
+    assert choose_prefix_splits(128, 132) == 1  # B = 256, 64-row units, 8 KV heads
+    assert choose_prefix_splits(64, 132) == 2  # 128-row units
+    assert choose_prefix_splits(1, 132) == MAX_PREFIX_SPLITS
