@@ -93,10 +93,12 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
+        packed = meta.prefill_config is None and self.base.gqa_prefill(q, k_cache, meta)
         prefix = None
-        if not _gqa_prefill(q, k_cache, meta):  # (the packed kernel reads the pages itself)
+        if not packed:  # (the packed kernel reads the pages itself)
             prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
-        return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k, v, prefix)
+        return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k, v, prefix,
+                               packed)  # fmt: skip
 
 
 def split_attention(
@@ -110,6 +112,7 @@ def split_attention(
     k_new: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the rows stored
     v_new: torch.Tensor | None = None,  # (for the descriptor kernel, prefill_attention_tma.py)
     prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
+    packed: bool = False,  # the prefill part through prefill_attention_gqa (mostly short chunks)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     d = meta.decode_slots
@@ -135,7 +138,7 @@ def split_attention(
             k_scale=k_scale,
             v_scale=v_scale,
         )
-    if meta.num_reqs and _gqa_prefill(q, k_cache, meta):  # short chunks: GQA-packed tiles
+    if meta.num_reqs and packed:  # mostly short chunks: GQA-packed tiles
         gqa.prefill_attention_gqa(
             q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
             out=out, k_scale=k_scale, v_scale=v_scale,
@@ -164,9 +167,3 @@ def split_attention(
             **tiles,
         )
     return out
-
-
-def _gqa_prefill(q: torch.Tensor, k_cache: torch.Tensor, meta: SplitMetadata) -> bool:
-    """Whether the prefill part runs ``prefill_attention_gqa``: eager steps (a graph bucket
-    keeps its measured tiles) of short chunks."""
-    return meta.prefill_config is None and gqa.use_for(q, k_cache, meta.max_query_len)

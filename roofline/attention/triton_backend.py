@@ -66,6 +66,7 @@ class TritonAttentionBackend:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
         self.decode_num_splits = decode_num_splits
         self.prefix_gather = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
+        self.gqa_prefill = gqa.StepChoice()  # eager steps of mostly short chunks: packed tiles
 
     def forward(
         self,
@@ -120,7 +121,7 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
-        if gqa.use_for(q, k_cache, meta.max_query_len):  # short chunks: GQA-packed tiles
+        if self.gqa_prefill(q, k_cache, meta):  # mostly short chunks: GQA-packed tiles
             return gqa.prefill_attention_gqa(
                 q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
                 scale, k_scale=k_scale, v_scale=v_scale,

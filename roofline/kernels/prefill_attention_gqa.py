@@ -28,27 +28,49 @@ from roofline.kernels.decode_attention import LOG2E, scale_args
 from roofline.kernels.prefill_attention import _attend_block
 
 MAX_QUERY_LEN = 256
-"""Steps whose longest chunk is at most this many tokens take this kernel (``applies``): longer
-chunks fill ``prefill_attention``'s per-head tiles anyway, and a 8k prompt is tensor-core
-bound there."""
-
+"""Chunks of at most this many tokens are *short*: the packed tiles pay for them (a longer
+chunk fills ``prefill_attention``'s per-head tiles anyway, and its descriptor variant reads the
+chunk's own keys as whole boxes)."""
+MIN_SHORT_FRACTION = 0.5
+"""A step takes this kernel when at least this share of its query tokens are in short chunks
+(the preset's first admission step: one 2,064-token prompt beside 96 chunks of 64 tokens, 75%
+short; an 8k prompt: none)."""
 
 ENABLED = os.environ.get("ROOFLINE_GQA_PREFILL", "1") != "0"
 """``ROOFLINE_GQA_PREFILL=0`` keeps every prefill step on ``prefill_attention``."""
 
 
-def applies(num_heads: int, num_kv_heads: int, max_query_len: int) -> bool:
-    """Whether a prefill step's attention should run here: grouped query heads and short
-    chunks."""
-    return num_heads // num_kv_heads >= 2 and 1 < max_query_len <= MAX_QUERY_LEN
-
-
-def use_for(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int) -> bool:
-    """The backends' choice for an eager prefill step (``ENABLED`` and ``applies``; never
-    under CUDA-graph capture, whose buckets keep their measured tiles)."""
-    if not ENABLED or not applies(q.shape[1], k_cache.shape[2], max_query_len):
+def applies(num_heads: int, num_kv_heads: int, query_lens: list[int]) -> bool:
+    """Whether a prefill step's attention should run here: grouped query heads and mostly
+    short chunks."""
+    if num_heads // num_kv_heads < 2:
         return False
-    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    total = short = 0
+    for n in query_lens:
+        total += n
+        if n <= MAX_QUERY_LEN:
+            short += n
+    return total > 0 and short >= MIN_SHORT_FRACTION * total
+
+
+class StepChoice:
+    """The backends' choice for an eager prefill step, made once per step (the metadata object
+    it was made for is remembered) and never under CUDA-graph capture (graph buckets keep their
+    measured tiles)."""
+
+    def __init__(self) -> None:
+        self._step: tuple[object, bool] | None = None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, meta) -> bool:
+        if not ENABLED or meta.max_query_len <= 1:
+            return False
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        step = self._step
+        if step is None or step[0] is not meta:
+            use = applies(q.shape[1], k_cache.shape[2], meta.query_lens_cpu)
+            self._step = step = (meta, use)
+        return step[1]
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tiles", "search_steps", "stride_bt"])
@@ -214,4 +236,4 @@ def prefill_attention_gqa(
     return out
 
 
-__all__ = ["ENABLED", "MAX_QUERY_LEN", "applies", "prefill_attention_gqa", "use_for"]
+__all__ = ["ENABLED", "MAX_QUERY_LEN", "StepChoice", "applies", "prefill_attention_gqa"]

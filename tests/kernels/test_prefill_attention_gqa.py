@@ -59,6 +59,25 @@ def test_gqa_prefill_quantized_cache() -> None:
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
 
 
-def test_applies_to_grouped_heads_and_short_chunks() -> None:
-    assert applies(32, 8, 64) and not applies(32, 32, 64)
-    assert not applies(32, 8, 1) and not applies(32, 8, 2000)
+def test_applies_to_grouped_heads_and_mostly_short_chunks() -> None:
+    assert applies(32, 8, [64] * 10) and not applies(32, 32, [64] * 10)
+    assert applies(32, 8, [2064] + [64] * 96)  # the preset's first admission step
+    assert not applies(32, 8, [8192]) and not applies(32, 8, [2064] + [64] * 10)
+    assert not applies(32, 8, [])
+
+
+def test_step_choice_is_made_once_per_step(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from roofline.kernels import prefill_attention_gqa as gqa
+
+    choice = gqa.StepChoice()
+    q, kc = torch.empty(3, 8, 4), torch.empty(1, 16, 2, 4)
+    meta = SimpleNamespace(max_query_len=64, query_lens_cpu=[64])
+    assert choice(q, kc, meta)
+    meta.query_lens_cpu = [8192]  # the same step object: the remembered choice
+    assert choice(q, kc, meta)
+    assert not choice(q, kc, SimpleNamespace(max_query_len=8192, query_lens_cpu=[8192]))
+    assert not choice(q, kc, SimpleNamespace(max_query_len=1, query_lens_cpu=[1, 1]))
+    monkeypatch.setattr(gqa, "ENABLED", False)
+    assert not choice(q, kc, SimpleNamespace(max_query_len=64, query_lens_cpu=[64]))

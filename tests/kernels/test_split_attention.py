@@ -40,7 +40,14 @@ def _i32(values: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_matches_reference_and_padding_changes_nothing(dtype: torch.dtype) -> None:
+def test_split_matches_reference_and_padding_changes_nothing(
+    dtype: torch.dtype, monkeypatch
+) -> None:
+    from roofline.kernels import prefill_attention_gqa as gqa
+
+    # the per-head prefill kernel in both (a graph bucket never packs the GQA group's heads);
+    # the packed kernel's eager result is checked against the reference below
+    monkeypatch.setattr(gqa, "ENABLED", False)
     page_size, num_decodes = 16, 3
     # the last request has one row but comes after a prefill: the prefill kernel takes it
     query_lens, context_lens = [1, 1, 1, 9, 23, 1], [40, 17, 3, 0, 10, 5]
@@ -70,6 +77,11 @@ def test_split_matches_reference_and_padding_changes_nothing(dtype: torch.dtype)
     out = backend.forward(q, k_new, v_new, kc, vc, eager, scale)
     ref = prefill_attention_ref(q, kc, vc, bt, _i32(host.query_start), _i32(host.seq_lens), scale)
     assert_close(out, ref, dtype)
+    monkeypatch.setattr(gqa, "ENABLED", True)
+    packed = SplitAttentionBackend(TritonAttentionBackend()).forward(q, k_new, v_new, kc, vc,
+                                                                     eager, scale)  # fmt: skip
+    assert_close(packed, ref, dtype)
+    monkeypatch.setattr(gqa, "ENABLED", False)
 
     bucket, max_num_seqs = 64, 8
     seq_lens, query_start, decode = padding_lists(host, num_decodes, bucket, max_num_seqs)
