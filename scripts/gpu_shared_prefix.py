@@ -265,16 +265,20 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
     paged one) vs GQA-packed tiles per config; then fresh short prompts (the short preset's
     kind of chunk)."""
     best = None
-    for label, n, ctx, new in [("admission 127 x (2000 cached + 64)", 127, 2000, 64),
-                               ("fresh prompts 40 x 20..250", 40, 0, None)]:  # fmt: skip
+    fresh = [(20 + (230 * i) // 39, 0) for i in range(40)]
+    shapes = [  # (label, shared prefix tokens, [(query_len, context_len)])
+        ("admission step 2: 128 x (2000 cached + 64)", 2000, [(64, 2000)] * 128),
+        ("admission step 1: 2064 fresh + 96 x (2000 + 64)", 2000, [(2064, 0)] + [(64, 2000)] * 96),
+        ("fresh prompts 40 x 20..250", 0, fresh),
+    ]
+    for label, shared_len, reqs in shapes:
         gen = torch.Generator(device=DEV).manual_seed(1)
         page = 16
-        if new is None:
-            qlens = [20 + (230 * i) // (n - 1) for i in range(n)]
-        else:
-            qlens = [new] * n
-        shared = -(-ctx // page)
-        own = [-(-q // page) for q in qlens]
+        n = len(reqs)
+        qlens = [ql for ql, _ in reqs]
+        seqs = [ql + c for ql, c in reqs]
+        shared = shared_len // page
+        own = [-(-(sl - shared_len) // page) for sl in seqs]
         num_pages = shared + sum(own) + 1
         kc = torch.randn(num_pages, page, 8, 128, device=DEV, generator=gen).to(torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -284,19 +288,19 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
             table[i, :shared] = torch.arange(shared, device=DEV)
             table[i, shared : shared + o] = torch.arange(nxt, nxt + o, device=DEV)
             nxt += o
-        seq = torch.tensor([ctx + q for q in qlens], dtype=torch.int32, device=DEV)
+        seq = torch.tensor(seqs, dtype=torch.int32, device=DEV)
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32,
                            device=DEV)  # fmt: skip
         t_tok = sum(qlens)
         q = torch.randn(t_tok, 32, 128, device=DEV, generator=gen).to(torch.bfloat16)
-        slots = torch.cat([table[i, (ctx + torch.arange(ql, device=DEV)) // page].long() * page
-                           + (ctx + torch.arange(ql, device=DEV)) % page
-                           for i, ql in enumerate(qlens)])  # fmt: skip
+        pos = [c + torch.arange(ql, device=DEV) for ql, c in reqs]
+        slots = torch.cat([table[i, p // page].long() * page + p % page
+                           for i, p in enumerate(pos)])  # fmt: skip
         k_new = kc.view(-1, 8, 128)[slots]
         v_new = vc.view(-1, 8, 128)[slots]
         mq = max(qlens)
         args = (q, kc, vc, table, qsl, seq, 128**-0.5)
-        flops = sum(4 * 128 * 32 * (ql * ctx + ql * (ql + 1) // 2) for ql in qlens)
+        flops = sum(4 * 128 * 32 * (ql * c + ql * (ql + 1) // 2) for ql, c in reqs)
         ref = prefill_attention(*args, max_query_len=mq, variant="base").float()
         cands = [("per-head, default variant",
                   lambda: prefill_attention(*args, max_query_len=mq, k_new=k_new, v_new=v_new)),  # noqa: B023
@@ -310,7 +314,7 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
             t = _time(f"{label}: {name}", fn, ref)
             if t is not None:
                 row(f"prefill {label}: {name}", f"{t * 1e6:.1f} us, {flops / t / 1e12:.0f} TFLOP/s")
-                if name.startswith("GQA") and new is not None and (best is None or t < best[0]):
+                if name.startswith("GQA") and shared_len and (best is None or t < best[0]):
                     best = (t, name)
     free()
     return best
