@@ -236,7 +236,7 @@ def _grouped_prefix_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -358,7 +358,7 @@ def _grouped_suffix_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         last = b == nb_j - 1  # the request's last block: its partial into the last slot
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -462,7 +462,7 @@ def _grouped_suffix_tma_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         last = b == nb_j - 1
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
