@@ -1,4 +1,4 @@
-"""Cascade decode attention in request groups: no merge launch, long suffix pipelines.
+"""Cascade decode attention in request groups, merged by the last program: no merge launch.
 
 The same split as ``cascade_attention`` (each member row attends the shared prefix pages and its
 own suffix; the two partial results merged by log-sum-exp), organised around *units* of
@@ -9,13 +9,13 @@ rows):
   the shared K/V tiles of its slice of the prefix (``[BLOCK_M, d] x [d, BLOCK_N]`` on the tensor
   cores: the prefix is read once per unit, not once per row) and writes a partial (output
   normalised by its own softmax sum, fp32, and its log-sum-exp, base 2) into slot ``split``;
-* the suffix kernel: program ``(unit part, KV head)`` walks the own positions ``suffix_start[r]
-  .. seq_len - 1`` of ``REQS`` requests of the unit in *one* flattened loop over (request, key
-  block), so the memory pipeline runs across request boundaries (a request's ~130 suffix tokens
-  are only a few blocks: one program each would spend most of its life filling and draining
-  the pipeline), and writes each request's partial into the last slot;
+* the suffix kernel: program ``(request, KV head)`` attends the request's own positions
+  ``suffix_start[r] .. seq_len - 1`` with the GQA group's query heads as the MMA's rows (plain
+  decode's structure: one short loop per program, many programs in flight; a flattened loop over
+  several requests per program measured 1.5 TB/s against this structure's 2.3 at 128 tokens)
+  and writes its partial into the last slot;
 * whichever program of a unit finishes last (an atomic counter per unit, ``last_program.py``)
-  merges the unit's slots and writes the output: no merge kernel.
+  merges the unit's slots and writes the output.
 
 The two kernels may run side by side on two streams (the prefix pass is tensor-core work, the
 suffix pass memory traffic). Rows that are not members (``suffix_start = 0``) attend their whole
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels import check_device, num_sms
 from roofline.kernels.decode_attention import LOG2E
@@ -45,18 +44,13 @@ class GroupedTuning:
 
     block_m: int = 64
     """Query rows per unit (requests x GQA group): the prefix tile's M."""
-    prefix: tuple[int, int, int] = (64, 4, 3)
+    prefix: tuple[int, int, int] = (64, 4, 2)
     """(BLOCK_N keys, num_warps, num_stages) of the prefix kernel."""
     prefix_splits: int | None = None
     """Slices of the prefix, one program each per unit; None: ``choose_prefix_splits``."""
-    suffix_reqs: int = 4
-    """Requests per suffix program (a power of two dividing the unit's requests)."""
-    suffix: tuple[int, int, int] = (32, 4, 3)
+    suffix: tuple[int, int, int] = (64, 4, 3)
     """(BLOCK_N keys, num_warps, num_stages) of the suffix kernel."""
-    suffix_tma: bool = False
-    """The suffix pass's K/V pages through tensor descriptors, one page per iteration
-    (``suffix``'s BLOCK_N unused), where ``suffix_tma_applies``."""
-    merge_rows: int = 32
+    merge_rows: int = 16
     """Rows the merging program combines at a time (every slot's loads issued together): the
     merge's registers count against the whole kernel's (the suffix kernel's occupancy is what
     keeps its loads in flight; the prefix kernel measured 251 -> 180 registers at 64 -> 32)."""
@@ -122,7 +116,7 @@ def _merge_unit(
 def _arrive(
     counter_ptr,
     unit,
-    arrivals,
+    prefix_programs,
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -138,19 +132,25 @@ def _arrive(
     GROUP_REQS: tl.constexpr,
     MERGE_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    COUNT_SUFFIX: tl.constexpr,
 ):
-    """Count this program's partials in; the unit's last program merges (last_program.py)."""
+    """Count this program's partials in; the unit's last program merges (last_program.py).
+    A unit expects ``prefix_programs`` and, with ``COUNT_SUFFIX``, one suffix program per
+    request (the last unit may hold fewer requests)."""
     tl.debug_barrier()  # every thread's partial stores before the release
     counter = counter_ptr + unit
+    expected = prefix_programs
+    if COUNT_SUFFIX:
+        expected += tl.minimum(GROUP_REQS, num_reqs - unit_req0)
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == arrivals - 1:
+    if arrived == expected - 1:
         _merge_unit(part_out_ptr, part_lse_ptr, out_ptr, unit_req0, kv_head, num_reqs,
                     NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
                     MERGE_M, BLOCK_D)  # fmt: skip
         tl.store(counter, 0)  # ready for the next launch
 
 
-@triton.jit(do_not_specialize=["num_reqs", "arrivals"])
+@triton.jit(do_not_specialize=["num_reqs", "prefix_programs"])
 def _grouped_prefix_kernel(
     q_ptr,
     k_cache_ptr,
@@ -175,7 +175,7 @@ def _grouped_prefix_kernel(
     stride_oh,
     num_reqs,
     NUM_SLOTS: tl.constexpr,
-    arrivals,
+    prefix_programs,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -188,6 +188,7 @@ def _grouped_prefix_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    COUNT_SUFFIX: tl.constexpr,
 ):
     unit = tl.program_id(0)  # group * NUM_KV_HEADS + kv_head
     split = tl.program_id(1)
@@ -246,12 +247,12 @@ def _grouped_prefix_kernel(
              mask=ok[:, None] & d_mask[None, :])  # fmt: skip
     lse = tl.where(member & (l_i > 0.0), m_i + tl.log2(l_safe), float("-inf"))
     tl.store(part_lse_ptr + row, lse, mask=ok)
-    _arrive(counter_ptr, unit, arrivals, part_out_ptr, part_lse_ptr, out_ptr, unit_req0, kv_head,
-            num_reqs, NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
-            MERGE_M, BLOCK_D)  # fmt: skip
+    _arrive(counter_ptr, unit, prefix_programs, part_out_ptr, part_lse_ptr, out_ptr, unit_req0,
+            kv_head, num_reqs, NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM,
+            GROUP_REQS, MERGE_M, BLOCK_D, COUNT_SUFFIX)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "arrivals"])
+@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "prefix_programs"])
 def _grouped_suffix_kernel(
     q_ptr,
     k_cache_ptr,
@@ -277,7 +278,7 @@ def _grouped_suffix_kernel(
     stride_oh,
     num_reqs,
     NUM_SLOTS: tl.constexpr,
-    arrivals,
+    prefix_programs,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -285,27 +286,16 @@ def _grouped_suffix_kernel(
     PAGE_SIZE: tl.constexpr,
     GROUP_REQS: tl.constexpr,
     MERGE_M: tl.constexpr,
-    REQS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    COUNT_SUFFIX: tl.constexpr,
 ):
-    part = tl.program_id(0)  # REQS consecutive requests: part // (GROUP_REQS // REQS) = group
+    req = tl.program_id(0)
     kv_head = tl.program_id(1)
-    group_id = part // (GROUP_REQS // REQS)
-    req0 = part * REQS
-    slot = NUM_SLOTS - 1
-
-    # The program's requests as register vectors: flat iteration i -> (request j, block b)
-    # with no load on the way (the loop's only indirect chain stays block table -> K/V).
-    offs_r = tl.arange(0, REQS)
-    r_ok = req0 + offs_r < num_reqs
-    seq = tl.load(seq_lens_ptr + req0 + offs_r, mask=r_ok, other=0).to(tl.int32)
-    first_pos = tl.load(suffix_start_ptr + req0 + offs_r, mask=r_ok, other=0).to(tl.int32)
-    nb = tl.where(r_ok, tl.maximum(tl.cdiv(seq - first_pos, BLOCK_N), 1), 0)  # [REQS] blocks
-    cum = tl.cumsum(nb, 0)  # [REQS] inclusive
-    total = tl.sum(nb, 0)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = tl.load(suffix_start_ptr + req).to(tl.int32)  # after the shared prefix, or 0
 
     offs_h = tl.arange(0, BLOCK_H)  # query heads of this KV head's group
     offs_d = tl.arange(0, BLOCK_D)
@@ -313,28 +303,18 @@ def _grouped_suffix_kernel(
     d_mask = offs_d < HEAD_DIM
     o_mask = h_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + offs_h
-    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=o_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for i in range(0, total):
-        j = tl.sum((cum <= i).to(tl.int32), 0)  # this block's request (index in the program)
-        sel = offs_r == j
-        nb_j = tl.sum(tl.where(sel, nb, 0), 0)
-        b = i - tl.sum(tl.where(sel, cum, 0), 0) + nb_j  # its block within the request
-        seq_j = tl.sum(tl.where(sel, seq, 0), 0)
-        req = (req0 + j).to(tl.int64)
-        q = tl.load(
-            q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=o_mask,
-            other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
-        offs_n = tl.sum(tl.where(sel, first_pos, 0), 0) + b * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_j
-        pages = tl.load(
-            block_table_ptr + req * stride_bt + offs_n // PAGE_SIZE, mask=n_mask, other=0
-        ).to(tl.int64)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    for n0 in range(start, seq_len, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+        n_mask = offs_n < seq_len
+        pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         rows = offs_n % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
@@ -342,138 +322,31 @@ def _grouped_suffix_kernel(
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_head + (pages * stride_vp + rows * stride_vs)[:, None] + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
         )
-        first = b == 0  # a new request: fresh softmax state
-        m_i = tl.where(first, float("-inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty suffix: no NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # [BLOCK_H, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-        last = b == nb_j - 1  # the request's last block: its partial into the last slot
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        row = (req * NUM_HEADS + heads) * NUM_SLOTS + slot  # [BLOCK_H]
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                 acc / l_safe[:, None], mask=o_mask & last)  # fmt: skip
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=h_mask & last)
-    _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, arrivals, part_out_ptr, part_lse_ptr,
-            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot, stride_oh,
-            NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D)  # fmt: skip
 
-
-@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "arrivals"])
-def _grouped_suffix_tma_kernel(
-    q_ptr,
-    k_desc,
-    v_desc,
-    block_table_ptr,
-    seq_lens_ptr,
-    suffix_start_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    counter_ptr,
-    scale_log2e,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    num_reqs,
-    NUM_SLOTS: tl.constexpr,
-    arrivals,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    GROUP_REQS: tl.constexpr,
-    MERGE_M: tl.constexpr,
-    REQS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """``_grouped_suffix_kernel`` with one page per iteration, its K and V boxes fetched by
-    the tensor-memory accelerator (3-D descriptors over [pages, page rows, heads x dim]): no
-    per-element addresses in registers. Suffixes start on a page boundary (the shared prefix
-    is whole pages); rows of the last page past the context are masked (V zeroed)."""
-    part = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    group_id = part // (GROUP_REQS // REQS)
-    req0 = part * REQS
-    slot = NUM_SLOTS - 1
-    offs_r = tl.arange(0, REQS)
-    r_ok = req0 + offs_r < num_reqs
-    seq = tl.load(seq_lens_ptr + req0 + offs_r, mask=r_ok, other=0).to(tl.int32)
-    first_pos = tl.load(suffix_start_ptr + req0 + offs_r, mask=r_ok, other=0).to(tl.int32)
-    nb = tl.where(r_ok, tl.maximum(tl.cdiv(seq - first_pos, PAGE_SIZE), 1), 0)  # [REQS] pages
-    cum = tl.cumsum(nb, 0)
-    total = tl.sum(nb, 0)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < GROUP
-    o_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    heads = kv_head * GROUP + offs_h
-    col = kv_head * HEAD_DIM
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for i in range(0, total):
-        j = tl.sum((cum <= i).to(tl.int32), 0)
-        sel = offs_r == j
-        nb_j = tl.sum(tl.where(sel, nb, 0), 0)
-        b = i - tl.sum(tl.where(sel, cum, 0), 0) + nb_j
-        seq_j = tl.sum(tl.where(sel, seq, 0), 0)
-        pos0 = tl.sum(tl.where(sel, first_pos, 0), 0) + b * PAGE_SIZE
-        req = (req0 + j).to(tl.int64)
-        q = tl.load(
-            q_ptr + req * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=o_mask,
-            other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
-        page = tl.load(block_table_ptr + req * stride_bt + pos0 // PAGE_SIZE, mask=pos0 < seq_j,
-                       other=0)  # fmt: skip
-        k = k_desc.load([page, 0, col]).reshape(PAGE_SIZE, BLOCK_D)
-        v = v_desc.load([page, 0, col]).reshape(PAGE_SIZE, BLOCK_D)
-        offs_n = pos0 + tl.arange(0, PAGE_SIZE)
-        n_mask = offs_n < seq_j
-        v = tl.where(n_mask[:, None], v, 0.0)  # stale rows past the context: never NaN x 0
-        first = b == 0
-        m_i = tl.where(first, float("-inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_H, PAGE]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-        last = b == nb_j - 1
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        row = (req * NUM_HEADS + heads) * NUM_SLOTS + slot
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                 acc / l_safe[:, None], mask=o_mask & last)  # fmt: skip
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=h_mask & last)
-    _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, arrivals, part_out_ptr, part_lse_ptr,
-            out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot, stride_oh,
-            NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D)  # fmt: skip
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    row = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS + NUM_SLOTS - 1  # the last slot
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+             mask=o_mask)  # fmt: skip
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # empty suffix: weight 0
+    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    group_id = req // GROUP_REQS
+    _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, prefix_programs, part_out_ptr,
+            part_lse_ptr, out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot,
+            stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D,
+            COUNT_SUFFIX)  # fmt: skip
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -486,31 +359,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def suffix_tma_applies(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the page boxes can come through descriptors: head_dim a power of two of 16..256,
-    pages of 8..256 rows, 16-byte aligned strides and bases, heads x dim contiguous."""
-    _, page_size, num_kv_heads, head_dim = k_cache.shape
-    size = k_cache.element_size()
-    return (
-        head_dim in (16, 32, 64, 128, 256)
-        and page_size in (8, 16, 32, 64, 128, 256)
-        and k_cache.stride() == v_cache.stride()
-        and k_cache.stride(3) == 1
-        and k_cache.stride(2) == head_dim
-        and all(c.stride(i) * size % 16 == 0 for c in (k_cache, v_cache) for i in (0, 1))
-        and all(c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
-    )
-
-
-def _page_desc(cache: torch.Tensor) -> TensorDescriptor:
-    """A 3-D descriptor over ``cache`` [num_pages, page_size, num_kv_heads x head_dim] whose box
-    is one page of one KV head."""
-    num_pages, page_size, num_kv_heads, head_dim = cache.shape
-    shape = [num_pages, page_size, num_kv_heads * head_dim]
-    strides = [cache.stride(0), cache.stride(1), 1]
-    return TensorDescriptor(cache, shape, strides, [1, page_size, head_dim])
-
-
 MAX_PREFIX_SPLITS = 8
 
 
@@ -518,15 +366,6 @@ def choose_prefix_splits(num_units: int, num_sms_: int) -> int:
     """Prefix slices per unit so the prefix kernel has about one program per SM (B = 256 x 8
     KV heads: one slice of 64-row units, two of 128-row units; smaller batches more)."""
     return max(1, min(num_sms_ // max(num_units, 1), MAX_PREFIX_SPLITS))
-
-
-def unit_shape(block_m: int, group: int, suffix_reqs: int) -> tuple[int, int]:
-    """(requests per unit, requests per suffix program) for ``block_m`` query rows: the unit
-    holds whole requests; a suffix program count that does not divide them falls back to one
-    request per program."""
-    group_reqs = max(1, block_m // group)
-    reqs = suffix_reqs if group_reqs % suffix_reqs == 0 else 1
-    return group_reqs, reqs
 
 
 def grouped_cascade_attention(
@@ -561,9 +400,8 @@ def grouped_cascade_attention(
         return out
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(max(t.block_m, group)))
-    group_reqs, reqs = unit_shape(block_m, group, t.suffix_reqs)
+    group_reqs = block_m // group  # whole requests per unit
     num_groups = triton.cdiv(num_reqs, group_reqs)
-    parts = group_reqs // reqs
     splits = t.prefix_splits or choose_prefix_splits(num_groups * num_kv_heads, num_sms(q.device))
     num_slots = splits + 1
     part_out = torch.empty(
@@ -571,12 +409,13 @@ def grouped_cascade_attention(
     )
     part_lse = torch.empty(num_reqs, num_heads, num_slots, dtype=torch.float32, device=q.device)
     counter = counters(q.device, num_groups * num_kv_heads, "cascade_grouped")
-    arrivals = {"both": splits + parts, "prefix": splits, "suffix": parts}[passes]
+    prefix_programs = 0 if passes == "suffix" else splits  # a unit's count (_arrive)
+    count_suffix = passes != "prefix"
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
                   PAGE_SIZE=page_size, GROUP_REQS=group_reqs, BLOCK_D=block_d,
-                  PRECISION=precision)  # fmt: skip
+                  PRECISION=precision, COUNT_SUFFIX=count_suffix)  # fmt: skip
     cache_strides = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -589,7 +428,7 @@ def grouped_cascade_attention(
         _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
             q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
-            out.stride(0), out.stride(1), num_reqs, num_slots, arrivals,
+            out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs,
             NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
             num_warps=num_warps,
             num_stages=num_stages, **common,
@@ -608,33 +447,16 @@ def grouped_cascade_attention(
     if passes == "prefix":
         return out
     block_n, num_warps, num_stages = t.suffix
-    block_h = max(16, triton.next_power_of_2(group))
-    if t.suffix_tma and suffix_tma_applies(k_cache, v_cache):
-        k_desc, v_desc = (_page_desc(c) for c in (k_cache, v_cache))
-        _grouped_suffix_tma_kernel[(num_groups * parts, num_kv_heads)](
-            q, k_desc, v_desc, block_table, seq_lens, suffix_start, out, part_out, part_lse,
-            counter, scale * LOG2E, q.stride(0), q.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), num_reqs, num_slots, arrivals, REQS=reqs,
-            MERGE_M=merge_m, BLOCK_H=block_h, num_warps=num_warps, num_stages=num_stages,
-            **common,
-        )  # fmt: skip
-    else:
-        _grouped_suffix_kernel[(num_groups * parts, num_kv_heads)](
-            q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
-            counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
-            block_table.stride(0), out.stride(0), out.stride(1), num_reqs, num_slots, arrivals,
-            REQS=reqs, MERGE_M=merge_m, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps,
-            num_stages=num_stages, **common,
-        )  # fmt: skip
+    _grouped_suffix_kernel[(num_reqs, num_kv_heads)](
+        q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
+        counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
+        out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs, MERGE_M=merge_m,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages, **common,
+    )  # fmt: skip
     if main is not None:
         main.wait_stream(side)
     return out
 
 
-__all__ = [
-    "GroupedTuning",
-    "choose_prefix_splits",
-    "grouped_cascade_attention",
-    "suffix_tma_applies",
-    "unit_shape",
-]
+__all__ = ["GroupedTuning", "choose_prefix_splits", "grouped_cascade_attention"]

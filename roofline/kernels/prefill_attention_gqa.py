@@ -178,15 +178,17 @@ CONFIG: tuple[int, int, int, int] | None = None
 
 
 def _pick_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128-row tiles of 8 warps, as the per-head
-    kernel's long-prompt choice (``scripts/gpu_shared_prefix.py`` sweeps them)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). H100, bf16, d 128 (``gpu_shared_prefix.py``):
+    64 x 64 tiles of 4 warps, 3 stages: 845 us for 127 chunks of 64 over 2,000 cached tokens
+    (128 x 64 / 8 warps 905, 128 x 128 833; per-head tiles 1,479) and 98 us for 40 fresh
+    prompts of 20..250 (128 x 64 106, 128 x 128 121; per-head 126)."""
     if CONFIG is not None:
         return CONFIG
     if is_interpret():
         return 16, 16, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    return 128, 64, 8, 3
+    return 64, 64, 4, 3
 
 
 def prefill_attention_gqa(

@@ -1,9 +1,9 @@
 """The grouped cascade decode attention (``kernels/cascade_grouped.py``) against plain paged
-decode over the same block tables: both kernels and the last-program merge, per dtype, GQA ratio,
-prefix split count, requests per suffix program, with non-member rows (their whole context in
-the suffix pass), a partial last unit, suffixes of one token and of many blocks, the passes in
-turn and (on a GPU) side by side; and a second launch over the same counters (reset by the
-merging program)."""
+decode over the same block tables: both kernels and the last-program merge, per dtype, GQA ratio
+(3: units of whole requests with padding rows), prefix split count, with non-member rows (their
+whole context in the suffix pass), a partial last unit, suffixes of one token and of many
+blocks, the passes in turn and (on a GPU) side by side; a second launch over the same counters
+(reset by the merging program); each pass alone completes its units (the timing mode)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 from kernel_utils import ON_GPU, assert_close
 from test_cascade_attention import HEAD_DIM, _plain, shared_batch
 
-from roofline.kernels.cascade_grouped import GroupedTuning, grouped_cascade_attention, unit_shape
+from roofline.kernels.cascade_grouped import GroupedTuning, grouped_cascade_attention
 
 
-def _grouped(batch, scale, tuning: GroupedTuning):
+def _grouped(batch, scale, tuning: GroupedTuning, passes: str = "both"):
     q, kc, vc, table, seq_lens, pages, prefix_len, starts = batch
     return grouped_cascade_attention(
-        q, kc, vc, table, seq_lens, pages, prefix_len, starts, scale, tuning
+        q, kc, vc, table, seq_lens, pages, prefix_len, starts, scale, tuning, passes=passes
     )
 
 
@@ -26,21 +26,16 @@ SMALL = dict(block_m=16, prefix=(16, 4, 2), suffix=(16, 4, 2))
 
 
 @pytest.mark.parametrize(
-    "dtype,group,splits,reqs",
-    [
-        (torch.float32, 4, 1, 2),
-        (torch.float32, 1, 3, 4),
-        (torch.bfloat16, 4, 2, 1),
-        (torch.float16, 2, 1, 8),
-    ],
+    "dtype,group,splits",
+    [(torch.float32, 4, 1), (torch.float32, 1, 3), (torch.bfloat16, 4, 2), (torch.float16, 3, 1)],
 )
-def test_grouped_matches_plain_decode(dtype, group, splits, reqs) -> None:
+def test_grouped_matches_plain_decode(dtype, group, splits) -> None:
     n = 11  # not a multiple of the unit's requests: a partial last unit
     suffix = [1, 33, 16, 7, 50, 2, 64, 19, 3, 40, 5]
     members = [i not in (4, 9) for i in range(n)]
     batch = shared_batch(n, 3, suffix, members, group, dtype, seed=group + splits)
     scale = HEAD_DIM**-0.5
-    tuning = GroupedTuning(**SMALL, prefix_splits=splits, suffix_reqs=reqs, concurrent=False)
+    tuning = GroupedTuning(**SMALL, prefix_splits=splits, concurrent=False)
     assert_close(_grouped(batch, scale, tuning), _plain(batch, scale), dtype)
 
 
@@ -48,38 +43,23 @@ def test_second_launch_reuses_zeroed_counters() -> None:
     n = 6
     batch = shared_batch(n, 2, [4, 20, 1, 9, 30, 2], [True] * n, 4, torch.float32, seed=7)
     scale = HEAD_DIM**-0.5
-    tuning = GroupedTuning(**SMALL, prefix_splits=2, suffix_reqs=2, concurrent=ON_GPU)
+    tuning = GroupedTuning(**SMALL, prefix_splits=2, concurrent=ON_GPU)
     first = _grouped(batch, scale, tuning)
     second = _grouped(batch, scale, tuning)
     assert_close(first, _plain(batch, scale), torch.float32)
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
-def test_unit_shape_keeps_whole_requests() -> None:
-    assert unit_shape(64, 4, 4) == (16, 4)
-    assert unit_shape(64, 7, 4) == (9, 1)  # 4 does not divide 9: one request per program
-    assert unit_shape(16, 32, 2) == (1, 1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_tma_suffix_matches_plain_decode(dtype) -> None:
-    """The suffix pass through page descriptors (one page per iteration; the last page's rows
-    past the context hold garbage that must not leak in)."""
+def test_each_pass_alone_completes_its_units() -> None:
+    """The timing mode: a pass launched alone merges its units from its own slots (so the
+    counters are zero again) and the next full launch is still exact."""
     n = 9
-    suffix = [1, 33, 16, 7, 50, 2, 64, 19, 3]
-    members = [i != 4 for i in range(n)]
-    batch = shared_batch(n, 2, suffix, members, 4, dtype, seed=11)
-    _, kc, vc, table, seq_lens, *_ = batch
-    page = kc.shape[1]
-    for r, seq_len in enumerate(seq_lens.tolist()):  # rows past each context: NaN
-        if seq_len % page:
-            last = int(table[r, seq_len // page])
-            kc[last, seq_len % page :] = float("nan")
-            vc[last, seq_len % page :] = float("nan")
+    batch = shared_batch(n, 2, [3 + 5 * i for i in range(n)], [True] * n, 4, torch.float32)
     scale = HEAD_DIM**-0.5
-    tuning = GroupedTuning(**SMALL, prefix_splits=2, suffix_reqs=2, suffix_tma=True,
-                           concurrent=False)  # fmt: skip
-    assert_close(_grouped(batch, scale, tuning), _plain(batch, scale), dtype)
+    tuning = GroupedTuning(**SMALL, prefix_splits=2, concurrent=False)
+    _grouped(batch, scale, tuning, "prefix")
+    _grouped(batch, scale, tuning, "suffix")
+    assert_close(_grouped(batch, scale, tuning), _plain(batch, scale), torch.float32)
 
 
 def test_large_batches_take_the_grouped_kernels(monkeypatch) -> None:
