@@ -3,24 +3,24 @@
 and the figures the change could regress. Sections (each in try/except: an error is printed and
 the next section runs):
 
-1. parity: greedy tokens with cascade off vs on (fp32: a tiny Llama at 160 rows and the
-   Qwen3-0.6B config at 64 rows, both past the grouped kernels' batch threshold), and the
-   kernels against plain decode at the preset's decode shape with some non-member rows;
-2. the cascade decode attention at B = 256, prefix 2,000, suffix 64 / 128 / 192 (CUDA-graph
-   timed): plain decode, the previous default, the grouped default, each grouped kernel alone,
-   then a staged sweep of the grouped launch choices (prefix tile and splits, suffix requests
-   per program and tile, the passes side by side or in turn);
-3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): cascade off, the
-   previous default, the grouped default, the sweep's best; time, % of roofline, GPU time by
-   phase (prefill-bearing vs decode steps);
+1. parity: greedy tokens with cascade off vs on and GQA prefill off vs on (fp32, a tiny Llama
+   at 160 rows: past the grouped kernels' batch threshold), and the kernels against plain
+   decode at the preset's decode shape with some non-member rows;
+2. the cascade decode attention at B = 256, prefix 2,000, suffix 128 (CUDA-graph timed):
+   plain decode, the previous default, the grouped default, each grouped kernel alone per
+   launch choice, the fastest of each paired (side by side and in turn); the best at suffix
+   64 / 192 against the previous default;
+3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): cascade off, then the
+   previous default and the sweep's best alternating, twice each, and the best with GQA prefill
+   off; time, % of roofline, GPU time by phase (prefill-bearing vs decode steps);
 2b. prefill attention at the preset's admission shape (127 requests x 64 new tokens over a
    2,000-token cached prefix) and over fresh short prompts: per-head tiles vs GQA-packed;
 4. no regression: the default preset, the short preset (GQA prefill on; off too in the full
    run) and 8B batch-1 decode (>= 169 tok/s);
 5. (full run) a kernel-time profile of the shared-prefix preset.
 
-    python scripts/gpu_shared_prefix.py --quick   # first check (~100 s)
-    python scripts/gpu_shared_prefix.py           # everything (< 4 min)
+    python scripts/gpu_shared_prefix.py --quick   # ~110 s
+    python scripts/gpu_shared_prefix.py           # everything (~3.5 min)
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
         modes = [("off", None, True), ("off, GQA prefill off", None, False),
                  ("previous", OLD, True), ("grouped", ca.DEFAULT_TUNING, True)]  # fmt: skip
         for name, tuning, gqa_on in modes:
-            if quick and name == "previous":
+            if quick and name != "grouped" and name != "off":
                 continue
             set_cascade(llm, tuning)
             gqa.ENABLED = gqa_on
@@ -115,9 +115,7 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
 
 @section("1. parity: greedy tokens cascade off vs on (fp32), kernels vs plain decode")
 def parity(quick: bool) -> None:
-    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick)
-    if not quick:
-        greedy_parity("qwen3-0.6b", 64, 512, 32, 16, "Qwen3-0.6B-config fp32 64 x (512 + 32)")
+    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)")
     # kernel level: 256 rows at the preset's shape, every 7th row not a member (its whole
     # context in the suffix pass), bf16 and fp32
     for dtype in (torch.bfloat16, torch.float32):
@@ -128,8 +126,8 @@ def parity(quick: bool) -> None:
         b["starts"][::7] = 0
         ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
                                max_seq_len=2128).float()  # fmt: skip
-        other = GroupedTuning(concurrent=False, prefix_splits=2, suffix_reqs=1)
-        for name, tuning in [("default", GroupedTuning()), ("in turn, 2 splits, 1 req", other)]:
+        other = GroupedTuning(concurrent=False, prefix_splits=2)
+        for name, tuning in [("default", GroupedTuning()), ("in turn, 2 splits", other)]:
             out = grouped(b, tuning).float()
             out2 = grouped(b, tuning).float()
             row(f"kernel parity {str(dtype)[6:]} grouped {name}",
@@ -168,76 +166,79 @@ def _time(name: str, fn, ref=None) -> float | None:
     return t
 
 
+PREFIX_CANDS = [  # (block_m, (BLOCK_N, warps, stages), splits, maxnreg)
+    (64, (64, 4, 2), 1, None), (64, (64, 4, 2), 2, None), (64, (64, 4, 3), 1, None),
+    (64, (64, 8, 2), 1, None), (64, (64, 8, 2), 2, None), (64, (32, 4, 3), 2, None),
+    (128, (64, 8, 2), 1, None), (128, (64, 8, 2), 2, None), (128, (64, 8, 2), 2, 168),
+    (128, (128, 8, 2), 2, None), (64, (64, 4, 2), 1, 128),
+]  # fmt: skip
+SUFFIX_CANDS = [  # ((BLOCK_N, warps, stages), maxnreg)
+    ((64, 4, 3), None), ((64, 4, 3), 96), ((32, 4, 3), None), ((32, 4, 3), 96),
+    ((64, 4, 2), None), ((64, 8, 3), None), ((128, 4, 2), None),
+]  # fmt: skip
+
+
 @section("2. cascade decode attention, B=256, prefix 2000 (CUDA-graph timed)")
 def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
-    best: tuple[float, GroupedTuning] | None = None
-    for suffix in (64, 128, 192) if not quick else (128,):
-        b = shared_batch(256, 2000, suffix)
-        ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
-                               max_seq_len=2000 + suffix).float()  # fmt: skip
-        kv = 8 * 128 * 2 * 2
-        floor = (2000 + 256 * suffix) * kv / ceil.bandwidth_bytes_per_s
-        flops = 4 * 256 * 32 * 2000 * 128 / ceil.matmul_flops_per_s
-        row(f"attn floors, suffix {suffix}",
-            f"K/V reads {floor * 1e6:.1f} us (suffix alone {256 * suffix * kv / ceil.bandwidth_bytes_per_s * 1e6:.1f}), "  # noqa: E501
-            f"prefix MMA {flops * 1e6:.1f} us")  # fmt: skip
-        t_plain = _time(f"plain decode, suffix {suffix}", lambda: decode_attention(
-            b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5, max_seq_len=8448))  # fmt: skip  # noqa: B023, E501
-        t_prev = _time(f"previous cascade default, suffix {suffix}", lambda: previous(b), ref)  # noqa: B023
-        t_new = _time(f"grouped default, suffix {suffix}", lambda: grouped(b, GroupedTuning()),  # noqa: B023
-                      ref)  # fmt: skip
-        _time(f"  grouped prefix kernel alone, suffix {suffix}",
-              lambda: grouped(b, GroupedTuning(), "prefix"))  # fmt: skip  # noqa: B023
-        _time(f"  grouped suffix kernel alone, suffix {suffix}",
-              lambda: grouped(b, GroupedTuning(), "suffix"))  # fmt: skip  # noqa: B023
-        tma = GroupedTuning(suffix_tma=True, suffix=(16, 4, 3))
-        _time(f"  grouped TMA suffix kernel alone, suffix {suffix}",
-              lambda: grouped(b, tma, "suffix"))  # fmt: skip  # noqa: B023
-        _time(f"grouped, TMA suffix, suffix {suffix}", lambda: grouped(b, tma), ref)  # noqa: B023
-        if None not in (t_plain, t_prev, t_new):
-            row(f"attn suffix {suffix}: plain / previous / grouped",
-                f"{t_plain * 1e6:.1f} / {t_prev * 1e6:.1f} / {t_new * 1e6:.1f} us")  # fmt: skip
-        if suffix != 128:
-            continue
-        # staged sweep at suffix 128
-        base = GroupedTuning()
-        stage1 = [base, dataclasses.replace(base, prefix_splits=2)]
-        prefix_cfgs = [(128, (64, 8, 2), 1), (128, (64, 8, 2), 2), (64, (64, 4, 2), 1)]
-        if not quick:
-            prefix_cfgs += [(128, (64, 8, 3), 1), (128, (64, 8, 3), 2), (128, (32, 8, 3), 2)]
-            prefix_cfgs += [(64, (32, 4, 3), 1), (64, (128, 4, 2), 1), (64, (64, 4, 2), 2)]
-        for bm, pcfg, splits in prefix_cfgs:
-            stage1.append(dataclasses.replace(base, block_m=bm, prefix=pcfg, prefix_splits=splits))
-        best = _sweep(b, ref, stage1, best)
-        stage2 = []
-        for reqs in (1, 2, 8, 16) if not quick else (1, 8):
-            stage2.append(dataclasses.replace(best[1], suffix_reqs=reqs))
-        for scfg in [(16, 4, 4), (64, 4, 3)] + ([] if quick else [(32, 8, 3), (32, 4, 4)]):
-            stage2.append(dataclasses.replace(best[1], suffix=scfg))
-        tma_cfgs = [(16, 4, 3)] if quick else [(16, 4, 3), (16, 4, 4), (16, 8, 3)]
-        for scfg in tma_cfgs:  # pages through descriptors
-            for reqs in (4, 8) if not quick else (4,):
-                stage2.append(dataclasses.replace(best[1], suffix=scfg, suffix_reqs=reqs,
-                                                  suffix_tma=True))  # fmt: skip
-        best = _sweep(b, ref, stage2, best)
-        stage3 = [dataclasses.replace(best[1], concurrent=not best[1].concurrent),
-                  dataclasses.replace(best[1], merge_rows=16)]  # fmt: skip
-        best = _sweep(b, ref, stage3, best)
-        row("attn grouped best (suffix 128)", f"{best[0] * 1e6:.1f} us: {best[1]}")
-    # the suffix kernels as plain decode (no prefix): what they could do for other presets
-    for ctx in (128, 256):
-        b = shared_batch(256, 0, ctx)
-        gb = ctx * 256 * 8 * 128 * 2 * 2 / 1e9
-        for name, fn in [
-            ("plain decode", lambda: decode_attention(b["q"], b["kc"], b["vc"], b["table"],  # noqa: B023
-                                                      b["seq_lens"], 128**-0.5, max_seq_len=8448)),  # noqa: B023,E501
-            ("grouped suffix kernel", lambda: grouped(b, GroupedTuning(), "suffix")),  # noqa: B023
-            ("grouped TMA suffix kernel", lambda: grouped(b, tma, "suffix")),  # noqa: B023
-        ]:  # fmt: skip
-            t = _time(f"{name} as plain decode, B=256 ctx {ctx}", fn)
-            if t is not None:
-                row(f"{name} as plain decode, B=256 ctx {ctx}",
-                    f"{t * 1e6:.1f} us, {gb / t / 1e3:.2f} TB/s")  # fmt: skip
+    """Each grouped kernel alone per launch choice, then the fastest of each paired side by
+    side and in turn; the previous default and plain decode beside them."""
+    b = shared_batch(256, 2000, 128)
+    ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
+                           max_seq_len=2128).float()  # fmt: skip
+    kv = 8 * 128 * 2 * 2
+    bw, mm = ceil.bandwidth_bytes_per_s, ceil.matmul_flops_per_s
+    row("attn floors, suffix 128",
+        f"K/V reads {(2000 + 256 * 128) * kv / bw * 1e6:.1f} us (suffix alone "
+        f"{256 * 128 * kv / bw * 1e6:.1f}), prefix MMA {4 * 256 * 32 * 2000 * 128 / mm * 1e6:.1f} us")  # fmt: skip  # noqa: E501
+    t_plain = _time("plain decode", lambda: decode_attention(
+        b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5, max_seq_len=8448))  # fmt: skip  # noqa: E501
+    t_prev = _time("previous cascade default", lambda: previous(b), ref)
+    t_new = _time("grouped default", lambda: grouped(b, GroupedTuning()), ref)
+    base = GroupedTuning()
+    prefix_alone = []
+    for bm, cfg, splits, cap in PREFIX_CANDS[: 5 if quick else None]:
+        t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
+                                prefix_maxnreg=cap)  # fmt: skip
+        dt = _time(f"prefix alone: bm {bm} {cfg} x{splits} cap {cap}",
+                   lambda t=t: grouped(b, t, "prefix"))  # fmt: skip
+        if dt is not None:
+            prefix_alone.append((dt, t))
+    suffix_alone = []
+    for cfg, cap in SUFFIX_CANDS[: 4 if quick else None]:
+        t = dataclasses.replace(base, suffix=cfg, suffix_maxnreg=cap)
+        dt = _time(f"suffix alone: {cfg} cap {cap}", lambda t=t: grouped(b, t, "suffix"))
+        if dt is not None:
+            suffix_alone.append((dt, t))
+            row(f"attn suffix alone {cfg} cap {cap}",
+                f"{dt * 1e6:.1f} us, {256 * 128 * kv / dt / 1e12:.2f} TB/s")  # fmt: skip
+    prefix_alone.sort(key=lambda x: x[0])
+    suffix_alone.sort(key=lambda x: x[0])
+    for dt, t in prefix_alone[:4]:
+        row(f"attn prefix alone bm {t.block_m} {t.prefix} x{t.prefix_splits} cap "
+            f"{t.prefix_maxnreg}", f"{dt * 1e6:.1f} us")  # fmt: skip
+    pairs = []
+    for _, tp in prefix_alone[:4]:
+        for _, ts in suffix_alone[:2]:
+            for conc in (True, False):
+                pairs.append(dataclasses.replace(tp, suffix=ts.suffix,
+                                                 suffix_maxnreg=ts.suffix_maxnreg,
+                                                 concurrent=conc))  # fmt: skip
+    best = _sweep(b, ref, [base] + pairs, None)
+    if best is not None:
+        row("attn grouped best", f"{best[0] * 1e6:.1f} us: {_label(best[1])}")
+    if None not in (t_plain, t_prev, t_new):
+        row("attn plain / previous / grouped default",
+            f"{t_plain * 1e6:.1f} / {t_prev * 1e6:.1f} / {t_new * 1e6:.1f} us")  # fmt: skip
+    if best is not None and not quick:  # the best at other suffix lengths
+        for suffix in (64, 192):
+            b2 = shared_batch(256, 2000, suffix)
+            ref2 = decode_attention(b2["q"], b2["kc"], b2["vc"], b2["table"], b2["seq_lens"],
+                                    128**-0.5, max_seq_len=2000 + suffix).float()  # fmt: skip
+            tp = _time(f"previous, suffix {suffix}", lambda b2=b2: previous(b2), ref2)
+            tb = _time(f"grouped best, suffix {suffix}", lambda b2=b2: grouped(b2, best[1]), ref2)
+            if tp is not None and tb is not None:
+                row(f"attn suffix {suffix}: previous / grouped best",
+                    f"{tp * 1e6:.1f} / {tb * 1e6:.1f} us")  # fmt: skip
     free()
     return None if best is None else best[1]
 
@@ -254,9 +255,8 @@ def _sweep(b, ref, cands, best):
 
 def _label(t: GroupedTuning) -> str:
     way = "conc" if t.concurrent else "in turn"
-    tma = " tma" if t.suffix_tma else ""
-    return (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} | {t.suffix_reqs} req "
-            f"{t.suffix}{tma} | {way} merge {t.merge_rows}")  # fmt: skip
+    return (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} cap {t.prefix_maxnreg} | "
+            f"suffix {t.suffix} cap {t.suffix_maxnreg} | {way}")  # fmt: skip
 
 
 @section("2b. prefill attention at the preset's admission steps: 127 x 64 new over 2,000 cached")
@@ -320,30 +320,32 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
     return best
 
 
-@section("3. shared-prefix preset: cascade off / previous / grouped / best")
-def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> None:
+@section("3. shared-prefix preset: cascade off / previous / grouped best, each twice")
+def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> ca.CascadeTuning:
+    """The preset with the previous default and the grouped kernels (the sweep's best, else
+    the default), alternating, twice each (runs differ by up to ~10% in decode step time);
+    cascade off and GQA prefill off once. Returns the grouped tuning it ran."""
     saved = ca.TUNING
-    tunings = {"previous default": OLD, "grouped default": ca.DEFAULT_TUNING}
-    if best is not None and best != ca.DEFAULT_TUNING.grouped:
-        tunings["grouped best of sweep"] = dataclasses.replace(ca.DEFAULT_TUNING, grouped=best)
+    grouped_tuning = ca.DEFAULT_TUNING
+    if best is not None:
+        grouped_tuning = dataclasses.replace(ca.DEFAULT_TUNING, grouped=best)
     try:
         if not quick:
             set_cascade(llm, None)
             run_preset(llm, ceil, "shared-prefix", "cascade off")
-        for name, tuning in tunings.items():
-            set_cascade(llm, tuning)
-            run_preset(llm, ceil, "shared-prefix", name, count_cascade=True)
-            if name == "grouped default":  # a second run: the figure's spread; GQA prefill off
-                if not quick:
-                    run_preset(llm, ceil, "shared-prefix", name + ", again", count_cascade=True)
-                gqa.ENABLED = False
-                try:
-                    run_preset(llm, ceil, "shared-prefix", name + ", GQA prefill off",
-                               count_cascade=True)  # fmt: skip
-                finally:
-                    gqa.ENABLED = True
+        for i in (1, 2):
+            for name, tuning in [("previous default", OLD), ("grouped best", grouped_tuning)]:
+                set_cascade(llm, tuning)
+                run_preset(llm, ceil, "shared-prefix", f"{name} #{i}", count_cascade=True)
+        gqa.ENABLED = False
+        try:
+            run_preset(llm, ceil, "shared-prefix", "grouped best, GQA prefill off",
+                       count_cascade=True)  # fmt: skip
+        finally:
+            gqa.ENABLED = True
     finally:
         set_cascade(llm, saved)
+    return grouped_tuning
 
 
 @section("4. no regression: the default and short presets, 8B batch-1 decode")
@@ -362,15 +364,20 @@ def regressions(llm: LLM, ceil, quick: bool) -> None:
         row("8B batch-1 decode", json.dumps(r)[:300])
 
 
-@section("5. kernel-time profile of the shared-prefix preset")
-def profile(llm: LLM, ceil) -> None:
+@section("5. kernel-time profile of the shared-prefix preset (grouped best)")
+def profile(llm: LLM, ceil, tuning: ca.CascadeTuning) -> None:
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_preset(llm, ceil, "shared-prefix", "profiled")
+    saved = ca.TUNING
+    set_cascade(llm, tuning)
+    try:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_preset(llm, ceil, "shared-prefix", "profiled")
+    finally:
+        set_cascade(llm, saved)
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -398,10 +405,10 @@ def main() -> None:
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
     row("start-up", f"{time.perf_counter() - t0:.1f} s")
-    presets(llm, ceil, best, args.quick)
+    grouped_tuning = presets(llm, ceil, best, args.quick)
     regressions(llm, ceil, args.quick)
     if not args.quick:
-        profile(llm, ceil)
+        profile(llm, ceil, grouped_tuning or ca.DEFAULT_TUNING)
     print(f"\n=== gpu_shared_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
     width = max(len(n) for n, _ in ROWS)
     for name, value in ROWS:

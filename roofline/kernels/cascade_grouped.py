@@ -56,6 +56,11 @@ class GroupedTuning:
     keeps its loads in flight; the prefix kernel measured 251 -> 180 registers at 64 -> 32)."""
     concurrent: bool = True
     """The prefix kernel on a side stream beside the suffix kernel."""
+    prefix_maxnreg: int | None = None
+    """Register cap per thread of the prefix kernel (ptxas; None: its choice): a cap lets more
+    suffix programs share an SM with a prefix program."""
+    suffix_maxnreg: int | None = None
+    """Register cap of the suffix kernel (96: five 4-warp programs per SM instead of four)."""
 
 
 @triton.jit
@@ -359,6 +364,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _cap(maxnreg: int | None) -> dict:
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
 MAX_PREFIX_SPLITS = 8
 
 
@@ -430,8 +439,7 @@ def grouped_cascade_attention(
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs,
             NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
-            num_warps=num_warps,
-            num_stages=num_stages, **common,
+            num_warps=num_warps, num_stages=num_stages, **_cap(t.prefix_maxnreg), **common,
         )  # fmt: skip
 
     main = side = None
@@ -452,7 +460,7 @@ def grouped_cascade_attention(
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
         out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs, MERGE_M=merge_m,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, **common,
+        num_stages=num_stages, **_cap(t.suffix_maxnreg), **common,
     )  # fmt: skip
     if main is not None:
         main.wait_stream(side)

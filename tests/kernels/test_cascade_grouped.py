@@ -43,7 +43,8 @@ def test_second_launch_reuses_zeroed_counters() -> None:
     n = 6
     batch = shared_batch(n, 2, [4, 20, 1, 9, 30, 2], [True] * n, 4, torch.float32, seed=7)
     scale = HEAD_DIM**-0.5
-    tuning = GroupedTuning(**SMALL, prefix_splits=2, concurrent=ON_GPU)
+    tuning = GroupedTuning(**SMALL, prefix_splits=2, concurrent=ON_GPU, prefix_maxnreg=168,
+                           suffix_maxnreg=96)  # fmt: skip
     first = _grouped(batch, scale, tuning)
     second = _grouped(batch, scale, tuning)
     assert_close(first, _plain(batch, scale), torch.float32)
