@@ -223,6 +223,12 @@ def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
                 pairs.append(dataclasses.replace(tp, suffix=ts.suffix,
                                                  suffix_maxnreg=ts.suffix_maxnreg,
                                                  concurrent=conc))  # fmt: skip
+    # capped registers on both sides: more suffix programs beside each prefix program
+    for bm, cfg, splits, cap in [(64, (64, 4, 2), 1, 128), (64, (64, 4, 2), 2, 128),
+                                 (64, (32, 4, 3), 2, None), (128, (64, 8, 2), 2, 168)]:  # fmt: skip
+        pairs.append(dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
+                                         prefix_maxnreg=cap, suffix=(64, 4, 3),
+                                         suffix_maxnreg=96))  # fmt: skip
     best = _sweep(b, ref, [base] + pairs, None)
     if best is not None:
         row("attn grouped best", f"{best[0] * 1e6:.1f} us: {_label(best[1])}")
