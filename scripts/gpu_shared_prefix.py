@@ -235,6 +235,16 @@ def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
     if None not in (t_plain, t_prev, t_new):
         row("attn plain / previous / grouped default",
             f"{t_plain * 1e6:.1f} / {t_prev * 1e6:.1f} / {t_new * 1e6:.1f} us")  # fmt: skip
+    if best is not None:  # smaller batches (the threshold is 33 rows at 8 KV heads)
+        for nb in (40, 96):
+            b2 = shared_batch(nb, 2000, 128)
+            ref2 = decode_attention(b2["q"], b2["kc"], b2["vc"], b2["table"], b2["seq_lens"],
+                                    128**-0.5, max_seq_len=2128).float()  # fmt: skip
+            tp = _time(f"previous, B={nb}", lambda b2=b2: previous(b2), ref2)
+            tb = _time(f"grouped best, B={nb}", lambda b2=b2: grouped(b2, best[1]), ref2)
+            if tp is not None and tb is not None:
+                row(f"attn B={nb} suffix 128: previous / grouped best",
+                    f"{tp * 1e6:.1f} / {tb * 1e6:.1f} us")  # fmt: skip
     if best is not None and not quick:  # the best at other suffix lengths
         for suffix in (64, 192):
             b2 = shared_batch(256, 2000, suffix)
