@@ -15,8 +15,8 @@ the next section runs):
    off; time, % of roofline, GPU time by phase (prefill-bearing vs decode steps);
 2b. prefill attention at the preset's admission shape (127 requests x 64 new tokens over a
    2,000-token cached prefix) and over fresh short prompts: per-head tiles vs GQA-packed;
-4. no regression: the default preset, the short preset (GQA prefill on; off too in the full
-   run) and 8B batch-1 decode (>= 169 tok/s);
+4. no regression: the default preset, the short preset (GQA prefill on; in the full run also
+   off, and on in the mixed-step graph buckets too) and 8B batch-1 decode (>= 169 tok/s);
 5. (full run) a kernel-time profile of the shared-prefix preset.
 
     python scripts/gpu_shared_prefix.py --quick   # ~110 s
@@ -374,6 +374,17 @@ def regressions(llm: LLM, ceil, quick: bool) -> None:
             run_preset(llm, ceil, "short", "GQA prefill off")
         finally:
             gqa.ENABLED = True
+        mixed = llm.llm_engine.runner.mixed
+        if mixed is not None and mixed.graphs:  # the mixed-step buckets packed too
+            gqa.IN_GRAPHS = True
+            try:
+                t0 = time.perf_counter()
+                mixed.capture()
+                print(f"  mixed graphs captured again in {time.perf_counter() - t0:.1f} s")
+                run_preset(llm, ceil, "short", "GQA prefill on, in graph buckets too")
+            finally:
+                gqa.IN_GRAPHS = False
+                mixed.capture()
     rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
     print(latency.format_rows(rows), flush=True)
     for r in latency.as_dicts(rows):

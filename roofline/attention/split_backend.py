@@ -93,7 +93,10 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
-        packed = meta.prefill_config is None and self.base.gqa_prefill(q, k_cache, meta)
+        if meta.prefill_config is None:  # an eager step: its own choice
+            packed = self.base.gqa_prefill(q, k_cache, meta)
+        else:  # a graph bucket
+            packed = gqa.in_graph_bucket(q.shape[1], k_cache.shape[2])
         prefix = None
         if not packed:  # (the packed kernel reads the pages itself)
             prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)

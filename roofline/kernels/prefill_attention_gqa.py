@@ -38,6 +38,14 @@ short; an 8k prompt: none)."""
 
 ENABLED = os.environ.get("ROOFLINE_GQA_PREFILL", "1") != "0"
 """``ROOFLINE_GQA_PREFILL=0`` keeps every prefill step on ``prefill_attention``."""
+IN_GRAPHS = os.environ.get("ROOFLINE_GQA_PREFILL_GRAPHS", "0") == "1"
+"""Mixed-step graph buckets take the packed kernel too (read when they are captured; off: the
+buckets keep the per-head tiles measured for them, until a measurement says otherwise)."""
+
+
+def in_graph_bucket(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a mixed-step graph bucket's prefill part runs here (``IN_GRAPHS``)."""
+    return ENABLED and IN_GRAPHS and num_heads // num_kv_heads >= 2
 
 
 def applies(num_heads: int, num_kv_heads: int, query_lens: list[int]) -> bool:
@@ -238,4 +246,12 @@ def prefill_attention_gqa(
     return out
 
 
-__all__ = ["ENABLED", "MAX_QUERY_LEN", "StepChoice", "applies", "prefill_attention_gqa"]
+__all__ = [
+    "ENABLED",
+    "IN_GRAPHS",
+    "MAX_QUERY_LEN",
+    "StepChoice",
+    "applies",
+    "in_graph_bucket",
+    "prefill_attention_gqa",
+]

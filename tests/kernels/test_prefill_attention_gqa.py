@@ -81,3 +81,14 @@ def test_step_choice_is_made_once_per_step(monkeypatch) -> None:
     assert not choice(q, kc, SimpleNamespace(max_query_len=1, query_lens_cpu=[1, 1]))
     monkeypatch.setattr(gqa, "ENABLED", False)
     assert not choice(q, kc, SimpleNamespace(max_query_len=64, query_lens_cpu=[64]))
+
+
+def test_graph_buckets_pack_only_when_asked(monkeypatch) -> None:
+    from roofline.kernels import prefill_attention_gqa as gqa
+
+    monkeypatch.setattr(gqa, "IN_GRAPHS", False)
+    assert not gqa.in_graph_bucket(32, 8)
+    monkeypatch.setattr(gqa, "IN_GRAPHS", True)
+    assert gqa.in_graph_bucket(32, 8) and not gqa.in_graph_bucket(32, 32)
+    monkeypatch.setattr(gqa, "ENABLED", False)
+    assert not gqa.in_graph_bucket(32, 8)
