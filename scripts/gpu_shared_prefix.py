@@ -374,17 +374,18 @@ def regressions(llm: LLM, ceil, quick: bool) -> None:
             run_preset(llm, ceil, "short", "GQA prefill off")
         finally:
             gqa.ENABLED = True
-        mixed = llm.llm_engine.runner.mixed
-        if mixed is not None and mixed.graphs:  # the mixed-step buckets packed too
+        path = llm.llm_engine.runner.mixed
+        graphs = None if path is None else path.graphs  # mixed_graph.MixedGraphs
+        if graphs is not None and graphs.graphs:  # the mixed-step buckets packed too
             gqa.IN_GRAPHS = True
             try:
                 t0 = time.perf_counter()
-                mixed.capture()
+                graphs.capture()
                 print(f"  mixed graphs captured again in {time.perf_counter() - t0:.1f} s")
                 run_preset(llm, ceil, "short", "GQA prefill on, in graph buckets too")
             finally:
                 gqa.IN_GRAPHS = False
-                mixed.capture()
+                graphs.capture()
     rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
     print(latency.format_rows(rows), flush=True)
     for r in latency.as_dicts(rows):
