@@ -10,9 +10,9 @@ the next section runs):
    plain decode, the previous default, the grouped default, each grouped kernel alone per
    launch choice, the fastest of each paired (side by side and in turn); the best at suffix
    64 / 192 against the previous default;
-3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): cascade off, then the
-   previous default and the sweep's best alternating, twice each, and the best with GQA prefill
-   off; time, % of roofline, GPU time by phase (prefill-bearing vs decode steps);
+3. the shared-prefix preset (Llama-3.1-8B config, random bf16 weights): the previous default
+   and the sweep's best alternating, twice each, and the best with GQA prefill off; time, % of
+   roofline, GPU time by phase (prefill-bearing vs decode steps);
 2b. prefill attention at the preset's admission shape (127 requests x 64 new tokens over a
    2,000-token cached prefix) and over fresh short prompts: per-head tiles vs GQA-packed;
 4. no regression: the default preset, the short preset (GQA prefill on; in the full run also
@@ -92,7 +92,7 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
     saved = ca.TUNING
     try:
         modes = [("off", None, True), ("off, GQA prefill off", None, False),
-                 ("previous", OLD, True), ("grouped", ca.DEFAULT_TUNING, True)]  # fmt: skip
+                 ("grouped", ca.DEFAULT_TUNING, True)]  # fmt: skip
         for name, tuning, gqa_on in modes:
             if quick and name != "grouped" and name != "off":
                 continue
@@ -336,19 +336,16 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
     return best
 
 
-@section("3. shared-prefix preset: cascade off / previous / grouped best, each twice")
+@section("3. shared-prefix preset: previous / grouped best, each twice")
 def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> ca.CascadeTuning:
     """The preset with the previous default and the grouped kernels (the sweep's best, else
     the default), alternating, twice each (runs differ by up to ~10% in decode step time);
-    cascade off and GQA prefill off once. Returns the grouped tuning it ran."""
+    GQA prefill off once. Returns the grouped tuning it ran."""
     saved = ca.TUNING
     grouped_tuning = ca.DEFAULT_TUNING
     if best is not None:
         grouped_tuning = dataclasses.replace(ca.DEFAULT_TUNING, grouped=best)
     try:
-        if not quick:
-            set_cascade(llm, None)
-            run_preset(llm, ceil, "shared-prefix", "cascade off")
         for i in (1, 2):
             for name, tuning in [("previous default", OLD), ("grouped best", grouped_tuning)]:
                 set_cascade(llm, tuning)
