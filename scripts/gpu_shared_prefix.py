@@ -19,8 +19,8 @@ the next section runs):
    off, and on in the mixed-step graph buckets too) and 8B batch-1 decode (>= 169 tok/s);
 5. (full run) a kernel-time profile of the shared-prefix preset.
 
-    python scripts/gpu_shared_prefix.py --quick   # ~110 s
-    python scripts/gpu_shared_prefix.py           # everything (~3.5 min)
+    python scripts/gpu_shared_prefix.py --quick   # the defaults, no sweeps (~2 min)
+    python scripts/gpu_shared_prefix.py           # everything (~4.5 min)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def greedy_parity(config: dict | str, n: int, prefix: int, own: int, out_len: in
 
 @section("1. parity: greedy tokens cascade off vs on (fp32), kernels vs plain decode")
 def parity(quick: bool) -> None:
-    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)")
+    greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick)
     # kernel level: 256 rows at the preset's shape, every 7th row not a member (its whole
     # context in the suffix pass), bf16 and fp32
     for dtype in (torch.bfloat16, torch.float32):
@@ -196,6 +196,15 @@ def kernel_sweep(ceil, quick: bool) -> GroupedTuning | None:
     t_prev = _time("previous cascade default", lambda: previous(b), ref)
     t_new = _time("grouped default", lambda: grouped(b, GroupedTuning()), ref)
     base = GroupedTuning()
+    if quick:  # the defaults only: each kernel alone, then side by side
+        tp = _time("grouped prefix kernel alone", lambda: grouped(b, base, "prefix"))
+        ts = _time("grouped suffix kernel alone", lambda: grouped(b, base, "suffix"))
+        if None not in (t_plain, t_prev, t_new, tp, ts):
+            row("attn plain / previous / grouped default (prefix alone, suffix alone)",
+                f"{t_plain * 1e6:.1f} / {t_prev * 1e6:.1f} / {t_new * 1e6:.1f} us "
+                f"({tp * 1e6:.1f}, {ts * 1e6:.1f})")  # fmt: skip
+        free()
+        return None
     prefix_alone = []
     for bm, cfg, splits, cap in PREFIX_CANDS[: 5 if quick else None]:
         t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
@@ -323,8 +332,10 @@ def prefill_kernels(ceil, quick: bool) -> tuple | None:
                   lambda: prefill_attention(*args, max_query_len=mq, k_new=k_new, v_new=v_new)),  # noqa: B023
                  ("per-head, paged variant",
                   lambda: prefill_attention(*args, max_query_len=mq, variant="base"))]  # noqa: B023  # fmt: skip
+        if quick:
+            cands = cands[:1]
         cfgs = [None, (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)]
-        for cfg in cfgs if not quick else cfgs[:4]:
+        for cfg in cfgs if not quick else cfgs[:1]:
             cands.append((f"GQA-packed {cfg or 'default'}",
                           lambda cfg=cfg: gqa.prefill_attention_gqa(*args, config=cfg)))  # noqa: B023  # fmt: skip
         for name, fn in cands:
@@ -347,16 +358,20 @@ def presets(llm: LLM, ceil, best: GroupedTuning | None, quick: bool) -> ca.Casca
     if best is not None:
         grouped_tuning = dataclasses.replace(ca.DEFAULT_TUNING, grouped=best)
     try:
-        for i in (1, 2):
-            for name, tuning in [("previous default", OLD), ("grouped best", grouped_tuning)]:
-                set_cascade(llm, tuning)
-                run_preset(llm, ceil, "shared-prefix", f"{name} #{i}", count_cascade=True)
-        gqa.ENABLED = False
-        try:
-            run_preset(llm, ceil, "shared-prefix", "grouped best, GQA prefill off",
-                       count_cascade=True)  # fmt: skip
-        finally:
-            gqa.ENABLED = True
+        label = "grouped best" if best is not None else "grouped default"
+        runs = [("previous default", OLD), (label, grouped_tuning)] * (1 if quick else 2)
+        if quick:
+            runs.append((label, grouped_tuning))
+        for i, (name, tuning) in enumerate(runs):
+            set_cascade(llm, tuning)
+            run_preset(llm, ceil, "shared-prefix", f"{name} #{i // 2 + 1}", count_cascade=True)
+        if not quick:
+            gqa.ENABLED = False
+            try:
+                run_preset(llm, ceil, "shared-prefix", f"{label}, GQA prefill off",
+                           count_cascade=True)  # fmt: skip
+            finally:
+                gqa.ENABLED = True
     finally:
         set_cascade(llm, saved)
     return grouped_tuning
