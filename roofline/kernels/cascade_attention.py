@@ -75,7 +75,8 @@ DEFAULT_TUNING = CascadeTuning(concurrent=True, suffix_config=(32, 4, 3), groupe
 """Measured on an H100 (``scripts/gpu_presets.py``, B = 256, prefix 2,000, suffix 128, CUDA
 graphs): the passes one after the other 132 us (the old default: 128-row tiles, 5 splits),
 side by side with one 64-row-tile prefix split 96.7 us, with 32-key suffix tiles 95.8 us; plain
-decode 354 us."""
+decode 354 us. Batches of 33 rows and more (8 KV heads) take the grouped kernels instead:
+90-93 us against these passes' 97 in the same run (``scripts/gpu_shared_prefix.py``)."""
 TUNING = DEFAULT_TUNING
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
