@@ -203,15 +203,13 @@ class KVCacheManager:
         if blocks is None:
             blocks = []
         elif prefix_hit is None:  # a running request: most steps need no new page
-            num_known = request.num_computed_tokens + num_new_tokens
-            if len(blocks) * self.page_size >= num_known:
-                if self.enable_prefix_caching:
-                    known = len(request.prompt_token_ids) + len(request.output_token_ids)
-                    if known < num_known:
-                        num_known = known
-                    if num_known // self.page_size > self._num_checked.get(rid, 0):
-                        self._register_full_pages(request, num_known)
-                return blocks  # the live list, uncopied (docstring)
+            live = self.covered(
+                request,
+                request.num_computed_tokens + num_new_tokens,
+                len(request.prompt_token_ids) + len(request.output_token_ids),
+            )
+            if live is not None:
+                return live  # the live list, uncopied (docstring)
         hit_pages = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_pages and blocks:
             raise ValueError(f"request {rid} already holds pages; a prefix hit cannot be added")
@@ -237,6 +235,22 @@ class KVCacheManager:
         if self.enable_prefix_caching:  # pending tokens (async scheduling) have no ids yet
             self._register_full_pages(request, min(num_known, request.num_known_tokens))
         return list(blocks)
+
+    def covered(self, request: Request, num_tokens: int, num_known_ids: int) -> list[int] | None:
+        """``allocate``'s common case for a running request: when its pages already cover its
+        first ``num_tokens`` tokens (computed plus new), its live block table (registering the
+        full pages among its first ``num_known_ids`` tokens, ``request.num_known_tokens``, in
+        the prefix cache as ``allocate`` does); else None and nothing changes (``allocate``
+        adds the pages). Called once per running request per step: kept lean."""
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None or len(blocks) * self.page_size < num_tokens:
+            return None
+        if self.enable_prefix_caching:
+            if num_known_ids > num_tokens:
+                num_known_ids = num_tokens
+            if num_known_ids // self.page_size > self._num_checked.get(request.request_id, 0):
+                self._register_full_pages(request, num_known_ids)
+        return blocks
 
     def share_prefix(
         self, src_request: Request, dst_request: Request, num_tokens: int

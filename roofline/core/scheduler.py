@@ -44,7 +44,8 @@ class _Step:
     """What one ``schedule()`` call has decided so far."""
 
     budget: int
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """In scheduling order (running requests first, then admitted ones)."""
     preempted_ids: list[str] = field(default_factory=list)
     num_tokens: int = 0
     """Sum of the scheduled requests' ``num_new_tokens``."""
@@ -57,17 +58,20 @@ class _Step:
         if num_tokens < 0:
             num_tokens = request.num_tokens
         samples = start + num_new_tokens == num_tokens
-        self.scheduled[request.request_id] = ScheduledRequest(
-            request, num_new_tokens, block_ids, start, samples
-        )
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens, block_ids, start, samples))
         self.budget -= num_new_tokens
         self.num_tokens += num_new_tokens
 
     def unschedule(self, request: Request) -> None:
-        entry = self.scheduled.pop(request.request_id, None)
-        if entry is not None:
-            self.budget += entry.num_new_tokens
-            self.num_tokens -= entry.num_new_tokens
+        """Take back ``request``'s entry, if it has one (a preemption victim: rare, so a scan
+        from the end, where the running list's last request usually sits)."""
+        scheduled = self.scheduled
+        for i in range(len(scheduled) - 1, -1, -1):
+            if scheduled[i].request is request:
+                entry = scheduled.pop(i)
+                self.budget += entry.num_new_tokens
+                self.num_tokens -= entry.num_new_tokens
+                return
 
 
 def _fit_proposals(request: Request, num_new: int) -> int:
@@ -160,7 +164,7 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_ids:
             self._schedule_waiting(step)
-        scheduled = list(step.scheduled.values())
+        scheduled = step.scheduled
         for entry in scheduled:  # decided: the step's tokens count as computed from now on
             request = entry.request
             request.num_computed_tokens += entry.num_new_tokens
@@ -177,43 +181,72 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         # The body runs once per running request per step: attribute lookups are hoisted and
-        # ``Request.num_tokens`` / ``_finishes_on_pending`` are inlined (same rules).
+        # ``Request.num_tokens`` / ``_finishes_on_pending`` are inlined (same rules), and so is
+        # ``KVCacheManager.allocate``'s common case (the request's pages already cover the new
+        # tokens: ``kv.covered``), with the entry appended here rather than by ``_Step.add``.
         running_status = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
-        allocate = self.kv.allocate
+        kv = self.kv
+        allocate = kv.allocate
+        covered = kv.covered
+        scheduled = step.scheduled
+        add_entry = scheduled.append
+        budget, num_step_tokens = step.budget, step.num_tokens
         for request in list(self.running):
-            if step.budget == 0:
+            if budget == 0:
                 break
             if request.status is not running_status:
                 continue  # preempted earlier in this loop
             num_pending = request.num_pending_tokens
             num_output = len(request.output_token_ids)
             spec = request.spec_token_ids
-            num_tokens = len(request.prompt_token_ids) + num_output + num_pending + len(spec)
+            num_prompt = len(request.prompt_token_ids)
+            num_tokens = num_prompt + num_output + num_pending + len(spec)
             if num_pending and (
                 num_output + num_pending >= request.max_tokens or num_tokens >= max_model_len
             ):
                 continue  # its pending token ends it (length): nothing more to compute
-            num_new = num_tokens - request.num_computed_tokens
-            if num_new > step.budget:  # (not min(): a builtin call per request per step)
-                num_new = step.budget
-            known_num_tokens = num_tokens
-            if spec:
-                num_new = _fit_proposals(request, num_new)
-                known_num_tokens = -1  # proposals may have been dropped: recount
-            while True:
-                block_ids = allocate(request, num_new)
-                if block_ids is not None:
-                    step.add(request, num_new, block_ids, known_num_tokens)
-                    break
-                if request.spec_token_ids:  # proposals are guesses: drop them, preempt no one
-                    request.spec_token_ids = []
-                    num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            start = request.num_computed_tokens
+            num_new = num_tokens - start
+            if num_new > budget:  # (not min(): a builtin call per request per step)
+                num_new = budget
+            if not spec:
+                block_ids = covered(request, start + num_new, num_prompt + num_output)
+                if block_ids is not None:  # no page to add (most decode steps)
+                    add_entry(
+                        ScheduledRequest(
+                            request, num_new, block_ids, start, start + num_new == num_tokens
+                        )
+                    )
+                    budget -= num_new
+                    num_step_tokens += num_new
                     continue
-                victim = self._running_victim()
-                self._preempt(victim, step)
-                if victim is request:
-                    break
+            step.budget, step.num_tokens = budget, num_step_tokens
+            self._allocate_running(step, request, num_new, -1 if spec else num_tokens, allocate)
+            budget, num_step_tokens = step.budget, step.num_tokens
+        step.budget, step.num_tokens = budget, num_step_tokens
+
+    def _allocate_running(
+        self, step: _Step, request: Request, num_new: int, known_num_tokens: int, allocate
+    ) -> None:
+        """A running request that needs new pages (or carries proposals): allocate, dropping
+        its proposals and then preempting from the back of the running list when pages run
+        out."""
+        if request.spec_token_ids:
+            num_new = _fit_proposals(request, num_new)
+        while True:
+            block_ids = allocate(request, num_new)
+            if block_ids is not None:
+                step.add(request, num_new, block_ids, known_num_tokens)
+                return
+            if request.spec_token_ids:  # proposals are guesses: drop them, preempt no one
+                request.spec_token_ids = []
+                num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+                continue
+            victim = self._running_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return
 
     def _finishes_on_pending(self, request: Request) -> bool:
         """Whether the request's pending tokens (async scheduling) will take it to

@@ -1,0 +1,287 @@
+"""Host work per step on the H100 (issue 13, "Host work per step"): the Llama-3.1-8B config
+with random bf16 weights and the engine's default settings. Prints a short table last.
+
+    python scripts/gpu_host.py [--serve] [--quick]
+
+1. Parity: a tiny fp32 Llama, async (CUDA graphs) vs sync vs async over cached prefixes on the
+   GPU, and vs the CPU (``gpu_hostpath.tiny_parity``); then 32 greedy requests of the 8B with
+   async scheduling on and off (identical tokens expected).
+2. Steady decode at 256 running (prompts 100-1024, ``stream=False`` as ``LLM.generate``, heap
+   frozen): ms per step, the engine's host share (``StepTiming``; goal < 15%) with the default
+   DeviceWaiter and spinning, host ms per step by piece, and the process's CPU use; then the
+   same streamed at 64 running (the server's shape). Then a cProfile of 40 steady steps (the
+   default wait): the functions and torch calls with the most own time, so that the next
+   change aims at what the profile says.
+3. Batch-1 decode of the 8B (512-token prompt): tok/s, spinning and sleeping (>= 169 tok/s).
+4. The default preset (256 x in 100-1024, out 512): % of its roofline, host share.
+5. ``--serve``: ``scripts/serve_compare.py`` on the 8B at 64 requests in flight (256 prompts,
+   in 100-1024, out 256): server vs offline throughput (goal >= 0.95), TPOT p50 vs the offline
+   step (goal <= 1.1) and the engine core's CPU use at that rate (goal < 0.70 of a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import gc
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_hostpath as hp  # noqa: E402
+
+from roofline import LLM, SamplingParams  # noqa: E402
+from roofline.bench import throughput, workloads  # noqa: E402
+from roofline.bench.ceilings import measure  # noqa: E402
+from roofline.engine.heap import frozen_heap  # noqa: E402
+from roofline.worker.host_batch import HostBatch  # noqa: E402
+
+row = hp.row
+
+
+def _add_steady(engine, num_reqs: int, steps: int, stream: bool, seed: int) -> list[str]:
+    """``num_reqs`` decoding requests, every prompt in (prompts 100-1024)."""
+    engine.kv_manager.reset_prefix_cache()
+    vocab = engine.model_config.vocab_size
+    wl = workloads.synthetic(num_reqs, (100, 1024), (1, 1), vocab, seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    ids = [f"steady-{seed}-{i}" for i in range(num_reqs)]
+    for rid, prompt in zip(ids, wl.prompts):
+        engine.add_request(rid, prompt, params, stream=stream, delta=True)
+    sched = engine.scheduler
+    while sched.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
+    ):
+        engine.step()
+    for _ in range(8):  # the waiter learns its estimate
+        engine.step()
+    return ids
+
+
+def _drain(engine, ids: list[str]) -> None:
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
+    """Host share and host pieces at ``num_reqs`` decoding, default wait then spinning, one
+    window of ``steps`` steps each over the same running batch."""
+    engine = llm.llm_engine
+    runner, sched = engine.runner, engine.scheduler
+    waiter = runner.device_waiter
+    ids = _add_steady(engine, num_reqs, 2 * steps + 64, stream, seed=11 + num_reqs)
+    pieces: dict[str, float] = defaultdict(float)
+    patched: list[tuple[object, str]] = []
+
+    def timed(obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*a, **k):
+            t0, w0 = time.perf_counter(), engine.step_timing.wait_s
+            try:
+                return fn(*a, **k)
+            finally:
+                pieces[key] += time.perf_counter() - t0 - (engine.step_timing.wait_s - w0)
+
+        setattr(obj, attr, wrapper)
+        patched.append((obj, attr))
+
+    build = HostBatch.__dict__["build"]
+    try:
+        timed(sched, "schedule", "schedule")
+        timed(runner, "launch", "launch")
+        timed(HostBatch, "build", "  build")
+        timed(runner, "_upload", "  upload")
+        for graphs in (runner.graphs, runner.cascade_graphs):
+            if graphs is not None:
+                timed(graphs, "stage_inputs", "  stage")
+                timed(graphs, "replay", "  replay")
+        timed(runner.model, "compute_logits", "  LM head")
+        timed(runner, "_sample", "  sample")
+        timed(engine, "_fold", "fold-in")
+        timed(sched, "update", "  update")
+        timed(engine, "_emit", "outputs")
+        for name, wait in (("default wait", waiter), ("spin", None)):
+            runner.device_waiter = wait
+            for _ in range(4):
+                engine.step()
+            pieces.clear()
+            t0 = dataclasses.replace(engine.step_timing)
+            with frozen_heap():
+                start, cpu0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    engine.step()
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+            timing = engine.step_timing.since(t0)
+            row(
+                f"steady decode {sched.num_running}{', streamed' if stream else ''}, {name}",
+                f"{1e3 * elapsed / steps:.2f} ms/step, host share "
+                f"{100 * timing.host_fraction:.1f}% (goal < 15%), host "
+                f"{1e3 * (timing.total_s - timing.wait_s) / timing.steps:.2f} ms/step, "
+                f"CPU {100 * cpu / elapsed:.0f}% of a core",
+            )
+            row(
+                "  host ms/step",
+                ", ".join(f"{k.strip()} {1e3 * v / steps:.3f}" for k, v in pieces.items()),
+            )
+    finally:
+        HostBatch.build = build  # type: ignore[method-assign]
+        for obj, attr in patched:
+            if obj is not HostBatch:
+                obj.__dict__.pop(attr, None)
+        runner.device_waiter = waiter
+        _drain(engine, ids)
+
+
+def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
+    """cProfile of ``steps`` steady decode steps (default wait): own time by function."""
+    engine = llm.llm_engine
+    ids = _add_steady(engine, num_reqs, steps + 64, False, seed=5)
+    prof = cProfile.Profile()
+    try:
+        with frozen_heap():
+            prof.enable()
+            for _ in range(steps):
+                engine.step()
+            prof.disable()
+    finally:
+        _drain(engine, ids)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    print(f"cProfile, {steps} steps at {num_reqs} decoding (own time; divide by {steps}):")
+    print("\n".join(buf.getvalue().splitlines()[4:52]), flush=True)
+
+
+def default_preset(llm: LLM, ceil) -> None:
+    engine = llm.llm_engine
+    engine.kv_manager.reset_prefix_cache()
+    wl = workloads.preset("default", engine.model_config.vocab_size)
+    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    row(
+        "preset default",
+        f"{res.elapsed_s:.3f} s, {res.output_tok_s:,.0f} out tok/s, {res.roofline_pct:.1f}% of "
+        f"roofline ({res.roofline_s:.3f} s), host {100 * res.host_fraction:.1f}%, max running "
+        f"{res.max_running}, {res.num_preemptions} preemptions",
+    )
+
+
+def serve(quick: bool) -> None:
+    """``serve_compare.py`` on the 8B (a subprocess: the server needs the GPU to itself)."""
+    out = os.environ.get("OUT", "/tmp")
+    path = os.path.join(out, "serve_compare_host.json")
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_compare.py"),
+        "--model", "llama-3.1-8b", "--num-prompts", "128" if quick else "256",
+        "--input-len", "100:1024", "--output-len", "128" if quick else "256",
+        "--concurrency", "64", "--engine-args", "--load-format dummy --max-model-len 2048",
+        "--json", path,
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    print(proc.stdout[-4000:], proc.stderr[-3000:], sep="\n", flush=True)
+    if proc.returncode:
+        row("serve_compare", f"FAILED rc={proc.returncode} ({time.perf_counter() - t0:.0f} s)")
+        return
+    with open(path) as f:
+        s = json.load(f)["summary"]
+    api, core = s["cpu_cores_api_core_at_rate"]
+    api_sat, core_sat = s["cpu_cores_api_core_saturation"]
+    row(
+        "server vs offline at saturation",
+        f"{s['server_vs_offline']:.3f}x (goal >= 0.95; {s['server_saturation_out_tok_s']:.0f} "
+        f"vs {s['offline_out_tok_s']:.0f} out tok/s)",
+    )
+    row(
+        "server TPOT p50 vs offline step",
+        f"{_f(s['tpot_vs_step'])}x (goal <= 1.1; {_f(s['server_tpot_p50_ms'])} ms vs "
+        f"{_f(s['offline_step_ms_at_in_flight'])} ms at "
+        f"{_f(s['server_mean_in_flight_at_rate'], 1)} in flight)",
+    )
+    row(
+        "server engine-core CPU at rate",
+        f"{_f(core)} of a core (goal < 0.70; API process {_f(api)}; at saturation core "
+        f"{_f(core_sat)}, API {_f(api_sat)}); rate {_f(s['rate_req_s'], 1)} req/s",
+    )
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -> None:
+    sections = [
+        ("parity 8B", lambda: hp.parity(llm, 32)),
+        ("steady 256", lambda: steady(llm, 256, 40 if args.quick else 80)),
+        ("steady 64 streamed", lambda: steady(llm, 64, 60, stream=True)),
+        ("profile", lambda: profile_steady(llm, 256, 40)),
+        ("batch-1", lambda: hp.batch1(llm, 64 if args.quick else 128)),
+        ("preset default", lambda: default_preset(llm, ceil)),
+    ]
+    if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
+        sections = sections[:-1]
+    for name, fn in sections:
+        try:
+            t1 = time.perf_counter()
+            fn()
+            print(f"({name}: {time.perf_counter() - t1:.1f} s)", flush=True)
+        except Exception:
+            traceback.print_exc()
+            row(name, "FAILED (see above)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="also run serve_compare on the 8B")
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    t_start = time.perf_counter()
+    ceil = measure(dev, torch.bfloat16)
+    row(
+        "ceilings",
+        f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+    )
+    try:
+        hp.tiny_parity(args.device, 16)
+    except Exception:
+        traceback.print_exc()
+        row("parity tiny fp32", "FAILED (see above)")
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", device=args.device)
+    hp._sync()
+    row(f"{args.model} start-up (dummy weights)", f"{time.perf_counter() - t0:.1f} s")
+    _run_sections(llm, ceil, args, dev)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if args.serve:
+        try:
+            serve(args.quick)
+        except Exception:
+            traceback.print_exc()
+            row("serve_compare", "FAILED (see above)")
+    print(f"\n=== gpu_host summary ({time.perf_counter() - t_start:.0f} s) ===")
+    width = max(len(n) for n, _ in hp.ROWS)
+    for name, value in hp.ROWS:
+        print(f"{name.ljust(width)}  {value}")
+
+
+if __name__ == "__main__":
+    main()
