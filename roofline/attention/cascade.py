@@ -22,6 +22,7 @@ resets the interval, so a long stretch without sharing does not delay the next s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +129,7 @@ class SharedPrefixDetector:
         """The step's cascade plan, or None (not decode-only, or no group that pays)."""
         return self.plan_rows(sched_out.scheduled)
 
-    def plan_rows(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
+    def plan_rows(self, scheduled: Sequence[ScheduledRequest]) -> CascadePlan | None:
         """The plan of these decode rows: a decode-only step's, or the leading decode rows of
         a decode-first mixed step (``attention/split_backend.py`` attends them apart)."""
         n = len(scheduled)
@@ -155,7 +156,7 @@ class SharedPrefixDetector:
                 return None
         return plan if self.pays(plan.num_members, plan.prefix_len) else None
 
-    def _match(self, scheduled: list[ScheduledRequest]) -> CascadePlan | None:
+    def _match(self, scheduled: Sequence[ScheduledRequest]) -> CascadePlan | None:
         prefix = self.prefix
         num_pages = len(prefix)
         prefix_len = num_pages * self.page_size
@@ -190,7 +191,7 @@ class SharedPrefixDetector:
         self.members[req.request_id] = req
         return True
 
-    def _rescan(self, rows: list[ScheduledRequest]) -> bool:
+    def _rescan(self, rows: Sequence[ScheduledRequest]) -> bool:
         """Choose the shared run that saves the most reads among these rows (decode rows
         only); whether one was found."""
         if any(s.num_new_tokens != 1 for s in rows):

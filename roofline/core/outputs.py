@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,20 +50,139 @@ class ScheduledRequest:
         return prompt[start:] + output[: end - num_prompt]
 
 
-@dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    """Requests computed this step, in the order the runner lays out the ragged batch."""
-    num_batched_tokens: int
-    """Sum of ``num_new_tokens`` (never above ``max_num_batched_tokens``)."""
-    preempted_request_ids: list[str] = field(default_factory=list)
-    """Requests whose pages were taken in this ``schedule()`` call (they will recompute)."""
-    finished_request_ids: list[str] = field(default_factory=list)
-    """Requests finished or aborted since the previous step: the runner drops their state."""
+    """One step's plan, array-shaped: entry ``i`` of ``requests``, ``num_new_tokens``,
+    ``block_ids``, ``start_positions`` and ``samples`` is one scheduled request (the fields of
+    :class:`ScheduledRequest`), in the order the runner lays out the ragged batch. The scheduler
+    appends to these lists once per request per step, which costs a fraction of building an
+    object per request; the per-step loops (the host batch, ``Scheduler.update``) walk them
+    with ``zip``. ``scheduled`` gives the same plan as :class:`ScheduledRequest` objects, built
+    on first use, for the code that wants them (speculative decoding, tests, the planner); it
+    may also be given instead of the lists."""
+
+    __slots__ = (
+        "requests",
+        "num_new_tokens",
+        "block_ids",
+        "start_positions",
+        "samples",
+        "num_batched_tokens",
+        "preempted_request_ids",
+        "finished_request_ids",
+        "_scheduled",
+    )
+
+    def __init__(
+        self,
+        scheduled: list[ScheduledRequest] | None = None,
+        num_batched_tokens: int = 0,
+        preempted_request_ids: list[str] | None = None,
+        finished_request_ids: list[str] | None = None,
+        *,
+        rows: tuple[list[Request], list[int], list[list[int]], list[int], list[bool]] | None = None,
+    ) -> None:
+        if rows is None:
+            scheduled = scheduled or []
+            rows = (
+                [s.request for s in scheduled],
+                [s.num_new_tokens for s in scheduled],
+                [s.block_ids for s in scheduled],
+                [s.start_position for s in scheduled],
+                [s.samples for s in scheduled],
+            )
+        elif scheduled is not None:
+            raise ValueError("give the scheduled requests as entries or as rows, not both")
+        self.requests, self.num_new_tokens, self.block_ids, self.start_positions, self.samples = (
+            rows
+        )
+        self._scheduled = scheduled
+        self.num_batched_tokens = num_batched_tokens
+        """Sum of ``num_new_tokens`` (never above ``max_num_batched_tokens``)."""
+        self.preempted_request_ids = preempted_request_ids if preempted_request_ids else []
+        """Requests whose pages were taken in this ``schedule()`` call (they will recompute)."""
+        self.finished_request_ids = finished_request_ids if finished_request_ids else []
+        """Requests finished or aborted since the previous step: the runner drops their state."""
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Requests computed this step, in the order the runner lays out the ragged batch."""
+        if self._scheduled is None:
+            self._scheduled = list(
+                map(
+                    ScheduledRequest,
+                    self.requests,
+                    self.num_new_tokens,
+                    self.block_ids,
+                    self.start_positions,
+                    self.samples,
+                )
+            )
+        return self._scheduled
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.requests
+
+    def view(self, num_rows: int | None = None) -> ScheduledView:
+        """The first ``num_rows`` (all) scheduled requests as a sequence of
+        :class:`ScheduledRequest` that builds them only when read (its length is free)."""
+        return ScheduledView(self, len(self.requests) if num_rows is None else num_rows)
+
+    def reordered(self, order: list[int]) -> SchedulerOutput:
+        """The same plan with its requests in ``order`` (indices into this one's)."""
+        rows = tuple(
+            [values[i] for i in order]
+            for values in (
+                self.requests,
+                self.num_new_tokens,
+                self.block_ids,
+                self.start_positions,
+                self.samples,
+            )
+        )
+        return SchedulerOutput(
+            None,
+            self.num_batched_tokens,
+            self.preempted_request_ids,
+            self.finished_request_ids,
+            rows=rows,  # type: ignore[arg-type]
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerOutput({self.scheduled!r}, num_batched_tokens={self.num_batched_tokens}, "
+            f"preempted_request_ids={self.preempted_request_ids}, "
+            f"finished_request_ids={self.finished_request_ids})"
+        )
+
+
+class ScheduledView(Sequence[ScheduledRequest]):
+    """The first ``num_rows`` requests of a ``SchedulerOutput`` as :class:`ScheduledRequest`
+    objects, built on first read: a consumer that often needs only the count (the shared-prefix
+    detector between its rescans) costs nothing per row then."""
+
+    def __init__(self, out: SchedulerOutput, num_rows: int) -> None:
+        self._out, self._num_rows = out, num_rows
+        self._rows: list[ScheduledRequest] | None = None
+
+    def rows(self) -> list[ScheduledRequest]:
+        if self._rows is None:
+            rows = self._out.scheduled
+            self._rows = rows if self._num_rows == len(rows) else rows[: self._num_rows]
+        return self._rows
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.rows()[index]
+
+    def __iter__(self) -> Iterator[ScheduledRequest]:
+        return iter(self.rows())
 
 
 class TokenLogprobs(NamedTuple):

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from roofline.config import SchedulerConfig
 from roofline.core.kv_cache_manager import KVCacheManager, PrefixHit
 from roofline.core.outputs import (
     ModelRunnerOutput,
     RequestUpdate,
-    ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
     VerifiedTokens,
@@ -39,16 +37,41 @@ def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
-@dataclass
 class _Step:
-    """What one ``schedule()`` call has decided so far."""
+    """What one ``schedule()`` call has decided so far: the scheduled requests as parallel
+    lists (``SchedulerOutput``'s rows)."""
 
-    budget: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """In scheduling order (running requests first, then admitted ones)."""
-    preempted_ids: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    """Sum of the scheduled requests' ``num_new_tokens``."""
+    __slots__ = (
+        "budget",
+        "requests",
+        "num_new_tokens",
+        "block_ids",
+        "start_positions",
+        "samples",
+        "preempted_ids",
+        "num_tokens",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.requests: list[Request] = []
+        self.num_new_tokens: list[int] = []
+        self.block_ids: list[list[int]] = []
+        self.start_positions: list[int] = []
+        self.samples: list[bool] = []
+        self.preempted_ids: list[str] = []
+        self.num_tokens = 0
+        """Sum of the scheduled requests' ``num_new_tokens``."""
+
+    @property
+    def rows(self) -> tuple[list[Request], list[int], list[list[int]], list[int], list[bool]]:
+        return (
+            self.requests,
+            self.num_new_tokens,
+            self.block_ids,
+            self.start_positions,
+            self.samples,
+        )
 
     def add(
         self, request: Request, num_new_tokens: int, block_ids: list[int], num_tokens: int = -1
@@ -57,20 +80,25 @@ class _Step:
         start = request.num_computed_tokens
         if num_tokens < 0:
             num_tokens = request.num_tokens
-        samples = start + num_new_tokens == num_tokens
-        self.scheduled.append(ScheduledRequest(request, num_new_tokens, block_ids, start, samples))
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.block_ids.append(block_ids)
+        self.start_positions.append(start)
+        self.samples.append(start + num_new_tokens == num_tokens)
         self.budget -= num_new_tokens
         self.num_tokens += num_new_tokens
 
     def unschedule(self, request: Request) -> None:
         """Take back ``request``'s entry, if it has one (a preemption victim: rare, so a scan
         from the end, where the running list's last request usually sits)."""
-        scheduled = self.scheduled
-        for i in range(len(scheduled) - 1, -1, -1):
-            if scheduled[i].request is request:
-                entry = scheduled.pop(i)
-                self.budget += entry.num_new_tokens
-                self.num_tokens -= entry.num_new_tokens
+        requests = self.requests
+        for i in range(len(requests) - 1, -1, -1):
+            if requests[i] is request:
+                num_new = self.num_new_tokens[i]
+                for values in self.rows:
+                    del values[i]
+                self.budget += num_new
+                self.num_tokens -= num_new
                 return
 
 
@@ -164,17 +192,16 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_ids:
             self._schedule_waiting(step)
-        scheduled = step.scheduled
-        for entry in scheduled:  # decided: the step's tokens count as computed from now on
-            request = entry.request
-            request.num_computed_tokens += entry.num_new_tokens
-            if entry.samples:
+        for request, num_new, samples in zip(step.requests, step.num_new_tokens, step.samples):
+            request.num_computed_tokens += num_new  # decided: they count as computed from now
+            if samples:
                 request.num_pending_tokens += 1
         out = SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=step.num_tokens,
-            preempted_request_ids=step.preempted_ids,
-            finished_request_ids=self._finished_ids,
+            None,
+            step.num_tokens,
+            step.preempted_ids,
+            self._finished_ids,
+            rows=step.rows,
         )
         self._finished_ids = []
         return out
@@ -189,8 +216,9 @@ class Scheduler:
         kv = self.kv
         allocate = kv.allocate
         covered = kv.covered
-        scheduled = step.scheduled
-        add_entry = scheduled.append
+        add_request, add_num_new = step.requests.append, step.num_new_tokens.append
+        add_block_ids, add_start = step.block_ids.append, step.start_positions.append
+        add_samples = step.samples.append
         budget, num_step_tokens = step.budget, step.num_tokens
         for request in list(self.running):
             if budget == 0:
@@ -213,11 +241,11 @@ class Scheduler:
             if not spec:
                 block_ids = covered(request, start + num_new, num_prompt + num_output)
                 if block_ids is not None:  # no page to add (most decode steps)
-                    add_entry(
-                        ScheduledRequest(
-                            request, num_new, block_ids, start, start + num_new == num_tokens
-                        )
-                    )
+                    add_request(request)
+                    add_num_new(num_new)
+                    add_block_ids(block_ids)
+                    add_start(start)
+                    add_samples(start + num_new == num_tokens)
                     budget -= num_new
                     num_step_tokens += num_new
                     continue
@@ -392,14 +420,15 @@ class Scheduler:
         request preempted since (async scheduling) still gets its token: it was computed from
         the right prefix."""
         updates: list[RequestUpdate] = []
+        add_update = updates.append
         now = time.monotonic()
         sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
         verified = runner_out.verified
         max_model_len = self.config.max_model_len
-        for entry in sched_out.scheduled:  # once per request per step: kept lean
-            if not entry.samples:
+        num_unreported = 0
+        for request, samples in zip(sched_out.requests, sched_out.samples):  # kept lean:
+            if not samples:  # once per request per step
                 continue  # a partial prefill chunk
-            request = entry.request
             if request.status.finished:
                 continue  # finished/aborted mid-step: stay so
             request.num_pending_tokens -= 1
@@ -408,11 +437,12 @@ class Scheduler:
             request.last_token_time = now
             rid = request.request_id
             if verified and rid in verified:
-                updates.append(self._update_verified(request, verified[rid]))
+                add_update(self._update_verified(request, verified[rid]))
                 continue
             token = sampled[rid]
             output = request.output_token_ids
             output.append(token)
+            num_output = len(output)
             logprobs: list[TokenLogprobs] = []
             if all_logprobs and rid in all_logprobs:
                 logprobs.append(all_logprobs[rid])
@@ -420,18 +450,19 @@ class Scheduler:
             if (
                 token in request.eos_token_ids
                 or request.sampling_params.stop_token_ids
-                or len(output) >= request.max_tokens
-                or len(request.prompt_token_ids) + len(output) >= max_model_len
+                or num_output >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len
             ):
                 status = self._check_stop(request, token)
                 if status is not None:
                     self._finish(request, status)
-                    updates.append(RequestUpdate(request, [token], logprobs, True))
+                    add_update(RequestUpdate(request, [token], logprobs, True))
                     continue
-            if request.quiet and len(output) > 1:  # nobody reads it before it finishes
-                self.num_unreported_tokens += 1
+            if request.quiet and num_output > 1:  # nobody reads it before it finishes
+                num_unreported += 1
                 continue
-            updates.append(RequestUpdate(request, [token], logprobs, False))
+            add_update(RequestUpdate(request, [token], logprobs, False))
+        self.num_unreported_tokens += num_unreported
         return updates
 
     def _update_verified(self, request: Request, verified: VerifiedTokens) -> RequestUpdate:

@@ -64,6 +64,12 @@ class BlockTables:
         self._free = list(range(num_rows - 1, -1, -1))  # pop() hands out row 0 first
 
     @property
+    def rows(self) -> dict[str, _Row]:
+        """Request id -> its row (read-only: ``HostBatch.build`` checks the common case, a row
+        already holding the request's pages, without a call per request)."""
+        return self._rows
+
+    @property
     def num_rows_in_use(self) -> int:
         return len(self._rows)
 

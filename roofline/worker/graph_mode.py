@@ -140,18 +140,18 @@ class MixedStepPath:
         """The shared-prefix plan of a decode-first step's decode rows: a decode-only step's
         (the cascade decode graphs), or an eagerly run mixed step's (its split attention);
         None for a mixed step that fits a graph bucket (checked before any per-row work)."""
-        scheduled = sched_out.scheduled
-        if sched_out.num_batched_tokens == len(scheduled):  # decode-only
-            return detector.plan_rows(scheduled)
+        num_new = sched_out.num_new_tokens
+        if sched_out.num_batched_tokens == len(num_new):  # decode-only
+            return detector.plan_rows(sched_out.view())
         graphs = self.graphs
         if graphs is not None and sched_out.num_batched_tokens <= graphs.buckets[-1]:
             return None  # most such steps replay a bucket's graph, which has no cascade
         num_decodes = 0
-        for s in scheduled:
-            if s.num_new_tokens != 1:
+        for n in num_new:
+            if n != 1:
                 break
             num_decodes += 1
-        return detector.plan_rows(scheduled[:num_decodes])
+        return detector.plan_rows(sched_out.view(num_decodes))
 
     def plan(self, batch: HostBatch) -> MixedPlan | None:
         """None for a decode-only step (the decode graphs' business)."""

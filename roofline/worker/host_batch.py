@@ -79,25 +79,30 @@ class HostBatch:
         add_sample_row, add_sample_request = b.sample_rows.append, b.sample_requests.append
         add_pending_row, add_pending_request = b.pending_rows.append, b.pending_requests.append
         row_of, updates = tables.row_of, b.table_updates
+        get_row = tables.rows.get
         num_rows = 0
-        for s in sched_out.scheduled:
-            req, start, n = s.request, s.start_position, s.num_new_tokens
+        for req, n, bt, start, samples in zip(
+            sched_out.requests,
+            sched_out.num_new_tokens,
+            sched_out.block_ids,
+            sched_out.start_positions,
+            sched_out.samples,
+        ):
             end = start + n
             known = len(req.prompt_token_ids) + len(req.output_token_ids)
             num_spec = len(req.spec_token_ids)
             known += num_spec
-            bt = s.block_ids
             if end > known:  # the last input token is pending (sampled by the last launch)
                 if end != known + 1:
                     raise RuntimeError(f"request {req.request_id}: more than one pending input")
                 add_pending_row(num_rows + n - 1)
                 add_pending_request(req.request_id)
             if n == 1:  # a decode row (or a one-token chunk): no ranges, no list copies
-                add_id(0 if end > known else s.token_ids[0])
+                add_id(0 if end > known else _known_ids(req, start, end, num_spec)[0])
                 add_position(start)
                 add_slot(bt[start // page] * page + start % page)
             else:
-                input_ids.extend(s.token_ids)
+                input_ids.extend(_known_ids(req, start, end, num_spec))
                 if end > known:
                     add_id(0)
                 positions.extend(range(start, end))
@@ -110,14 +115,41 @@ class HostBatch:
             num_rows += n
             add_start(num_rows)
             add_seq_len(end)
-            add_table_row(row_of(req, bt, updates))
-            if s.samples:
+            # most decode steps: the request's row as it is (``BlockTables.row_of``'s first case)
+            row = get_row(req.request_id)
+            if (
+                row is not None
+                and row.num_pages == len(bt)
+                and row.request is req
+                and (not bt or bt[-1] == row.last_page)
+            ):
+                add_table_row(row.index)
+            else:
+                add_table_row(row_of(req, bt, updates))
+            if samples:
                 if num_spec:  # a verification row: the known token and every proposal
                     b.sample_rows.extend(range(num_rows - 1 - num_spec, num_rows - 1))
                     b.verifies = True
                 add_sample_row(num_rows - 1)
                 add_sample_request(req)
         return b
+
+
+def _known_ids(request: Request, start: int, end: int, num_spec: int) -> list[int]:
+    """``ScheduledRequest.token_ids`` of a row (positions ``[start, end)``): the ids the host
+    knows, then the proposals it verifies (pending tokens excluded)."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    if num_spec:
+        known = num_prompt + len(output)
+        return (
+            _known_ids(request, start, min(end, known), 0) + request.spec_token_ids[: end - known]
+        )
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:  # decode rows: never copy the whole sequence
+        return output[start - num_prompt : end - num_prompt]
+    return prompt[start:] + output[: end - num_prompt]
 
 
 def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

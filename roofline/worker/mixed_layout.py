@@ -9,8 +9,6 @@ tests. A bucket of ``T`` query rows holds ``num_decode_slots(T)`` decode rows an
 
 from __future__ import annotations
 
-import dataclasses
-
 from roofline.core.outputs import SchedulerOutput
 from roofline.worker.host_batch import HostBatch
 
@@ -49,16 +47,16 @@ def decode_first(sched_out: SchedulerOutput) -> SchedulerOutput:
     already are (the scheduler lists running requests, mostly decodes, before new ones). The
     check walks only the trailing multi-token requests: the ones before them are all one-token
     exactly when their count equals the tokens left (``num_batched_tokens`` is the sum)."""
-    scheduled = sched_out.scheduled
-    i, tail_tokens = len(scheduled), 0
-    while i and scheduled[i - 1].num_new_tokens != 1:
+    num_new = sched_out.num_new_tokens
+    i, tail_tokens = len(num_new), 0
+    while i and num_new[i - 1] != 1:
         i -= 1
-        tail_tokens += scheduled[i].num_new_tokens
+        tail_tokens += num_new[i]
     if sched_out.num_batched_tokens - tail_tokens == i:
         return sched_out
-    ones = [s for s in scheduled if s.num_new_tokens == 1]
-    rest = [s for s in scheduled if s.num_new_tokens != 1]
-    return dataclasses.replace(sched_out, scheduled=ones + rest)
+    ones = [k for k, n in enumerate(num_new) if n == 1]
+    rest = [k for k, n in enumerate(num_new) if n != 1]
+    return sched_out.reordered(ones + rest)
 
 
 MAX_GRAPH_PREFILLS = 16

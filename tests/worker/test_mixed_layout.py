@@ -3,7 +3,9 @@ order, the padded per-request lists a bucket's graph reads. Exact values, no dev
 
 from __future__ import annotations
 
-from roofline.core.outputs import SchedulerOutput
+from roofline.core.outputs import ScheduledRequest, SchedulerOutput
+from roofline.request import Request
+from roofline.sampling_params import SamplingParams
 from roofline.worker.host_batch import HostBatch
 from roofline.worker.mixed_layout import (
     MAX_GRAPH_PREFILLS,
@@ -17,14 +19,12 @@ from roofline.worker.mixed_layout import (
 )
 
 
-class _Sched:
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.num_new_tokens = name, n
-
-
 def _out(*lens: int) -> SchedulerOutput:
-    scheduled = [_Sched(f"r{i}", n) for i, n in enumerate(lens)]
-    return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(lens))  # type: ignore[arg-type]
+    scheduled = [
+        ScheduledRequest(Request(f"r{i}", [1], SamplingParams()), n, [0], 0, True)
+        for i, n in enumerate(lens)
+    ]
+    return SchedulerOutput(scheduled=scheduled, num_batched_tokens=sum(lens))
 
 
 def _batch(query_lens: list[int], seq_lens: list[int]) -> HostBatch:
@@ -67,8 +67,9 @@ def test_decode_first_is_stable_and_lazy() -> None:
     assert decode_first(out) is out  # already decode-first: no copy
     out = _out(1, 7, 1, 3, 1)
     reordered = decode_first(out)
-    assert [s.name for s in reordered.scheduled] == ["r0", "r2", "r4", "r1", "r3"]
-    assert [s.name for s in out.scheduled] == ["r0", "r1", "r2", "r3", "r4"]  # untouched
+    assert [s.request.request_id for s in reordered.scheduled] == ["r0", "r2", "r4", "r1", "r3"]
+    # the original is untouched
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2", "r3", "r4"]
     assert reordered.num_batched_tokens == out.num_batched_tokens
     decode_only = _out(1, 1, 1)
     assert decode_first(decode_only) is decode_only
