@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from roofline.request import Request
@@ -194,18 +194,58 @@ class TokenLogprobs(NamedTuple):
     """The ``logprobs`` most likely (token id, logprob) pairs, most likely first."""
 
 
-@dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    """request_id -> sampled token, for every scheduled request whose ``samples`` is True."""
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    """request_id -> log-probabilities of the sampled token, for requests that asked."""
-    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
-    """request_id -> what the verifier emitted, for requests scheduled with proposals (their
-    ``sampled_token_ids`` entry is the last emitted token)."""
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    """request_id -> (prompt index of the first entry, entries) for the prompt tokens this step
-    predicted, for requests with ``prompt_logprobs`` (``worker/prompt_logprobs.py``)."""
+    """What a step sampled. ``sampled_token_ids`` maps request ids to their tokens; a runner
+    that laid the step's sampling requests out in their ``SchedulerOutput`` order may give the
+    ids as a list instead (``token_ids`` with ``request_ids``), which ``Scheduler.update`` walks
+    by position: the dict is then built only if something reads it."""
+
+    __slots__ = ("_sampled", "logprobs", "verified", "prompt_logprobs", "token_ids", "request_ids")
+
+    def __init__(
+        self,
+        sampled_token_ids: dict[str, int] | None = None,
+        logprobs: dict[str, TokenLogprobs] | None = None,
+        verified: dict[str, VerifiedTokens] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        request_ids: list[str] | None = None,
+    ) -> None:
+        if (token_ids is None) != (request_ids is None):
+            raise ValueError("token_ids and request_ids come together")
+        if token_ids is not None and sampled_token_ids is not None:
+            raise ValueError("give the sampled ids as a dict or as lists, not both")
+        self._sampled = sampled_token_ids
+        self.logprobs: dict[str, TokenLogprobs] = {} if logprobs is None else logprobs
+        """request_id -> log-probabilities of the sampled token, for requests that asked."""
+        self.verified: dict[str, VerifiedTokens] = {} if verified is None else verified
+        """request_id -> what the verifier emitted, for requests scheduled with proposals
+        (their ``sampled_token_ids`` entry is the last emitted token)."""
+        self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = (
+            {} if prompt_logprobs is None else prompt_logprobs
+        )
+        """request_id -> (prompt index of the first entry, entries) for the prompt tokens this
+        step predicted, for requests with ``prompt_logprobs`` (``worker/prompt_logprobs.py``)."""
+        self.token_ids = token_ids
+        """The sampled ids in the order of the step's sampling requests (its
+        ``SchedulerOutput`` entries with ``samples``), or None (read ``sampled_token_ids``)."""
+        self.request_ids = request_ids
+        """The request id of each entry of ``token_ids``."""
+
+    @property
+    def sampled_token_ids(self) -> dict[str, int]:
+        """request_id -> sampled token, for every scheduled request whose ``samples`` is True."""
+        if self._sampled is None:
+            ids = self.token_ids
+            self._sampled = {} if ids is None else dict(zip(self.request_ids, ids))  # type: ignore[arg-type]
+        return self._sampled
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelRunnerOutput({self.sampled_token_ids!r}, logprobs={self.logprobs!r}, "
+            f"verified={self.verified!r}, prompt_logprobs={self.prompt_logprobs!r})"
+        )
 
 
 @dataclass

@@ -422,13 +422,16 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         add_update = updates.append
         now = time.monotonic()
-        sampled, all_logprobs = runner_out.sampled_token_ids, runner_out.logprobs
-        verified = runner_out.verified
+        all_logprobs, verified = runner_out.logprobs, runner_out.verified
+        token_ids = runner_out.token_ids  # in the step's order, or None: by request id
+        sampled = runner_out.sampled_token_ids if token_ids is None else None
+        index = -1  # of the sampling entry, in token_ids
         max_model_len = self.config.max_model_len
         num_unreported = 0
         for request, samples in zip(sched_out.requests, sched_out.samples):  # kept lean:
             if not samples:  # once per request per step
                 continue  # a partial prefill chunk
+            index += 1
             if request.status.finished:
                 continue  # finished/aborted mid-step: stay so
             request.num_pending_tokens -= 1
@@ -439,7 +442,7 @@ class Scheduler:
             if verified and rid in verified:
                 add_update(self._update_verified(request, verified[rid]))
                 continue
-            token = sampled[rid]
+            token = sampled[rid] if token_ids is None else token_ids[index]  # type: ignore[index]
             output = request.output_token_ids
             output.append(token)
             num_output = len(output)

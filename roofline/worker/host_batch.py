@@ -47,6 +47,9 @@ class HostBatch:
     verifies: bool = False
     """Some sampling request carries proposals: its last ``1 + k`` rows all sample (in
     ``sample_rows``), and the verifier, not the sampler, decides its tokens."""
+    one_row_each: bool = False
+    """Known to have one row per request (built from a decode-only step): ``max_query_len``
+    is 1 without a scan of ``query_start``."""
 
     @property
     def num_reqs(self) -> int:
@@ -63,10 +66,14 @@ class HostBatch:
 
     @property
     def max_query_len(self) -> int:
+        if self.one_row_each and self.seq_lens:
+            return 1
         return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
 
     @classmethod
     def build(cls, sched_out: SchedulerOutput, page: int, tables: BlockTables) -> HostBatch:
+        if sched_out.num_batched_tokens == len(sched_out.requests):
+            return cls._build_decode(sched_out, page, tables)
         b = cls(page)
         input_ids, positions, slots, query_start = b.input_ids, b.positions, b.slots, b.query_start
         # The loop body runs once per scheduled request per step: bound methods hoisted.
@@ -132,6 +139,60 @@ class HostBatch:
                     b.verifies = True
                 add_sample_row(num_rows - 1)
                 add_sample_request(req)
+        return b
+
+    @classmethod
+    def _build_decode(cls, sched_out: SchedulerOutput, page: int, tables: BlockTables) -> HostBatch:
+        """``build`` for a step of one token per request (steady decode), in the same layout:
+        the per-request lists whose entries follow from the start positions alone come from
+        list comprehensions, the rest from one lean loop."""
+        starts, block_ids = sched_out.start_positions, sched_out.block_ids
+        n = len(starts)
+        b = cls(
+            page,
+            positions=starts[:],
+            slots=[bt[s // page] * page + s % page for bt, s in zip(block_ids, starts)],
+            query_start=list(range(n + 1)),
+            seq_lens=[s + 1 for s in starts],
+            one_row_each=True,
+        )
+        input_ids, table_rows, updates = b.input_ids, b.table_rows, b.table_updates
+        add_id, add_table_row = input_ids.append, table_rows.append
+        add_pending_row, add_pending_request = b.pending_rows.append, b.pending_requests.append
+        row_of, get_row = tables.row_of, tables.rows.get
+        sample_rows, sample_requests = b.sample_rows, b.sample_requests
+        i = 0
+        for req, bt, start, samples in zip(
+            sched_out.requests, block_ids, starts, sched_out.samples
+        ):
+            num_spec = len(req.spec_token_ids)
+            known = len(req.prompt_token_ids) + len(req.output_token_ids) + num_spec
+            if start >= known:  # the input token is pending (sampled by the last launch)
+                if start != known:
+                    raise RuntimeError(f"request {req.request_id}: more than one pending input")
+                add_pending_row(i)
+                add_pending_request(req.request_id)
+                add_id(0)
+            else:
+                add_id(_known_ids(req, start, start + 1, num_spec)[0])
+            # most steps: the request's row as it is (``BlockTables.row_of``'s first case)
+            row = get_row(req.request_id)
+            if (
+                row is not None
+                and row.num_pages == len(bt)
+                and row.request is req
+                and (not bt or bt[-1] == row.last_page)
+            ):
+                add_table_row(row.index)
+            else:
+                add_table_row(row_of(req, bt, updates))
+            if samples:
+                if num_spec:  # (as ``build``'s general case lays a verification row out)
+                    sample_rows.extend(range(i - num_spec, i))
+                    b.verifies = True
+                sample_rows.append(i)
+                sample_requests.append(req)
+            i += 1
         return b
 
 

@@ -125,8 +125,8 @@ class ModelRunner:
         """Graphs for steps of 2..1+k rows per request (verification, a draft's catch-up)."""
         self._prev_sampled: torch.Tensor | None = None
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
-        self._prev_rows: dict[str, int] = {}
-        """request id -> its row in ``_prev_sampled``."""
+        self._prev_ids: list[str] = []
+        """The request id of each row of ``_prev_sampled``."""
         self.cascade: SharedPrefixDetector | None = None
         """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
         if cascade_attention and getattr(self.backend, "supports_cascade", False):
@@ -338,6 +338,7 @@ class ModelRunner:
                 cascade = self.cascade.plan(sched_out)
         if sched_out.is_empty:
             return StepHandle([], None, [])
+        planned = sched_out
         if self.mixed is not None:
             sched_out = self.mixed.decode_first(sched_out)
             if self.cascade is not None:  # decode-only, or an eager mixed step's decode rows
@@ -346,6 +347,7 @@ class ModelRunner:
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
         handle.waiter, handle.num_tokens = self.device_waiter, batch.num_tokens
+        handle.in_order = sched_out is planned  # the sampled rows in the step's own order
         return handle
 
     def launch_batch(
@@ -428,7 +430,7 @@ class ModelRunner:
         if gather:
             hidden = hidden.index_select(0, sample_rows)  # [num_sampled, hidden]
         if not batch.sample_rows:
-            self._prev_sampled, self._prev_rows = None, {}
+            self._prev_sampled, self._prev_ids = None, []
             return StepHandle([], None, [], prompt_lps)
         requests = batch.sample_requests
         # float32 logits where something edits or verifies them; else the head's dtype (the
@@ -441,7 +443,7 @@ class ModelRunner:
         if mask_logits is not None:  # with verification: 1 + k rows per speculating request
             mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it
-            self._prev_sampled, self._prev_rows = None, {}
+            self._prev_sampled, self._prev_ids = None, []
             if on_device_ok(requests):  # accept/reject on the device, one copy to the host
                 return launch_verification(logits, requests)  # type: ignore[return-value]
             return verify_step(self.sampler, self.verifier, logits, requests)
@@ -450,8 +452,8 @@ class ModelRunner:
         else:
             out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
-        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
-        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps)
+        self._prev_ids = ids = [r.request_id for r in requests]
+        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
@@ -511,12 +513,15 @@ class ModelRunner:
         dst = batch.pending_rows
         if not dst:
             return [], []
+        prev_ids = self._prev_ids
+        num_pending = len(dst)
+        if dst[-1] == num_pending - 1 and prev_ids[:num_pending] == batch.pending_requests:
+            return [], []  # rows 0..k-1 on both sides (dst is increasing from 0)
+        rows = {rid: i for i, rid in enumerate(prev_ids)}
         try:
-            src = list(map(self._prev_rows.__getitem__, batch.pending_requests))
+            src = list(map(rows.__getitem__, batch.pending_requests))
         except KeyError as e:
             raise RuntimeError(f"request {e} has a pending token no launch sampled") from e
-        if src == dst and dst[-1] == len(dst) - 1:
-            return [], []
         return src, dst
 
     def _pending_inputs(
@@ -558,8 +563,14 @@ class StepHandle:
         token_ids: torch.Tensor | None,
         logprobs: list[TokenLogprobs | None],
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
+        request_ids: list[str] | None = None,
     ) -> None:
         self._requests = requests
+        self._request_ids = request_ids
+        """``[r.request_id for r in requests]`` if the caller has it at hand."""
+        self.in_order = False
+        """Set by ``ModelRunner.launch``: the rows are the step's sampling requests in its
+        ``SchedulerOutput`` order, so ``result`` hands the ids over as a list."""
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
@@ -604,11 +615,21 @@ class StepHandle:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
         self._wait()  # the step's one host sync
         token_ids = self._host.tolist()
-        request_ids = [r.request_id for r in self._requests]
-        sampled = dict(zip(request_ids, token_ids))
+        request_ids = self._request_ids
+        if request_ids is None:
+            request_ids = [r.request_id for r in self._requests]
         logprobs = {}
         if self._logprobs.count(None) != len(self._logprobs):  # some request asked
             logprobs = {rid: lp for rid, lp in zip(request_ids, self._logprobs) if lp is not None}
+        if self.in_order:  # the dict is built only if someone reads it
+            return ModelRunnerOutput(
+                None,
+                logprobs,
+                prompt_logprobs=self._prompt_logprobs,
+                token_ids=token_ids,
+                request_ids=request_ids,
+            )
+        sampled = dict(zip(request_ids, token_ids))
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
