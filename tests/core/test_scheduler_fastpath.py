@@ -3,7 +3,9 @@
 ``Scheduler._schedule_running`` and ``Scheduler.update`` run once per request per step, so they
 inline ``Request.num_tokens``, the pending-token length check and the stop rules' common case.
 ``ReferenceScheduler`` overrides both with the straightforward code (every property read, every
-token through ``_check_stop``). Random runs drive the two side by side with identical inputs:
+token through ``_check_stop``). Random runs drive the two side by side with identical inputs
+(the fast side's async steps get the sampled ids as lists in the step's order, the reference's as
+a dict):
 arrivals, chunked prefill, preemption in a small pool, aborts, async scheduling (one step in
 flight, pending tokens), speculative proposals (synchronous steps, verified tokens), stop
 tokens, EOS, ``max_tokens`` and ``max_model_len``; every step's plan and updates must agree.
@@ -178,6 +180,12 @@ def test_fast_loops_match_the_reference(seed: int, mode: str) -> None:
         assert _plan(outs[0]) == _plan(outs[1])
         runs = [side.run_out(o, random.Random(_step), logprob_ids) for side, o in zip(sides, outs)]
         launched = [(out, ModelRunnerOutput(s, lp, v)) for out, (s, lp, v) in zip(outs, runs)]
+        if mode == "async":  # the fast side gets the ids as lists in the step's order
+            out, (s, lp, _v) = outs[0], runs[0]
+            ids = [r.request_id for r, samples in zip(out.requests, out.samples) if samples]
+            lists = ModelRunnerOutput(None, lp, token_ids=[s[r] for r in ids], request_ids=ids)
+            assert lists.sampled_token_ids == s
+            launched[0] = (out, lists)
         if mode == "async":  # fold the previous step in after launching this one
             if in_flight is not None:
                 results = [side.sched.update(*step) for side, step in zip(sides, in_flight)]
