@@ -43,7 +43,6 @@ from roofline.engine.core_messages import (
     CoreOutputs,
     CoreReady,
     Shutdown,
-    pack_outputs,
     portable,
 )
 from roofline.engine.heap import freeze_startup_heap
@@ -107,11 +106,9 @@ class EngineCore:
             if added:
                 self.channel.send(CoreOutputs(engine.get_stats(), time.monotonic(), added))
             if engine.has_unfinished_requests():
-                step_out = engine.step()
+                step_rows = engine.step_rows()  # the outputs in wire form (pack_outputs')
                 t0 = time.perf_counter()
-                message = CoreOutputs(
-                    engine.get_stats(), time.monotonic(), outputs=pack_outputs(step_out)
-                )
+                message = CoreOutputs(engine.get_stats(), time.monotonic(), outputs=step_rows)
                 t1 = time.perf_counter()
                 self.channel.send(message)
                 self.pack_s += t1 - t0

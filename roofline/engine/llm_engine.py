@@ -31,6 +31,7 @@ from roofline.core.outputs import RequestUpdate, SchedulerOutput, TokenLogprobs
 from roofline.core.scheduler import Scheduler
 from roofline.distributed.expert_parallel import check_moe_parallel
 from roofline.engine.args import EngineArgs
+from roofline.engine.core_messages import pack_outputs
 from roofline.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from roofline.engine.prompt import tokenize_prompt
 from roofline.models.weights import (
@@ -242,6 +243,8 @@ class LLMEngine:
             device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
         )
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._wire_outputs = False
+        """Within ``step_rows``: outputs as wire rows, not ``RequestOutput`` objects."""
         self._deferred: list[RequestUpdate] | None = None
         """A speculative step's folded updates whose outputs the next step builds (while the
         device runs it)."""
@@ -462,6 +465,17 @@ class LLMEngine:
             spec.observe(speculate, num_running, time.perf_counter() - t0 if steady else None)
         return outputs
 
+    def step_rows(self) -> list[tuple]:
+        """``step()`` with its outputs in the wire form of ``core_messages.pack_outputs``, made
+        straight from the engine's state: no ``RequestOutput`` per request per step to build
+        and then take apart (the server's engine core sends these)."""
+        self._wire_outputs = True
+        try:
+            outputs: list = self.step()
+        finally:
+            self._wire_outputs = False
+        return [o if type(o) is tuple else pack_outputs([o])[0] for o in outputs]
+
     def _finish_step(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and fold them in; the step's outputs."""
         return self._emit(self._fold(sched_out, handle))
@@ -511,10 +525,11 @@ class LLMEngine:
             changed[group.request_id] = group
         self._generation_tokens_total += num_generated
         outputs = []
+        make = self._make_row if self._wire_outputs else self._make_output
         for group in changed.values():
             finished = group.finished
             if group.stream or finished:
-                outputs.append(self._make_output(group))
+                outputs.append(make(group))
             if finished:
                 self._drop(group)
         return outputs
@@ -577,7 +592,25 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, group: _Group) -> RequestOutput:
-        # Built once per streaming request per step: positional arguments, no re-reads.
+        request_id, finished, completions, metrics, num_cached, _error, prompt_lps = self._make_row(
+            group
+        )
+        return RequestOutput(
+            request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            [CompletionOutput(*c) for c in completions],
+            finished,
+            RequestMetrics(*metrics),
+            num_cached,
+            None,
+            prompt_lps,
+        )
+
+    def _make_row(self, group: _Group) -> tuple:
+        """The group's output in the wire form of ``core_messages.pack_outputs`` (what the
+        server's engine core sends): built once per streaming request per step, so plain
+        tuples, positional, no re-reads; ``_make_output`` makes the ``RequestOutput`` of it."""
         completions = []
         delta = group.delta
         for i, seq in enumerate(group.seqs):
@@ -597,7 +630,7 @@ class LLMEngine:
                 lps = None if lps is None else list(lps)
             status = seq.status
             completions.append(
-                CompletionOutput(
+                (
                     i,
                     text,
                     token_ids,
@@ -610,7 +643,7 @@ class LLMEngine:
         seqs = group.seqs
         first = seqs[0]
         finished = group.finished
-        metrics = RequestMetrics(
+        metrics = (
             group.arrival_time,
             first.first_scheduled_time,
             first.first_token_time,
@@ -626,12 +659,10 @@ class LLMEngine:
             prompt_lps, group.prompt_logprobs_sent = (
                 (None, True) if group.prompt_logprobs_sent else (prompt_lps, True)
             )
-        return RequestOutput(
+        return (
             group.request_id,
-            group.prompt,
-            group.prompt_token_ids,
-            completions,
             finished,
+            completions,
             metrics,
             first.num_cached_tokens,
             None,

@@ -17,6 +17,7 @@ from roofline.core.kv_cache_manager import KVCacheManager
 from roofline.core.outputs import ModelRunnerOutput
 from roofline.core.scheduler import Scheduler
 from roofline.engine.args import EngineArgs
+from roofline.engine.core_messages import pack_outputs
 from roofline.engine.llm_engine import LLMEngine
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
@@ -117,3 +118,37 @@ def test_scheduler_reports_quiet_requests_on_first_token_and_finish() -> None:
     assert reported["l"] == [[9]] * 6
     assert reported["q"] == [[9], [9]]  # its first token, then the one that finished it
     assert quiet.output_token_ids == [9] * 6 and sched.num_unreported_tokens == 4
+
+
+def _rows_run(engine: LLMEngine, tag: str, wire: bool) -> list[list[tuple]]:
+    """Streamed delta requests (text, logprobs, n = 2, a stop string), every step's outputs in
+    wire form: ``step_rows()``, or ``step()`` packed by ``pack_outputs``. Timestamps dropped."""
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + 7 * i)] for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8 + 5 * i, logprobs=2 if i == 1 else None
+        )
+        if i == 3:
+            params = SamplingParams(temperature=0.0, max_tokens=20, n=2, seed=5)
+        if i == 5:
+            params = SamplingParams(temperature=0.0, max_tokens=30, stop=["a"])
+        engine.add_request(f"{tag}{i}", prompt, params, stream=True, delta=True)
+    steps = []
+    while engine.has_unfinished_requests():
+        rows = engine.step_rows() if wire else pack_outputs(engine.step())
+        steps.append(
+            [
+                (rid.removeprefix(tag), fin, comps, m[5:], cached, err, plp)
+                for rid, fin, comps, m, cached, err, plp in rows
+            ]
+        )
+    return steps
+
+
+def test_wire_rows_match_packed_outputs(tmp_path) -> None:
+    engine = _engine(tmp_path, True)
+    packed = _rows_run(engine, "p", wire=False)
+    assert engine.kv_manager.reset_prefix_cache()  # the same cache hits both times
+    wire = _rows_run(engine, "w", wire=True)
+    assert wire == packed and len(wire) > 10
+    assert any(comps[0][4] for step in wire for _, _, comps, *_ in step)  # logprobs went through
