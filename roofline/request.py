@@ -75,6 +75,18 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        p = self.sampling_params
+        self.argmax_only = (
+            p.temperature < 1e-5  # (the sampler's SAMPLING_EPS)
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and not p.min_tokens
+            and p.logprobs is None
+        )
+        """Its token is always the raw logits' argmax and nothing else is asked of them (greedy,
+        no penalties, no ``min_tokens``, no logprobs): the sampler checks this one flag per row
+        (its sampling params are not changed once the request is made)."""
 
     @property
     def num_prompt_tokens(self) -> int:

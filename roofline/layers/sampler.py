@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -263,6 +264,9 @@ def _plain_greedy(r: Request) -> bool:
     )
 
 
+_ARGMAX_ONLY = attrgetter("argmax_only")
+
+
 def _scan_params(requests: list[Request]) -> tuple[bool, bool]:
     """(every row is ``_plain_greedy``, some row asks for logprobs) in one pass: once per
     step over every sampled row, so the per-row rule is inlined here."""
@@ -306,8 +310,10 @@ class Sampler:
         sees float32."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
+        if all(map(_ARGMAX_ONLY, requests)):  # the common case, one C-level pass
+            return SamplerOutput(greedy_argmax(logits), [None] * len(requests))  # [R]
         plain, logprobs = _scan_params(requests)
-        if plain:  # the common case: no tensors to build
+        if plain:  # no tensors to build
             if not logprobs:
                 return SamplerOutput(greedy_argmax(logits), [None] * len(requests))  # [R]
             logits = logits.float()  # [R, V]

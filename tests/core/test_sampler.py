@@ -361,3 +361,32 @@ def test_chunked_greedy_argmax_matches_argmax_with_ties() -> None:
     assert want[1] == 5 and want[2] == 300 and want[3] == 0
     odd = torch.randn(2, 9973, generator=gen)  # prime vocabulary: the plain path
     assert torch.equal(greedy_argmax(odd, chunked=True), odd.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.0},
+        {"temperature": 1e-6},
+        {"temperature": 0.0, "logprobs": 1},
+        {"temperature": 0.0, "min_tokens": 2},
+        {"temperature": 0.0, "repetition_penalty": 1.1},
+        {"temperature": 0.0, "presence_penalty": 0.5},
+        {"temperature": 0.0, "frequency_penalty": 0.5},
+        {"temperature": 0.0, "top_k": 3, "seed": 1},
+    ],
+)
+def test_argmax_only_flag_matches_the_sampler_rules(kwargs: dict) -> None:
+    """``Request.argmax_only`` (the sampler's one-flag fast path) holds exactly for plain greedy
+    rows without logprobs or ``min_tokens``, and takes the same ids as the full scan."""
+    from roofline.layers.sampler import SAMPLING_EPS, _plain_greedy
+
+    params = SamplingParams(max_tokens=4, **kwargs)
+    r = Request("a", [1, 2], params, max_tokens=4)
+    expected = _plain_greedy(r) and params.logprobs is None and not params.min_tokens
+    assert r.argmax_only == expected and SAMPLING_EPS == 1e-5
+    if r.argmax_only:
+        logits = torch.randn(3, 50)
+        out = Sampler().sample(logits, [r, r, r])
+        assert out.token_ids.tolist() == logits.argmax(-1).tolist()
