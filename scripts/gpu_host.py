@@ -186,7 +186,7 @@ def serve(quick: bool) -> None:
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_compare.py"),
         "--model", "llama-3.1-8b", "--num-prompts", "128" if quick else "256",
         "--input-len", "100:1024", "--output-len", "128" if quick else "256",
-        "--concurrency", "64", "--engine-args", "--load-format dummy --max-model-len 2048",
+        "--concurrency", "64", "--engine-args=--load-format dummy --max-model-len 2048",
         "--json", path,
     ]  # fmt: skip
     t0 = time.perf_counter()
