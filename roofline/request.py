@@ -87,6 +87,13 @@ class Request:
         """Its token is always the raw logits' argmax and nothing else is asked of them (greedy,
         no penalties, no ``min_tokens``, no logprobs): the sampler checks this one flag per row
         (its sampling params are not changed once the request is made)."""
+        self.stop_check_ids = (
+            self.eos_token_ids | frozenset(p.stop_token_ids)
+            if p.stop_token_ids
+            else self.eos_token_ids
+        )
+        """EOS and stop token ids together: a sampled token outside them cannot stop the
+        request (``Scheduler.update`` reads this one set per token)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,7 +23,6 @@ from roofline.core.outputs import (
     ModelRunnerOutput,
     RequestUpdate,
     SchedulerOutput,
-    TokenLogprobs,
     VerifiedTokens,
 )
 from roofline.request import Request, RequestStatus
@@ -446,24 +445,23 @@ class Scheduler:
             output = request.output_token_ids
             output.append(token)
             num_output = len(output)
-            logprobs: list[TokenLogprobs] = []
-            if all_logprobs and rid in all_logprobs:
-                logprobs.append(all_logprobs[rid])
-            # _check_stop decides only when some rule can fire (the common token skips it)
+            # _check_stop decides only when some rule can fire (the common token skips it):
+            # an EOS or stop token, or the length (max_tokens or max_model_len) reached
             if (
-                token in request.eos_token_ids
-                or request.sampling_params.stop_token_ids
+                token in request.stop_check_ids
                 or num_output >= request.max_tokens
                 or len(request.prompt_token_ids) + num_output >= max_model_len
             ):
                 status = self._check_stop(request, token)
                 if status is not None:
                     self._finish(request, status)
+                    logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
                     add_update(RequestUpdate(request, [token], logprobs, True))
                     continue
             if request.quiet and num_output > 1:  # nobody reads it before it finishes
                 num_unreported += 1
                 continue
+            logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
             add_update(RequestUpdate(request, [token], logprobs, False))
         self.num_unreported_tokens += num_unreported
         return updates
