@@ -18,6 +18,7 @@ import torch
 from roofline.core.outputs import SchedulerOutput
 from roofline.request import Request
 from roofline.worker.block_table import BlockTables, TableUpdates
+from roofline.worker.staging import PinnedStaging
 
 
 @dataclass
@@ -213,11 +214,14 @@ def _known_ids(request: Request, start: int, end: int, num_spec: int) -> list[in
     return prompt[start:] + output[: end - num_prompt]
 
 
-def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def upload(
+    lists: list[list[int]], device: torch.device, staging: PinnedStaging | None = None
+) -> list[torch.Tensor]:
     """Int lists -> int64 tensors on ``device`` (views of one tensor), through one host tensor
     (pinned on CUDA) and one asynchronous copy. The lists are packed into an ``array`` (a
     C-level copy per list) and read as a tensor from its buffer: about half the time of
-    ``torch.tensor`` over a Python list of the same ints."""
+    ``torch.tensor`` over a Python list of the same ints. ``staging`` (CUDA): its reused pinned
+    buffers carry the bytes (``worker/staging.py``) instead of a fresh pinned tensor."""
     flat = array("q")
     for values in lists:
         flat.extend(values)
@@ -225,6 +229,8 @@ def upload(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
         packed = torch.empty(0, dtype=torch.int64, device=device)
     elif device.type == "cpu":
         packed = torch.frombuffer(flat, dtype=torch.int64)  # keeps ``flat`` alive
+    elif staging is not None:
+        packed = staging.to_device(flat)
     else:
         host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True)
         host.copy_(torch.frombuffer(flat, dtype=torch.int64))

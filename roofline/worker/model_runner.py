@@ -52,6 +52,7 @@ from roofline.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_logprob_rows,
 )
+from roofline.worker.staging import PinnedStaging
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class ModelRunner:
             self.mixed.bind(self.model, self.kv_caches)
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
+        self.staging = PinnedStaging(device) if device.type == "cuda" else None
+        """Reused pinned buffers for the step's upload (``worker/staging.py``; None: a fresh
+        pinned tensor per step, or none on the CPU)."""
         self.sampler = Sampler()
         self.verifier = Verifier(self.sampler)
         self.graphs: DecodeGraphs | None = None
@@ -484,6 +488,7 @@ class ModelRunner:
                 *extra,
             ],
             self.device,
+            self.staging,
         )
         self.block_tables.apply(flat, pages)
         return _DeviceInputs(ids, pos, slots, seq_lens, query_start, table_rows, rest)

@@ -1,0 +1,59 @@
+"""Pinned host buffers reused from step to step for the step's one host-to-device upload.
+
+``host_batch.upload`` packs a step's int lists into one ``array`` and sends it to the device in
+one asynchronous copy, which needs its bytes in pinned (page-locked) memory. Taking a fresh
+pinned tensor every step goes through PyTorch's caching host allocator (its lock, the events of
+the blocks freed earlier, an event recorded when the tensor dies) and then a tensor-to-tensor
+copy from the array's buffer. :class:`PinnedStaging` instead keeps a small ring of pinned
+buffers: the array's bytes go in with one ``memmove``, the copy to the device is queued, and a
+CUDA event recorded behind it tells when that buffer may be written again (checked, cheaply,
+when the ring comes back to it a few steps later; a step whose copy has not run yet waits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+
+import torch
+
+NUM_BUFFERS = 4
+"""Buffers in the ring: more than the steps in flight (async scheduling keeps one)."""
+MIN_ELEMENTS = 1 << 14
+"""Smallest buffer, in int64 elements (128 KiB): a 256-row decode step needs ~2k."""
+
+
+class PinnedStaging:
+    """A ring of pinned int64 buffers that carry packed step inputs to ``device`` (CUDA)."""
+
+    def __init__(self, device: torch.device, num_buffers: int = NUM_BUFFERS) -> None:
+        if num_buffers < 2:
+            raise ValueError(f"a staging ring needs at least 2 buffers, got {num_buffers}")
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._events: list[torch.cuda.Event | None] = [None] * num_buffers
+        self._next = 0
+
+    def to_device(self, flat: array) -> torch.Tensor:
+        """``flat`` (an ``array('q')``) as an int64 tensor on the device; the copy is queued on
+        the current stream and ``flat`` may be reused as soon as this returns."""
+        if flat.typecode != "q":
+            raise ValueError(f"staging takes array('q'), got typecode {flat.typecode!r}")
+        n = len(flat)
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # the copy that last read this buffer has run (normally long ago)
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < n:
+            size = max(n, MIN_ELEMENTS, 0 if buf is None else 2 * buf.numel())
+            buf = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._buffers[i] = buf
+        if n:
+            ctypes.memmove(buf.data_ptr(), flat.buffer_info()[0], n * flat.itemsize)
+        out = buf[:n].to(self.device, non_blocking=True)
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()
+        event.record()
+        return out
