@@ -97,6 +97,9 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
         setattr(obj, attr, wrapper)
         patched.append((obj, attr))
 
+    graphs = runner.graphs
+    top = graphs.buckets[-1] if graphs is not None else 0
+    head = graphs.heads.get(top) if graphs is not None else None
     build = HostBatch.__dict__["build"]
     try:
         timed(sched, "schedule", "schedule")
@@ -113,12 +116,15 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
         timed(sched, "update", "  update")
         timed(engine, "_emit", "outputs")
         variants = [
-            ("default wait", waiter, staging),
-            ("default wait, a fresh pinned tensor per upload", waiter, None),
-            ("spin", None, staging),
+            ("default wait", waiter, staging, head),
+            ("default wait, a fresh pinned tensor per upload", waiter, None, head),
+            ("default wait, eager LM head and sampler", waiter, staging, None),
+            ("spin", None, staging, head),
         ]
-        for name, wait, stage in variants if not stream else variants[::2]:
+        for name, wait, stage, top_head in variants if not stream else variants[::3]:
             runner.device_waiter, runner.staging = wait, stage
+            if graphs is not None:
+                graphs.heads[top] = top_head
             for _ in range(4):
                 engine.step()
             pieces.clear()
@@ -146,6 +152,8 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
             if obj is not HostBatch:
                 obj.__dict__.pop(attr, None)
         runner.device_waiter, runner.staging = waiter, staging
+        if graphs is not None:
+            graphs.heads[top] = head
         _drain(engine, ids)
 
 
@@ -169,6 +177,38 @@ def staging_parity() -> None:
         bad += any(not torch.equal(a, b) for a, b in zip(got, want))
     torch.cuda.synchronize()
     row("parity pinned staging ring vs fresh pinned upload", f"{200 - bad}/200 identical")
+
+
+def full_head_parity(llm: LLM) -> None:
+    """The largest decode bucket's graph-captured LM head (``graph_head.full_head``) against
+    the eager head: 256 greedy requests (in 100-300, out 24) with it and without it, each from
+    an empty prefix cache (identical tokens expected), and one step's logits compared."""
+    engine = llm.llm_engine
+    graphs = engine.runner.graphs
+    top = graphs.buckets[-1]
+    head = graphs.heads.get(top)
+    if head is None:
+        row("parity full graph head", f"no head captured in bucket {top}")
+        return
+    print(f"full head in bucket {top}: logits {tuple(head.logits.shape)} {head.logits.dtype}")
+    eager = engine.runner.model.compute_logits(graphs.outputs[top], upcast=False)
+    diff = (eager.float() - head.logits.float()).abs().max().item()
+    same_ids = torch.equal(eager.argmax(-1), head.token_ids)
+    wl = workloads.synthetic(top, (100, 300), (24, 24), engine.model_config.vocab_size, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for use_head in (True, False):
+        graphs.heads[top] = head if use_head else None
+        engine.kv_manager.reset_prefix_cache()
+        runs.append(
+            [o.outputs[0].token_ids for o in llm.generate(wl.prompts, params, use_tqdm=False)]
+        )
+    graphs.heads[top] = head
+    same = sum(a == b for a, b in zip(*runs))
+    row(
+        "parity full graph head vs eager head",
+        f"{same}/{top} identical; last replay's logits max|diff| {diff:.1e}, ids equal {same_ids}",
+    )
 
 
 def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
@@ -252,6 +292,7 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
     sections = [
         ("parity staging", staging_parity),
         ("parity 8B", lambda: hp.parity(llm, 32)),
+        ("parity full head", lambda: full_head_parity(llm)),
         ("steady 256", lambda: steady(llm, 256, 40 if args.quick else 80)),
         ("steady 64 streamed", lambda: steady(llm, 64, 60, stream=True)),
         ("profile", lambda: profile_steady(llm, 256, 40)),

@@ -18,7 +18,7 @@ from roofline.attention.metadata import AttentionMetadata
 from roofline.kernels import stage_decode
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.worker.block_table import BlockTables
-from roofline.worker.graph_head import HeadOutputs, capture_head
+from roofline.worker.graph_head import MAX_ROWS, HeadOutputs, capture_head, full_head
 from roofline.worker.pending import PendingInputs, fill_pending
 
 
@@ -85,14 +85,17 @@ class DecodeGraphs:
             # kernels, cuBLAS picks its own and allocates its workspace (a second one, as
             # before, only lengthened the start-up)
             hidden = self.model(ids, pos, ctx)
+            # the head: the skinny-GEMM kernel for the small buckets, the model's own head in
+            # the largest (graph_head.full_head); None in between
+            head = full_head if bs == self.buckets[-1] and bs > MAX_ROWS else capture_head
             if self.capture_heads:
-                capture_head(self.model, hidden)
+                head(self.model, hidden)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[bs] = self.model(ids, pos, ctx)
                 if self.capture_heads:
-                    self.heads[bs] = capture_head(self.model, self.outputs[bs])
+                    self.heads[bs] = head(self.model, self.outputs[bs])
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)

@@ -222,9 +222,10 @@ def upload(
     C-level copy per list) and read as a tensor from its buffer: about half the time of
     ``torch.tensor`` over a Python list of the same ints. ``staging`` (CUDA): its reused pinned
     buffers carry the bytes (``worker/staging.py``) instead of a fresh pinned tensor."""
-    flat = array("q")
-    for values in lists:
-        flat.extend(values)
+    joined: list[int] = []
+    for values in lists:  # pointer copies; then one conversion to int64 (array.extend per
+        joined += values  # list converts each int about half as fast as the constructor)
+    flat = array("q", joined)
     if not flat:
         packed = torch.empty(0, dtype=torch.int64, device=device)
     elif device.type == "cpu":

@@ -119,6 +119,7 @@ class ModelRunner:
             self.mixed.bind(self.model, self.kv_caches)
         max_blocks = -(-scheduler_config.max_model_len // self.page_size)
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
+        self._aranged = torch.arange(scheduler_config.max_num_seqs + 1, device=device)
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
         """Reused pinned buffers for the step's upload (``worker/staging.py``; None: a fresh
         pinned tensor per step, or none on the CPU)."""
@@ -440,10 +441,12 @@ class ModelRunner:
         # float32 logits where something edits or verifies them; else the head's dtype (the
         # sampler casts only what needs it: a greedy step skips a [rows, vocab] copy)
         upcast = mask_logits is not None or batch.verifies or self.parallel.is_parallel
+        if head is not None and upcast and head.logits.dtype != torch.float32:
+            head = None  # the largest bucket's 16-bit head: these rows need fp32 logits
         if head is None:
             logits = self.model.compute_logits(hidden, upcast)  # [num_sampled, vocab]
         else:
-            logits = head.logits  # fp32, computed in the decode graph
+            logits = head.logits  # computed in the decode graph (fp32, or 16-bit: see above)
         if mask_logits is not None:  # with verification: 1 + k rows per speculating request
             mask_logits(logits, requests)
         if batch.verifies:  # speculative decoding: no pending ids follow it
@@ -475,13 +478,15 @@ class ModelRunner:
     def _upload(self, batch: HostBatch, *extra: list[int]) -> _DeviceInputs:
         """A step's inputs on the device in one copy (and the block-table updates applied);
         one int64 tensor per ``extra`` list besides."""
+        # one row per request: query_start is 0..n, a view of a device arange (not uploaded)
+        one_row_each = batch.one_row_each
         ids, pos, slots, seq_lens, query_start, table_rows, flat, pages, *rest = upload(
             [
                 batch.input_ids,
                 batch.positions,
                 batch.slots,
                 batch.seq_lens,
-                batch.query_start,
+                [] if one_row_each else batch.query_start,
                 batch.table_rows,
                 batch.table_updates.flat_index,
                 batch.table_updates.page_ids,
@@ -491,7 +496,15 @@ class ModelRunner:
             self.staging,
         )
         self.block_tables.apply(flat, pages)
+        if one_row_each:
+            query_start = self._arange(len(batch.query_start))
         return _DeviceInputs(ids, pos, slots, seq_lens, query_start, table_rows, rest)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """``torch.arange(n)`` (int64) on the device, a view of one kept tensor (read-only)."""
+        if self._aranged.shape[0] < n:
+            self._aranged = torch.arange(max(n, 2 * self._aranged.shape[0]), device=self.device)
+        return self._aranged[:n]
 
     def _metadata(self, batch: HostBatch, dev: _DeviceInputs) -> AttentionMetadata:
         """An eager step's attention metadata (its block table gathered on the device)."""
