@@ -15,8 +15,9 @@ with random bf16 weights and the engine's default settings. Prints a short table
 3. Batch-1 decode of the 8B (512-token prompt): tok/s, spinning and sleeping (>= 169 tok/s).
 4. The default preset (256 x in 100-1024, out 512): % of its roofline, host share.
 5. ``--serve``: ``scripts/serve_compare.py`` on the 8B at 64 requests in flight (256 prompts,
-   in 100-1024, out 256): server vs offline throughput (goal >= 0.95), TPOT p50 vs the offline
-   step (goal <= 1.1) and the engine core's CPU use at that rate (goal < 0.70 of a core).
+   in 100-1024, out 256; ``--serve-quick``: out 128): server vs offline throughput (goal >=
+   0.95), TPOT p50 vs the offline step (goal <= 1.1) and the engine core's CPU use at that rate
+   (goal < 0.70 of a core).
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def serve(quick: bool) -> None:
     cmd = [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_compare.py"),
-        "--model", "llama-3.1-8b", "--num-prompts", "128" if quick else "256",
+        "--model", "llama-3.1-8b", "--num-prompts", "256",
         "--input-len", "100:1024", "--output-len", "128" if quick else "256",
         "--concurrency", "64", "--engine-args=--load-format dummy --max-model-len 2048",
         "--json", path,
@@ -315,6 +316,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--serve", action="store_true", help="also run serve_compare on the 8B")
+    ap.add_argument("--serve-quick", action="store_true", help="serve_compare with out 128")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
@@ -342,7 +344,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.serve:
         try:
-            serve(args.quick)
+            serve(args.serve_quick)
         except Exception:
             traceback.print_exc()
             row("serve_compare", "FAILED (see above)")

@@ -52,7 +52,7 @@ from roofline.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_logprob_rows,
 )
-from roofline.worker.staging import PinnedStaging
+from roofline.worker.staging import HostIdBuffers, PinnedStaging
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class ModelRunner:
         self.block_tables = BlockTables(scheduler_config.max_num_seqs, max_blocks, device)
         self._aranged = torch.arange(scheduler_config.max_num_seqs + 1, device=device)
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
+        self._id_buffers = HostIdBuffers() if device.type == "cuda" else None
+        """Pinned buffers for the sampled ids' copy to the host, reused (``StepHandle``)."""
         """Reused pinned buffers for the step's upload (``worker/staging.py``; None: a fresh
         pinned tensor per step, or none on the CPU)."""
         self.sampler = Sampler()
@@ -460,7 +462,7 @@ class ModelRunner:
             out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
         self._prev_ids = ids = [r.request_id for r in requests]
-        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids)
+        return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids, self._id_buffers)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
@@ -582,6 +584,7 @@ class StepHandle:
         logprobs: list[TokenLogprobs | None],
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
         request_ids: list[str] | None = None,
+        buffers: HostIdBuffers | None = None,
     ) -> None:
         self._requests = requests
         self._request_ids = request_ids
@@ -597,10 +600,18 @@ class StepHandle:
         self.num_tokens = 0
         """Rows of the launched step (the waiter's estimate is kept per step size)."""
         self._host = token_ids
+        self._ids: list[int] | None = None
+        """The ids once read (the pinned buffer then goes back to ``buffers``)."""
+        self._buffers, self._slot = buffers, None
         if token_ids is not None and token_ids.is_cuda:
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            n = token_ids.shape[0]
+            if buffers is not None and token_ids.dim() == 1:
+                self._slot = buffers.take(n, token_ids.dtype)
+                self._host, self._event = self._slot[0][:n], self._slot[1]
+            else:
+                self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+                self._event = torch.cuda.Event()
             self._host.copy_(token_ids, non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
 
     def _wait(self) -> None:
@@ -613,14 +624,23 @@ class StepHandle:
 
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting for the device."""
-        return self._event is None or self._event.query()
+        return self._ids is not None or self._event is None or self._event.query()
+
+    def _read(self) -> list[int]:
+        """The ids (waits for them once; the pinned buffer goes back to the pool then)."""
+        if self._ids is None:
+            self._wait()  # the step's one host sync
+            self._ids = self._host.tolist()  # type: ignore[union-attr]
+            if self._slot is not None:
+                self._buffers.give_back(self._slot)  # type: ignore[union-attr]
+                self._slot = self._host = None
+        return self._ids
 
     def token_ids(self) -> list[int]:
         """The sampled ids in row order (waits for them)."""
-        if self._host is None:
+        if self._host is None and self._ids is None:
             return []
-        self._wait()
-        return self._host.tolist()
+        return list(self._read())
 
     def logprobs(self) -> list[TokenLogprobs | None]:
         return self._logprobs
@@ -629,10 +649,9 @@ class StepHandle:
         return self._prompt_logprobs
 
     def result(self) -> ModelRunnerOutput:
-        if self._host is None:
+        if self._host is None and self._ids is None:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=self._prompt_logprobs)
-        self._wait()  # the step's one host sync
-        token_ids = self._host.tolist()
+        token_ids = list(self._read())
         request_ids = self._request_ids
         if request_ids is None:
             request_ids = [r.request_id for r in self._requests]

@@ -57,3 +57,28 @@ class PinnedStaging:
             event = self._events[i] = torch.cuda.Event()
         event.record()
         return out
+
+
+class HostIdBuffers:
+    """Pinned buffers, each with its CUDA event, for a step's sampled ids on their way to the
+    host (``StepHandle``): taken when the step is launched and given back once the host has
+    read the ids, so that a step neither allocates pinned memory nor creates an event. A
+    buffer is reused only after its reader gave it back; a handle dropped unread keeps its
+    buffer (freed with it), and an empty pool allocates."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+    def take(self, num: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer of at least ``num`` elements of ``dtype`` and its event."""
+        free = self._free
+        while free:
+            buf, event = free.pop()
+            if buf.dtype == dtype and buf.numel() >= num:
+                return buf, event
+        size = max(num, 256)
+        return torch.empty(size, dtype=dtype, pin_memory=True), torch.cuda.Event()
+
+    def give_back(self, slot: tuple[torch.Tensor, torch.cuda.Event]) -> None:
+        """Return a buffer whose contents the host has read (its event has fired)."""
+        self._free.append(slot)
