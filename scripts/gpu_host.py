@@ -8,8 +8,10 @@ with random bf16 weights and the engine's default settings. Prints a short table
    async scheduling on and off (identical tokens expected).
 2. Steady decode at 256 running (prompts 100-1024, ``stream=False`` as ``LLM.generate``, heap
    frozen): ms per step, the engine's host share (``StepTiming``; goal < 15%) with the default
-   DeviceWaiter and spinning, host ms per step by piece, and the process's CPU use; then the
-   same streamed at 64 running (the server's shape). Then a cProfile of 40 steady steps (the
+   DeviceWaiter and spinning, host ms per step by piece, and the process's CPU use; A/B: a fresh
+   pinned tensor per upload, the eager LM head and sampler instead of the largest bucket's
+   graph head; then streamed at 64 running, outputs as the server's core takes them
+   (``step_rows``). Then a cProfile of 40 steady steps (the
    default wait): the functions and torch calls with the most own time, so that the next
    change aims at what the profile says.
 3. Batch-1 decode of the 8B (512-token prompt): tok/s, spinning and sleeping (>= 169 tok/s).
@@ -130,10 +132,11 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
                 engine.step()
             pieces.clear()
             t0 = dataclasses.replace(engine.step_timing)
+            step = engine.step_rows if stream else engine.step  # streamed: as the server core
             with frozen_heap():
                 start, cpu0 = time.perf_counter(), time.process_time()
                 for _ in range(steps):
-                    engine.step()
+                    step()
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
             timing = engine.step_timing.since(t0)
             row(
