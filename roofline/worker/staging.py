@@ -48,15 +48,22 @@ class PinnedStaging:
         buf = self._buffers[i]
         if buf is None or buf.numel() < n:
             size = max(n, MIN_ELEMENTS, 0 if buf is None else 2 * buf.numel())
-            buf = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._buffers[i] = buf
+            buf = self._buffers[i] = self._new_buffer(size)
         if n:
             ctypes.memmove(buf.data_ptr(), flat.buffer_info()[0], n * flat.itemsize)
         out = buf[:n].to(self.device, non_blocking=True)
         if event is None:
-            event = self._events[i] = torch.cuda.Event()
+            event = self._events[i] = self._new_event()
         event.record()
         return out
+
+    @staticmethod
+    def _new_buffer(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int64, pin_memory=True)
+
+    @staticmethod
+    def _new_event() -> torch.cuda.Event:
+        return torch.cuda.Event()
 
 
 class HostIdBuffers:
@@ -76,7 +83,10 @@ class HostIdBuffers:
             buf, event = free.pop()
             if buf.dtype == dtype and buf.numel() >= num:
                 return buf, event
-        size = max(num, 256)
+        return self._new(max(num, 256), dtype)
+
+    @staticmethod
+    def _new(size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
         return torch.empty(size, dtype=dtype, pin_memory=True), torch.cuda.Event()
 
     def give_back(self, slot: tuple[torch.Tensor, torch.cuda.Event]) -> None:
