@@ -143,10 +143,13 @@ class DecodeGraphs:
         """Replay the graph of ``bucket`` (from ``stage_inputs``); the hidden states of the
         ``n`` real rows, ``[n, hidden]`` (a view into the graph's output buffer)."""
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:n]
+        out = self.outputs[bucket]
+        return out if n == bucket else out[:n]
 
     def head(self, bucket: int, n: int) -> HeadOutputs | None:
         """The replayed graph's logits and greedy ids of its ``n`` real rows, where the graph
         computes them (None: the caller runs the LM head)."""
         head = self.heads.get(bucket)
-        return None if head is None else HeadOutputs(head.logits[:n], head.token_ids[:n])
+        if head is None or n == bucket:
+            return head
+        return HeadOutputs(head.logits[:n], head.token_ids[:n])
