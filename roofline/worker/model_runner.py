@@ -461,7 +461,11 @@ class ModelRunner:
         else:
             out = self._sample(logits, requests)
         self._prev_sampled = out.token_ids
-        self._prev_ids = ids = [r.request_id for r in requests]
+        if batch.pending_rows == batch.sample_rows:  # steady decode: the same rows, so the
+            ids = batch.pending_requests  # pending rows' ids are the sampled rows' (no pass)
+        else:
+            ids = [r.request_id for r in requests]
+        self._prev_ids = ids
         return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids, self._id_buffers)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
