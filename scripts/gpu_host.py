@@ -83,7 +83,8 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
     engine = llm.llm_engine
     runner, sched = engine.runner, engine.scheduler
     waiter, staging = runner.device_waiter, runner.staging
-    ids = _add_steady(engine, num_reqs, 2 * steps + 64, stream, seed=11 + num_reqs)
+    num_windows = 2 if stream else 4  # the variants below, each 4 + ``steps`` steps
+    ids = _add_steady(engine, num_reqs, num_windows * (steps + 8) + 64, stream, seed=11 + num_reqs)
     pieces: dict[str, float] = defaultdict(float)
     patched: list[tuple[object, str]] = []
 
@@ -195,7 +196,8 @@ def full_head_parity(llm: LLM) -> None:
         row("parity full graph head", f"no head captured in bucket {top}")
         return
     print(f"full head in bucket {top}: logits {tuple(head.logits.shape)} {head.logits.dtype}")
-    eager = engine.runner.model.compute_logits(graphs.outputs[top], upcast=False)
+    with torch.inference_mode():
+        eager = engine.runner.model.compute_logits(graphs.outputs[top], upcast=False)
     diff = (eager.float() - head.logits.float()).abs().max().item()
     same_ids = torch.equal(eager.argmax(-1), head.token_ids)
     wl = workloads.synthetic(top, (100, 300), (24, 24), engine.model_config.vocab_size, seed=7)
