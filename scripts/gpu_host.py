@@ -190,6 +190,9 @@ def full_head_parity(llm: LLM) -> None:
     an empty prefix cache (identical tokens expected), and one step's logits compared."""
     engine = llm.llm_engine
     graphs = engine.runner.graphs
+    if graphs is None:
+        row("parity full graph head", "no decode graphs (not CUDA)")
+        return
     top = graphs.buckets[-1]
     head = graphs.heads.get(top)
     if head is None:
