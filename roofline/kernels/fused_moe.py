@@ -41,6 +41,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.moe_align import moe_align
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
 GEMV_MAX_TOKENS = 2
@@ -301,12 +302,14 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr, res_ptr,
     N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_rm,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -316,11 +319,35 @@ def _moe_gemv_kernel(
     the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
     int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
     QUANT 2: int4 with group scales and offsets; ``K`` then counts bytes, each holding the
-    weights of elements 2u (low nibble) and 2u + 1 of one group."""
+    weights of elements 2u (low nibble) and 2u + 1 of one group. RESIDUAL (down): the stored
+    row is ``residual + out`` rounded as a separate add would.
+
+    PDL (launched as a programmatic dependent, one token): the gate/up launch waits for its
+    predecessor (the routing) and only then lets the down launch start, so when the down
+    programs start the routing has completed: they read the expert ids and pull their weight
+    rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    if PDL:
+        if MUL_WEIGHT:  # down: the ids are final (see above); the weights never change
+            offs_l = tl.arange(0, PREFETCH_LINES) * LINE_BYTES  # [LINES] byte offsets
+            row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            offs_l = tl.minimum(offs_l, row_bytes - 1)
+            rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+            for j in tl.static_range(PAIRS_PER_PROGRAM):
+                e = tl.load(ids_ptr + row * PAIRS_PER_PROGRAM + j).to(tl.int64)
+                e = tl.where(e < num_experts, e, 0)
+                base = (w_ptr + e * stride_we + rows_n[:, None] * stride_wn).to(
+                    tl.pointer_type(tl.int8)
+                )
+                prefetch_l2(base + offs_l[None, :])  # [BN, LINES]
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        else:  # gate/up: wait for the routing, then let the down launch start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     out_ty = out_ptr.dtype.element_ty
     for j in tl.static_range(PAIRS_PER_PROGRAM):
@@ -379,7 +406,11 @@ def _moe_gemv_kernel(
         if MUL_WEIGHT:
             res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
         total += tl.where(local, res, 0.0)
-    tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
+    result = total.to(out_ty)
+    if RESIDUAL:  # the MoE output rounded, then the add rounded: the separate add's bits
+        r = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_ok, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ty)
+    tl.store(out_ptr + row * stride_om + offs_n, result, mask=n_ok)
 
 
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
@@ -521,8 +552,11 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     w13_offset: torch.Tensor | None = None,
     w2_offset: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
+    """``fused_moe_ref`` on Triton: x [T, H] -> [T, H] (``residual + `` it, rounded as a separate
+    add, when ``residual [T, H]`` is given: fused into the down GEMV's store on the decode
+    path). The decode GEMV path for at most
     GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
     (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
     depends on shapes only.
@@ -539,6 +573,8 @@ def fused_moe(
     inter = two_inter // 2
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} must be x's shape {tuple(x.shape)}")
     if num_tokens == 0:
         return out
     ids = topk_ids.contiguous()
@@ -562,19 +598,28 @@ def fused_moe(
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
         block_n = cfg["BLOCK_N"]
         units = 2 if layout.quant == 2 else 1  # int4: the K loop runs over bytes
+        # PDL at one token: the down launch prefetches its rows while gate/up runs
+        pdl = num_tokens == 1 and not is_interpret() and pdl_enabled()
+        meta: dict = dict(PDL=pdl, LINE_BYTES=128) | (dict(launch_pdl=True) if pdl else {})
+        res = out if residual is None else residual
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, o13, act, ids, weights, inter, hidden // units, num_experts,
+            x, w13, s13, o13, act, ids, weights, res, inter, hidden // units, num_experts,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
-            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
-            QUANT=layout.quant, GROUP=layout.group13, **cfg,
+            res.stride(0), PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True,
+            MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
+            PREFETCH_LINES=1, **cfg, **meta,
         )  # fmt: skip
         if layout.quant:
             cfg.update(GEMV_DOWN_8BIT)
+        row_bytes = (inter // units) * w2.element_size()
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg["BLOCK_N"]))](
-            act, w2, s2, o2, out, ids, weights, hidden, inter // units, num_experts,
+            act, w2, s2, o2, out, ids, weights, res, hidden, inter // units, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
-            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
-            QUANT=layout.quant, GROUP=layout.group2, **cfg,
+            res.stride(0), PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False,
+            MUL_WEIGHT=True, QUANT=layout.quant, GROUP=layout.group2,
+            RESIDUAL=residual is not None,
+            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128)) if pdl else 1,
+            **cfg, **meta,
         )  # fmt: skip
         return out
     if path != "grouped":
@@ -603,4 +648,5 @@ def fused_moe(
             SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, QUANT=layout.quant,
             GROUP=group, **cfg,
         )  # fmt: skip
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    moe_out = per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32)
+    return moe_out.to(x.dtype) if residual is None else residual + moe_out.to(x.dtype)

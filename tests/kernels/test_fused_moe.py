@@ -97,6 +97,50 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_is_the_separate_add(path, dtype) -> None:
+    """``residual=h``: h + fused_moe(x) bit for bit (the GEMV path adds in its down store)."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, top_k, hidden, inter = 8, 2, 64, 48
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    h = (4 * torch.randn(1, hidden, generator=gen)).to(dtype).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 8).to(dtype).to(DEVICE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / 7).to(dtype).to(DEVICE)
+    weights, ids = route_ref(torch.randn(1, num_experts, generator=gen).to(DEVICE), top_k, True)
+    weights = weights.to(dtype)
+    plain = fused_moe(x, w13, w2, weights, ids, force_path=path)
+    fused = fused_moe(x, w13, w2, weights, ids, force_path=path, residual=h)
+    assert torch.equal(fused, h + plain)
+    with pytest.raises(ValueError, match="residual"):
+        fused_moe(x, w13, w2, weights, ids, residual=h[:, :-1])
+
+
+def test_gemv_pdl_variants_compile_for_hopper() -> None:
+    """sm_90 compile of the decode GEMVs as PDL launches (the GPU-only variant): gate/up waits
+    before it lets the down launch start; down prefetches its rows, then waits."""
+    from hopper_variants import compile_for_hopper
+
+    base = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, QUANT=0, GROUP=0, WIDEN=0, PDL=True,
+                LINE_BYTES=128)  # fmt: skip
+    gate_up = dict(base, PAIRS_PER_PROGRAM=1, A_PER_PAIR=8, SILU_MUL=True, MUL_WEIGHT=False,
+                   RESIDUAL=False, PREFETCH_LINES=1)  # fmt: skip
+    down = dict(base, PAIRS_PER_PROGRAM=8, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
+                RESIDUAL=True, PREFETCH_LINES=16)  # fmt: skip
+    down_int8 = dict(down, QUANT=1, BLOCK_K=512, PREFETCH_LINES=8)
+    pointers = {n: "bf16" for n in ("a_ptr", "w_ptr", "s_ptr", "o_ptr", "out_ptr", "weights_ptr",
+                                    "res_ptr")}  # fmt: skip
+    pointers["ids_ptr"] = "i64"
+    ptxs = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel",
+                              [gate_up, down], pointers, (), dict(num_warps=4))  # fmt: skip
+    assert all("griddepcontrol.wait" in p for p in ptxs)
+    assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
+    pointers["w_ptr"] = "i8"
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int8],
+                                pointers, (), dict(num_warps=4))  # fmt: skip
+    assert "prefetch.global.L2" in ptx
+
+
 def test_warm_up_runs_each_variant_once() -> None:
     from roofline.kernels import fused_moe as mod
 
