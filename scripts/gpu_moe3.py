@@ -133,8 +133,33 @@ def parity() -> None:
         torch.cuda.synchronize()
         same = torch.equal(out, chain(h, layers, True))
         bad += m2.check(f"{kind} 2-block chain CUDA graph", same, f"equals eager: {same}")
+        bad += grouped_parity(kind, w13, w2, sk, router, gen)
         del layers
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
+
+
+def weight_left(kind: str, on: bool) -> None:
+    """Route the grouped GEMM of ``kind``'s experts to the weight-left kernel or the first one."""
+    layout = {"bf16": 0, "int8": 1, "fp8": 1, "int4": 2}[kind]  # ExpertLayout.quant
+    fm.WEIGHT_LEFT[layout] = float("inf") if on else 0.0
+
+
+def grouped_parity(kind, w13, w2, sk, router, gen) -> int:
+    """The grouped path (both kernels) against the (dequantizing) reference at 16 / 256 tokens."""
+    bad = 0
+    saved = dict(fm.WEIGHT_LEFT)
+    for num_tokens in (16, 256):
+        x = torch.randn(num_tokens, H, device=DEVICE, generator=gen).bfloat16()
+        w, ids = fm.route_ref(x @ router.T, K, True)
+        w13_ref, w2_ref = (w13.float(), w2.float()) if kind == "bf16" else (w13, w2)
+        ref = fm.fused_moe_ref(x.float(), w13_ref, w2_ref, w.float(), ids, **sk)
+        for on in (True, False):
+            weight_left(kind, on)
+            err = m2.rel_err(fm.fused_moe(x, w13, w2, w, ids, force_path="grouped", **sk), ref)
+            name = f"{kind} T={num_tokens} grouped {'weight-left' if on else 'first kernel'}"
+            bad += m2.check(name, err < 2e-2, f"rel err {err:.1e}")
+    fm.WEIGHT_LEFT.update(saved)
+    return bad
 
 
 def chain(h: torch.Tensor, layers: list, fused: bool) -> torch.Tensor:
@@ -192,37 +217,43 @@ def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
         w13, w2, scales, router = m2.experts(kind, E, H, INTER, gen)
         m2.ORIGINALS.clear()
         per_expert = m2.expert_bytes(w13, w2, scales)
+        saved = dict(fm.WEIGHT_LEFT)
         for num_tokens in (16, 256, 4096):
             x = torch.randn(num_tokens, H, device=DEVICE, generator=gen).bfloat16()
             _, ids = fm.route(x @ router.T, K, True)
             touched = int(torch.unique(ids).numel())
-            t = m2.time_layer(x, router, w13, w2, scales, K)
             nbytes = touched * per_expert + 2 * num_tokens * H * 2
             flops = 2 * num_tokens * K * 3 * H * INTER
-            r = dict(
-                kind=kind,
-                tokens=num_tokens,
-                us=1e6 * t,
-                gbs=nbytes / t / 1e9,
-                pct_copy=100 * nbytes / t / bw,
-                tflops=flops / t / 1e12,
-                pct_mm=100 * flops / t / peak,
-            )
-            rows.append(r)
-            print(
-                f"{kind:4s} T={num_tokens:5d}: {r['us']:8.1f} us {r['gbs']:6.0f} GB/s "
-                f"({r['pct_copy']:4.1f}% of copy) {r['tflops']:6.1f} TFLOP/s "
-                f"({r['pct_mm']:4.1f}% of mm)",
-                flush=True,
-            )
-            TABLE.append(
-                (
-                    f"grouped {kind} T={num_tokens}",
-                    f"{r['us']:.0f} us, {r['pct_copy']:.0f}% copy, {r['tflops']:.0f} TF/s",
+            for on in (True, False):
+                if not on and kind == "int4" and num_tokens == 4096:
+                    continue  # the first kernel's int4 tiles: seconds there
+                weight_left(kind, on)
+                t = m2.time_layer(x, router, w13, w2, scales, K)
+                label = "weight-left" if on else "first"
+                r = dict(
+                    kind=kind,
+                    kernel=label,
+                    tokens=num_tokens,
+                    us=1e6 * t,
+                    gbs=nbytes / t / 1e9,
+                    pct_copy=100 * nbytes / t / bw,
+                    tflops=flops / t / 1e12,
+                    pct_mm=100 * flops / t / peak,
                 )
-            )
-            if t > 0.02:  # a broken path: do not spend the budget on larger sizes
-                break
+                rows.append(r)
+                print(
+                    f"{kind:4s} T={num_tokens:5d} {label:11s}: {r['us']:8.1f} us "
+                    f"{r['gbs']:6.0f} GB/s ({r['pct_copy']:4.1f}% of copy) "
+                    f"{r['tflops']:6.1f} TFLOP/s ({r['pct_mm']:4.1f}% of mm)",
+                    flush=True,
+                )
+                TABLE.append(
+                    (
+                        f"grouped {kind} T={num_tokens} {label}",
+                        f"{r['us']:.0f} us, {r['pct_copy']:.0f}% copy, {r['tflops']:.0f} TF/s",
+                    )
+                )
+            fm.WEIGHT_LEFT.update(saved)
         del w13, w2, scales, router
     SUMMARY["grouped"] = rows
 

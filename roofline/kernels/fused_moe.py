@@ -39,7 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
+from roofline.kernels import check_device, fused_moe_t, is_interpret
+from roofline.kernels.mixed_gemm import _grouped_tile
 from roofline.kernels.moe_align import moe_align
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
@@ -318,8 +319,9 @@ def _moe_gemv_kernel(
     (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
     the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
     int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
-    QUANT 2: int4 with group scales and offsets; ``K`` then counts bytes, each holding the
-    weights of elements 2u (low nibble) and 2u + 1 of one group. RESIDUAL (down): the stored
+    QUANT 2: int4 with group scales and offsets (``stride_sn`` the groups a row), dequantized
+    a ``[BLOCK_N, BLOCK_K]`` tile at a time by ``mixed_gemm._grouped_tile`` (K whole tiles;
+    a not-local pair reads expert 0's rows and adds zero). RESIDUAL (down): the stored
     row is ``residual + out`` rounded as a separate add would.
 
     PDL (launched as a programmatic dependent, one token): the gate/up launch waits for its
@@ -350,34 +352,33 @@ def _moe_gemv_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     out_ty = out_ptr.dtype.element_ty
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # int4: clamped rows, never stored
+    offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes a row
     for j in tl.static_range(PAIRS_PER_PROGRAM):
         pair = row * PAIRS_PER_PROGRAM + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         local = expert < num_experts
         expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
-        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-        s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn  # [BLOCK_N, 1]
-        o_rows = o_ptr + expert * stride_se + offs_n[:, None] * stride_sn
-        up = N * stride_sn
+        w_base = w_ptr + expert * stride_we
+        s_base = s_ptr + expert * stride_se
+        o_base = o_ptr + expert * stride_se
+        w_rows = w_base + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
             w_mask = n_ok[:, None] & k_ok[None, :] & local
-            if QUANT == 2:  # K counts bytes (2u: low nibble, 2u + 1: high), one group a step
-                u = k0 + offs_k  # [BLOCK_K] byte columns
-                a_lo = tl.load(a_ptr + a_row * stride_am + 2 * u, mask=k_ok, other=0.0)
-                a_hi = tl.load(a_ptr + a_row * stride_am + 2 * u + 1, mask=k_ok, other=0.0)
-                a_lo = a_lo.to(tl.float32)[None, :]
-                a_hi = a_hi.to(tl.float32)[None, :]
-                g = 2 * k0 // GROUP
-                w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[None, :], g, w_mask)
-                acc += w_lo * a_lo + w_hi * a_hi
+            if QUANT == 2:  # int4: K whole BLOCK_K tiles (the launcher picks BLOCK_K | K)
+                a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k).to(tl.float32)[None, :]
+                q_ptrs = w_base + rows_n[:, None] * stride_wn + (k0 // 2 + offs_u)[None, :]
+                w = _grouped_tile(q_ptrs, s_base, o_base, rows_n, k0, stride_sn, out_ty, 1,
+                                  GROUP, BLOCK_N, BLOCK_K)  # fmt: skip  # [BN, BK]
+                acc += w.to(tl.float32) * a
                 if SILU_MUL:
-                    w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
-                                            u[None, :], g, w_mask)  # fmt: skip
-                    acc_up += w_lo * a_lo + w_hi * a_hi
+                    w = _grouped_tile(q_ptrs + N * stride_wn, s_base, o_base, rows_n + N, k0,
+                                      stride_sn, out_ty, 1, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                    acc_up += w.to(tl.float32) * a
             else:
                 a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
                 a = a.to(tl.float32)[None, :]
@@ -419,8 +420,9 @@ in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kern
 GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
 """Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
 512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
-GEMV_CONFIG_INT4 = dict(BLOCK_N=16, NUM_STAGES=4)
-"""int4 experts: a K step is one group (64 bytes a row at group 128), so more rows a program."""
+GEMV_CONFIG_INT4 = dict(BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4)
+"""int4 experts: 256 weights (128 bytes) of 16 rows a step, widened by ``mixed_gemm``'s group
+tile (the nibbles through the mantissa of 1.0f, one FMA with the group's scale and offset)."""
 GEMV_DOWN_8BIT: dict[str, int] = {}
 """Overrides of the quantized down GEMV only (one program per token and column block, looping
 over the token's k experts: fewer programs than the gate/up GEMV, so smaller ``BLOCK_N`` may
@@ -471,6 +473,34 @@ def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, 
     block_n = 64 if silu_mul else 128
     warps = 8 if block_m * block_n >= 128 * 64 else 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
+
+
+WEIGHT_LEFT = {0: 0.0, 1: float("inf"), 2: float("inf")}
+"""Per expert layout (``ExpertLayout.quant``): the grouped GEMM takes ``kernels.fused_moe_t``'s
+weight-left kernel up to this many mean rows per expert (beyond, or for fp32 x, the first
+grouped kernel). Quantized experts always (the first kernel spills on their tiles); 16-bit
+experts as ``scripts/gpu_moe3.py`` measures both."""
+
+
+def _gemm_t_config(
+    num_pairs: int, num_experts: int, quant: int, hidden: int, inter: int
+) -> dict[str, int] | None:
+    """Tiles of the weight-left grouped GEMM (None: the first grouped kernel runs). BLOCK_M
+    (the block's token rows, the MMA's N side) by the mean rows per expert; 64 weight rows
+    (one warpgroup MMA's M); 128 of K where both K dims allow (smaller under the interpreter's
+    test shapes)."""
+    per_expert = num_pairs / num_experts
+    if per_expert > WEIGHT_LEFT[quant]:
+        return None
+    block_m = (
+        16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
+    )
+    block_k = next((b for b in (128, 64, 32, 16) if hidden % b == 0 and inter % b == 0), 0)
+    if not block_k:
+        return None
+    warps = 4 if block_m <= 32 else 8
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=4 if block_m <= 32 else 3,
+                num_warps=warps)  # fmt: skip
 
 
 class ExpertLayout(NamedTuple):
@@ -592,38 +622,48 @@ def fused_moe(
         cfg["WIDEN"] = 0
         if layout.quant:  # keep ~4 KiB of weights per tile step
             cfg.update(GEMV_CONFIG_8BIT)
-        if layout.quant == 2:  # one group of both K dims a step (the scale a vector)
-            cfg.update(GEMV_CONFIG_INT4, BLOCK_K=min(layout.group13, layout.group2) // 2)
+        if layout.quant == 2:
+            cfg.update(GEMV_CONFIG_INT4)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
-        block_n = cfg["BLOCK_N"]
-        units = 2 if layout.quant == 2 else 1  # int4: the K loop runs over bytes
+        cfg2 = dict(cfg, **(GEMV_DOWN_8BIT if layout.quant else {}))
+        if layout.quant == 2:  # whole int4 tiles: BLOCK_K a power of two dividing each K
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], hidden & -hidden)
+            cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)
         # PDL at one token: the down launch prefetches its rows while gate/up runs
         pdl = num_tokens == 1 and not is_interpret() and pdl_enabled()
         meta: dict = dict(PDL=pdl, LINE_BYTES=128) | (dict(launch_pdl=True) if pdl else {})
         res = out if residual is None else residual
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, o13, act, ids, weights, res, inter, hidden // units, num_experts,
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](
+            x, w13, s13, o13, act, ids, weights, res, inter, hidden, num_experts,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
             res.stride(0), PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True,
             MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
             PREFETCH_LINES=1, **cfg, **meta,
         )  # fmt: skip
-        if layout.quant:
-            cfg.update(GEMV_DOWN_8BIT)
-        row_bytes = (inter // units) * w2.element_size()
-        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg["BLOCK_N"]))](
-            act, w2, s2, o2, out, ids, weights, res, hidden, inter // units, num_experts,
+        row_bytes = w2.shape[2] * w2.element_size()
+        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg2["BLOCK_N"]))](
+            act, w2, s2, o2, out, ids, weights, res, hidden, inter, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
             res.stride(0), PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False,
             MUL_WEIGHT=True, QUANT=layout.quant, GROUP=layout.group2,
             RESIDUAL=residual is not None,
             PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128)) if pdl else 1,
-            **cfg, **meta,
+            **cfg2, **meta,
         )  # fmt: skip
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    cfg_t = _gemm_t_config(num_pairs, num_experts, layout.quant, hidden, inter)
+    if cfg_t is not None and fused_moe_t.takes(x, hidden, inter, cfg_t["BLOCK_K"]):
+        align = moe_align(ids, num_experts + 1, cfg_t["BLOCK_M"])  # + the NOT_LOCAL runs
+        fused_moe_t.launch(x, w13, s13, o13, act, align, weights, inter, hidden, num_pairs,
+                           num_experts, top_k, True, layout.group13, cfg_t)  # fmt: skip
+        fused_moe_t.launch(act, w2, s2, o2, per_pair, align, weights, hidden, inter, num_pairs,
+                           num_experts, 1, False, layout.group2, cfg_t)  # fmt: skip
+        moe_out = per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32)
+        return moe_out.to(x.dtype) if residual is None else residual + moe_out.to(x.dtype)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
     cfgs = {s: _gemm_config(num_pairs, num_experts, s) | dict(WIDEN=0) for s in (True, False)}
     for cfg in cfgs.values():
@@ -634,7 +674,6 @@ def fused_moe(
     block_m = cfgs[True]["BLOCK_M"]  # both GEMMs read the same alignment
     align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     for a, w, sc, off, sn, group, dst, n, k, div, silu in (
         (x, w13, s13, o13, sn13, layout.group13, act, inter, hidden, top_k, True),
         (act, w2, s2, o2, sn2, layout.group2, per_pair, hidden, inter, 1, False),
