@@ -20,8 +20,8 @@ does not hide the others; a short table last).
    256-request offline workload (input 100-1024, output 512).
 5. 8 of the 48 layers: batch-1 decode against HF transformers ``generate`` on the same weights.
 
-    python scripts/gpu_moe3.py --quick     # first check (~2 min)
-    python scripts/gpu_moe3.py             # full (adds the offline workload)
+    python scripts/gpu_moe3.py --quick     # first check (~2 min: no 4096 tokens, offline, HF)
+    python scripts/gpu_moe3.py             # full
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def block_bench(ceil: Ceilings) -> None:
 
 
 @section("fused MoE kernel alone, grouped (16 / 256 / 4096 tokens)")
-def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
+def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...]) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     bw, peak = ceil.bandwidth_bytes_per_s, ceil.matmul_flops_per_s
     rows = []
@@ -218,7 +218,7 @@ def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
         m2.ORIGINALS.clear()
         per_expert = m2.expert_bytes(w13, w2, scales)
         saved = dict(fm.WEIGHT_LEFT)
-        for num_tokens in (16, 256, 4096):
+        for num_tokens in sizes:
             x = torch.randn(num_tokens, H, device=DEVICE, generator=gen).bfloat16()
             _, ids = fm.route(x @ router.T, K, True)
             touched = int(torch.unique(ids).numel())
@@ -413,7 +413,7 @@ def vs_hf(ceil: Ceilings) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--quick", action="store_true", help="no offline workload")
+    ap.add_argument("--quick", action="store_true", help="no 4096 tokens, offline, HF")
     ap.add_argument("--skip", default="", help="comma-separated: parity,block,grouped,full,hf")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -430,10 +430,10 @@ def main() -> None:
     if "block" not in skip:
         block_bench(ceil)
     if "grouped" not in skip:
-        grouped_bench(ceil, m2.KINDS)
+        grouped_bench(ceil, m2.KINDS, (16, 256) if args.quick else (16, 256, 4096))
     if "full" not in skip:
         full_model(ceil, args.quick)
-    if "hf" not in skip:
+    if "hf" not in skip and not args.quick:
         vs_hf(ceil)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
     width = max(len(k) for k, _ in TABLE) if TABLE else 0
