@@ -378,6 +378,54 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
     del llm, engine
 
 
+@section("8 layers, batch-1 decode: PDL off / MoE block unfused / expert precisions")
+def variants(ceil: Ceilings) -> None:
+    """The shipped batch-1 path against itself without PDL and with the MoE block unfused
+    (bf16), then int8 / fp8 / int4 experts and linears (each engine's graphs captured under
+    its setting)."""
+    from roofline.layers import fused_decode
+
+    model = m2.config_with_layers("qwen3-30b-a3b", 8)
+    cases = [("bf16 shipped", None, {}), ("bf16 PDL off", None, dict(pdl=False)),
+             ("bf16 MoE block unfused", None, dict(moe=False)), ("int8", "int8", {}),
+             ("fp8", "fp8", {}), ("int4", "int4", {})]  # fmt: skip
+    for label, quant, flags in cases:
+        pdl.set_pdl(flags.get("pdl", True))
+        fused_decode.set_moe_enabled(flags.get("moe", True))
+        llm = None
+        try:
+            llm = LLM(
+                model,
+                load_format="dummy",
+                device=DEVICE,
+                quantization=quant,
+                max_model_len=1024,
+                max_num_seqs=8,
+                kv_cache_memory_bytes=2 << 30,
+            )
+            rows = latency.run(llm.llm_engine, ceil, [1], 128, 64)
+            r = rows[0]
+            print(
+                f"{label:24s} {r.output_tok_s:7.1f} tok/s, step {r.step_ms_p50:.3f} ms, "
+                f"{r.roofline_pct:5.1f}% of roofline ({r.roofline_step_ms:.3f} ms)",
+                flush=True,
+            )
+            SUMMARY[f"8l {label}"] = latency.as_dicts(rows)
+            TABLE.append((f"8l bs=1 {label}", f"{r.output_tok_s:.0f} tok/s, "
+                          f"{r.roofline_pct:.1f}% of roofline"))  # fmt: skip
+        except Exception:  # noqa: BLE001 - the next case still runs
+            traceback.print_exc()
+            TABLE.append((f"8l bs=1 {label}", "FAILED"))
+        finally:
+            pdl.set_pdl(True)
+            fused_decode.set_moe_enabled(True)
+            if llm is not None:
+                llm.llm_engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 @section("8 layers: roofline vs HF transformers generate (same weights)")
 def vs_hf(ceil: Ceilings) -> None:
     llm = LLM(
@@ -414,7 +462,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="no 4096 tokens, offline, HF")
-    ap.add_argument("--skip", default="", help="comma-separated: parity,block,grouped,full,hf")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated: parity,block,grouped,full,variants,hf"
+    )
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.perf_counter()
@@ -433,6 +483,8 @@ def main() -> None:
         grouped_bench(ceil, m2.KINDS, (16, 256) if args.quick else (16, 256, 4096))
     if "full" not in skip:
         full_model(ceil, args.quick)
+    if "variants" not in skip:
+        variants(ceil)
     if "hf" not in skip and not args.quick:
         vs_hf(ceil)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
