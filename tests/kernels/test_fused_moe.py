@@ -180,3 +180,36 @@ def test_fused_moe_replays_in_a_cuda_graph(num_tokens) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, layer())
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(3, 129, 8, 16), (50, 9, 2, 64)])
+def test_moe_align_kernel_equals_torch_ops(num_tokens, num_experts, top_k, block_m, monkeypatch):
+    """The one-launch grouping and the torch-op sequence (beyond MAX_PAIRS_ONE_LAUNCH) agree."""
+    from roofline.kernels import moe_align as mod
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    )
+    ids[0, 0] = num_experts - 1  # the NOT_LOCAL sentinel's run
+    one = moe_align(ids.to(DEVICE), num_experts, block_m)
+    monkeypatch.setattr(mod, "MAX_PAIRS_ONE_LAUNCH", 0)
+    ops = moe_align(ids.to(DEVICE), num_experts, block_m)
+    num_padded = int(ops.num_padded.item())
+    assert int(one.num_padded.item()) == num_padded
+    assert torch.equal(
+        one.sorted_pair_ids[:num_padded].cpu(), ops.sorted_pair_ids[:num_padded].cpu()
+    )
+    assert torch.equal(one.block_expert_ids.cpu(), ops.block_expert_ids.cpu())
+
+
+def test_moe_align_kernel_compiles_for_hopper() -> None:
+    """sm_90 compile of the grouping at its largest size (4096 pairs, 129 experts)."""
+    from hopper_variants import compile_for_hopper
+
+    pointers = dict(ids_ptr="i64", sorted_ptr="i32", block_expert_ptr="i32", num_padded_ptr="i64",
+                    shift_ptr="i32")  # fmt: skip
+    variant = dict(BLOCK_M=16, BLOCK_P=4096, BLOCK_E=256, CHUNK=256)
+    (ptx,) = compile_for_hopper("roofline.kernels.moe_align", "_align_kernel", [variant], pointers,
+                                (), dict(num_warps=8))  # fmt: skip
+    assert "bar.sync" in ptx
