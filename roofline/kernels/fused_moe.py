@@ -174,7 +174,11 @@ def _int4_tile(rows, s_rows, o_rows, u, g, mask):
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
 ):  # fmt: skip
+    """One token: fp32 softmax, ``TOP_K`` passes of argmax (ties to the lowest expert, as
+    torch.topk), the weights renormalised in fp32 when asked and stored once in the weights'
+    dtype (``route_ref``'s roundings)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -182,18 +186,22 @@ def _route_kernel(
     logit = logit.to(tl.float32)
     prob = tl.exp(logit - tl.max(logit, axis=0))
     prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
+    slots = tl.arange(0, BLOCK_TOP)
+    top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
     total = 0.0
-    for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
+    for j in tl.static_range(TOP_K):
         best = tl.max(prob, axis=0)
         idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
-        tl.store(ids_ptr + token * TOP_K + j, idx.to(tl.int64))
-        tl.store(weights_ptr + token * TOP_K + j, best)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
         total += best
         prob = tl.where(offs == idx, -1.0, prob)
     if RENORMALIZE:
-        for j in tl.static_range(TOP_K):
-            w = tl.load(weights_ptr + token * TOP_K + j)
-            tl.store(weights_ptr + token * TOP_K + j, w / total)
+        top_w = top_w / total
+    out = token * TOP_K + slots
+    tl.store(ids_ptr + out, top_i.to(tl.int64), mask=slots < TOP_K)
+    tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,15 +210,51 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {num_experts}]")
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens:
         block_e = triton.next_power_of_2(num_experts)
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
+            BLOCK_TOP=triton.next_power_of_2(top_k),
         )  # fmt: skip
-    return weights.to(logits.dtype), ids
+    return weights, ids
+
+
+@triton.jit
+def _sum_topk_kernel(
+    per_pair_ptr, res_ptr, out_ptr, H, stride_p, stride_r, stride_o,
+    TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s output: its ``TOP_K`` weighted expert rows summed in fp32 (in slot order),
+    rounded, plus the residual rounded as a separate add would."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = per_pair_ptr + (token * TOP_K + j) * stride_p
+        acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    result = acc.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(res_ptr + token * stride_r + offs, mask=mask, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_o + offs, result, mask=mask)
+
+
+def _sum_topk(
+    per_pair: torch.Tensor, top_k: int, residual: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """out [T, H] = (residual +) the sum over each token's k rows of ``per_pair [T k, H]``."""
+    num_tokens, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    res = out if residual is None else residual
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_pair, res, out, hidden, per_pair.stride(0), res.stride(0), out.stride(0),
+        TOP_K=top_k, RESIDUAL=residual is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -662,8 +706,7 @@ def fused_moe(
                            num_experts, top_k, True, layout.group13, cfg_t)  # fmt: skip
         fused_moe_t.launch(act, w2, s2, o2, per_pair, align, weights, hidden, inter, num_pairs,
                            num_experts, 1, False, layout.group2, cfg_t)  # fmt: skip
-        moe_out = per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32)
-        return moe_out.to(x.dtype) if residual is None else residual + moe_out.to(x.dtype)
+        return _sum_topk(per_pair, top_k, residual, out)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
     cfgs = {s: _gemm_config(num_pairs, num_experts, s) | dict(WIDEN=0) for s in (True, False)}
     for cfg in cfgs.values():
@@ -687,5 +730,4 @@ def fused_moe(
             SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, QUANT=layout.quant,
             GROUP=group, **cfg,
         )  # fmt: skip
-    moe_out = per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32)
-    return moe_out.to(x.dtype) if residual is None else residual + moe_out.to(x.dtype)
+    return _sum_topk(per_pair, top_k, residual, out)
