@@ -495,6 +495,8 @@ def warm_up(
     counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
     for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
         counts.add(-(-per_expert * num_experts // top_k))
+    for pairs in (2048, 4096):  # moe_align's larger one-launch sizes
+        counts.add(pairs // top_k)
     for num_tokens in sorted(counts):
         xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
         ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
