@@ -77,17 +77,30 @@ def section(name: str):
     return wrap
 
 
-def block(h, norm_w, router, w13, w2, sk, fused: bool):
-    """One MoE block at one token: the shipped path (``fused``: PDL launches, residual in the
-    down store) or the unfused launches (PDL off, separate add)."""
-    pdl.set_pdl(fused)
+VARIANTS = {  # label: (residual in the down store, PDL, down prefetch)
+    "unfused": (False, False, False),
+    "residual fused": (True, False, False),
+    "+ PDL": (True, True, False),
+    "+ down prefetch (shipped)": (True, True, True),
+}
+
+
+def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
+    """One MoE block at one token: the shipped path (``fused`` True: PDL launches, the down
+    rows prefetched, residual in the down store), the unfused launches (False: PDL off,
+    separate add) or a ``VARIANTS`` label."""
+    label = {True: "+ down prefetch (shipped)", False: "unfused"}.get(fused, fused)
+    residual, use_pdl, prefetch = VARIANTS[label]
+    pdl.set_pdl(use_pdl)
+    fm.DOWN_PREFETCH = prefetch
     try:
         xn, w, ids = moe_router(h, norm_w, EPS, router, K, True)
-        if fused:
+        if residual:
             return fm.fused_moe(xn, w13, w2, w, ids, residual=h, **sk)
         return h + fm.fused_moe(xn, w13, w2, w, ids, **sk)
     finally:
         pdl.set_pdl(True)
+        fm.DOWN_PREFETCH = True
 
 
 def make_layers(kind: str, n: int, gen: torch.Generator) -> list:
@@ -162,13 +175,13 @@ def grouped_parity(kind, w13, w2, sk, router, gen) -> int:
     return bad
 
 
-def chain(h: torch.Tensor, layers: list, fused: bool) -> torch.Tensor:
+def chain(h: torch.Tensor, layers: list, fused: bool | str) -> torch.Tensor:
     for layer in layers:
         h = block(h, *layer, fused)
     return h
 
 
-def time_chain(layers, fused: bool) -> float:
+def time_chain(layers, fused: bool | str) -> float:
     """Seconds per block of a chain of blocks replayed from one CUDA graph."""
     h = torch.randn(1, H, device=DEVICE).bfloat16()
     chain(h, layers, fused)
@@ -188,20 +201,20 @@ def block_bench(ceil: Ceilings) -> None:
         _, router, w13, w2, sk = layers[0]
         scales = tuple(sk.get(n) for n in ("w13_scale", "w2_scale", "w13_offset", "w2_offset"))
         nbytes = K * m2.expert_bytes(w13, w2, scales) + router.numel() * 2 + 3 * H * 2
-        for fused in (False, True):
-            t = time_chain(layers, fused)
-            label = "shipped" if fused else "unfused"
+        for label in VARIANTS:
+            t = time_chain(layers, label)
             rows[f"{kind} {label}"] = 1e6 * t
             print(
-                f"{kind:4s} {label}: {1e6 * t:6.1f} us/block, {nbytes / t / 1e9:5.0f} GB/s "
+                f"{kind:4s} {label:26s}: {1e6 * t:6.1f} us/block, {nbytes / t / 1e9:5.0f} GB/s "
                 f"({100 * nbytes / t / bw:4.1f}% of copy; {nbytes / 1e6:.1f} MB)",
                 flush=True,
             )
+        shipped = rows[f"{kind} + down prefetch (shipped)"]
         TABLE.append(
             (
                 f"MoE block T=1 {kind} (unfused -> shipped)",
-                f"{rows[f'{kind} unfused']:.1f} -> {rows[f'{kind} shipped']:.1f} us, "
-                f"{100 * nbytes / (rows[f'{kind} shipped'] / 1e6) / bw:.0f}% of copy",
+                f"{rows[f'{kind} unfused']:.1f} -> {shipped:.1f} us, "
+                f"{100 * nbytes / (shipped / 1e6) / bw:.0f}% of copy",
             )
         )
         del layers

@@ -377,9 +377,11 @@ def _moe_gemv_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if PDL:
-        if MUL_WEIGHT:  # down: the ids are final (see above); the weights never change
+        if MUL_WEIGHT and PREFETCH_LINES > 1:  # down: the ids are final; weights never change
             offs_l = tl.arange(0, PREFETCH_LINES) * LINE_BYTES  # [LINES] byte offsets
             row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            if QUANT == 2:  # two weights a byte
+                row_bytes = K // 2
             offs_l = tl.minimum(offs_l, row_bytes - 1)
             rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
             for j in tl.static_range(PAIRS_PER_PROGRAM):
@@ -458,6 +460,9 @@ def _moe_gemv_kernel(
     tl.store(out_ptr + row * stride_om + offs_n, result, mask=n_ok)
 
 
+DOWN_PREFETCH = True
+"""Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
+they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
@@ -694,7 +699,9 @@ def fused_moe(
             res.stride(0), PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False,
             MUL_WEIGHT=True, QUANT=layout.quant, GROUP=layout.group2,
             RESIDUAL=residual is not None,
-            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128)) if pdl else 1,
+            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128))
+            if pdl and DOWN_PREFETCH
+            else 1,
             **cfg2, **meta,
         )  # fmt: skip
         return out
