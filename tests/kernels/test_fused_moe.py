@@ -139,6 +139,11 @@ def test_gemv_pdl_variants_compile_for_hopper() -> None:
     (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int8],
                                 pointers, (), dict(num_warps=4))  # fmt: skip
     assert "prefetch.global.L2" in ptx
+    down_int4 = dict(down, QUANT=2, GROUP=128, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4)
+    pointers["w_ptr"] = "u8"
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int4],
+                                pointers, (), dict(num_warps=4))  # fmt: skip
+    assert "prefetch.global.L2" in ptx
 
 
 def test_warm_up_runs_each_variant_once() -> None:
