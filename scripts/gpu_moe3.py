@@ -209,6 +209,16 @@ def block_bench(ceil: Ceilings) -> None:
                 f"({100 * nbytes / t / bw:4.1f}% of copy; {nbytes / 1e6:.1f} MB)",
                 flush=True,
             )
+        for widen in (1, 2) if kind in ("int8", "fp8") else ():  # the 8-bit GEMV's widening
+            saved = fm.GEMV_CONFIG_8BIT["WIDEN"]
+            fm.GEMV_CONFIG_8BIT["WIDEN"] = widen
+            try:
+                t = time_chain(layers, True)
+            finally:
+                fm.GEMV_CONFIG_8BIT["WIDEN"] = saved
+            rows[f"{kind} shipped, WIDEN {widen}"] = 1e6 * t
+            print(f"{kind:4s} shipped with WIDEN {widen}      : {1e6 * t:6.1f} us/block, "
+                  f"{100 * nbytes / t / bw:4.1f}% of copy", flush=True)  # fmt: skip
         shipped = rows[f"{kind} + down prefetch (shipped)"]
         TABLE.append(
             (

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, fused_moe_t, is_interpret
-from roofline.kernels.mixed_gemm import _grouped_tile
+from roofline.kernels.mixed_gemm import _e4m3_to_bf16, _grouped_tile
 from roofline.kernels.moe_align import moe_align
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
@@ -134,6 +134,18 @@ def _to_f32(w):
     else:
         f = w.to(tl.float32)
     return f
+
+
+@triton.jit
+def _row_scaled_tile_of(q, dtype: tl.constexpr, FAST_FP8: tl.constexpr):
+    """A loaded int8 / fp8 tile in the 16-bit ``dtype``, exactly, without conversion-unit
+    instructions: fp8 e4m3 by ``mixed_gemm._e4m3_to_bf16``'s bit moves (bf16 only), int8
+    through fp32 (ptxas widens it with byte permutes)."""
+    if FAST_FP8 and q.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        w = _e4m3_to_bf16(q)
+    else:
+        w = q.to(tl.float32).to(dtype)
+    return w
 
 
 @triton.jit
@@ -354,7 +366,7 @@ def _moe_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     WIDEN: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -430,14 +442,18 @@ def _moe_gemv_kernel(
                 a = a.to(tl.float32)[None, :]
                 w_ptrs = w_rows + (k0 + offs_k)[None, :]
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                if WIDEN == 1:
+                if WIDEN == 2:  # mixed_gemm's widening: no conversion instructions
+                    acc += _row_scaled_tile_of(w, out_ty, FAST_FP8).to(tl.float32) * a
+                elif WIDEN == 1:
                     acc += _to_f32(w) * a
                 else:
                     acc += w.to(tl.float32) * a
                 if SILU_MUL:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0,
                                    eviction_policy="evict_first")  # fmt: skip
-                    if WIDEN == 1:
+                    if WIDEN == 2:
+                        acc_up += _row_scaled_tile_of(w_up, out_ty, FAST_FP8).to(tl.float32) * a
+                    elif WIDEN == 1:
                         acc_up += _to_f32(w_up) * a
                     else:
                         acc_up += w_up.to(tl.float32) * a
@@ -467,8 +483,9 @@ GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
 GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
-"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
-512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
+"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile; WIDEN
+1 widens int8 by the magic-number trick (``_to_f32``), 2 both 8-bit kinds as ``mixed_gemm``
+does (fp8 by bit moves into bf16)."""
 GEMV_CONFIG_INT4 = dict(BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4)
 """int4 experts: 256 weights (128 bytes) of 16 rows a step, widened by ``mixed_gemm``'s group
 tile (the nibbles through the mantissa of 1.0f, one FMA with the group's scale and offset)."""
@@ -683,7 +700,8 @@ def fused_moe(
             cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)
         # PDL at one token: the down launch prefetches its rows while gate/up runs
         pdl = num_tokens == 1 and not is_interpret() and pdl_enabled()
-        meta: dict = dict(PDL=pdl, LINE_BYTES=128) | (dict(launch_pdl=True) if pdl else {})
+        meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret())
+        meta |= dict(launch_pdl=True) if pdl else {}
         res = out if residual is None else residual
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](
             x, w13, s13, o13, act, ids, weights, res, inter, hidden, num_experts,

@@ -122,12 +122,12 @@ def test_gemv_pdl_variants_compile_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, QUANT=0, GROUP=0, WIDEN=0, PDL=True,
-                LINE_BYTES=128)  # fmt: skip
+                LINE_BYTES=128, FAST_FP8=True)  # fmt: skip
     gate_up = dict(base, PAIRS_PER_PROGRAM=1, A_PER_PAIR=8, SILU_MUL=True, MUL_WEIGHT=False,
                    RESIDUAL=False, PREFETCH_LINES=1)  # fmt: skip
     down = dict(base, PAIRS_PER_PROGRAM=8, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
                 RESIDUAL=True, PREFETCH_LINES=16)  # fmt: skip
-    down_int8 = dict(down, QUANT=1, BLOCK_K=512, PREFETCH_LINES=8)
+    down_int8 = dict(down, QUANT=1, BLOCK_K=512, PREFETCH_LINES=8, WIDEN=2)
     pointers = {n: "bf16" for n in ("a_ptr", "w_ptr", "s_ptr", "o_ptr", "out_ptr", "weights_ptr",
                                     "res_ptr")}  # fmt: skip
     pointers["ids_ptr"] = "i64"
@@ -144,6 +144,11 @@ def test_gemv_pdl_variants_compile_for_hopper() -> None:
     (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int4],
                                 pointers, (), dict(num_warps=4))  # fmt: skip
     assert "prefetch.global.L2" in ptx
+    pointers["w_ptr"] = "fp8e4nv"  # fp8 through mixed_gemm's bit moves (WIDEN 2)
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel",
+                                [dict(gate_up, QUANT=1, BLOCK_K=512, WIDEN=2)], pointers, (),
+                                dict(num_warps=4))  # fmt: skip
+    assert "prmt.b32" in ptx
 
 
 def test_warm_up_runs_each_variant_once() -> None:

@@ -96,13 +96,16 @@ def test_quantized_experts_match_dequantized_reference(
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("num_tokens,path", [(2, "gemv"), (37, "grouped")])
-def test_tf32_widening_matches_reference(kind, num_tokens, path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "num_tokens,path,widen", [(2, "gemv", 1), (2, "gemv", 2), (37, "grouped", 1)]
+)
+def test_tf32_widening_matches_reference(kind, num_tokens, path, widen, monkeypatch) -> None:
     """WIDEN 1: int8 widened by the magic-number trick, fp32 operands on TF32 tensor cores (the
-    grouped GEMM) or CUDA cores (the GEMV): still the dequantized reference."""
+    grouped GEMM) or CUDA cores (the GEMV); WIDEN 2 (GEMV): ``mixed_gemm``'s widening to bf16
+    first: still the dequantized reference."""
     from roofline.kernels import fused_moe as mod
 
-    monkeypatch.setitem(mod.GEMV_CONFIG_8BIT, "WIDEN", 1)
+    monkeypatch.setitem(mod.GEMV_CONFIG_8BIT, "WIDEN", widen)
     monkeypatch.setitem(mod.GEMM_CONFIG_8BIT, "WIDEN", 1)
     gen = torch.Generator().manual_seed(11)
     w13, w2 = _experts(8, 64, 48, gen)
