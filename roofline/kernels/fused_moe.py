@@ -476,6 +476,9 @@ def _moe_gemv_kernel(
     tl.store(out_ptr + row * stride_om + offs_n, result, mask=n_ok)
 
 
+DECODE_PDL = True
+"""The one-token MoE launches (``kernels.moe_router`` and both expert GEMVs) as programmatic
+dependents when PDL is on (False: plain launches; benchmarks compare)."""
 DOWN_PREFETCH = True
 """Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
 they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
@@ -701,7 +704,7 @@ def fused_moe(
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], hidden & -hidden)
             cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)
         # PDL at one token: the down launch prefetches its rows while gate/up runs
-        pdl = num_tokens == 1 and not is_interpret() and pdl_enabled()
+        pdl = num_tokens == 1 and not is_interpret() and pdl_enabled() and DECODE_PDL
         meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret())
         meta |= dict(launch_pdl=True) if pdl else {}
         res = out if residual is None else residual

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
+from roofline.kernels import check_device, fused_moe, is_interpret
 from roofline.kernels.fused_moe import route_ref
 from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
 from roofline.kernels.last_program import counters
@@ -162,7 +162,7 @@ def moe_router(
     ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
     cfg = pick_config(1, num_experts, hidden, h.device)
     compiled = not is_interpret()
-    pdl = compiled and pdl_enabled()
+    pdl = compiled and pdl_enabled() and fused_moe.DECODE_PDL
     line_elems = 128 // router.element_size()
     lines = min(triton.cdiv(hidden, line_elems), max(1, 16384 // (128 * cfg.block_n)))
     meta: dict = {"launch_pdl": True} if pdl else {}

@@ -50,6 +50,9 @@ _ENABLED = os.environ.get("ROOFLINE_FUSED_DECODE", "1") != "0"
 SILU_EPILOGUE = os.environ.get("ROOFLINE_GEMV_SILU_EPILOGUE", "1") != "0"
 """Quantized (repacked) MLPs: the gate | up GEMV computes the SiLU-and-mul in its epilogue."""
 _MOE_ENABLED = os.environ.get("ROOFLINE_FUSED_MOE_DECODE", "1") != "0"
+MOE_FUSE_RESIDUAL = True
+"""``moe_norm_add`` adds the residual in the down GEMV's store (False: a separate add launch;
+benchmarks compare)."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -245,5 +248,7 @@ def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tenso
         moe._warmed = True
     xn, weights, ids = moe_router(h, norm.weight, norm.eps, moe.gate.weight, moe.top_k,
                                   moe.renormalize)  # fmt: skip
+    if not MOE_FUSE_RESIDUAL:
+        return h + fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, **quant)
     return fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, residual=h,
                      **quant)  # fmt: skip  # [1, hidden]
