@@ -8,17 +8,21 @@ does not hide the others; a short table last).
    experts; a chain of blocks captured in a CUDA graph and replayed equals eager.
 2. The MoE block alone at one token, ``LAYERS`` blocks of distinct weights chained in one CUDA
    graph (no L2 reuse between blocks, as in the model): microseconds per block and % of copy
-   over the bytes it must read (8 experts + router), unfused (PDL off + separate add) vs the
-   shipped path, per expert precision.
-3. The fused MoE kernel alone at 16 / 256 / 4096 tokens (grouped GEMM): GB/s over the touched
-   experts, TFLOP/s, per precision.
+   over the bytes it must read (8 experts + router), its fusions switched on one at a time
+   (residual in the down store, PDL, the down rows' prefetch), the 8-bit GEMV's widenings.
+3. The fused MoE kernel alone at 16 / 256 (/ 4096) tokens (grouped GEMM, the weight-left and
+   the first kernel): GB/s over the touched experts, TFLOP/s, per precision.
 4. Qwen3-30B-A3B, all 48 layers in bf16 (~61 GB, dummy weights drawn on the GPU): load time,
    batch-1 decode (% of the planner's active-parameter roofline), a profiled batch-1 step
    (each kernel's share of the step's critical path: its end minus the previous kernel's end,
    which stays meaningful with PDL's overlapping launches), decode steps at batch 8 / 32 / 128
-   (% of the roofline counting the experts a batch touches) and, without ``--quick``, the
-   256-request offline workload (input 100-1024, output 512).
-5. 8 of the 48 layers: batch-1 decode against HF transformers ``generate`` on the same weights.
+   (% of the roofline counting the experts a batch touches), without ``--quick`` the
+   256-request offline workload (input 100-1024, output 512); then batch 1 again under each
+   switch (PDL, the MoE fusions, the attention's fusion and split size), the decode graphs
+   recaptured each time, the PDL-off step profiled (every kernel's own time).
+5. 8 of the 48 layers: batch-1 decode with int8 / fp8 / int4 experts and linears.
+6. (not ``--quick``) 8 layers: batch-1 decode against HF transformers ``generate`` on the same
+   weights.
 
     python scripts/gpu_moe3.py --quick     # first check (~3 min: no 4096 tokens, offline, HF)
     python scripts/gpu_moe3.py             # full
@@ -281,13 +285,13 @@ def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...]
     SUMMARY["grouped"] = rows
 
 
-def profile_steps(engine, steps: int) -> None:
+def profile_steps(engine, steps: int, label: str = "shipped") -> None:
     """Each kernel's share of a batch-1 step's critical path (its end minus the previous
     kernel's end, in stream order), summed by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
-    engine.add_request("prof", list(range(1000, 1128)), params)
+    engine.add_request(f"prof {label}", list(range(1000, 1128)), params)
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
@@ -328,9 +332,12 @@ def profile_steps(engine, steps: int) -> None:
             f"  {name[:100]}"
         )
         prof_rows.append((name[:100], share[name] / steps, n, busy[name] / count[name]))
-    SUMMARY["profile_bs1"] = dict(span_us=span, rows=prof_rows)
+    SUMMARY[f"profile_bs1 {label}"] = dict(span_us=span, rows=prof_rows)
     TABLE.append(
-        ("48l bs=1 profiled GPU span", f"{span:.0f} us/step, {len(kernels) / steps:.0f} kernels")
+        (
+            f"48l bs=1 profiled GPU span ({label})",
+            f"{span:.0f} us/step, {len(kernels) / steps:.0f} kernels",
+        )
     )
 
 
@@ -382,37 +389,116 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
             )
         )
     if not quick:
-        wl = workloads.synthetic(256, (100, 1024), (512, 512), engine.model_config.vocab_size)
-        res = throughput.run(llm, ceil, wl, use_tqdm=False)
-        print(
-            f"{wl.name}: {res.output_tok_s:.0f} out tok/s, {res.roofline_pct:.1f}% of "
-            f"roofline, preemptions {res.num_preemptions}, max running {res.max_running}, "
-            f"host {100 * res.host_fraction:.0f}%",
-            flush=True,
-        )
-        SUMMARY["offline_48l"] = vars(res)
-        TABLE.append(
-            (
-                "48l offline 256 req",
-                f"{res.output_tok_s:.0f} out tok/s, {res.roofline_pct:.1f}% of roofline",
-            )
-        )
+        offline(llm, ceil)
+    batch1_variants(engine, ceil)
     engine.shutdown()
     del llm, engine
 
 
-@section("8 layers, batch-1 decode: PDL off / MoE block unfused / expert precisions")
+def offline(llm, ceil: Ceilings) -> None:
+    """The 256-request workload (input 100-1024, output 512) on the 48-layer engine."""
+    engine = llm.llm_engine
+    wl = workloads.synthetic(256, (100, 1024), (512, 512), engine.model_config.vocab_size)
+    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    print(
+        f"{wl.name}: {res.output_tok_s:.0f} out tok/s, {res.roofline_pct:.1f}% of "
+        f"roofline, preemptions {res.num_preemptions}, max running {res.max_running}, "
+        f"host {100 * res.host_fraction:.0f}%",
+        flush=True,
+    )
+    SUMMARY["offline_48l"] = vars(res)
+    TABLE.append(
+        (
+            "48l offline 256 req",
+            f"{res.output_tok_s:.0f} out tok/s, {res.roofline_pct:.1f}% of roofline",
+        )
+    )
+
+
+def _variant_flags():
+    from roofline.kernels import decode_attention_fused as attn
+    from roofline.layers import fused_decode
+
+    return {  # label: (setter, restorer); each recaptures the decode graphs under its setting
+        "PDL off (all kernels)": (lambda: pdl.set_pdl(False), lambda: pdl.set_pdl(True)),
+        "MoE launches without PDL": (
+            lambda: setattr(fm, "DECODE_PDL", False),
+            lambda: setattr(fm, "DECODE_PDL", True),
+        ),
+        "down prefetch off": (
+            lambda: setattr(fm, "DOWN_PREFETCH", False),
+            lambda: setattr(fm, "DOWN_PREFETCH", True),
+        ),
+        "residual as a separate add": (
+            lambda: setattr(fused_decode, "MOE_FUSE_RESIDUAL", False),
+            lambda: setattr(fused_decode, "MOE_FUSE_RESIDUAL", True),
+        ),
+        "MoE block unfused": (
+            lambda: fused_decode.set_moe_enabled(False),
+            lambda: fused_decode.set_moe_enabled(True),
+        ),
+        "attention unfused": (lambda: attn.set_enabled(False), lambda: attn.set_enabled(True)),
+        "attention split 256 tokens": (
+            lambda: attn.set_split_tokens(256),
+            lambda: attn.set_split_tokens(attn.SPLIT_TOKENS_DEFAULT),
+        ),
+        "attention split 32 tokens": (
+            lambda: attn.set_split_tokens(32),
+            lambda: attn.set_split_tokens(attn.SPLIT_TOKENS_DEFAULT),
+        ),
+    }
+
+
+def batch1_variants(engine, ceil: Ceilings) -> None:
+    """Batch-1 decode of the 48-layer engine under each switch of ``_variant_flags`` (the
+    graphs recaptured for batch 1 only), the PDL-off one profiled (each kernel's own time)."""
+    import dataclasses
+
+    from roofline.kernels import decode_attention_fused as attn
+
+    attn.SPLIT_TOKENS_DEFAULT = attn.SPLIT_TOKENS
+    runner = engine.runner
+    saved_cfg = runner.scheduler_config
+    runner.scheduler_config = dataclasses.replace(saved_cfg, max_num_seqs=1)
+    rows = {}
+    try:
+        for label, (on, off) in [("shipped (recaptured)", (lambda: None, lambda: None))] + list(
+            _variant_flags().items()
+        ):
+            try:
+                on()
+                runner.capture_cuda_graphs()
+                r = latency.run(engine, ceil, [1], 128, 64)[0]
+                rows[label] = r.step_ms_p50
+                print(
+                    f"48l bs=1 {label:28s}: {r.output_tok_s:6.1f} tok/s, step "
+                    f"{r.step_ms_p50:.3f} ms, {r.roofline_pct:5.1f}% of roofline",
+                    flush=True,
+                )
+                TABLE.append(
+                    (f"48l bs=1 {label}", f"{r.output_tok_s:.1f} tok/s, {r.roofline_pct:.1f}%")
+                )
+                if label == "PDL off (all kernels)":
+                    profile_steps(engine, 4, "PDL off")
+            except Exception:  # noqa: BLE001 - the next variant still runs
+                traceback.print_exc()
+                TABLE.append((f"48l bs=1 {label}", "FAILED"))
+            finally:
+                off()
+    finally:
+        runner.scheduler_config = saved_cfg
+    SUMMARY["batch1_variants_ms"] = rows
+
+
+@section("8 layers, batch-1 decode: expert precisions")
 def variants(ceil: Ceilings, quick: bool) -> None:
-    """The shipped batch-1 path against itself without PDL and with the MoE block unfused
-    (bf16), then int8 / fp8 / int4 experts and linears (each engine's graphs captured under
-    its setting)."""
+    """Batch-1 decode with bf16, int8, fp8 and int4 experts and linears (quantized on the fly;
+    the 48-layer section has the bf16 switches)."""
     from roofline.layers import fused_decode
 
     model = m2.config_with_layers("qwen3-30b-a3b", 8)
-    cases = [("bf16 shipped", None, {}), ("bf16 PDL off", None, dict(pdl=False)),
-             ("bf16 MoE block unfused", None, dict(moe=False)), ("int8", "int8", {}),
-             ("fp8", "fp8", {}), ("int4", "int4", {})]  # fmt: skip
-    if quick:  # the quantized engines only (section 2 has the block without PDL / unfused)
+    cases = [("bf16", None, {}), ("int8", "int8", {}), ("fp8", "fp8", {}), ("int4", "int4", {})]
+    if quick:
         cases = [c for c in cases if c[0] in ("int8", "int4")]
     for label, quant, flags in cases:
         pdl.set_pdl(flags.get("pdl", True))
