@@ -81,11 +81,12 @@ def section(name: str):
     return wrap
 
 
-VARIANTS = {  # label: (residual in the down store, PDL, down prefetch)
-    "unfused": (False, False, False),
-    "residual fused": (True, False, False),
-    "+ PDL": (True, True, False),
-    "+ down prefetch (shipped)": (True, True, True),
+VARIANTS = {  # label: (residual in the down store, PDL, down prefetch, late PDL triggers)
+    "unfused": (False, False, False, False),
+    "residual fused": (True, False, False, False),
+    "+ PDL": (True, True, False, False),
+    "+ down prefetch (shipped)": (True, True, True, False),
+    "+ late PDL triggers": (True, True, True, True),
 }
 
 
@@ -94,9 +95,10 @@ def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     rows prefetched, residual in the down store), the unfused launches (False: PDL off,
     separate add) or a ``VARIANTS`` label."""
     label = {True: "+ down prefetch (shipped)", False: "unfused"}.get(fused, fused)
-    residual, use_pdl, prefetch = VARIANTS[label]
+    residual, use_pdl, prefetch, late = VARIANTS[label]
     pdl.set_pdl(use_pdl)
     fm.DOWN_PREFETCH = prefetch
+    fm.LATE_TRIGGER = late
     try:
         xn, w, ids = moe_router(h, norm_w, EPS, router, K, True)
         if residual:
@@ -105,6 +107,7 @@ def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     finally:
         pdl.set_pdl(True)
         fm.DOWN_PREFETCH = True
+        fm.LATE_TRIGGER = False
 
 
 def make_layers(kind: str, n: int, gen: torch.Generator) -> list:
@@ -424,6 +427,10 @@ def _variant_flags():
         "MoE launches without PDL": (
             lambda: setattr(fm, "DECODE_PDL", False),
             lambda: setattr(fm, "DECODE_PDL", True),
+        ),
+        "MoE late PDL triggers": (
+            lambda: setattr(fm, "LATE_TRIGGER", True),
+            lambda: setattr(fm, "LATE_TRIGGER", False),
         ),
         "down prefetch off": (
             lambda: setattr(fm, "DOWN_PREFETCH", False),

@@ -55,7 +55,7 @@ def launch(a, w, dst, ids, weights, rows, n, k, pairs_per_program, a_per_pair, s
         w.stride(1), 0, 1, dst.stride(0), dst.stride(0),
         PAIRS_PER_PROGRAM=pairs_per_program, A_PER_PAIR=a_per_pair, SILU_MUL=silu,
         MUL_WEIGHT=not silu, QUANT=0, GROUP=0, WIDEN=0, RESIDUAL=False, PDL=False,
-        PREFETCH_LINES=1, LINE_BYTES=128, FAST_FP8=True, **cfg,
+        PREFETCH_LINES=1, LINE_BYTES=128, FAST_FP8=True, LATE_TRIGGER=False, **cfg,
     )  # fmt: skip
 
 

@@ -367,6 +367,7 @@ def _moe_gemv_kernel(
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     WIDEN: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -404,9 +405,9 @@ def _moe_gemv_kernel(
                 )
                 prefetch_l2(base + offs_l[None, :])  # [BN, LINES]
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        else:  # gate/up: wait for the routing, then let the down launch start
+        else:  # gate/up: wait for the routing (then let the down launch start)
             tl.extra.cuda.gdc_wait()
+        if not LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     out_ty = out_ptr.dtype.element_ty
@@ -469,6 +470,8 @@ def _moe_gemv_kernel(
         if MUL_WEIGHT:
             res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
         total += tl.where(local, res, 0.0)
+    if PDL and LATE_TRIGGER:  # the next launch starts as this program's sums are done
+        tl.extra.cuda.gdc_launch_dependents()
     result = total.to(out_ty)
     if RESIDUAL:  # the MoE output rounded, then the add rounded: the separate add's bits
         r = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_ok, other=0.0)
@@ -479,6 +482,11 @@ def _moe_gemv_kernel(
 DECODE_PDL = True
 """The one-token MoE launches (``kernels.moe_router`` and both expert GEMVs) as programmatic
 dependents when PDL is on (False: plain launches; benchmarks compare)."""
+LATE_TRIGGER = False
+"""Under PDL, when the one-token MoE launches let their successor start: False right after
+their wait (the router: before it), True only once their sums are done (the router: after
+its wait). Early triggers start the next launches' programs (and their prefetches) sooner,
+but fill the SMs with waiting programs several launches ahead; benchmarks compare."""
 DOWN_PREFETCH = True
 """Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
 they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
@@ -705,7 +713,8 @@ def fused_moe(
             cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)
         # PDL at one token: the down launch prefetches its rows while gate/up runs
         pdl = num_tokens == 1 and not is_interpret() and pdl_enabled() and DECODE_PDL
-        meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret())
+        meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret(),
+                          LATE_TRIGGER=LATE_TRIGGER)  # fmt: skip
         meta |= dict(launch_pdl=True) if pdl else {}
         res = out if residual is None else residual
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](

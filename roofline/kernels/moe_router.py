@@ -65,6 +65,7 @@ def _moe_router_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,  # PDL: let the next launch start after the wait, not before
     COMPILED: tl.constexpr,  # not the interpreter: PTX roundings (mul.rn)
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
@@ -78,8 +79,11 @@ def _moe_router_kernel(
     if PDL:
         offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)
         prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:  # the gate/up launch may start at once (it waits for us)
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        if LATE_TRIGGER:  # only once the previous kernel is done
+            tl.extra.cuda.gdc_launch_dependents()
     sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # the statistic, as kernels.gemv's prologue
     for k0 in range(0, K, BLOCK_K):
         xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
@@ -174,7 +178,8 @@ def moe_router(
         BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         USE_DOT=cfg.use_dot and h.dtype != torch.float32, EVEN_K=hidden % cfg.block_k == 0,
-        PDL=pdl, COMPILED=compiled, PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
+        PDL=pdl, LATE_TRIGGER=fused_moe.LATE_TRIGGER, COMPILED=compiled,
+        PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
         LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
     return xn, weights, ids

@@ -122,7 +122,7 @@ def test_gemv_pdl_variants_compile_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, QUANT=0, GROUP=0, WIDEN=0, PDL=True,
-                LINE_BYTES=128, FAST_FP8=True)  # fmt: skip
+                LINE_BYTES=128, FAST_FP8=True, LATE_TRIGGER=False)  # fmt: skip
     gate_up = dict(base, PAIRS_PER_PROGRAM=1, A_PER_PAIR=8, SILU_MUL=True, MUL_WEIGHT=False,
                    RESIDUAL=False, PREFETCH_LINES=1)  # fmt: skip
     down = dict(base, PAIRS_PER_PROGRAM=8, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
@@ -132,8 +132,9 @@ def test_gemv_pdl_variants_compile_for_hopper() -> None:
                                     "res_ptr")}  # fmt: skip
     pointers["ids_ptr"] = "i64"
     ptxs = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel",
-                              [gate_up, down], pointers, (), dict(num_warps=4))  # fmt: skip
-    assert all("griddepcontrol.wait" in p for p in ptxs)
+                              [gate_up, down, dict(down, LATE_TRIGGER=True)], pointers, (),
+                              dict(num_warps=4))  # fmt: skip
+    assert all("griddepcontrol.wait" in p and "launch_dependents" in p for p in ptxs)
     assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
     pointers["w_ptr"] = "i8"
     (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int8],

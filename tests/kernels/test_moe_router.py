@@ -43,7 +43,8 @@ def test_compiles_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOP=8, BLOCK_N=2, BLOCK_K=512,
-                NUM_STAGES=5, USE_DOT=False, EVEN_K=True, PDL=True, COMPILED=True,
+                NUM_STAGES=5, USE_DOT=False, EVEN_K=True, PDL=True, LATE_TRIGGER=False,
+                COMPILED=True,
                 PREFETCH_LINES=64, LINE_ELEMS=64)  # fmt: skip
     pointers = {name: "bf16" for name in ("x_ptr", "norm_w_ptr", "w_ptr", "xn_ptr", "logits_ptr",
                                           "weights_ptr")}  # fmt: skip
@@ -54,8 +55,15 @@ def test_compiles_for_hopper() -> None:
     assert "griddepcontrol.wait" in ptxs[0] and "atom." in ptxs[0] and "mul.rn.f32" in ptxs[0]
 
 
-@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, None),
-                                         (torch.bfloat16, "int8"), (torch.bfloat16, "int4")])
+@pytest.mark.parametrize(
+    "dtype,quant",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.bfloat16, "int8"),
+        (torch.bfloat16, "int4"),
+    ],
+)
 def test_fused_moe_layer_matches_unfused(dtype, quant) -> None:
     """``fused_decode.moe_norm_add`` (router kernel + expert GEMVs with the residual add in the
     down store) against the block's own forward on the normalised row plus the residual, with
