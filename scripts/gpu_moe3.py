@@ -420,6 +420,7 @@ def offline(llm, ceil: Ceilings) -> None:
 
 def _variant_flags():
     from roofline.kernels import decode_attention_fused as attn
+    from roofline.kernels import gemv_preload
     from roofline.layers import fused_decode
 
     return {  # label: (setter, restorer); each recaptures the decode graphs under its setting
@@ -445,6 +446,10 @@ def _variant_flags():
             lambda: fused_decode.set_moe_enabled(True),
         ),
         "attention unfused": (lambda: attn.set_enabled(False), lambda: attn.set_enabled(True)),
+        "GEMV preload on (qkv, o_proj)": (
+            lambda: gemv_preload.set_enabled(True),
+            lambda: gemv_preload.set_enabled(False),
+        ),
         "attention split 256 tokens": (
             lambda: attn.set_split_tokens(256),
             lambda: attn.set_split_tokens(attn.SPLIT_TOKENS_DEFAULT),
