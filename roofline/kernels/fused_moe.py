@@ -183,6 +183,32 @@ def _int4_tile(rows, s_rows, o_rows, u, g, mask):
 
 
 @triton.jit
+def top_k_of(prob, offs, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+             BLOCK_TOP: tl.constexpr):  # fmt: skip
+    """The ``TOP_K`` largest of ``prob [BLOCK_E]`` (>= 0; ties to the lowest index, as
+    torch.topk) as ``(weights [BLOCK_TOP] fp32, ids [BLOCK_TOP] int32)``, renormalised to sum 1
+    when asked. One reduction a pass: each probability's bits (non-negative floats order as
+    integers) above ``BLOCK_E - 1 - index`` in one int64 key."""
+    bits = prob.to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64)  # [BLOCK_E]
+    slots = tl.arange(0, BLOCK_TOP)
+    top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        idx = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(slots == j, w, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        total += w
+        key = tl.where(offs == idx, -1, key)
+    if RENORMALIZE:
+        top_w = top_w / total
+    return top_w, top_i
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -199,18 +225,7 @@ def _route_kernel(
     prob = tl.exp(logit - tl.max(logit, axis=0))
     prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
     slots = tl.arange(0, BLOCK_TOP)
-    top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
-    top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.max(prob, axis=0)
-        idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
-        top_w = tl.where(slots == j, best, top_w)
-        top_i = tl.where(slots == j, idx, top_i)
-        total += best
-        prob = tl.where(offs == idx, -1.0, prob)
-    if RENORMALIZE:
-        top_w = top_w / total
+    top_w, top_i = top_k_of(prob, offs, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
     out = token * TOP_K + slots
     tl.store(ids_ptr + out, top_i.to(tl.int64), mask=slots < TOP_K)
     tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)

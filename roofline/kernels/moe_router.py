@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, fused_moe, is_interpret
-from roofline.kernels.fused_moe import route_ref
+from roofline.kernels.fused_moe import route_ref, top_k_of
 from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
@@ -128,18 +128,7 @@ def _moe_router_kernel(
         prob = tl.exp(logit - tl.max(logit, axis=0))
         prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
         slots = tl.arange(0, BLOCK_TOP)
-        top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
-        top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-        total = 0.0
-        for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
-            best = tl.max(prob, axis=0)
-            idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
-            top_w = tl.where(slots == j, best, top_w)
-            top_i = tl.where(slots == j, idx, top_i)
-            total += best
-            prob = tl.where(offs == idx, -1.0, prob)
-        if RENORMALIZE:
-            top_w = top_w / total
+        top_w, top_i = top_k_of(prob, offs, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
         tl.store(ids_ptr + slots, top_i.to(tl.int64), mask=slots < TOP_K)
         tl.store(weights_ptr + slots, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
         tl.store(counter_ptr, 0)  # ready for the next launch

@@ -68,6 +68,14 @@ def test_route_matches_softmax_topk(renormalize) -> None:
     assert_close(weights, ref_w, torch.float32)
 
 
+def test_route_ties_go_to_the_lowest_expert() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0], [2.0] * 6]).to(DEVICE)
+    weights, ids = route(logits, 3, renormalize=False)
+    assert ids.cpu().tolist() == [[1, 2, 4], [0, 1, 2]]
+    probs = torch.softmax(logits.float(), -1)
+    assert_close(weights, probs.gather(1, ids), torch.float32)
+
+
 # (tokens, experts, top_k, hidden, inter); the last two reach the 64- and 128-row tiles
 SHAPES = [(1, 8, 2, 64, 48), (3, 16, 4, 64, 32), (37, 8, 2, 32, 48), (100, 2, 1, 32, 16)]
 SHAPES += [(200, 2, 1, 32, 16)]
