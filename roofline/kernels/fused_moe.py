@@ -446,13 +446,16 @@ def _moe_gemv_kernel(
             if QUANT == 2:  # int4: K whole BLOCK_K tiles (the launcher picks BLOCK_K | K)
                 a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k).to(tl.float32)[None, :]
                 q_ptrs = w_base + rows_n[:, None] * stride_wn + (k0 // 2 + offs_u)[None, :]
-                w = _grouped_tile(q_ptrs, s_base, o_base, rows_n, k0, stride_sn, out_ty, 1,
+                # the dequantized tile stays fp32 (no rounding to x's dtype: two conversions
+                # a weight fewer; the sum differs from the reference by that rounding only)
+                w = _grouped_tile(q_ptrs, s_base, o_base, rows_n, k0, stride_sn, tl.float32, 1,
                                   GROUP, BLOCK_N, BLOCK_K)  # fmt: skip  # [BN, BK]
-                acc += w.to(tl.float32) * a
+                acc += w * a
                 if SILU_MUL:
-                    w = _grouped_tile(q_ptrs + N * stride_wn, s_base, o_base, rows_n + N, k0,
-                                      stride_sn, out_ty, 1, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
-                    acc_up += w.to(tl.float32) * a
+                    q_up = q_ptrs + N * stride_wn
+                    w = _grouped_tile(q_up, s_base, o_base, rows_n + N, k0, stride_sn,
+                                      tl.float32, 1, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                    acc_up += w * a
             else:
                 a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
                 a = a.to(tl.float32)[None, :]
