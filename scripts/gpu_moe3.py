@@ -226,6 +226,19 @@ def block_bench(ceil: Ceilings) -> None:
             rows[f"{kind} shipped, WIDEN {widen}"] = 1e6 * t
             print(f"{kind:4s} shipped with WIDEN {widen}      : {1e6 * t:6.1f} us/block, "
                   f"{100 * nbytes / t / bw:4.1f}% of copy", flush=True)  # fmt: skip
+        int4_cfgs = [dict(BLOCK_N=8, BLOCK_K=256), dict(BLOCK_N=16, BLOCK_K=128),
+                     dict(BLOCK_N=8, BLOCK_K=512), dict(BLOCK_N=32, BLOCK_K=128)]  # fmt: skip
+        for cfg in int4_cfgs if kind == "int4" else ():  # the int4 GEMV's tiles
+            saved_cfg = dict(fm.GEMV_CONFIG_INT4)
+            fm.GEMV_CONFIG_INT4.update(cfg)
+            try:
+                t = time_chain(layers, True)
+            finally:
+                fm.GEMV_CONFIG_INT4.clear()
+                fm.GEMV_CONFIG_INT4.update(saved_cfg)
+            rows[f"{kind} shipped, {cfg}"] = 1e6 * t
+            print(f"{kind:4s} shipped with {cfg}: {1e6 * t:6.1f} us/block, "
+                  f"{100 * nbytes / t / bw:4.1f}% of copy", flush=True)  # fmt: skip
         shipped = rows[f"{kind} + down prefetch (shipped)"]
         TABLE.append(
             (
