@@ -431,6 +431,16 @@ def offline(llm, ceil: Ceilings) -> None:
     )
 
 
+def _pdl_outside_moe(on: bool) -> None:
+    """PDL on or off for the attention, skinny-GEMM and head kernels (their modules' own
+    ``pdl_enabled``), leaving the MoE launches as they are (a benchmark switch only)."""
+    import importlib
+
+    for name in ("gemv", "gemv_preload", "decode_attention_fused", "kv_store", "lm_head_argmax"):
+        mod = importlib.import_module(f"roofline.kernels.{name}")
+        mod.pdl_enabled = pdl.pdl_enabled if on else (lambda: False)
+
+
 def _variant_flags():
     from roofline.kernels import decode_attention_fused as attn
     from roofline.kernels import gemv_preload
@@ -441,6 +451,10 @@ def _variant_flags():
         "MoE launches without PDL": (
             lambda: setattr(fm, "DECODE_PDL", False),
             lambda: setattr(fm, "DECODE_PDL", True),
+        ),
+        "PDL in the MoE launches only": (
+            lambda: _pdl_outside_moe(False),
+            lambda: _pdl_outside_moe(True),
         ),
         "MoE late PDL triggers": (
             lambda: setattr(fm, "LATE_TRIGGER", True),
