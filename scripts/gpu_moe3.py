@@ -51,6 +51,7 @@ from roofline.bench import latency, peers, throughput, workloads  # noqa: E402
 from roofline.bench.ceilings import Ceilings, measure, time_fn  # noqa: E402
 from roofline.kernels import fused_moe as fm  # noqa: E402
 from roofline.kernels import pdl  # noqa: E402
+from roofline.kernels.moe_block import moe_block  # noqa: E402
 from roofline.kernels.moe_router import moe_router, moe_router_ref  # noqa: E402
 
 SUMMARY: dict[str, object] = {}
@@ -90,11 +91,16 @@ VARIANTS = {  # label: (residual in the down store, PDL, down prefetch, late PDL
 }
 
 
+ONE_LAUNCH = "one launch (kernels.moe_block)"
+
+
 def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     """One MoE block at one token: the shipped path (``fused`` True: PDL launches, the down
     rows prefetched, residual in the down store), the unfused launches (False: PDL off,
     separate add) or a ``VARIANTS`` label."""
     label = {True: "+ down prefetch (shipped)", False: "unfused"}.get(fused, fused)
+    if label == ONE_LAUNCH:
+        return moe_block(h, norm_w, EPS, router, w13, w2, K, True)
     residual, use_pdl, prefetch, late = VARIANTS[label]
     pdl.set_pdl(use_pdl)
     fm.DOWN_PREFETCH = prefetch
@@ -153,9 +159,41 @@ def parity() -> None:
         torch.cuda.synchronize()
         same = torch.equal(out, chain(h, layers, True))
         bad += m2.check(f"{kind} 2-block chain CUDA graph", same, f"equals eager: {same}")
+        if kind == "bf16":
+            bad += one_launch_parity(layers, gen)
         bad += grouped_parity(kind, w13, w2, sk, router, gen)
         del layers
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
+
+
+def one_launch_parity(layers, gen) -> int:
+    """``kernels.moe_block`` against the three launches (and the reference), then a chain of
+    two captured in a CUDA graph and replayed twice (its counters reset each launch)."""
+    bad = 0
+    norm_w, router, w13, w2, sk = layers[0]
+    for seed in range(3):
+        h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
+        one = block(h, norm_w, router, w13, w2, sk, ONE_LAUNCH)
+        three = block(h, norm_w, router, w13, w2, sk, True)
+        xn, w, ids = moe_router_ref(h, norm_w, EPS, router, K, True)
+        ref = h.float() + fm.fused_moe_ref(xn.float(), w13.float(), w2.float(), w.float(), ids)
+        err, err3 = m2.rel_err(one, ref), m2.rel_err(one, three.float())
+        detail = f"rel err vs reference {err:.1e}, vs three launches {err3:.1e}"
+        bad += m2.check(f"one-launch block seed {seed}", err < 2e-2 and err3 < 2e-2, detail)
+    h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
+    chain(h, layers, ONE_LAUNCH)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(h, layers, ONE_LAUNCH)
+    results = []
+    for _ in range(2):
+        h.copy_(torch.randn(1, H, device=DEVICE, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(torch.equal(out, chain(h, layers, ONE_LAUNCH)))
+    bad += m2.check("one-launch 2-block chain CUDA graph", all(results), f"equals eager: {results}")
+    return bad
 
 
 def weight_left(kind: str, on: bool) -> None:
@@ -208,7 +246,7 @@ def block_bench(ceil: Ceilings) -> None:
         _, router, w13, w2, sk = layers[0]
         scales = tuple(sk.get(n) for n in ("w13_scale", "w2_scale", "w13_offset", "w2_offset"))
         nbytes = K * m2.expert_bytes(w13, w2, scales) + router.numel() * 2 + 3 * H * 2
-        for label in VARIANTS:
+        for label in list(VARIANTS) + ([ONE_LAUNCH] if kind == "bf16" else []):
             t = time_chain(layers, label)
             rows[f"{kind} {label}"] = 1e6 * t
             print(
@@ -455,6 +493,10 @@ def _variant_flags():
         "PDL in the MoE launches only": (
             lambda: _pdl_outside_moe(False),
             lambda: _pdl_outside_moe(True),
+        ),
+        "MoE block in one launch": (
+            lambda: setattr(fused_decode, "MOE_ONE_LAUNCH", True),
+            lambda: setattr(fused_decode, "MOE_ONE_LAUNCH", False),
         ),
         "MoE late PDL triggers": (
             lambda: setattr(fm, "LATE_TRIGGER", True),

@@ -40,19 +40,36 @@ from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 ROUTER_N = 2
 """Experts per router program (64 programs for 128 experts, as ``moe_router`` on the H100)."""
-MAX_POLLS = 1 << 22
-"""Polls of a flag before a program gives up waiting (never reached unless something is wrong:
-a hang would be worse than a wrong step)."""
+MAX_POLLS = 1 << 16
+"""Polls of a flag (~0.1 us apart) before a program gives up waiting: never reached unless
+something is wrong, where a wrong step is better than a hung GPU."""
 
 
 @triton.jit
-def _wait_for(ptr, target, MAX: tl.constexpr):
-    """Spin until the counter at ``ptr`` reaches ``target`` (acquire), then a CTA barrier."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+def _nap(x, COMPILED: tl.constexpr):
+    """A short sleep between polls (PTX ``nanosleep``) so waiting programs leave the issue
+    slots and the counter's L2 line to the others; ``x`` passes through."""
+    if COMPILED:
+        x = tl.inline_asm_elementwise(
+            "nanosleep.u32 64; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _wait_for(ptr, target, MAX: tl.constexpr, COMPILED: tl.constexpr):
+    """Spin (volatile loads, a nap between them) until the counter at ``ptr`` reaches
+    ``target``, then a GPU-scope fence (the acquire half of the producer's release) and a CTA
+    barrier."""
+    seen = tl.load(ptr, volatile=True)
     polls = 0
     while (seen < target) & (polls < MAX):
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        seen = _nap(tl.load(ptr, volatile=True), COMPILED)
         polls += 1
+    if COMPILED:  # acquire: the flag's release is ordered before every read that follows
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [seen],
+                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
     tl.debug_barrier()
 
 
@@ -117,7 +134,7 @@ def _moe_block_kernel(
         pair = g // col_blocks
         offs_n = (g % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < INTER
-        _wait_for(cnt_ptr + 2, 1, MAX)
+        _wait_for(cnt_ptr + 2, 1, MAX, COMPILED)
         expert = tl.load(ids_ptr + pair, cache_modifier=".cg")
         w_rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -143,7 +160,7 @@ def _moe_block_kernel(
         offs_n = d * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
         rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
-        _wait_for(cnt_ptr + 2, 1, MAX)
+        _wait_for(cnt_ptr + 2, 1, MAX, COMPILED)
         offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * 128, INTER * 2 - 1)  # bytes (16-bit)
         if COMPILED:  # the experts' rows of this block into L2 while gate/up runs
             for j in tl.static_range(TOP_K):
@@ -152,7 +169,7 @@ def _moe_block_kernel(
                     tl.pointer_type(tl.int8)
                 )
                 prefetch_l2(base + offs_l[None, :])
-        _wait_for(cnt_ptr + 3, GATE_PROGS, MAX)
+        _wait_for(cnt_ptr + 3, GATE_PROGS, MAX, COMPILED)
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             e = tl.load(ids_ptr + j, cache_modifier=".cg")

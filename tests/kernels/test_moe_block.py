@@ -59,3 +59,4 @@ def test_compiles_for_hopper() -> None:
     (ptx,) = compile_for_hopper("roofline.kernels.moe_block", "_moe_block_kernel", [variant],
                                 pointers, ("inv_h", "eps"), dict(num_warps=4))  # fmt: skip
     assert "griddepcontrol.wait" in ptx and "prefetch.global.L2" in ptx and "atom." in ptx
+    assert "ld.volatile" in ptx and "fence.acq_rel.gpu" in ptx and "nanosleep" in ptx
