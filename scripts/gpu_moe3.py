@@ -335,8 +335,45 @@ def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...]
                     )
                 )
             fm.WEIGHT_LEFT.update(saved)
+            if num_tokens in (16, 256):
+                sweep_weight_left(kind, x, router, w13, w2, scales, nbytes, bw)
         del w13, w2, scales, router
     SUMMARY["grouped"] = rows
+
+
+T_SWEEP = [dict(BLOCK_N=128, num_warps=8), dict(BLOCK_N=64, num_warps=8),
+           dict(NUM_STAGES=3), dict(BLOCK_N=128, num_warps=8, NUM_STAGES=3)]  # fmt: skip
+
+
+def sweep_weight_left(kind, x, router, w13, w2, scales, nbytes, bw) -> None:
+    """A few tiles of the weight-left kernel (weight rows, warps, stages) at this size."""
+    saved = dict(fm.WEIGHT_LEFT)
+    weight_left(kind, True)
+    best = None
+    try:
+        for cfg in T_SWEEP:
+            fm.GEMM_T_OVERRIDES.clear()
+            fm.GEMM_T_OVERRIDES.update(cfg)
+            try:
+                t = m2.time_layer(x, router, w13, w2, scales, K)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit
+                print(f"  {kind} T={x.shape[0]} weight-left {cfg}: {exc!r:.120}")
+                continue
+            print(f"  {kind} T={x.shape[0]} weight-left {cfg}: {1e6 * t:7.1f} us "
+                  f"({100 * nbytes / t / bw:4.1f}% of copy)", flush=True)  # fmt: skip
+            if best is None or t < best[0]:
+                best = (t, cfg)
+    finally:
+        fm.GEMM_T_OVERRIDES.clear()
+        fm.WEIGHT_LEFT.update(saved)
+    if best is not None:
+        pct = 100 * nbytes / best[0] / bw
+        TABLE.append(
+            (
+                f"sweep weight-left {kind} T={x.shape[0]} best",
+                f"{1e6 * best[0]:.0f} us, {pct:.0f}% {best[1]}",
+            )
+        )
 
 
 def profile_steps(engine, steps: int, label: str = "shipped") -> None:

@@ -598,8 +598,14 @@ def _gemm_t_config(
     if not block_k:
         return None
     warps = 4 if block_m <= 32 else 8
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=4 if block_m <= 32 else 3,
-                num_warps=warps)  # fmt: skip
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=4 if block_m <= 32 else 3,
+               num_warps=warps)  # fmt: skip
+    return cfg | GEMM_T_OVERRIDES
+
+
+GEMM_T_OVERRIDES: dict[str, int] = {}
+"""Overrides of the weight-left kernel's tiles (``BLOCK_N``, ``NUM_STAGES``, ``num_warps``; the
+sweep of ``scripts/gpu_moe3.py``)."""
 
 
 class ExpertLayout(NamedTuple):
