@@ -100,7 +100,7 @@ def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     separate add) or a ``VARIANTS`` label."""
     label = {True: "+ down prefetch (shipped)", False: "unfused"}.get(fused, fused)
     if label == ONE_LAUNCH:
-        return moe_block(h, norm_w, EPS, router, w13, w2, K, True)
+        return moe_block(h, norm_w, EPS, router, w13, w2, K, True, **sk)
     residual, use_pdl, prefetch, late = VARIANTS[label]
     pdl.set_pdl(use_pdl)
     fm.DOWN_PREFETCH = prefetch
@@ -246,7 +246,7 @@ def block_bench(ceil: Ceilings) -> None:
         _, router, w13, w2, sk = layers[0]
         scales = tuple(sk.get(n) for n in ("w13_scale", "w2_scale", "w13_offset", "w2_offset"))
         nbytes = K * m2.expert_bytes(w13, w2, scales) + router.numel() * 2 + 3 * H * 2
-        for label in list(VARIANTS) + ([ONE_LAUNCH] if kind == "bf16" else []):
+        for label in list(VARIANTS) + ([ONE_LAUNCH] if kind != "int4" else []):
             t = time_chain(layers, label)
             rows[f"{kind} {label}"] = 1e6 * t
             print(
@@ -615,12 +615,14 @@ def variants(ceil: Ceilings, quick: bool) -> None:
     from roofline.layers import fused_decode
 
     model = m2.config_with_layers("qwen3-30b-a3b", 8)
-    cases = [("bf16", None, {}), ("int8", "int8", {}), ("fp8", "fp8", {}), ("int4", "int4", {})]
+    cases = [("bf16", None, {}), ("int8", "int8", {}), ("fp8", "fp8", {}), ("int4", "int4", {}),
+             ("int8, MoE block in one launch", "int8", dict(one=True))]  # fmt: skip
     if quick:
         cases = [c for c in cases if c[0] in ("int8", "int4")]
     for label, quant, flags in cases:
         pdl.set_pdl(flags.get("pdl", True))
         fused_decode.set_moe_enabled(flags.get("moe", True))
+        fused_decode.MOE_ONE_LAUNCH = flags.get("one", False)
         llm = None
         try:
             llm = LLM(
@@ -648,6 +650,7 @@ def variants(ceil: Ceilings, quick: bool) -> None:
         finally:
             pdl.set_pdl(True)
             fused_decode.set_moe_enabled(True)
+            fused_decode.MOE_ONE_LAUNCH = False
             if llm is not None:
                 llm.llm_engine.shutdown()
             del llm

@@ -21,9 +21,10 @@ follow the order programs start), so the waits cannot deadlock whatever the hard
 schedules; a wait gives up after ``MAX_POLLS`` polls rather than hang. Every producer stores,
 passes a CTA barrier and releases with a GPU-scope atomic; every consumer acquires, passes a
 barrier and reads with ``.cg`` (L2), the ``last_program`` pattern. The last down program resets
-the counters for the next launch (CUDA-graph replays). 16-bit experts; the roundings are
+the counters for the next launch (CUDA-graph replays). The roundings are
 ``moe_router`` + ``fused_moe``'s (each expert's output rounded, weighted, summed in fp32,
-rounded, added to the residual).
+rounded, added to the residual); int8 / fp8 experts widen their 1-byte tiles in registers and
+scale each output channel after the K sum, as ``fused_moe``'s GEMV does.
 """
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ def _wait_for(ptr, target, MAX: tl.constexpr, COMPILED: tl.constexpr):
 
 @triton.jit
 def _moe_block_kernel(
-    h_ptr, norm_w_ptr, router_ptr, w13_ptr, w2_ptr, out_ptr,
+    h_ptr, norm_w_ptr, router_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, out_ptr,
     xn_ptr, logits_ptr, ids_ptr, weights_ptr, act_ptr, cnt_ptr,
     E, H, INTER, inv_h, eps, stride_re, stride_we, stride_wn, stride_2e, stride_2n,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTER_PROGS: tl.constexpr,
     GATE_PROGS: tl.constexpr, ROUTER_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, COMPILED: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, MAX: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, MAX: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Counters at ``cnt_ptr``: 0 ticket, 1 router programs done, 2 routing ready, 3 gate/up
     programs done, 4 down programs done (all zero between launches)."""
@@ -151,7 +152,12 @@ def _moe_block_kernel(
                 w_ptrs + INTER * stride_wn, mask=mask, other=0.0, eviction_policy="evict_first"
             )
             acc_up += w.to(tl.float32) * a
-        act = _silu_mul(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), dtype)
+        res, res_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+        if QUANT:  # w = q * s per output channel: s factors out of the K sum
+            s_row = s13_ptr + expert * 2 * INTER + offs_n
+            res *= tl.load(s_row, mask=n_ok, other=0.0).to(tl.float32)
+            res_up *= tl.load(s_row + INTER, mask=n_ok, other=0.0).to(tl.float32)
+        act = _silu_mul(res, res_up, dtype)
         tl.store(act_ptr + pair * INTER + offs_n, act.to(dtype), mask=n_ok)
         tl.debug_barrier()
         tl.atomic_add(cnt_ptr + 3, 1, sem="release", scope="gpu")
@@ -161,7 +167,8 @@ def _moe_block_kernel(
         n_ok = offs_n < H
         rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
         _wait_for(cnt_ptr + 2, 1, MAX, COMPILED)
-        offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * 128, INTER * 2 - 1)  # bytes (16-bit)
+        row_bytes = INTER * w2_ptr.dtype.element_ty.primitive_bitwidth // 8
+        offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * 128, row_bytes - 1)  # [LINES]
         if COMPILED:  # the experts' rows of this block into L2 while gate/up runs
             for j in tl.static_range(TOP_K):
                 e = tl.load(ids_ptr + j, cache_modifier=".cg")
@@ -182,7 +189,10 @@ def _moe_block_kernel(
                 dw = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                             other=0.0, eviction_policy="evict_first")  # fmt: skip
                 dacc += dw.to(tl.float32) * da.to(tl.float32)[None, :]
-            res = tl.sum(dacc, axis=1).to(dtype).to(tl.float32)  # the expert's output, rounded
+            res = tl.sum(dacc, axis=1)
+            if QUANT:
+                res *= tl.load(s2_ptr + e * H + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            res = res.to(dtype).to(tl.float32)  # the expert's output, rounded
             total += res * tl.load(weights_ptr + j, cache_modifier=".cg").to(tl.float32)
         r = tl.load(h_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         result = (total.to(dtype).to(tl.float32) + r).to(dtype)
@@ -203,15 +213,28 @@ def moe_block(
     w2: torch.Tensor,  # [E, H, I]
     top_k: int,
     renormalize: bool,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [1, H]
-    """``h + fused_moe(rms_norm(h), ...)`` for one token in one launch (16-bit experts)."""
+    """``h + fused_moe(rms_norm(h), ...)`` for one token in one launch: 16-bit experts, or
+    int8 / fp8 with per-channel scales ``w13_scale [E, 2I]``, ``w2_scale [E, H]``."""
     check_device(h, norm_weight, router, w13, w2)
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if h.shape != (1, hidden) or not h.is_contiguous():
         raise ValueError(f"moe_block: h must be [1, {hidden}] contiguous, got {tuple(h.shape)}")
-    if not (h.dtype == norm_weight.dtype == router.dtype == w13.dtype == w2.dtype):
-        raise ValueError("moe_block: h, the norm, router and experts must share a 16-bit dtype")
+    quant = w13_scale is not None
+    if not (h.dtype == norm_weight.dtype == router.dtype) or w13.dtype != w2.dtype:
+        raise ValueError("moe_block: h, the norm and the router must share a dtype")
+    if quant != (w2_scale is not None) or (not quant and w13.dtype != h.dtype):
+        raise ValueError("moe_block: 16-bit experts in h's dtype, or 8-bit ones with both scales")
+    if quant and (
+        w13.dtype not in (torch.int8, torch.float8_e4m3fn)
+        or tuple(w13_scale.shape) != tuple(w13.shape[:2])
+        or tuple(w2_scale.shape) != tuple(w2.shape[:2])
+        or not (w13_scale.is_contiguous() and w2_scale.is_contiguous())
+    ):
+        raise ValueError("moe_block: 8-bit experts need contiguous per-channel scales [E, N]")
     if tuple(w2.shape) != (num_experts, hidden, inter) or not 0 < top_k <= num_experts:
         raise ValueError(f"moe_block: w2 {tuple(w2.shape)} vs w13 {tuple(w13.shape)}")
     dev, dtype = h.device, h.dtype
@@ -221,7 +244,7 @@ def moe_block(
     weights = torch.empty(top_k, dtype=dtype, device=dev)
     act = torch.empty(top_k, inter, dtype=dtype, device=dev)
     out = torch.empty_like(h)
-    block_n, block_k = GEMV_CONFIG["BLOCK_N"], GEMV_CONFIG["BLOCK_K"]
+    block_n, block_k = GEMV_CONFIG["BLOCK_N"], GEMV_CONFIG["BLOCK_K"] * (2 if quant else 1)
     if is_interpret():
         block_k = min(block_k, triton.next_power_of_2(max(hidden, inter)))
     router_progs = triton.cdiv(num_experts, ROUTER_N)
@@ -231,14 +254,16 @@ def moe_block(
     pdl = compiled and pdl_enabled()
     meta: dict = {"launch_pdl": True} if pdl else {}
     _moe_block_kernel[(router_progs + gate_progs + down_progs,)](
-        h, norm_weight, router, w13, w2, out, xn, logits, ids, weights, act,
+        h, norm_weight, router, w13, w2, w13_scale if quant else w13,
+        w2_scale if quant else w2, out, xn, logits, ids, weights, act,
         counters(dev, 5, "moe_block"), num_experts, hidden, inter, 1.0 / hidden, eps,
         router.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
         TOP_K=top_k, RENORMALIZE=renormalize, ROUTER_PROGS=router_progs, GATE_PROGS=gate_progs,
         ROUTER_N=ROUTER_N, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=GEMV_CONFIG["NUM_STAGES"], PDL=pdl, COMPILED=compiled,
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(inter * 2, 128)), MAX=MAX_POLLS,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(inter * w2.element_size(), 128)),
+        MAX=MAX_POLLS, QUANT=quant,
         num_warps=GEMV_CONFIG["num_warps"], **meta,
     )  # fmt: skip
     return out
