@@ -89,6 +89,8 @@ VARIANTS = {  # label: (residual in the down store, PDL, down prefetch, late PDL
     "+ down prefetch (shipped)": (True, True, True, False),
     "+ late PDL triggers": (True, True, True, True),
 }
+"""(The label "shipped" names the defaults when this script was written: PDL on, prefetch
+on, early triggers; ``True`` below runs it.)"""
 
 
 ONE_LAUNCH = "one launch (kernels.moe_block)"
@@ -102,9 +104,9 @@ def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     if label == ONE_LAUNCH:
         return moe_block(h, norm_w, EPS, router, w13, w2, K, True, **sk)
     residual, use_pdl, prefetch, late = VARIANTS[label]
+    saved = (fm.DOWN_PREFETCH, fm.LATE_TRIGGER, fm.DECODE_PDL)
     pdl.set_pdl(use_pdl)
-    fm.DOWN_PREFETCH = prefetch
-    fm.LATE_TRIGGER = late
+    fm.DOWN_PREFETCH, fm.LATE_TRIGGER, fm.DECODE_PDL = prefetch, late, True
     try:
         xn, w, ids = moe_router(h, norm_w, EPS, router, K, True)
         if residual:
@@ -112,8 +114,7 @@ def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
         return h + fm.fused_moe(xn, w13, w2, w, ids, **sk)
     finally:
         pdl.set_pdl(True)
-        fm.DOWN_PREFETCH = True
-        fm.LATE_TRIGGER = False
+        fm.DOWN_PREFETCH, fm.LATE_TRIGGER, fm.DECODE_PDL = saved
 
 
 def make_layers(kind: str, n: int, gen: torch.Generator) -> list:
