@@ -25,7 +25,8 @@ does not hide the others; a short table last).
    weights.
 
     python scripts/gpu_moe3.py --quick     # first check (~3 min: no 4096 tokens, offline, HF)
-    python scripts/gpu_moe3.py             # full
+    python scripts/gpu_moe3.py             # full (~6 min)
+    python scripts/gpu_moe3.py --final     # the figures only (~2.5 min): sections 3, 4, 6
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from roofline.bench import latency, peers, throughput, workloads  # noqa: E402
 from roofline.bench.ceilings import Ceilings, measure, time_fn  # noqa: E402
 from roofline.kernels import fused_moe as fm  # noqa: E402
 from roofline.kernels import pdl  # noqa: E402
-from roofline.kernels.moe_block import moe_block  # noqa: E402
 from roofline.kernels.moe_router import moe_router, moe_router_ref  # noqa: E402
 
 SUMMARY: dict[str, object] = {}
@@ -93,16 +93,11 @@ VARIANTS = {  # label: (residual in the down store, PDL, down prefetch, late PDL
 on, early triggers; ``True`` below runs it.)"""
 
 
-ONE_LAUNCH = "one launch (kernels.moe_block)"
-
-
 def block(h, norm_w, router, w13, w2, sk, fused: bool | str):
     """One MoE block at one token: the shipped path (``fused`` True: PDL launches, the down
     rows prefetched, residual in the down store), the unfused launches (False: PDL off,
     separate add) or a ``VARIANTS`` label."""
     label = {True: "+ down prefetch (shipped)", False: "unfused"}.get(fused, fused)
-    if label == ONE_LAUNCH:
-        return moe_block(h, norm_w, EPS, router, w13, w2, K, True, **sk)
     residual, use_pdl, prefetch, late = VARIANTS[label]
     saved = (fm.DOWN_PREFETCH, fm.LATE_TRIGGER, fm.DECODE_PDL)
     pdl.set_pdl(use_pdl)
@@ -160,44 +155,9 @@ def parity() -> None:
         torch.cuda.synchronize()
         same = torch.equal(out, chain(h, layers, True))
         bad += m2.check(f"{kind} 2-block chain CUDA graph", same, f"equals eager: {same}")
-        if kind != "int4":
-            bad += one_launch_parity(kind, layers, gen)
         bad += grouped_parity(kind, w13, w2, sk, router, gen)
         del layers
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
-
-
-def one_launch_parity(kind, layers, gen) -> int:
-    """``kernels.moe_block`` against the three launches (and the reference), then a chain of
-    two captured in a CUDA graph and replayed twice (its counters reset each launch)."""
-    bad = 0
-    norm_w, router, w13, w2, sk = layers[0]
-    for seed in range(3):
-        h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
-        one = block(h, norm_w, router, w13, w2, sk, ONE_LAUNCH)
-        three = block(h, norm_w, router, w13, w2, sk, True)
-        xn, w, ids = moe_router_ref(h, norm_w, EPS, router, K, True)
-        w13_ref, w2_ref = (w13.float(), w2.float()) if kind == "bf16" else (w13, w2)
-        ref = h.float() + fm.fused_moe_ref(xn.float(), w13_ref, w2_ref, w.float(), ids, **sk)
-        err, err3 = m2.rel_err(one, ref), m2.rel_err(one, three.float())
-        detail = f"rel err vs reference {err:.1e}, vs three launches {err3:.1e}"
-        bad += m2.check(f"{kind} one-launch block seed {seed}", err < 2e-2 and err3 < 2e-2, detail)
-    h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
-    chain(h, layers, ONE_LAUNCH)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(h, layers, ONE_LAUNCH)
-    results = []
-    for _ in range(2):
-        h.copy_(torch.randn(1, H, device=DEVICE, generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        results.append(torch.equal(out, chain(h, layers, ONE_LAUNCH)))
-    bad += m2.check(
-        f"{kind} one-launch 2-block chain CUDA graph", all(results), f"equals eager: {results}"
-    )
-    return bad
 
 
 def weight_left(kind: str, on: bool) -> None:
@@ -250,7 +210,7 @@ def block_bench(ceil: Ceilings) -> None:
         _, router, w13, w2, sk = layers[0]
         scales = tuple(sk.get(n) for n in ("w13_scale", "w2_scale", "w13_offset", "w2_offset"))
         nbytes = K * m2.expert_bytes(w13, w2, scales) + router.numel() * 2 + 3 * H * 2
-        for label in list(VARIANTS) + ([ONE_LAUNCH] if kind != "int4" else []):
+        for label in VARIANTS:
             t = time_chain(layers, label)
             rows[f"{kind} {label}"] = 1e6 * t
             print(
@@ -293,7 +253,9 @@ def block_bench(ceil: Ceilings) -> None:
 
 
 @section("fused MoE kernel alone, grouped (16 / 256 / 4096 tokens)")
-def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+def grouped_bench(
+    ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...], sweep: bool = True
+) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     bw, peak = ceil.bandwidth_bytes_per_s, ceil.matmul_flops_per_s
     rows = []
@@ -338,7 +300,7 @@ def grouped_bench(ceil: Ceilings, kinds: tuple[str, ...], sizes: tuple[int, ...]
                     )
                 )
             fm.WEIGHT_LEFT.update(saved)
-            if num_tokens == 16 and kind in ("int8", "int4"):
+            if sweep and num_tokens == 16 and kind in ("int8", "int4"):
                 sweep_weight_left(kind, x, router, w13, w2, scales, nbytes, bw)
         del w13, w2, scales, router
     SUMMARY["grouped"] = rows
@@ -436,7 +398,7 @@ def profile_steps(engine, steps: int, label: str = "shipped") -> None:
 
 
 @section("Qwen3-30B-A3B, 48 layers, bf16")
-def full_model(ceil: Ceilings, quick: bool) -> None:
+def full_model(ceil: Ceilings, quick: bool, switches: bool = True) -> None:
     free, total = torch.cuda.mem_get_info()
     print(f"GPU memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
     t0 = time.perf_counter()
@@ -484,7 +446,8 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
         )
     if not quick:
         offline(llm, ceil)
-    batch1_variants(engine, ceil)
+    if switches:
+        batch1_variants(engine, ceil)
     engine.shutdown()
     del llm, engine
 
@@ -509,47 +472,25 @@ def offline(llm, ceil: Ceilings) -> None:
     )
 
 
-def _pdl_outside_moe(on: bool) -> None:
-    """PDL on or off for the attention, skinny-GEMM and head kernels (their modules' own
-    ``pdl_enabled``), leaving the MoE launches as they are (a benchmark switch only)."""
-    import importlib
-
-    for name in ("gemv", "gemv_preload", "decode_attention_fused", "kv_store", "lm_head_argmax"):
-        mod = importlib.import_module(f"roofline.kernels.{name}")
-        mod.pdl_enabled = pdl.pdl_enabled if on else (lambda: False)
-
-
 def _variant_flags():
     from roofline.kernels import decode_attention_fused as attn
     from roofline.kernels import gemv_preload
-    from roofline.layers import fused_decode
 
-    return {  # label: (setter, restorer); each recaptures the decode graphs under its setting
+    def moe_pdl(on: bool, late: bool = False) -> None:
+        fm.DECODE_PDL, fm.LATE_TRIGGER = on, late
+
+    return {  # label: (setter, restorer); each recaptures the decode graph under its setting
+        "MoE launches as PDL dependents": (lambda: moe_pdl(True), lambda: moe_pdl(False)),
+        "MoE PDL, late triggers": (lambda: moe_pdl(True, True), lambda: moe_pdl(False)),
         "PDL off (all kernels)": (lambda: pdl.set_pdl(False), lambda: pdl.set_pdl(True)),
-        "MoE launches without PDL": (
-            lambda: setattr(fm, "DECODE_PDL", False),
-            lambda: setattr(fm, "DECODE_PDL", True),
-        ),
-        "PDL in the MoE launches only": (
-            lambda: _pdl_outside_moe(False),
-            lambda: _pdl_outside_moe(True),
-        ),
-        "MoE block in one launch": (
-            lambda: setattr(fused_decode, "MOE_ONE_LAUNCH", True),
-            lambda: setattr(fused_decode, "MOE_ONE_LAUNCH", False),
-        ),
-        "MoE late PDL triggers": (
-            lambda: setattr(fm, "LATE_TRIGGER", True),
-            lambda: setattr(fm, "LATE_TRIGGER", False),
-        ),
         "attention unfused": (lambda: attn.set_enabled(False), lambda: attn.set_enabled(True)),
-        "GEMV preload on (qkv, o_proj)": (
-            lambda: gemv_preload.set_enabled(True),
-            lambda: gemv_preload.set_enabled(False),
-        ),
         "attention split 256 tokens": (
             lambda: attn.set_split_tokens(256),
             lambda: attn.set_split_tokens(attn.SPLIT_TOKENS_DEFAULT),
+        ),
+        "GEMV preload on (qkv, o_proj)": (
+            lambda: gemv_preload.set_enabled(True),
+            lambda: gemv_preload.set_enabled(False),
         ),
     }
 
@@ -612,14 +553,12 @@ def variants(ceil: Ceilings, quick: bool) -> None:
     from roofline.layers import fused_decode
 
     model = m2.config_with_layers("qwen3-30b-a3b", 8)
-    cases = [("int8", "int8", {}), ("int4", "int4", {}),
-             ("int8, MoE block in one launch", "int8", dict(one=True))]  # fmt: skip
+    cases = [("int8", "int8", {}), ("int4", "int4", {})]
     if not quick:
         cases.append(("fp8", "fp8", {}))
     for label, quant, flags in cases:
         pdl.set_pdl(flags.get("pdl", True))
         fused_decode.set_moe_enabled(flags.get("moe", True))
-        fused_decode.MOE_ONE_LAUNCH = flags.get("one", False)
         llm = None
         try:
             llm = LLM(
@@ -647,7 +586,6 @@ def variants(ceil: Ceilings, quick: bool) -> None:
         finally:
             pdl.set_pdl(True)
             fused_decode.set_moe_enabled(True)
-            fused_decode.MOE_ONE_LAUNCH = False
             if llm is not None:
                 llm.llm_engine.shutdown()
             del llm
@@ -692,10 +630,17 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="no 4096 tokens, offline, HF")
     ap.add_argument(
+        "--final",
+        action="store_true",
+        help="the figures only (~2.5 min): grouped kernel, 48 layers with offline, HF",
+    )
+    ap.add_argument(
         "--skip", default="", help="comma-separated: parity,block,grouped,full,variants,hf"
     )
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.final:  # the figures: no parity (CI and the checks have it), no switches or sweeps
+        skip |= {"parity", "block", "variants", "switches"}
     t0 = time.perf_counter()
     ceil = measure(torch.device(DEVICE), torch.bfloat16)
     print(
@@ -709,9 +654,10 @@ def main() -> None:
     if "block" not in skip:
         block_bench(ceil)
     if "grouped" not in skip:
-        grouped_bench(ceil, m2.KINDS, (16, 256) if args.quick else (16, 256, 4096))
+        kinds = ("bf16", "int8", "int4") if args.final else m2.KINDS
+        grouped_bench(ceil, kinds, (16, 256) if args.quick else (16, 256, 4096), not args.final)
     if "full" not in skip:
-        full_model(ceil, args.quick)
+        full_model(ceil, args.quick, "switches" not in skip)
     if "variants" not in skip:
         variants(ceil, args.quick)
     if "hf" not in skip and not args.quick:

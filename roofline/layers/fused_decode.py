@@ -50,9 +50,6 @@ _ENABLED = os.environ.get("ROOFLINE_FUSED_DECODE", "1") != "0"
 SILU_EPILOGUE = os.environ.get("ROOFLINE_GEMV_SILU_EPILOGUE", "1") != "0"
 """Quantized (repacked) MLPs: the gate | up GEMV computes the SiLU-and-mul in its epilogue."""
 _MOE_ENABLED = os.environ.get("ROOFLINE_FUSED_MOE_DECODE", "1") != "0"
-MOE_ONE_LAUNCH = False
-"""16-bit and 8-bit experts: ``moe_norm_add`` as ``kernels.moe_block``'s single launch (router,
-gate/up and down programs ordered by tickets) instead of three (benchmarks compare)."""
 MOE_FUSE_RESIDUAL = True
 """``moe_norm_add`` adds the residual in the down GEMV's store (False: a separate add launch;
 benchmarks compare)."""
@@ -246,11 +243,6 @@ def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tenso
     from roofline.kernels.moe_router import moe_router
 
     quant = moe.quant_tensors()
-    if MOE_ONE_LAUNCH and "w13_offset" not in quant and h.is_cuda:  # 16-bit or 8-bit experts
-        from roofline.kernels.moe_block import moe_block
-
-        return moe_block(h, norm.weight, norm.eps, moe.gate.weight, moe.w13_weight,
-                         moe.w2_weight, moe.top_k, moe.renormalize, **quant)  # fmt: skip
     if not moe._warmed:  # the first (eager) forward compiles every variant, as FusedMoE's
         warm_up(h, moe.w13_weight, moe.w2_weight, moe.top_k, quant)
         moe._warmed = True
