@@ -446,8 +446,7 @@ def full_model(ceil: Ceilings, quick: bool, switches: bool = True) -> None:
         )
     if not quick:
         offline(llm, ceil)
-    if switches:
-        batch1_variants(engine, ceil)
+    batch1_variants(engine, ceil, None if switches else ("attention: the fused kernel",))
     engine.shutdown()
     del llm, engine
 
@@ -483,7 +482,10 @@ def _variant_flags():
         "MoE launches as PDL dependents": (lambda: moe_pdl(True), lambda: moe_pdl(False)),
         "MoE PDL, late triggers": (lambda: moe_pdl(True, True), lambda: moe_pdl(False)),
         "PDL off (all kernels)": (lambda: pdl.set_pdl(False), lambda: pdl.set_pdl(True)),
-        "attention unfused": (lambda: attn.set_enabled(False), lambda: attn.set_enabled(True)),
+        "attention: the fused kernel": (
+            lambda: _fused_attention(True),
+            lambda: _fused_attention(False),
+        ),
         "attention split 256 tokens": (
             lambda: attn.set_split_tokens(256),
             lambda: attn.set_split_tokens(attn.SPLIT_TOKENS_DEFAULT),
@@ -509,7 +511,18 @@ def recapture_batch1(runner) -> None:
     runner.graphs.capture()
 
 
-def batch1_variants(engine, ceil: Ceilings) -> None:
+def _fused_attention(on: bool) -> None:
+    """The fused decode attention kernel for Qwen3-30B-A3B's heads (32 / 4 / 128) or not."""
+    from roofline.kernels import decode_attention_fused as attn
+
+    shape = (32, 4, 128)
+    if on:
+        attn.UNFUSED_FASTER.discard(shape)
+    else:
+        attn.UNFUSED_FASTER.add(shape)
+
+
+def batch1_variants(engine, ceil: Ceilings, only: tuple[str, ...] | None = None) -> None:
     """Batch-1 decode of the 48-layer engine under each switch of ``_variant_flags`` (the
     decode graphs recaptured for batch 1 only), the PDL-off one profiled (each kernel's own
     time)."""
@@ -519,9 +532,8 @@ def batch1_variants(engine, ceil: Ceilings) -> None:
     runner = engine.runner
     rows = {}
     try:
-        for label, (on, off) in [("shipped (recaptured)", (lambda: None, lambda: None))] + list(
-            _variant_flags().items()
-        ):
+        switches = [(k, v) for k, v in _variant_flags().items() if only is None or k in only]
+        for label, (on, off) in [("shipped (recaptured)", (lambda: None, lambda: None))] + switches:
             try:
                 on()
                 recapture_batch1(runner)
