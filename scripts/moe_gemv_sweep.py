@@ -49,10 +49,13 @@ def time_graph(fn, iters: int = 20) -> float:
 
 
 def launch(a, w, dst, ids, weights, rows, n, k, pairs_per_program, a_per_pair, silu, cfg):
+    """One 16-bit expert GEMV launch (no scales, no residual, no PDL: the launch alone)."""
     fm._moe_gemv_kernel[(rows, triton.cdiv(n, cfg["BLOCK_N"]))](
-        a, w, dst, ids, weights, n, k, a.stride(0), w.stride(0), w.stride(1), dst.stride(0),
+        a, w, w, w, dst, ids, weights, dst, n, k, w.shape[0], a.stride(0), w.stride(0),
+        w.stride(1), 0, 1, dst.stride(0), dst.stride(0),
         PAIRS_PER_PROGRAM=pairs_per_program, A_PER_PAIR=a_per_pair, SILU_MUL=silu,
-        MUL_WEIGHT=not silu, **cfg,
+        MUL_WEIGHT=not silu, QUANT=0, GROUP=0, WIDEN=0, RESIDUAL=False, PDL=False,
+        PREFETCH_LINES=1, LINE_BYTES=128, FAST_FP8=True, LATE_TRIGGER=False, **cfg,
     )  # fmt: skip
 
 

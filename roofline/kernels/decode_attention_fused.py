@@ -74,14 +74,17 @@ def set_split_tokens(tokens: int) -> None:
     SPLIT_TOKENS = tokens
 
 
-UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128)}
+UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128), (32, 4, 128)}
 """(query heads, KV heads, head_dim) whose decode steps keep ``rotary_kv_store`` +
 ``decode_attention`` + its merge, measured faster: H100, Llama-3.1-8B's attention after the int4
 qkv GEMV at one row, 32 layers in a CUDA graph with PDL, 160-token context: +7.5 us a layer for
 the three kernels (``rotary_kv_store`` hidden under the GEMV's tail: +0.01 us) vs +11.4 us for
 this kernel (13 us of its own with PDL off); second run, with the split and merge kernels as
 PDL dependents: +6.8 / +7.2 us vs +11.3 / +11.8 at 160 / 1000 tokens, 8B batch-1 decode bf16
-179.0 vs 172.3 tok/s (``scripts/gpu_gemv8.py``)."""
+179.0 vs 172.3 tok/s (``scripts/gpu_gemv8.py``). Qwen3-30B-A3B's 32/4 heads (q/k norm): this
+kernel took 28.9 us of its own a layer (PDL off, 48 layers at one row, H100; 49.7 with PDL),
+the layer's largest kernel after the experts (``scripts/gpu_moe3.py``; ``--final`` times both
+paths on the 48-layer model)."""
 
 
 def applies(

@@ -39,8 +39,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
+from roofline.kernels import check_device, fused_moe_t, is_interpret
+from roofline.kernels.mixed_gemm import _e4m3_to_bf16, _grouped_tile
 from roofline.kernels.moe_align import moe_align
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
 GEMV_MAX_TOKENS = 2
@@ -135,6 +137,18 @@ def _to_f32(w):
 
 
 @triton.jit
+def _row_scaled_tile_of(q, dtype: tl.constexpr, FAST_FP8: tl.constexpr):
+    """A loaded int8 / fp8 tile in the 16-bit ``dtype``, exactly, without conversion-unit
+    instructions: fp8 e4m3 by ``mixed_gemm._e4m3_to_bf16``'s bit moves (bf16 only), int8
+    through fp32 (ptxas widens it with byte permutes)."""
+    if FAST_FP8 and q.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        w = _e4m3_to_bf16(q)
+    else:
+        w = q.to(tl.float32).to(dtype)
+    return w
+
+
+@triton.jit
 def _expert_dot(a, w, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     """``acc + a @ w``. WIDEN 0: w widened to a's dtype (bf16/fp16 tensor cores); WIDEN 1: both
     operands in fp32 (``_to_f32``) on TF32 tensor cores, exact for int8 / fp8 weights times
@@ -169,10 +183,40 @@ def _int4_tile(rows, s_rows, o_rows, u, g, mask):
 
 
 @triton.jit
+def top_k_of(prob, offs, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+             BLOCK_TOP: tl.constexpr):  # fmt: skip
+    """The ``TOP_K`` largest of ``prob [BLOCK_E]`` (>= 0; ties to the lowest index, as
+    torch.topk) as ``(weights [BLOCK_TOP] fp32, ids [BLOCK_TOP] int32)``, renormalised to sum 1
+    when asked. One reduction a pass: each probability's bits (non-negative floats order as
+    integers) above ``BLOCK_E - 1 - index`` in one int64 key."""
+    bits = prob.to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64)  # [BLOCK_E]
+    slots = tl.arange(0, BLOCK_TOP)
+    top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        idx = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(slots == j, w, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        total += w
+        key = tl.where(offs == idx, -1, key)
+    if RENORMALIZE:
+        top_w = top_w / total
+    return top_w, top_i
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
 ):  # fmt: skip
+    """One token: fp32 softmax, ``TOP_K`` passes of argmax (ties to the lowest expert, as
+    torch.topk), the weights renormalised in fp32 when asked and stored once in the weights'
+    dtype (``route_ref``'s roundings)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -180,18 +224,11 @@ def _route_kernel(
     logit = logit.to(tl.float32)
     prob = tl.exp(logit - tl.max(logit, axis=0))
     prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
-    total = 0.0
-    for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
-        best = tl.max(prob, axis=0)
-        idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
-        tl.store(ids_ptr + token * TOP_K + j, idx.to(tl.int64))
-        tl.store(weights_ptr + token * TOP_K + j, best)
-        total += best
-        prob = tl.where(offs == idx, -1.0, prob)
-    if RENORMALIZE:
-        for j in tl.static_range(TOP_K):
-            w = tl.load(weights_ptr + token * TOP_K + j)
-            tl.store(weights_ptr + token * TOP_K + j, w / total)
+    slots = tl.arange(0, BLOCK_TOP)
+    top_w, top_i = top_k_of(prob, offs, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
+    out = token * TOP_K + slots
+    tl.store(ids_ptr + out, top_i.to(tl.int64), mask=slots < TOP_K)
+    tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,15 +237,51 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {num_experts}]")
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens:
         block_e = triton.next_power_of_2(num_experts)
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e,
+            BLOCK_TOP=triton.next_power_of_2(top_k),
         )  # fmt: skip
-    return weights.to(logits.dtype), ids
+    return weights, ids
+
+
+@triton.jit
+def _sum_topk_kernel(
+    per_pair_ptr, res_ptr, out_ptr, H, stride_p, stride_r, stride_o,
+    TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s output: its ``TOP_K`` weighted expert rows summed in fp32 (in slot order),
+    rounded, plus the residual rounded as a separate add would."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = per_pair_ptr + (token * TOP_K + j) * stride_p
+        acc += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    result = acc.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(res_ptr + token * stride_r + offs, mask=mask, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_o + offs, result, mask=mask)
+
+
+def _sum_topk(
+    per_pair: torch.Tensor, top_k: int, residual: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """out [T, H] = (residual +) the sum over each token's k rows of ``per_pair [T k, H]``."""
+    num_tokens, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    res = out if residual is None else residual
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_pair, res, out, hidden, per_pair.stride(0), res.stride(0), out.stride(0),
+        TOP_K=top_k, RESIDUAL=residual is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -301,12 +374,15 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr,
+    a_ptr, w_ptr, s_ptr, o_ptr, out_ptr, ids_ptr, weights_ptr, res_ptr,
     N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_rm,
     PAIRS_PER_PROGRAM: tl.constexpr, A_PER_PAIR: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -315,55 +391,88 @@ def _moe_gemv_kernel(
     (``NUM_STAGES`` weight tiles in flight), the weight read once (``evict_first``). A pair of
     the not-local sentinel expert (``num_experts``) reads nothing and adds zero. QUANT 1: an
     int8/fp8 weight with per-channel scales ``s [E, N(, +N)]``, applied after the K sum;
-    QUANT 2: int4 with group scales and offsets; ``K`` then counts bytes, each holding the
-    weights of elements 2u (low nibble) and 2u + 1 of one group."""
+    QUANT 2: int4 with group scales and offsets (``stride_sn`` the groups a row), dequantized
+    a ``[BLOCK_N, BLOCK_K]`` tile at a time by ``mixed_gemm._grouped_tile`` (K whole tiles;
+    a not-local pair reads expert 0's rows and adds zero). RESIDUAL (down): the stored
+    row is ``residual + out`` rounded as a separate add would.
+
+    PDL (launched as a programmatic dependent, one token): the gate/up launch waits for its
+    predecessor (the routing) and only then lets the down launch start, so when the down
+    programs start the routing has completed: they read the expert ids and pull their weight
+    rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    if PDL:
+        if MUL_WEIGHT and PREFETCH_LINES > 1:  # down: the ids are final; weights never change
+            offs_l = tl.arange(0, PREFETCH_LINES) * LINE_BYTES  # [LINES] byte offsets
+            row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            if QUANT == 2:  # two weights a byte
+                row_bytes = K // 2
+            offs_l = tl.minimum(offs_l, row_bytes - 1)
+            rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+            for j in tl.static_range(PAIRS_PER_PROGRAM):
+                e = tl.load(ids_ptr + row * PAIRS_PER_PROGRAM + j).to(tl.int64)
+                e = tl.where(e < num_experts, e, 0)
+                base = (w_ptr + e * stride_we + rows_n[:, None] * stride_wn).to(
+                    tl.pointer_type(tl.int8)
+                )
+                prefetch_l2(base + offs_l[None, :])  # [BN, LINES]
+            tl.extra.cuda.gdc_wait()
+        else:  # gate/up: wait for the routing (then let the down launch start)
+            tl.extra.cuda.gdc_wait()
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     out_ty = out_ptr.dtype.element_ty
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # int4: clamped rows, never stored
+    offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes a row
     for j in tl.static_range(PAIRS_PER_PROGRAM):
         pair = row * PAIRS_PER_PROGRAM + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         local = expert < num_experts
         expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
-        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-        s_rows = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn  # [BLOCK_N, 1]
-        o_rows = o_ptr + expert * stride_se + offs_n[:, None] * stride_sn
-        up = N * stride_sn
+        w_base = w_ptr + expert * stride_we
+        s_base = s_ptr + expert * stride_se
+        o_base = o_ptr + expert * stride_se
+        w_rows = w_base + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = offs_k < K - k0
             w_mask = n_ok[:, None] & k_ok[None, :] & local
-            if QUANT == 2:  # K counts bytes (2u: low nibble, 2u + 1: high), one group a step
-                u = k0 + offs_k  # [BLOCK_K] byte columns
-                a_lo = tl.load(a_ptr + a_row * stride_am + 2 * u, mask=k_ok, other=0.0)
-                a_hi = tl.load(a_ptr + a_row * stride_am + 2 * u + 1, mask=k_ok, other=0.0)
-                a_lo = a_lo.to(tl.float32)[None, :]
-                a_hi = a_hi.to(tl.float32)[None, :]
-                g = 2 * k0 // GROUP
-                w_lo, w_hi = _int4_tile(w_rows, s_rows, o_rows, u[None, :], g, w_mask)
-                acc += w_lo * a_lo + w_hi * a_hi
+            if QUANT == 2:  # int4: K whole BLOCK_K tiles (the launcher picks BLOCK_K | K)
+                a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k).to(tl.float32)[None, :]
+                q_ptrs = w_base + rows_n[:, None] * stride_wn + (k0 // 2 + offs_u)[None, :]
+                # the dequantized tile stays fp32 (no rounding to x's dtype: two conversions
+                # a weight fewer; the sum differs from the reference by that rounding only)
+                w = _grouped_tile(q_ptrs, s_base, o_base, rows_n, k0, stride_sn, tl.float32, 1,
+                                  GROUP, BLOCK_N, BLOCK_K)  # fmt: skip  # [BN, BK]
+                acc += w * a
                 if SILU_MUL:
-                    w_lo, w_hi = _int4_tile(w_rows + N * stride_wn, s_rows + up, o_rows + up,
-                                            u[None, :], g, w_mask)  # fmt: skip
-                    acc_up += w_lo * a_lo + w_hi * a_hi
+                    q_up = q_ptrs + N * stride_wn
+                    w = _grouped_tile(q_up, s_base, o_base, rows_n + N, k0, stride_sn,
+                                      tl.float32, 1, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                    acc_up += w * a
             else:
                 a = tl.load(a_ptr + a_row * stride_am + k0 + offs_k, mask=k_ok, other=0.0)
                 a = a.to(tl.float32)[None, :]
                 w_ptrs = w_rows + (k0 + offs_k)[None, :]
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                if WIDEN == 1:
+                if WIDEN == 2:  # mixed_gemm's widening: no conversion instructions
+                    acc += _row_scaled_tile_of(w, out_ty, FAST_FP8).to(tl.float32) * a
+                elif WIDEN == 1:
                     acc += _to_f32(w) * a
                 else:
                     acc += w.to(tl.float32) * a
                 if SILU_MUL:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0,
                                    eviction_policy="evict_first")  # fmt: skip
-                    if WIDEN == 1:
+                    if WIDEN == 2:
+                        acc_up += _row_scaled_tile_of(w_up, out_ty, FAST_FP8).to(tl.float32) * a
+                    elif WIDEN == 1:
                         acc_up += _to_f32(w_up) * a
                     else:
                         acc_up += w_up.to(tl.float32) * a
@@ -379,17 +488,40 @@ def _moe_gemv_kernel(
         if MUL_WEIGHT:
             res = res.to(out_ty).to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
         total += tl.where(local, res, 0.0)
-    tl.store(out_ptr + row * stride_om + offs_n, total.to(out_ty), mask=n_ok)
+    if PDL and LATE_TRIGGER:  # the next launch starts as this program's sums are done
+        tl.extra.cuda.gdc_launch_dependents()
+    result = total.to(out_ty)
+    if RESIDUAL:  # the MoE output rounded, then the add rounded: the separate add's bits
+        r = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_ok, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ty)
+    tl.store(out_ptr + row * stride_om + offs_n, result, mask=n_ok)
 
 
+DECODE_PDL = False
+"""The one-token MoE launches (``kernels.moe_router`` and both expert GEMVs) as programmatic
+dependents when PDL is on. Off: H100, Qwen3-30B-A3B 48 layers, batch-1 decode 196.9 tok/s with
+them as dependents, 237.7 without (the attention and skinny GEMMs keep PDL; every kernel
+without it: 226.1). The MoE block alone (8 blocks chained) gains 1-3 us a block from PDL with
+``LATE_TRIGGER``, not measured in the model yet."""
+LATE_TRIGGER = False
+"""Under PDL, when the one-token MoE launches let their successor start: False right after
+their wait (the router: before it), True only once their sums are done (the router: after
+its wait). Early triggers start the next launches' programs (and their prefetches) sooner,
+but fill the SMs with waiting programs several launches ahead; benchmarks compare."""
+DOWN_PREFETCH = True
+"""Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
+they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
 GEMV_CONFIG_8BIT = dict(BLOCK_K=512, WIDEN=0)
-"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile (int4:
-512 bytes, 1024 weights); WIDEN 1 widens int8 by the magic-number trick (``_to_f32``)."""
-GEMV_CONFIG_INT4 = dict(BLOCK_N=16, NUM_STAGES=4)
-"""int4 experts: a K step is one group (64 bytes a row at group 128), so more rows a program."""
+"""Quantized experts: twice the K per step, the same 4 KiB of weights in flight per tile; WIDEN
+1 widens int8 by the magic-number trick (``_to_f32``), 2 both 8-bit kinds as ``mixed_gemm``
+does (fp8 by bit moves into bf16)."""
+GEMV_CONFIG_INT4 = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=4)
+"""int4 experts: 256 weights (128 bytes) of 8 rows a step, widened by ``mixed_gemm``'s group
+tile (the nibbles through the mantissa of 1.0f, one FMA with the group's scale and offset).
+H100, the MoE block at one token: 34.4 us (8 rows) vs 44.8 (16 rows), 48.5 (16 x 128)."""
 GEMV_DOWN_8BIT: dict[str, int] = {}
 """Overrides of the quantized down GEMV only (one program per token and column block, looping
 over the token's k experts: fewer programs than the gate/up GEMV, so smaller ``BLOCK_N`` may
@@ -410,7 +542,7 @@ def warm_up(
     """Compile every kernel variant ``fused_moe`` can pick for these weights (the GEMV path and
     each grouped tile config), so no step compiles mid-run. Runs once per weight shape/dtype.
     ``quant``: the scales (and int4 offsets) of quantized experts, as ``fused_moe`` takes them."""
-    num_experts, _, hidden = w13.shape
+    num_experts, hidden = w13.shape[0], x.shape[1]  # (int4 stacks hold H / 2 bytes a row)
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, x.dtype, top_k, x.device)
     if key in _WARMED:
         return
@@ -418,6 +550,8 @@ def warm_up(
     counts = {1, GEMV_MAX_TOKENS + 1}  # the GEMV; the grouped GEMM at its smallest tiles
     for per_expert in (32, 64, 128):  # one token count per larger BLOCK_M
         counts.add(-(-per_expert * num_experts // top_k))
+    for pairs in (2048, 4096):  # moe_align's larger one-launch sizes
+        counts.add(pairs // top_k)
     for num_tokens in sorted(counts):
         xs = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
         ids = torch.arange(num_tokens * top_k, device=x.device).view(num_tokens, top_k)
@@ -440,6 +574,41 @@ def _gemm_config(num_pairs: int, num_experts: int, silu_mul: bool) -> dict[str, 
     block_n = 64 if silu_mul else 128
     warps = 8 if block_m * block_n >= 128 * 64 else 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=warps, num_stages=3)
+
+
+WEIGHT_LEFT = {0: 32.0, 1: 0.0, 2: float("inf")}
+"""Per expert layout (``ExpertLayout.quant``): the grouped GEMM takes ``kernels.fused_moe_t``'s
+weight-left kernel up to this many mean rows per expert (beyond, or for fp32 x, the first
+grouped kernel). H100, Qwen3-30B-A3B layer (``scripts/gpu_moe3.py``), % of copy at 16 / 256
+tokens, weight-left vs first: bf16 92 / 86 vs 88 / 82; int8 58 / 57 vs 76 / 73; fp8 59 / 53
+vs 77 / 72; int4 33 / 30 vs 18 / 11. So 16-bit experts up to 32 rows per expert (larger
+batches not measured yet), int8 / fp8 never, int4 always."""
+
+
+def _gemm_t_config(
+    num_pairs: int, num_experts: int, quant: int, hidden: int, inter: int
+) -> dict[str, int] | None:
+    """Tiles of the weight-left grouped GEMM (None: the first grouped kernel runs). BLOCK_M
+    (the block's token rows, the MMA's N side) by the mean rows per expert; 64 weight rows
+    (one warpgroup MMA's M); 128 of K where both K dims allow (smaller under the interpreter's
+    test shapes)."""
+    per_expert = num_pairs / num_experts
+    if per_expert > WEIGHT_LEFT[quant]:
+        return None
+    block_m = (
+        16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
+    )
+    block_k = next((b for b in (128, 64, 32, 16) if hidden % b == 0 and inter % b == 0), 0)
+    if not block_k:
+        return None
+    warps = 4 if block_m <= 32 else 8
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=3, num_warps=warps)
+    return cfg | GEMM_T_OVERRIDES
+
+
+GEMM_T_OVERRIDES: dict[str, int] = {}
+"""Overrides of the weight-left kernel's tiles (``BLOCK_N``, ``NUM_STAGES``, ``num_warps``; the
+sweep of ``scripts/gpu_moe3.py``)."""
 
 
 class ExpertLayout(NamedTuple):
@@ -521,8 +690,11 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     w13_offset: torch.Tensor | None = None,
     w2_offset: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``fused_moe_ref`` on Triton: x [T, H] -> [T, H]. The decode GEMV path for at most
+    """``fused_moe_ref`` on Triton: x [T, H] -> [T, H] (``residual + `` it, rounded as a separate
+    add, when ``residual [T, H]`` is given: fused into the down GEMV's store on the decode
+    path). The decode GEMV path for at most
     GEMV_MAX_TOKENS tokens and GEMV_MAX_PAIRS pairs, else sorting + grouped GEMM
     (``force_path`` "gemv"/"grouped" for tests and benchmarks). No host sync: the path
     depends on shapes only.
@@ -539,6 +711,8 @@ def fused_moe(
     inter = two_inter // 2
     num_pairs = num_tokens * top_k
     out = torch.empty_like(x)
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} must be x's shape {tuple(x.shape)}")
     if num_tokens == 0:
         return out
     ids = topk_ids.contiguous()
@@ -556,29 +730,51 @@ def fused_moe(
         cfg["WIDEN"] = 0
         if layout.quant:  # keep ~4 KiB of weights per tile step
             cfg.update(GEMV_CONFIG_8BIT)
-        if layout.quant == 2:  # one group of both K dims a step (the scale a vector)
-            cfg.update(GEMV_CONFIG_INT4, BLOCK_K=min(layout.group13, layout.group2) // 2)
+        if layout.quant == 2:
+            cfg.update(GEMV_CONFIG_INT4)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
-        block_n = cfg["BLOCK_N"]
-        units = 2 if layout.quant == 2 else 1  # int4: the K loop runs over bytes
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-            x, w13, s13, o13, act, ids, weights, inter, hidden // units, num_experts,
+        cfg2 = dict(cfg, **(GEMV_DOWN_8BIT if layout.quant else {}))
+        if layout.quant == 2:  # whole int4 tiles: BLOCK_K a power of two dividing each K
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], hidden & -hidden)
+            cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)
+        # PDL at one token: the down launch prefetches its rows while gate/up runs
+        pdl = num_tokens == 1 and not is_interpret() and pdl_enabled() and DECODE_PDL
+        meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret(),
+                          LATE_TRIGGER=LATE_TRIGGER)  # fmt: skip
+        meta |= dict(launch_pdl=True) if pdl else {}
+        res = out if residual is None else residual
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](
+            x, w13, s13, o13, act, ids, weights, res, inter, hidden, num_experts,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
-            PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True, MUL_WEIGHT=False,
-            QUANT=layout.quant, GROUP=layout.group13, **cfg,
+            res.stride(0), PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True,
+            MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
+            PREFETCH_LINES=1, **cfg, **meta,
         )  # fmt: skip
-        if layout.quant:
-            cfg.update(GEMV_DOWN_8BIT)
-        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg["BLOCK_N"]))](
-            act, w2, s2, o2, out, ids, weights, hidden, inter // units, num_experts,
+        row_bytes = w2.shape[2] * w2.element_size()
+        _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg2["BLOCK_N"]))](
+            act, w2, s2, o2, out, ids, weights, res, hidden, inter, num_experts,
             act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), sn2, out.stride(0),
-            PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
-            QUANT=layout.quant, GROUP=layout.group2, **cfg,
+            res.stride(0), PAIRS_PER_PROGRAM=top_k, A_PER_PAIR=1, SILU_MUL=False,
+            MUL_WEIGHT=True, QUANT=layout.quant, GROUP=layout.group2,
+            RESIDUAL=residual is not None,
+            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128))
+            if pdl and DOWN_PREFETCH
+            else 1,
+            **cfg2, **meta,
         )  # fmt: skip
         return out
     if path != "grouped":
         raise ValueError(f"unknown fused_moe path {path!r}")
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    cfg_t = _gemm_t_config(num_pairs, num_experts, layout.quant, hidden, inter)
+    if cfg_t is not None and fused_moe_t.takes(x, hidden, inter, cfg_t["BLOCK_K"]):
+        align = moe_align(ids, num_experts + 1, cfg_t["BLOCK_M"])  # + the NOT_LOCAL runs
+        fused_moe_t.launch(x, w13, s13, o13, act, align, weights, inter, hidden, num_pairs,
+                           num_experts, top_k, True, layout.group13, cfg_t)  # fmt: skip
+        fused_moe_t.launch(act, w2, s2, o2, per_pair, align, weights, hidden, inter, num_pairs,
+                           num_experts, 1, False, layout.group2, cfg_t)  # fmt: skip
+        return _sum_topk(per_pair, top_k, residual, out)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not round via TF32
     cfgs = {s: _gemm_config(num_pairs, num_experts, s) | dict(WIDEN=0) for s in (True, False)}
     for cfg in cfgs.values():
@@ -589,7 +785,6 @@ def fused_moe(
     block_m = cfgs[True]["BLOCK_M"]  # both GEMMs read the same alignment
     align = moe_align(ids, num_experts + 1, block_m)  # + the NOT_LOCAL sentinel's runs
     num_blocks = align.block_expert_ids.numel()
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     for a, w, sc, off, sn, group, dst, n, k, div, silu in (
         (x, w13, s13, o13, sn13, layout.group13, act, inter, hidden, top_k, True),
         (act, w2, s2, o2, sn2, layout.group2, per_pair, hidden, inter, 1, False),
@@ -603,4 +798,4 @@ def fused_moe(
             SILU_MUL=silu, MUL_WEIGHT=not silu, PRECISION=precision, QUANT=layout.quant,
             GROUP=group, **cfg,
         )  # fmt: skip
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return _sum_topk(per_pair, top_k, residual, out)

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
-from roofline.kernels.fused_moe import route_ref
+from roofline.kernels import check_device, fused_moe, is_interpret
+from roofline.kernels.fused_moe import route_ref, top_k_of
 from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
@@ -65,6 +65,7 @@ def _moe_router_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,  # PDL: let the next launch start after the wait, not before
     COMPILED: tl.constexpr,  # not the interpreter: PTX roundings (mul.rn)
     PREFETCH_LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
@@ -78,8 +79,11 @@ def _moe_router_kernel(
     if PDL:
         offs_l = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)
         prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE_TRIGGER:  # the gate/up launch may start at once (it waits for us)
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        if LATE_TRIGGER:  # only once the previous kernel is done
+            tl.extra.cuda.gdc_launch_dependents()
     sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # the statistic, as kernels.gemv's prologue
     for k0 in range(0, K, BLOCK_K):
         xk = tl.load(x_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0).to(tl.float32)
@@ -124,18 +128,7 @@ def _moe_router_kernel(
         prob = tl.exp(logit - tl.max(logit, axis=0))
         prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
         slots = tl.arange(0, BLOCK_TOP)
-        top_w = tl.zeros([BLOCK_TOP], dtype=tl.float32)
-        top_i = tl.zeros([BLOCK_TOP], dtype=tl.int32)
-        total = 0.0
-        for j in tl.static_range(TOP_K):  # k passes of argmax (ties: lowest id, as torch.topk)
-            best = tl.max(prob, axis=0)
-            idx = tl.min(tl.where(prob == best, offs, BLOCK_E), axis=0)
-            top_w = tl.where(slots == j, best, top_w)
-            top_i = tl.where(slots == j, idx, top_i)
-            total += best
-            prob = tl.where(offs == idx, -1.0, prob)
-        if RENORMALIZE:
-            top_w = top_w / total
+        top_w, top_i = top_k_of(prob, offs, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
         tl.store(ids_ptr + slots, top_i.to(tl.int64), mask=slots < TOP_K)
         tl.store(weights_ptr + slots, top_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
         tl.store(counter_ptr, 0)  # ready for the next launch
@@ -162,7 +155,7 @@ def moe_router(
     ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
     cfg = pick_config(1, num_experts, hidden, h.device)
     compiled = not is_interpret()
-    pdl = compiled and pdl_enabled()
+    pdl = compiled and pdl_enabled() and fused_moe.DECODE_PDL
     line_elems = 128 // router.element_size()
     lines = min(triton.cdiv(hidden, line_elems), max(1, 16384 // (128 * cfg.block_n)))
     meta: dict = {"launch_pdl": True} if pdl else {}
@@ -174,7 +167,8 @@ def moe_router(
         BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         USE_DOT=cfg.use_dot and h.dtype != torch.float32, EVEN_K=hidden % cfg.block_k == 0,
-        PDL=pdl, COMPILED=compiled, PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
+        PDL=pdl, LATE_TRIGGER=fused_moe.LATE_TRIGGER, COMPILED=compiled,
+        PREFETCH_LINES=triton.next_power_of_2(lines) if pdl else 1,
         LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
     return xn, weights, ids

@@ -50,6 +50,9 @@ _ENABLED = os.environ.get("ROOFLINE_FUSED_DECODE", "1") != "0"
 SILU_EPILOGUE = os.environ.get("ROOFLINE_GEMV_SILU_EPILOGUE", "1") != "0"
 """Quantized (repacked) MLPs: the gate | up GEMV computes the SiLU-and-mul in its epilogue."""
 _MOE_ENABLED = os.environ.get("ROOFLINE_FUSED_MOE_DECODE", "1") != "0"
+MOE_FUSE_RESIDUAL = True
+"""``moe_norm_add`` adds the residual in the down GEMV's store (False: a separate add launch;
+benchmarks compare)."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -92,10 +95,13 @@ def layer_supports(layer: nn.Module) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     if attn.reduce is not None:
         return False
-    if isinstance(mlp, FusedMoE):
+    if isinstance(mlp, FusedMoE):  # experts of any MoE method; a 16-bit router
         return (
-            all(_plain_skinny(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
+            all(_plain_skinny(m) or _gemv_linear(m) for m in (attn.qkv_proj, attn.o_proj))
+            and _plain_skinny(mlp.gate)
             and mlp.gate.bias is None
+            and mlp.dispatch is None
+            and mlp.reduce is None
         )
     return (
         isinstance(mlp, LlamaMLP)
@@ -124,7 +130,7 @@ def applies(layer: nn.Module, x: torch.Tensor) -> bool:
     ):
         return False
     if isinstance(mlp, FusedMoE):  # one token: moe_norm_add
-        return _MOE_ENABLED and m == 1 and mlp.w13_weight.dtype == mlp.gate.weight.dtype == x.dtype
+        return _MOE_ENABLED and m == 1 and mlp.gate.weight.dtype == x.dtype
     return _linear_applies(m, mlp.gate_up_proj, x, "norm") and _linear_applies(
         m, mlp.down_proj, x, "silu"
     )
@@ -229,14 +235,20 @@ def mlp_norm_add(
 
 
 def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``h + moe(norm(h))`` for one token in four launches (``kernels.moe_router``: norm, router
-    and top-k routing in one; the two expert GEMVs; the add) where the unfused block took six."""
+    """``h + moe(norm(h))`` for one token in three launches (``kernels.moe_router``: norm,
+    router and top-k routing in one; the gate/up GEMV; the down GEMV with the routing weights,
+    the top-k sum and the residual add in its store) where the unfused block took six. The
+    experts may be 16-bit or quantized (the method's scales go to the kernel)."""
     from roofline.kernels.fused_moe import fused_moe, warm_up
     from roofline.kernels.moe_router import moe_router
 
+    quant = moe.quant_tensors()
     if not moe._warmed:  # the first (eager) forward compiles every variant, as FusedMoE's
-        warm_up(h, moe.w13_weight, moe.w2_weight, moe.top_k)
+        warm_up(h, moe.w13_weight, moe.w2_weight, moe.top_k, quant)
         moe._warmed = True
     xn, weights, ids = moe_router(h, norm.weight, norm.eps, moe.gate.weight, moe.top_k,
                                   moe.renormalize)  # fmt: skip
-    return h + fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids)  # [1, hidden]
+    if not MOE_FUSE_RESIDUAL:
+        return h + fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, **quant)
+    return fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, residual=h,
+                     **quant)  # fmt: skip  # [1, hidden]

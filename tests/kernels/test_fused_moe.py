@@ -68,6 +68,14 @@ def test_route_matches_softmax_topk(renormalize) -> None:
     assert_close(weights, ref_w, torch.float32)
 
 
+def test_route_ties_go_to_the_lowest_expert() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0], [2.0] * 6]).to(DEVICE)
+    weights, ids = route(logits, 3, renormalize=False)
+    assert ids.cpu().tolist() == [[1, 2, 4], [0, 1, 2]]
+    probs = torch.softmax(logits.float(), -1)
+    assert_close(weights, probs.gather(1, ids), torch.float32)
+
+
 # (tokens, experts, top_k, hidden, inter); the last two reach the 64- and 128-row tiles
 SHAPES = [(1, 8, 2, 64, 48), (3, 16, 4, 64, 32), (37, 8, 2, 32, 48), (100, 2, 1, 32, 16)]
 SHAPES += [(200, 2, 1, 32, 16)]
@@ -95,6 +103,61 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_is_the_separate_add(path, dtype) -> None:
+    """``residual=h``: h + fused_moe(x) bit for bit (the GEMV path adds in its down store)."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts, top_k, hidden, inter = 8, 2, 64, 48
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    h = (4 * torch.randn(1, hidden, generator=gen)).to(dtype).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 8).to(dtype).to(DEVICE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / 7).to(dtype).to(DEVICE)
+    weights, ids = route_ref(torch.randn(1, num_experts, generator=gen).to(DEVICE), top_k, True)
+    weights = weights.to(dtype)
+    plain = fused_moe(x, w13, w2, weights, ids, force_path=path)
+    fused = fused_moe(x, w13, w2, weights, ids, force_path=path, residual=h)
+    assert torch.equal(fused, h + plain)
+    with pytest.raises(ValueError, match="residual"):
+        fused_moe(x, w13, w2, weights, ids, residual=h[:, :-1])
+
+
+def test_gemv_pdl_variants_compile_for_hopper() -> None:
+    """sm_90 compile of the decode GEMVs as PDL launches (the GPU-only variant): gate/up waits
+    before it lets the down launch start; down prefetches its rows, then waits."""
+    from hopper_variants import compile_for_hopper
+
+    base = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, QUANT=0, GROUP=0, WIDEN=0, PDL=True,
+                LINE_BYTES=128, FAST_FP8=True, LATE_TRIGGER=False)  # fmt: skip
+    gate_up = dict(base, PAIRS_PER_PROGRAM=1, A_PER_PAIR=8, SILU_MUL=True, MUL_WEIGHT=False,
+                   RESIDUAL=False, PREFETCH_LINES=1)  # fmt: skip
+    down = dict(base, PAIRS_PER_PROGRAM=8, A_PER_PAIR=1, SILU_MUL=False, MUL_WEIGHT=True,
+                RESIDUAL=True, PREFETCH_LINES=16)  # fmt: skip
+    down_int8 = dict(down, QUANT=1, BLOCK_K=512, PREFETCH_LINES=8, WIDEN=2)
+    pointers = {n: "bf16" for n in ("a_ptr", "w_ptr", "s_ptr", "o_ptr", "out_ptr", "weights_ptr",
+                                    "res_ptr")}  # fmt: skip
+    pointers["ids_ptr"] = "i64"
+    ptxs = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel",
+                              [gate_up, down, dict(down, LATE_TRIGGER=True)], pointers, (),
+                              dict(num_warps=4))  # fmt: skip
+    assert all("griddepcontrol.wait" in p and "launch_dependents" in p for p in ptxs)
+    assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
+    pointers["w_ptr"] = "i8"
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int8],
+                                pointers, (), dict(num_warps=4))  # fmt: skip
+    assert "prefetch.global.L2" in ptx
+    down_int4 = dict(down, QUANT=2, GROUP=128, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4)
+    pointers["w_ptr"] = "u8"
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel", [down_int4],
+                                pointers, (), dict(num_warps=4))  # fmt: skip
+    assert "prefetch.global.L2" in ptx
+    pointers["w_ptr"] = "fp8e4nv"  # fp8 through mixed_gemm's bit moves (WIDEN 2)
+    (ptx,) = compile_for_hopper("roofline.kernels.fused_moe", "_moe_gemv_kernel",
+                                [dict(gate_up, QUANT=1, BLOCK_K=512, WIDEN=2)], pointers, (),
+                                dict(num_warps=4))  # fmt: skip
+    assert "prmt.b32" in ptx
 
 
 def test_warm_up_runs_each_variant_once() -> None:
@@ -136,3 +199,36 @@ def test_fused_moe_replays_in_a_cuda_graph(num_tokens) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, layer())
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(3, 129, 8, 16), (50, 9, 2, 64)])
+def test_moe_align_kernel_equals_torch_ops(num_tokens, num_experts, top_k, block_m, monkeypatch):
+    """The one-launch grouping and the torch-op sequence (beyond MAX_PAIRS_ONE_LAUNCH) agree."""
+    from roofline.kernels import moe_align as mod
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    )
+    ids[0, 0] = num_experts - 1  # the NOT_LOCAL sentinel's run
+    one = moe_align(ids.to(DEVICE), num_experts, block_m)
+    monkeypatch.setattr(mod, "MAX_PAIRS_ONE_LAUNCH", 0)
+    ops = moe_align(ids.to(DEVICE), num_experts, block_m)
+    num_padded = int(ops.num_padded.item())
+    assert int(one.num_padded.item()) == num_padded
+    assert torch.equal(
+        one.sorted_pair_ids[:num_padded].cpu(), ops.sorted_pair_ids[:num_padded].cpu()
+    )
+    assert torch.equal(one.block_expert_ids.cpu(), ops.block_expert_ids.cpu())
+
+
+def test_moe_align_kernel_compiles_for_hopper() -> None:
+    """sm_90 compile of the grouping at its largest size (4096 pairs, 129 experts)."""
+    from hopper_variants import compile_for_hopper
+
+    pointers = dict(ids_ptr="i64", sorted_ptr="i32", block_expert_ptr="i32", num_padded_ptr="i64",
+                    shift_ptr="i32")  # fmt: skip
+    variant = dict(BLOCK_M=16, BLOCK_P=4096, BLOCK_E=256, CHUNK=256)
+    (ptx,) = compile_for_hopper("roofline.kernels.moe_align", "_align_kernel", [variant], pointers,
+                                (), dict(num_warps=8))  # fmt: skip
+    assert "bar.sync" in ptx

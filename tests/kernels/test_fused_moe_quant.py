@@ -96,13 +96,16 @@ def test_quantized_experts_match_dequantized_reference(
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("num_tokens,path", [(2, "gemv"), (37, "grouped")])
-def test_tf32_widening_matches_reference(kind, num_tokens, path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "num_tokens,path,widen", [(2, "gemv", 1), (2, "gemv", 2), (37, "grouped", 1)]
+)
+def test_tf32_widening_matches_reference(kind, num_tokens, path, widen, monkeypatch) -> None:
     """WIDEN 1: int8 widened by the magic-number trick, fp32 operands on TF32 tensor cores (the
-    grouped GEMM) or CUDA cores (the GEMV): still the dequantized reference."""
+    grouped GEMM) or CUDA cores (the GEMV); WIDEN 2 (GEMV): ``mixed_gemm``'s widening to bf16
+    first: still the dequantized reference."""
     from roofline.kernels import fused_moe as mod
 
-    monkeypatch.setitem(mod.GEMV_CONFIG_8BIT, "WIDEN", 1)
+    monkeypatch.setitem(mod.GEMV_CONFIG_8BIT, "WIDEN", widen)
     monkeypatch.setitem(mod.GEMM_CONFIG_8BIT, "WIDEN", 1)
     gen = torch.Generator().manual_seed(11)
     w13, w2 = _experts(8, 64, 48, gen)
@@ -176,3 +179,23 @@ def test_bad_quantized_arguments_are_refused() -> None:
         GroupInt4MoEMethod(32).create_weights(nn.Module(), 2, 48, 64, torch.float32)
     with pytest.raises(ValueError, match="groups must be one of"):
         GroupInt4MoEMethod(16)
+
+
+def test_warm_up_takes_int4_stacks(monkeypatch) -> None:
+    """warm_up builds its inputs at x's width, not the packed stack's (H / 2 bytes a row): every
+    call it makes passes ``fused_moe``'s shape checks."""
+    from roofline.kernels import fused_moe as mod
+
+    layer = _quantized("int4", *_experts(4, 64, 32, torch.Generator().manual_seed(0)),
+                       torch.bfloat16)  # fmt: skip
+    scales = {n: t for n, t in layer.named_parameters() if not n.endswith("weight")}
+    seen = []
+
+    def check_only(x, w13, w2, weights, ids, **quant):
+        names = ("w13_scale", "w2_scale", "w13_offset", "w2_offset")
+        seen.append(mod._layout(x, w13, w2, ids, tuple(quant.get(n) for n in names)).quant)
+
+    monkeypatch.setattr(mod, "fused_moe", check_only)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE)
+    mod.warm_up(x, layer.w13_weight, layer.w2_weight, 2, scales)
+    assert seen and set(seen) == {2}

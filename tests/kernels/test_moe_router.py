@@ -43,7 +43,8 @@ def test_compiles_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOP=8, BLOCK_N=2, BLOCK_K=512,
-                NUM_STAGES=5, USE_DOT=False, EVEN_K=True, PDL=True, COMPILED=True,
+                NUM_STAGES=5, USE_DOT=False, EVEN_K=True, PDL=True, LATE_TRIGGER=False,
+                COMPILED=True,
                 PREFETCH_LINES=64, LINE_ELEMS=64)  # fmt: skip
     pointers = {name: "bf16" for name in ("x_ptr", "norm_w_ptr", "w_ptr", "xn_ptr", "logits_ptr",
                                           "weights_ptr")}  # fmt: skip
@@ -54,20 +55,34 @@ def test_compiles_for_hopper() -> None:
     assert "griddepcontrol.wait" in ptxs[0] and "atom." in ptxs[0] and "mul.rn.f32" in ptxs[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_layer_matches_unfused(dtype) -> None:
-    """``fused_decode.moe_norm_add`` (router kernel + expert GEMVs + add) against the block's
-    own forward on the normalised row plus the residual."""
+@pytest.mark.parametrize(
+    "dtype,quant",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.bfloat16, "int8"),
+        (torch.bfloat16, "int4"),
+    ],
+)
+def test_fused_moe_layer_matches_unfused(dtype, quant) -> None:
+    """``fused_decode.moe_norm_add`` (router kernel + expert GEMVs with the residual add in the
+    down store) against the block's own forward on the normalised row plus the residual, with
+    16-bit and quantized experts."""
     from roofline.layers.fused_decode import moe_norm_add
     from roofline.layers.moe import FusedMoE
     from roofline.layers.norm import RMSNorm
+    from roofline.quantization.moe import GroupInt4MoEMethod, PerChannelMoEMethod
 
     torch.manual_seed(0)
     hidden, inter, experts, top_k = 64, 32, 8, 2
-    moe = FusedMoE(hidden, inter, experts, top_k, renormalize=True)
+    method = {None: None, "int8": PerChannelMoEMethod("int8"), "int4": GroupInt4MoEMethod(32)}
+    moe = FusedMoE(hidden, inter, experts, top_k, renormalize=True, method=method[quant])
     with torch.no_grad():
         for p in moe.parameters():
-            p.normal_(0.0, 0.2)
+            if p.is_floating_point():
+                p.normal_(0.0, 0.2)
+        if quant is not None:
+            moe.init_dummy_weights(torch.Generator().manual_seed(1), 0.2)
     norm = RMSNorm(hidden, 1e-6)
     norm.weight.data = 1 + 0.2 * torch.randn(hidden)
     moe, norm = moe.to(DEVICE, dtype), norm.to(DEVICE, dtype)
