@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import is_interpret
-from roofline.kernels.gemv import _mul_rn, _rms_norm_tile, _silu_mul, pick_config
+from roofline.kernels.gemv import _mul_rn, _silu_mul, pick_config
 from roofline.kernels.pdl import pdl_enabled
 
 MAX_TILE_ELEMS = 16384  # weight elements a program holds (8 x 1024, 4 x 3072 ...)
@@ -98,17 +98,30 @@ def _gemv_preload_kernel(
     PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
     w_rows = w_ptr + rows_n[:, None] * stride_wn  # [BN, 1]
+    # Everything that predates the step is in registers before the wait: the weight block, the
+    # norm weight, the bias.
     w = tl.load(w_rows + offs_k)  # [BN, BK]
     if BLOCK_K2 > 0:
         offs_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)[None, :]  # [1, BK2]
         k2_ok = offs_k2 < K
         w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0)  # [BN, BK2]
-    if PDL:  # the weight predates the step: in registers before the wait for x
+    if RMS_NORM:
+        nw = tl.load(norm_w_ptr + offs_k).to(tl.float32)  # [1, BK]
+        if BLOCK_K2 > 0:
+            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows_n).to(tl.float32)  # [BN]
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    # After the wait: the step's data, every load issued at once (the residual's too, which
+    # would otherwise be a second round trip after the reductions).
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + offs_n, mask=n_ok, other=0.0)  # [BN]
     x = tl.load(x_ptr + offs_k)  # [1, BK]
     if SILU_MUL:
         x = _silu_mul(x, tl.load(x_ptr + K + offs_k), LIBDEVICE, False)
@@ -117,25 +130,23 @@ def _gemv_preload_kernel(
         if SILU_MUL:  # silu(0) * 0 = 0 past K
             x2 = _silu_mul(x2, tl.load(x_ptr + K + offs_k2, mask=k2_ok, other=0.0), LIBDEVICE,
                            False)  # fmt: skip
-    if RMS_NORM:
+    if RMS_NORM:  # rms_norm's roundings (kernels.gemv._rms_norm_tile)
         xf = x.to(tl.float32)
         sq = tl.sum(_mul_rn(xf, xf, LIBDEVICE), axis=1)  # [1]
         if BLOCK_K2 > 0:
             xf2 = x2.to(tl.float32)
             sq += tl.sum(_mul_rn(xf2, xf2, LIBDEVICE), axis=1)
-        rstd = tl.rsqrt(sq * inv_k + eps)  # [1]
-        x = _rms_norm_tile(x, norm_w_ptr + offs_k, rstd, None, False)
+        rstd = tl.rsqrt(sq * inv_k + eps)[:, None]  # [1, 1]
+        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
         if BLOCK_K2 > 0:
-            x2 = _rms_norm_tile(x2, norm_w_ptr + offs_k2, rstd, k2_ok, True)
+            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2).to(x2.dtype)
     result = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)  # [BN]
     if BLOCK_K2 > 0:
         result += tl.sum(w2.to(tl.float32) * x2.to(tl.float32), axis=1)
     if HAS_BIAS:
-        result += tl.load(bias_ptr + rows_n).to(tl.float32)
-    n_ok = offs_n < N
+        result += bias
     result = result.to(out_ptr.dtype.element_ty)
     if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + offs_n, mask=n_ok, other=0.0)
         result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, result, mask=n_ok)
 
