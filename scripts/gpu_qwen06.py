@@ -9,9 +9,9 @@ Sections (each in try/except; a summary table last):
   invariance engine level, Qwen3-0.6B bf16 random weights: 4 requests alone vs in batches of
              3 / 8 / 17 (greedy tokens through the graph head; sampled-token logprob bits),
              preload off and on
-  qwen3      Qwen3-0.6B batch 1, preload off / on (median of 5 interleaved runs), batch 8 and 64;
-             host work per step; the preload's (BLOCK_N, num_warps) in the engine; kernels per
-             step with PDL and without (true durations)
+  qwen3      Qwen3-0.6B batch 1, preload off / on (median of 6 runs, 2 captures each), batch 8
+             and 64; host work per step; the preload's (BLOCK_N, num_warps) in the engine;
+             kernels per step with PDL and without (true durations)
   llama      Llama-3.1-8B batch 1 and 64, preload off / on (regression)
 
     python scripts/gpu_qwen06.py
@@ -101,7 +101,7 @@ def kernel_bits() -> None:
     from roofline.kernels.rmsnorm import rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    trials = 32
+    trials = 16
     for n, k, kind in QWEN_SHAPES:
         w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
         diff = {"preload": 0, "M=2": 0, "M=3": 0, "M=8": 0, "dot M=1 vs M=2": 0,
@@ -186,16 +186,16 @@ def _bs1(engine, ceil, out_len: int) -> float:
     return latency.run(engine, ceil, [1], 128, out_len)[0].output_tok_s
 
 
-@section("Qwen3-0.6B decode: preload off / on, batch 1 (median of 5), 8, 64; host; configs")
+@section("Qwen3-0.6B decode: preload off / on, batch 1 (median of 6), 8, 64; host; configs")
 def qwen3(llm, ceil) -> None:
     from roofline.bench import latency
 
     engine = llm.llm_engine
     runs: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(5):
+    for _ in range(2):  # interleaved: two captures per mode, three runs after each
         for on in (False, True):
             set_preload(engine, on)
-            runs[on].append(_bs1(engine, ceil, 192))
+            runs[on] += [_bs1(engine, ceil, 192) for _ in range(3)]
     for on in (False, True):
         tag = "preload" if on else "default"
         med = statistics.median(runs[on])
