@@ -100,7 +100,7 @@ def kernel_bits() -> None:
     from roofline.kernels.gemv import pick_config, skinny_gemm
     from roofline.kernels.rmsnorm import rms_norm
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEV).manual_seed(1)
     trials = 16
     for n, k, kind in QWEN_SHAPES:
         w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
