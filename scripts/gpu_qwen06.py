@@ -105,8 +105,8 @@ def kernel_bits() -> None:
     for n, k, kind in QWEN_SHAPES:
         w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(torch.bfloat16)
         diff = {"preload": 0, "M=2": 0, "M=3": 0, "M=8": 0, "dot M=1 vs M=2": 0,
-                "dot M=1 vs M=8": 0}  # fmt: skip
-        total = 0
+                "dot M=1 vs M=8": 0, "rows-per-warp preload": 0}  # fmt: skip
+        total, worst = 0, 0.0
         bk2 = pick_config(2, n, k, DEV).block_k
         for _ in range(trials):
             x8, kw8 = _inputs(n, k, kind, 8, gen)
@@ -114,6 +114,12 @@ def kernel_bits() -> None:
             one = skinny_gemm(x1, w, **kw1)
             pre = gemv_preload.gemv_preload(x1, w, **kw1)
             diff["preload"] += (one != pre).sum().item()
+            gemv_preload.OVERRIDES[(n, k)] = (4, 4, True)
+            rows = gemv_preload.gemv_preload(x1, w, **kw1)
+            gemv_preload.OVERRIDES.clear()
+            diff["rows-per-warp preload"] += (one != rows).sum().item()
+            worst = max(worst, (rows.float() - one.float()).abs().max().item(),
+                        (pre.float() - one.float()).abs().max().item())  # fmt: skip
             for m in (2, 3, 8):
                 xm, kwm = x8[:m].contiguous(), _rows(kw8, slice(0, m))
                 if "norm" in kwm:  # batched rows take the separate norm, then the GEMM
@@ -129,9 +135,11 @@ def kernel_bits() -> None:
                     diff[f"dot M=1 vs M={m}"] += (d1 != dm).sum().item()
             total += n
         line = ", ".join(f"{name} {v}" for name, v in diff.items())
-        print(f"  {n}x{k} {kind}: of {total} outputs, differing: {line}", flush=True)
+        print(f"  {n}x{k} {kind}: of {total} outputs, differing: {line}; preloads' max |diff| "
+              f"vs skinny M=1 {worst:.2e}", flush=True)  # fmt: skip
         counts = "/".join(str(v) for v in diff.values())
-        SUMMARY.append((f"bits {n}x{k} pre/M2/M3/M8/dot2/dot8", f"{counts} of {total}"))
+        SUMMARY.append((f"bits {n}x{k} pre/M2/M3/M8/dot2/dot8/rows", f"{counts} of {total}"))
+        SUMMARY.append((f"preload max |diff| {n}x{k}", f"{worst:.2e}"))
 
 
 # ---------------------------------------------------------------- engine invariance
@@ -218,24 +226,33 @@ def qwen3(llm, ceil) -> None:
           f"({t.steps} steps; p50 step {r.step_ms_p50:.3f} ms)")  # fmt: skip
     SUMMARY.append(("qwen3-0.6b bs1 host ms/step", f"{host_ms:.3f} of {r.step_ms_p50:.3f}"))
     # the preload's program shape in the engine: (BLOCK_N, num_warps) per GEMV
-    variants = {
+    qkv, o, gu, down = (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)
+    variants = {  # (BLOCK_N, num_warps, whole rows per warp) per GEMV; base: 8/4, 4/4, 8/4, 4/8
         "base": {},
-        "warps8": {(4096, 1024): (8, 8), (1024, 2048): (4, 8), (6144, 1024): (8, 8),
-                   (1024, 3072): (4, 8)},
-        "half_n": {(4096, 1024): (4, 4), (1024, 2048): (2, 4), (6144, 1024): (4, 4),
-                   (1024, 3072): (2, 4)},
-        "double_n": {(4096, 1024): (16, 8), (1024, 2048): (8, 8), (6144, 1024): (16, 8),
-                     (1024, 3072): (4, 8)},
-        "warps2": {(4096, 1024): (8, 2), (1024, 2048): (4, 2), (6144, 1024): (8, 2),
-                   (1024, 3072): (4, 4)},
+        "rows4": {qkv: (4, 4, True), o: (4, 4, True), gu: (4, 4, True)},
+        "rows8": {qkv: (8, 8, True), o: (8, 8, True), gu: (8, 8, True)},
+        "rows4+down": {qkv: (4, 4, True), o: (4, 4, True), gu: (4, 4, True), down: (4, 4, True)},
+        "warps8": {qkv: (8, 8, False), o: (4, 8, False), gu: (8, 8, False)},
+        "double_n": {qkv: (16, 8, False), o: (8, 8, False), gu: (16, 8, False)},
+        "down4w": {down: (4, 4, False)},
     }  # fmt: skip
+    from roofline import SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
     for name, table in variants.items():
         gemv_preload.OVERRIDES.clear()
         gemv_preload.OVERRIDES.update(table)
         set_preload(engine, True)
         vals = sorted(_bs1(engine, ceil, 128) for _ in range(3))
-        print(f"  preload config {name}: {vals[1]:.1f} tok/s (median of 3)", flush=True)
-        SUMMARY.append((f"qwen3-0.6b bs1 preload {name}", f"{vals[1]:.1f} tok/s"))
+        engine.kv_manager.reset_prefix_cache()
+        out = llm.generate([list(range(20, 84))], params, use_tqdm=False)[0].outputs[0]
+        tokens[name] = out.token_ids
+        same = sum(a == b for a, b in zip(tokens[name], tokens["base"]))
+        runs3 = ", ".join(f"{v:.0f}" for v in vals)
+        print(f"  preload config {name}: {vals[1]:.1f} tok/s (median of {runs3}), greedy tokens "
+              f"= base {same}/32", flush=True)  # fmt: skip
+        SUMMARY.append((f"qwen3-0.6b bs1 preload {name}", f"{vals[1]:.1f} tok/s, {same}/32"))
     gemv_preload.OVERRIDES.clear()
     set_preload(engine, True)
     for use_pdl in (True, False):

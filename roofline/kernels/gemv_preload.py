@@ -38,8 +38,9 @@ from roofline.kernels.gemv import _mul_rn, _silu_mul, pick_config
 from roofline.kernels.pdl import pdl_enabled
 
 MAX_TILE_ELEMS = 16384  # weight elements a program holds (8 x 1024, 4 x 3072 ...)
-# (N, K) -> (BLOCK_N, num_warps) where measured; else pick_config's BLOCK_N and _num_warps
-OVERRIDES: dict[tuple[int, int], tuple[int, int]] = {}
+# (N, K) -> (BLOCK_N, num_warps, per-warp rows) where measured; else pick_config's BLOCK_N, the
+# warps by block size, the K-split layout
+OVERRIDES: dict[tuple[int, int], tuple[int, int, bool]] = {}
 _ENABLED = os.environ.get("ROOFLINE_GEMV_PRELOAD", "1") != "0"
 
 
@@ -53,7 +54,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (_ENABLED and x.shape[0] == 1 and (x.is_cuda or is_interpret())):
         return False
     n, k = weight.shape
-    block_n, _ = _block_n_warps(n, k, x.device)
+    block_n, _, _ = _program_shape(n, k, x.device)
     block_k, block_k2 = k_tiles(k)
     return block_n * (block_k + block_k2) <= MAX_TILE_ELEMS
 
@@ -65,13 +66,14 @@ def k_tiles(k: int) -> tuple[int, int]:
     return block_k, (triton.next_power_of_2(rest) if rest else 0)
 
 
-def _block_n_warps(n: int, k: int, device: torch.device) -> tuple[int, int]:
+def _program_shape(n: int, k: int, device: torch.device) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_warps, whether each warp owns whole rows: ``_gemv_preload_rows_kernel``)."""
     override = OVERRIDES.get((n, k))
     if override is not None:
         return override
     block_n = pick_config(1, n, k, device).block_n
     block_k, block_k2 = k_tiles(k)
-    return block_n, 4 if block_n * (block_k + block_k2) <= 8192 else 8
+    return block_n, 4 if block_n * (block_k + block_k2) <= 8192 else 8, False
 
 
 @triton.jit
@@ -110,9 +112,9 @@ def _gemv_preload_kernel(
         k2_ok = offs_k2 < K
         w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0)  # [BN, BK2]
     if RMS_NORM:
-        nw = tl.load(norm_w_ptr + offs_k).to(tl.float32)  # [1, BK]
+        nw = tl.load(norm_w_ptr + offs_k)  # [1, BK], widened when used
         if BLOCK_K2 > 0:
-            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0).to(tl.float32)
+            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows_n).to(tl.float32)  # [BN]
     if PDL:
@@ -137,12 +139,93 @@ def _gemv_preload_kernel(
             xf2 = x2.to(tl.float32)
             sq += tl.sum(_mul_rn(xf2, xf2, LIBDEVICE), axis=1)
         rstd = tl.rsqrt(sq * inv_k + eps)[:, None]  # [1, 1]
-        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
+        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
         if BLOCK_K2 > 0:
-            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2).to(x2.dtype)
+            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2.to(tl.float32)).to(x2.dtype)
     result = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)  # [BN]
     if BLOCK_K2 > 0:
         result += tl.sum(w2.to(tl.float32) * x2.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        result += bias
+    result = result.to(out_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, result, mask=n_ok)
+
+
+@triton.jit
+def _gemv_preload_rows_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    norm_w_ptr,
+    residual_ptr,
+    N,
+    K,
+    stride_wn,
+    inv_k,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+    KW: tl.constexpr,  # K columns per chunk: 32 lanes x 8
+):
+    """``_gemv_preload_kernel`` with the weight block as ``[BLOCK_N, K / KW, KW]`` chunks: the
+    lanes of a warp split a chunk, its chunks stay in each lane and the warps split the rows
+    (BLOCK_N >= num_warps), so every sum over K (the dot, the norm's statistic) is lanes and
+    registers, no exchange through shared memory after the wait. x (and the norm weight) is
+    loaded per row, in the weight's layout (each warp reads all of x: L1/L2 hits)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_rows = w_ptr + rows_n[:, None, None] * stride_wn  # [BN, 1, 1]
+    bcast = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)  # x per row: the weight's layout
+    offs_j = tl.arange(0, KW)[None, None, :]
+    offs_k = bcast + tl.arange(0, BLOCK_K // KW)[None, :, None] * KW + offs_j  # [BN, C1, KW]
+    w = tl.load(w_rows + offs_k)  # [BN, C1, KW]
+    if BLOCK_K2 > 0:
+        offs_k2 = bcast + BLOCK_K + tl.arange(0, BLOCK_K2 // KW)[None, :, None] * KW + offs_j
+        k2_ok = offs_k2 < K
+        w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0)  # [BN, C2, KW]
+    if RMS_NORM:
+        nw = tl.load(norm_w_ptr + offs_k)  # widened when used
+        if BLOCK_K2 > 0:
+            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows_n).to(tl.float32)  # [BN]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + offs_n, mask=n_ok, other=0.0)  # [BN]
+    x = tl.load(x_ptr + offs_k)
+    if SILU_MUL:
+        x = _silu_mul(x, tl.load(x_ptr + K + offs_k), LIBDEVICE, False)
+    if BLOCK_K2 > 0:
+        x2 = tl.load(x_ptr + offs_k2, mask=k2_ok, other=0.0)
+        if SILU_MUL:  # silu(0) * 0 = 0 past K
+            x2 = _silu_mul(x2, tl.load(x_ptr + K + offs_k2, mask=k2_ok, other=0.0), LIBDEVICE,
+                           False)  # fmt: skip
+    if RMS_NORM:  # rms_norm's roundings; every row holds the same statistic
+        xf = x.to(tl.float32)
+        sq = tl.sum(tl.sum(_mul_rn(xf, xf, LIBDEVICE), axis=2), axis=1)  # [BN]
+        if BLOCK_K2 > 0:
+            xf2 = x2.to(tl.float32)
+            sq += tl.sum(tl.sum(_mul_rn(xf2, xf2, LIBDEVICE), axis=2), axis=1)
+        rstd = tl.rsqrt(sq * inv_k + eps)[:, None, None]  # [BN, 1, 1]
+        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+        if BLOCK_K2 > 0:
+            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2.to(tl.float32)).to(x2.dtype)
+    result = tl.sum(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2), axis=1)  # [BN]
+    if BLOCK_K2 > 0:
+        result += tl.sum(tl.sum(w2.to(tl.float32) * x2.to(tl.float32), axis=2), axis=1)
     if HAS_BIAS:
         result += bias
     result = result.to(out_ptr.dtype.element_ty)
@@ -167,13 +250,16 @@ def gemv_preload(
     assert weight.stride(1) == 1 and x.dtype == weight.dtype
     assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, num_warps = _block_n_warps(n, k, x.device)
+    block_n, num_warps, rows = _program_shape(n, k, x.device)
     block_k, block_k2 = k_tiles(k)
     compiled = not is_interpret()
     pdl = compiled and pdl_enabled()
     norm_w, eps = norm if norm is not None else (weight, 0.0)
     meta: dict = {"launch_pdl": True} if pdl else {}
-    _gemv_preload_kernel[(triton.cdiv(n, block_n),)](
+    if rows:  # lanes along K in chunks of KW, whole rows per warp
+        meta["KW"] = min(256, block_k, block_k2 or block_k)
+    kernel = _gemv_preload_rows_kernel if rows else _gemv_preload_kernel
+    kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, norm_w,
         residual if residual is not None else out, n, k, weight.stride(0), 1.0 / k, eps,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2,

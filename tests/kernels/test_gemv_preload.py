@@ -15,7 +15,10 @@ from roofline.kernels.rmsnorm import rms_norm_ref
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 128)])
 @pytest.mark.parametrize("kind", ["norm", "silu+residual", "bias+residual"])
-def test_matches_skinny_gemm(dtype, n, k, kind) -> None:
+@pytest.mark.parametrize("rows", [False, True], ids=["k-split", "rows-per-warp"])
+def test_matches_skinny_gemm(dtype, n, k, kind, rows, monkeypatch) -> None:
+    if rows:
+        monkeypatch.setitem(gemv_preload.OVERRIDES, (n, k), (8, 4, True))
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
     kw: dict = {}
@@ -73,6 +76,10 @@ def test_compiles_for_hopper() -> None:
                 ADD_RESIDUAL=True)  # fmt: skip
     module, kernel = "roofline.kernels.gemv_preload", "_gemv_preload_kernel"
     ptxs = compile_for_hopper(module, kernel, [base, down], pointers, ("inv_k", "eps"))
-    for ptx in ptxs:
+    rows = compile_for_hopper(module, "_gemv_preload_rows_kernel", [dict(base, BLOCK_N=4, KW=256)],
+                              pointers, ("inv_k", "eps"), divisible=("K", "stride_wn"))  # fmt: skip
+    for ptx in ptxs + rows:
         wait = ptx.index("griddepcontrol.wait")
         assert "ld.global" in ptx[:wait]  # the weight is loaded before the wait
+    # whole rows per warp: after the wait, one barrier (the store's layout), no exchange
+    assert rows[0][rows[0].index("griddepcontrol.wait") :].count("bar.sync") == 1
