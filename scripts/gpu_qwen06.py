@@ -238,9 +238,16 @@ def qwen3(llm, ceil) -> None:
 
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
-    for name, table in variants.items():
+    runs_of = [(name, table, 0.0) for name, table in variants.items()]
+    runs_of += [
+        ("l2next", {}, 1.0),
+        ("l2next_half", {}, 0.5),
+        ("rows4+l2next", variants["rows4"], 1.0),
+    ]
+    for name, table, fraction in runs_of:  # layouts, then the next layer's weights into L2
         gemv_preload.OVERRIDES.clear()
         gemv_preload.OVERRIDES.update(table)
+        gemv_preload.set_prefetch_next(fraction)
         set_preload(engine, True)
         vals = sorted(_bs1(engine, ceil, 128) for _ in range(3))
         engine.kv_manager.reset_prefix_cache()
@@ -252,6 +259,7 @@ def qwen3(llm, ceil) -> None:
               f"= base {same}/32", flush=True)  # fmt: skip
         SUMMARY.append((f"qwen3-0.6b bs1 preload {name}", f"{vals[1]:.1f} tok/s, {same}/32"))
     gemv_preload.OVERRIDES.clear()
+    gemv_preload.set_prefetch_next(0.0)
     set_preload(engine, True)
     for use_pdl in (True, False):
         pdl.set_pdl(use_pdl)
