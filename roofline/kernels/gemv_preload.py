@@ -35,16 +35,12 @@ import triton.language as tl
 
 from roofline.kernels import is_interpret
 from roofline.kernels.gemv import _mul_rn, _silu_mul, pick_config
-from roofline.kernels.pdl import pdl_enabled, prefetch_l2
+from roofline.kernels.pdl import pdl_enabled
 
 MAX_TILE_ELEMS = 16384  # weight elements a program holds (8 x 1024, 4 x 3072 ...)
-# (N, K) -> (BLOCK_N, num_warps, per-warp rows) where measured; else pick_config's BLOCK_N, the
-# warps by block size, the K-split layout
-OVERRIDES: dict[tuple[int, int], tuple[int, int, bool]] = {}
+# (N, K) -> (BLOCK_N, num_warps) where measured; else pick_config's BLOCK_N and _num_warps
+OVERRIDES: dict[tuple[int, int], tuple[int, int]] = {}
 _ENABLED = os.environ.get("ROOFLINE_GEMV_PRELOAD", "1") != "0"
-# Fraction of each weight row of the next layer's same GEMV (``next_weight``) a program asks into
-# L2 before its wait (0: none).
-_PREFETCH_NEXT = float(os.environ.get("ROOFLINE_GEMV_PREFETCH_NEXT", "0"))
 
 
 def set_enabled(enabled: bool) -> None:
@@ -52,44 +48,12 @@ def set_enabled(enabled: bool) -> None:
     _ENABLED = enabled
 
 
-def set_prefetch_next(fraction: float) -> None:
-    """Ask this fraction of the next layer's weight rows into L2 (0 turns it off)."""
-    global _PREFETCH_NEXT
-    _PREFETCH_NEXT = fraction
-
-
-def link_next_layers(layers: list[torch.nn.Module]) -> None:
-    """Give each 16-bit linear of a decoder layer the weight of the same linear in the next layer
-    (``next_weight``, when the shapes match): a preloaded GEMV asks that block into L2 before its
-    wait, so the next layer's weights stream while this layer's chain of kernels waits on itself.
-    Called once the weights are loaded (``process_weights_after_loading``)."""
-    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-    for layer, nxt in zip(layers, list(layers)[1:]):
-        for name in names:
-            try:
-                a, b = layer.get_submodule(name), nxt.get_submodule(name)
-            except AttributeError:
-                continue
-            wa, wb = getattr(a, "weight", None), getattr(b, "weight", None)
-            if (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor)
-                    and wa.shape == wb.shape and wa.dtype == wb.dtype
-                    and wb.stride() == wa.stride()):  # fmt: skip
-                a.next_weight = wb.detach()  # a plain tensor: not registered as a parameter
-
-
-@triton.jit
-def _prefetch_rows(wn_ptr, rows_n, stride_wn, K, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Ask the first LINES 128-byte lines of rows ``rows_n`` at ``wn_ptr`` into L2."""
-    offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, K - 1)  # [LINES]
-    prefetch_l2(wn_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])  # [BN, LINES]
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row, and the tuned skinny config's block of rows fits a program's registers."""
     if not (_ENABLED and x.shape[0] == 1 and (x.is_cuda or is_interpret())):
         return False
     n, k = weight.shape
-    block_n, _, _ = _program_shape(n, k, x.device)
+    block_n, _ = _block_n_warps(n, k, x.device)
     block_k, block_k2 = k_tiles(k)
     return block_n * (block_k + block_k2) <= MAX_TILE_ELEMS
 
@@ -101,14 +65,13 @@ def k_tiles(k: int) -> tuple[int, int]:
     return block_k, (triton.next_power_of_2(rest) if rest else 0)
 
 
-def _program_shape(n: int, k: int, device: torch.device) -> tuple[int, int, bool]:
-    """(BLOCK_N, num_warps, whether each warp owns whole rows: ``_gemv_preload_rows_kernel``)."""
+def _block_n_warps(n: int, k: int, device: torch.device) -> tuple[int, int]:
     override = OVERRIDES.get((n, k))
     if override is not None:
         return override
     block_n = pick_config(1, n, k, device).block_n
     block_k, block_k2 = k_tiles(k)
-    return block_n, 4 if block_n * (block_k + block_k2) <= 8192 else 8, False
+    return block_n, 4 if block_n * (block_k + block_k2) <= 8192 else 8
 
 
 @triton.jit
@@ -119,7 +82,6 @@ def _gemv_preload_kernel(
     out_ptr,  # [1, N]
     norm_w_ptr,  # [K]
     residual_ptr,  # [1, N]
-    wn_ptr,  # [N, K]: the next layer's weight of this GEMV (read only if NEXT_LINES)
     N,
     K,
     stride_wn,
@@ -134,9 +96,6 @@ def _gemv_preload_kernel(
     RMS_NORM: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
-    NEXT_LINES: tl.constexpr = 0,  # lines per row of wn_ptr's block asked into L2 (0: none)
-    LINE_ELEMS: tl.constexpr = 64,
-    EVICT: tl.constexpr = "",  # the weight's L2 policy ("evict_first" beside the prefetch)
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -145,19 +104,17 @@ def _gemv_preload_kernel(
     w_rows = w_ptr + rows_n[:, None] * stride_wn  # [BN, 1]
     # Everything that predates the step is in registers before the wait: the weight block, the
     # norm weight, the bias.
-    w = tl.load(w_rows + offs_k, eviction_policy=EVICT)  # [BN, BK]
+    w = tl.load(w_rows + offs_k)  # [BN, BK]
     if BLOCK_K2 > 0:
         offs_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)[None, :]  # [1, BK2]
         k2_ok = offs_k2 < K
-        w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0, eviction_policy=EVICT)  # [BN, BK2]
+        w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0)  # [BN, BK2]
     if RMS_NORM:
-        nw = tl.load(norm_w_ptr + offs_k)  # [1, BK], widened when used
+        nw = tl.load(norm_w_ptr + offs_k).to(tl.float32)  # [1, BK]
         if BLOCK_K2 > 0:
-            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0)
+            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows_n).to(tl.float32)  # [BN]
-    if NEXT_LINES > 0:
-        _prefetch_rows(wn_ptr, rows_n, stride_wn, K, NEXT_LINES, LINE_ELEMS)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -180,99 +137,12 @@ def _gemv_preload_kernel(
             xf2 = x2.to(tl.float32)
             sq += tl.sum(_mul_rn(xf2, xf2, LIBDEVICE), axis=1)
         rstd = tl.rsqrt(sq * inv_k + eps)[:, None]  # [1, 1]
-        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw).to(x.dtype)
         if BLOCK_K2 > 0:
-            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2.to(tl.float32)).to(x2.dtype)
+            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2).to(x2.dtype)
     result = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)  # [BN]
     if BLOCK_K2 > 0:
         result += tl.sum(w2.to(tl.float32) * x2.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        result += bias
-    result = result.to(out_ptr.dtype.element_ty)
-    if ADD_RESIDUAL:
-        result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_n, result, mask=n_ok)
-
-
-@triton.jit
-def _gemv_preload_rows_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    norm_w_ptr,
-    residual_ptr,
-    wn_ptr,
-    N,
-    K,
-    stride_wn,
-    inv_k,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_K2: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    RMS_NORM: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
-    KW: tl.constexpr,  # K columns per chunk: 32 lanes x 8
-    NEXT_LINES: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64,
-    EVICT: tl.constexpr = "",
-):
-    """``_gemv_preload_kernel`` with the weight block as ``[BLOCK_N, K / KW, KW]`` chunks: the
-    lanes of a warp split a chunk, its chunks stay in each lane and the warps split the rows
-    (BLOCK_N >= num_warps), so every sum over K (the dot, the norm's statistic) is lanes and
-    registers, no exchange through shared memory after the wait. x (and the norm weight) is
-    loaded per row, in the weight's layout (each warp reads all of x: L1/L2 hits)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_rows = w_ptr + rows_n[:, None, None] * stride_wn  # [BN, 1, 1]
-    bcast = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)  # x per row: the weight's layout
-    offs_j = tl.arange(0, KW)[None, None, :]
-    offs_k = bcast + tl.arange(0, BLOCK_K // KW)[None, :, None] * KW + offs_j  # [BN, C1, KW]
-    w = tl.load(w_rows + offs_k, eviction_policy=EVICT)  # [BN, C1, KW]
-    if BLOCK_K2 > 0:
-        offs_k2 = bcast + BLOCK_K + tl.arange(0, BLOCK_K2 // KW)[None, :, None] * KW + offs_j
-        k2_ok = offs_k2 < K
-        w2 = tl.load(w_rows + offs_k2, mask=k2_ok, other=0.0, eviction_policy=EVICT)  # [BN, C2, KW]
-    if RMS_NORM:
-        nw = tl.load(norm_w_ptr + offs_k)  # widened when used
-        if BLOCK_K2 > 0:
-            nw2 = tl.load(norm_w_ptr + offs_k2, mask=k2_ok, other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows_n).to(tl.float32)  # [BN]
-    if NEXT_LINES > 0:
-        _prefetch_rows(wn_ptr, rows_n, stride_wn, K, NEXT_LINES, LINE_ELEMS)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + offs_n, mask=n_ok, other=0.0)  # [BN]
-    x = tl.load(x_ptr + offs_k)
-    if SILU_MUL:
-        x = _silu_mul(x, tl.load(x_ptr + K + offs_k), LIBDEVICE, False)
-    if BLOCK_K2 > 0:
-        x2 = tl.load(x_ptr + offs_k2, mask=k2_ok, other=0.0)
-        if SILU_MUL:  # silu(0) * 0 = 0 past K
-            x2 = _silu_mul(x2, tl.load(x_ptr + K + offs_k2, mask=k2_ok, other=0.0), LIBDEVICE,
-                           False)  # fmt: skip
-    if RMS_NORM:  # rms_norm's roundings; every row holds the same statistic
-        xf = x.to(tl.float32)
-        sq = tl.sum(tl.sum(_mul_rn(xf, xf, LIBDEVICE), axis=2), axis=1)  # [BN]
-        if BLOCK_K2 > 0:
-            xf2 = x2.to(tl.float32)
-            sq += tl.sum(tl.sum(_mul_rn(xf2, xf2, LIBDEVICE), axis=2), axis=1)
-        rstd = tl.rsqrt(sq * inv_k + eps)[:, None, None]  # [BN, 1, 1]
-        x = ((xf * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
-        if BLOCK_K2 > 0:
-            x2 = ((xf2 * rstd).to(x2.dtype).to(tl.float32) * nw2.to(tl.float32)).to(x2.dtype)
-    result = tl.sum(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2), axis=1)  # [BN]
-    if BLOCK_K2 > 0:
-        result += tl.sum(tl.sum(w2.to(tl.float32) * x2.to(tl.float32), axis=2), axis=1)
     if HAS_BIAS:
         result += bias
     result = result.to(out_ptr.dtype.element_ty)
@@ -289,7 +159,6 @@ def gemv_preload(
     silu_mul: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,  # [1, N]
-    next_weight: torch.Tensor | None = None,  # [N, K]: asked into L2 (``link_next_layers``)
 ) -> torch.Tensor:  # [1, N]
     """``skinny_gemm(x, weight, bias, silu_mul=..., norm=..., residual=...)`` for one row with
     the weight block loaded before the PDL wait (see the module docstring)."""
@@ -298,24 +167,15 @@ def gemv_preload(
     assert weight.stride(1) == 1 and x.dtype == weight.dtype
     assert residual is None or (residual.shape == (1, n) and residual.is_contiguous())
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, num_warps, rows = _program_shape(n, k, x.device)
+    block_n, num_warps = _block_n_warps(n, k, x.device)
     block_k, block_k2 = k_tiles(k)
     compiled = not is_interpret()
     pdl = compiled and pdl_enabled()
     norm_w, eps = norm if norm is not None else (weight, 0.0)
     meta: dict = {"launch_pdl": True} if pdl else {}
-    if rows:  # lanes along K in chunks of KW, whole rows per warp
-        meta["KW"] = min(256, block_k, block_k2 or block_k)
-    line_elems = 128 // weight.element_size()
-    if next_weight is not None and _PREFETCH_NEXT > 0 and compiled:
-        lines = max(1, int(triton.cdiv(k, line_elems) * min(_PREFETCH_NEXT, 1.0)))
-        meta.update(NEXT_LINES=triton.next_power_of_2(lines), LINE_ELEMS=line_elems,
-                    EVICT="evict_first")  # fmt: skip
-    kernel = _gemv_preload_rows_kernel if rows else _gemv_preload_kernel
-    kernel[(triton.cdiv(n, block_n),)](
+    _gemv_preload_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, norm_w,
-        residual if residual is not None else out,
-        next_weight if next_weight is not None else weight, n, k, weight.stride(0), 1.0 / k, eps,
+        residual if residual is not None else out, n, k, weight.stride(0), 1.0 / k, eps,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_K2=block_k2,
         SILU_MUL=silu_mul, LIBDEVICE=(silu_mul or norm is not None) and compiled,
         RMS_NORM=norm is not None, ADD_RESIDUAL=residual is not None, PDL=pdl,

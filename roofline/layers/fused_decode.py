@@ -173,9 +173,8 @@ def norm_linear(linear: MergedLinear, norm: nn.Module, h: torch.Tensor) -> torch
     from roofline.kernels.gemv import skinny_gemm
 
     if gemv_preload.applies(h, linear.weight):  # the weight in registers before the PDL wait
-        norm_w, nxt = (norm.weight, norm.eps), getattr(linear, "next_weight", None)
-        return gemv_preload.gemv_preload(h, linear.weight, linear.bias, norm=norm_w,
-                                         next_weight=nxt)  # fmt: skip
+        norm_w = (norm.weight, norm.eps)
+        return gemv_preload.gemv_preload(h, linear.weight, linear.bias, norm=norm_w)
     return skinny_gemm(h, linear.weight, linear.bias, norm=(norm.weight, norm.eps))
 
 
@@ -196,9 +195,8 @@ def linear_add(
     from roofline.kernels.gemv import skinny_gemm
 
     if gemv_preload.applies(x, linear.weight):
-        nxt = getattr(linear, "next_weight", None)  # the next layer's, asked into L2
         return gemv_preload.gemv_preload(x, linear.weight, linear.bias, silu_mul=silu_mul,
-                                         residual=residual, next_weight=nxt)  # fmt: skip
+                                         residual=residual)  # fmt: skip
     return skinny_gemm(x, linear.weight, linear.bias, silu_mul=silu_mul, residual=residual)
 
 

@@ -296,9 +296,6 @@ class LlamaForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.lm_head is None:
             self._tied_head_packed = mkl_prepack(self.embed_tokens.weight)
-        from roofline.kernels.gemv_preload import link_next_layers
-
-        link_next_layers(self.layers)  # batch-1 GEMVs ask the next layer's weights into L2
         if self.embed_tokens.weight.device.type == "cpu" and type(self).forward is (
             LlamaForCausalLM.forward
         ):

@@ -20,17 +20,14 @@ def compile_for_hopper(
     pointers: dict[str, str],
     floats: tuple[str, ...] = (),
     options: dict | None = None,
-    divisible: tuple[str, ...] = (),
 ) -> list[str]:
     """The sm_90 PTX of ``module.kernel`` for each dict of constexprs in ``variants``.
 
     ``pointers``: pointer argument -> element type (``"bf16"``, ``"fp32"``, ``"i32"``, ...);
     ``floats``: fp32 scalar arguments; every other argument is an i32 scalar or a constexpr.
-    ``options``: ``num_warps``, ``num_stages``, ``enable_fp_fusion``, ...; ``divisible``: integer
-    arguments known to be multiples of 16, which also marks every pointer 16-byte aligned (as a
-    launch on aligned tensors specializes them; the layouts and vector widths follow)."""
+    ``options``: ``num_warps``, ``num_stages``, ``enable_fp_fusion``, ..."""
     spec = dict(module=module, kernel=kernel, variants=variants, pointers=pointers,
-                floats=list(floats), options=options or {}, divisible=list(divisible))  # fmt: skip
+                floats=list(floats), options=options or {})  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(spec), env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -58,11 +55,8 @@ def _main() -> None:
                 signature[name] = "*" + spec["pointers"][name]
             else:
                 signature[name] = "fp32" if name in spec["floats"] else "i32"
-        names = list(kernel.arg_names)
-        aligned = [n for n, kind in signature.items() if kind.startswith("*")] + spec["divisible"]
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         compiled = triton.compile(
-            ASTSource(kernel, signature, constexprs, attrs if spec["divisible"] else None),
+            ASTSource(kernel, signature, constexprs),
             target=GPUTarget("cuda", 90, 32),
             options=spec["options"],
         )

@@ -15,10 +15,7 @@ from roofline.kernels.rmsnorm import rms_norm_ref
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 128)])
 @pytest.mark.parametrize("kind", ["norm", "silu+residual", "bias+residual"])
-@pytest.mark.parametrize("rows", [False, True], ids=["k-split", "rows-per-warp"])
-def test_matches_skinny_gemm(dtype, n, k, kind, rows, monkeypatch) -> None:
-    if rows:
-        monkeypatch.setitem(gemv_preload.OVERRIDES, (n, k), (8, 4, True))
+def test_matches_skinny_gemm(dtype, n, k, kind) -> None:
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
     kw: dict = {}
@@ -70,49 +67,12 @@ def test_compiles_for_hopper() -> None:
     pointers = dict.fromkeys(("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "norm_w_ptr",
                               "residual_ptr"), "bf16")  # fmt: skip
     base = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, BLOCK_K2=0, SILU_MUL=False,
-                LIBDEVICE=True, RMS_NORM=True, ADD_RESIDUAL=False, PDL=True, NEXT_LINES=0,
-                LINE_ELEMS=64, EVICT="")  # fmt: skip
+                LIBDEVICE=True, RMS_NORM=True, ADD_RESIDUAL=False, PDL=True)  # fmt: skip
     # Qwen3-0.6B's down projection: K = 3072 as 2048 + 1024 columns
     down = dict(base, BLOCK_N=4, BLOCK_K=2048, BLOCK_K2=1024, SILU_MUL=True, RMS_NORM=False,
                 ADD_RESIDUAL=True)  # fmt: skip
     module, kernel = "roofline.kernels.gemv_preload", "_gemv_preload_kernel"
-    pointers["wn_ptr"] = "bf16"
-    # with the next layer's block asked into L2 (16 lines per row) and this one evict-first
-    nxt = dict(base, NEXT_LINES=16, EVICT="evict_first")
-    ptxs = compile_for_hopper(module, kernel, [base, down, nxt], pointers, ("inv_k", "eps"))
-    rows = compile_for_hopper(module, "_gemv_preload_rows_kernel", [dict(base, BLOCK_N=4, KW=256)],
-                              pointers, ("inv_k", "eps"), divisible=("K", "stride_wn"))  # fmt: skip
-    for ptx in ptxs + rows:
+    ptxs = compile_for_hopper(module, kernel, [base, down], pointers, ("inv_k", "eps"))
+    for ptx in ptxs:
         wait = ptx.index("griddepcontrol.wait")
         assert "ld.global" in ptx[:wait]  # the weight is loaded before the wait
-    assert "prefetch.global.L2" not in ptxs[0]
-    assert "prefetch.global.L2" in ptxs[2][: ptxs[2].index("griddepcontrol.wait")]
-    # whole rows per warp: after the wait, one barrier (the store's layout), no exchange
-    assert rows[0][rows[0].index("griddepcontrol.wait") :].count("bar.sync") == 1
-
-
-def test_link_next_layers() -> None:
-    """Each linear gets the next layer's same linear's weight (shapes equal), as a plain tensor
-    sharing its storage, not a registered parameter; the last layer's get none."""
-    from torch import nn
-
-    def layer(hidden: int, inter: int) -> nn.Module:
-        attn = nn.Module()
-        attn.qkv_proj, attn.o_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        mlp = nn.Module()
-        mlp.gate_up_proj, mlp.down_proj = nn.Linear(hidden, 2 * inter), nn.Linear(inter, hidden)
-        out = nn.Module()
-        out.self_attn, out.mlp = attn, mlp
-        return out
-
-    layers = nn.ModuleList([layer(8, 16), layer(8, 16), layer(8, 32)])
-    gemv_preload.link_next_layers(layers)
-    first, second, last = layers
-    nxt = first.self_attn.qkv_proj.next_weight
-    assert nxt.data_ptr() == second.self_attn.qkv_proj.weight.data_ptr()
-    assert not isinstance(nxt, nn.Parameter)
-    assert first.mlp.down_proj.next_weight.shape == (8, 16)
-    assert not hasattr(second.mlp.down_proj, "next_weight")  # 8 x 32 follows: shapes differ
-    assert not hasattr(last.self_attn.qkv_proj, "next_weight")
-    n_params = sum(1 for _ in layers.parameters())
-    assert n_params == 3 * 8  # weights and biases only: no parameter was added
