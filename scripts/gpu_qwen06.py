@@ -13,6 +13,7 @@ Sections (each in try/except; a summary table last):
              and 64; host work per step; the preload's (BLOCK_N, num_warps) in the engine;
              kernels per step with PDL and without (true durations)
   llama      Llama-3.1-8B batch 1 and 64, preload off / on (regression)
+  moe        Qwen3-30B-A3B with 8 layers, batch 1, preload off / on (its attention GEMVs)
 
     python scripts/gpu_qwen06.py
 """
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_smallmodel's hel
 
 import gpu_smallmodel as sm  # noqa: E402
 
-from roofline.kernels import gemv_preload, pdl  # noqa: E402
+from roofline.kernels import decode_attention_fused, gemv_preload, pdl  # noqa: E402
 
 DEV = torch.device("cuda")
 SUMMARY = sm.SUMMARY
@@ -227,27 +228,23 @@ def qwen3(llm, ceil) -> None:
     SUMMARY.append(("qwen3-0.6b bs1 host ms/step", f"{host_ms:.3f} of {r.step_ms_p50:.3f}"))
     # the preload's program shape in the engine: (BLOCK_N, num_warps) per GEMV
     qkv, o, gu, down = (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)
-    variants = {  # (BLOCK_N, num_warps, whole rows per warp) per GEMV; base: 8/4, 4/4, 8/4, 4/8
+    variants = {  # base: qkv 8/4, o 4/4, gate_up 8/4, down 4/8 (the first check: 1,318 tok/s;
+        # whole rows per warp 1,146, twice the rows 1,212, next layer into L2 1,283)
         "base": {},
-        "rows4": {qkv: (4, 4, True), o: (4, 4, True), gu: (4, 4, True)},
-        "rows8": {qkv: (8, 8, True), o: (8, 8, True), gu: (8, 8, True)},
-        "rows4+down": {qkv: (4, 4, True), o: (4, 4, True), gu: (4, 4, True), down: (4, 4, True)},
-        "double_n": {qkv: (16, 8, False), o: (8, 8, False), gu: (16, 8, False)},
+        "half_n": {qkv: (4, 4), o: (2, 4), gu: (4, 4), down: (2, 4)},
+        "half_qkv_gu": {qkv: (4, 4), gu: (4, 4)},
+        "half_o_down": {o: (2, 4), down: (2, 4)},
+        "qkv_gu_2w": {qkv: (8, 2), gu: (8, 2)},
+        "o_8w": {o: (4, 8)},
+        "down_4w": {down: (4, 4)},
     }  # fmt: skip
     from roofline import SamplingParams
 
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
-    runs_of = [(name, table, 0.0) for name, table in variants.items()]
-    runs_of += [
-        ("l2next", {}, 1.0),
-        ("l2next_half", {}, 0.5),
-        ("rows4+l2next", variants["rows4"], 1.0),
-    ]
-    for name, table, fraction in runs_of:  # layouts, then the next layer's weights into L2
+    for name, table in variants.items():
         gemv_preload.OVERRIDES.clear()
         gemv_preload.OVERRIDES.update(table)
-        gemv_preload.set_prefetch_next(fraction)
         set_preload(engine, True)
         vals = sorted(_bs1(engine, ceil, 128) for _ in range(3))
         engine.kv_manager.reset_prefix_cache()
@@ -259,7 +256,19 @@ def qwen3(llm, ceil) -> None:
               f"= base {same}/32", flush=True)  # fmt: skip
         SUMMARY.append((f"qwen3-0.6b bs1 preload {name}", f"{vals[1]:.1f} tok/s, {same}/32"))
     gemv_preload.OVERRIDES.clear()
-    gemv_preload.set_prefetch_next(0.0)
+    # the fused attention's split (fewest tokens per split; a constexpr: graphs recaptured)
+    rows: dict[int, list[str]] = {128: [], 1024: []}
+    for tokens_per_split in (32, 64, 128):
+        decode_attention_fused.set_split_tokens(tokens_per_split)
+        set_preload(engine, True)
+        for input_len, row in rows.items():
+            r = latency.run(engine, ceil, [1], input_len, 128)[0]
+            row.append(f"{tokens_per_split}: {r.output_tok_s:.0f}")
+    decode_attention_fused.set_split_tokens(64)
+    set_preload(engine, True)
+    for input_len, row in rows.items():
+        print(f"  split tokens, context {input_len}..{input_len + 128}: {' | '.join(row)} tok/s")
+        SUMMARY.append((f"qwen3-0.6b bs1 ctx {input_len} split 32/64/128", " | ".join(row)))
     set_preload(engine, True)
     for use_pdl in (True, False):
         pdl.set_pdl(use_pdl)
@@ -292,6 +301,31 @@ def llama(ceil) -> None:
     del llm
 
 
+@section("Qwen3-30B-A3B (8 layers) batch-1 decode: preload off / on (its qkv and o GEMVs)")
+def moe(ceil) -> None:
+    import json
+
+    from roofline import LLM
+    from roofline.bench import latency
+    from roofline.models.weights import MODEL_CONFIGS_DIR
+
+    cfg = json.loads((MODEL_CONFIGS_DIR / "qwen3-30b-a3b" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 8
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder / "config.json"), load_format="dummy", device="cuda", max_model_len=1024,
+              max_num_seqs=8, kv_cache_memory_bytes=2 << 30)  # fmt: skip
+    engine = llm.llm_engine
+    for on in (False, True, False, True):
+        set_preload(engine, on)
+        tag = "preload" if on else "default"
+        r = latency.run(engine, ceil, [1], 128, 128)[0]
+        print(f"  qwen3-30b-a3b 8 layers bs=1 {tag}: {r.step_ms_p50:.3f} ms/step, "
+              f"{r.output_tok_s:.1f} tok/s, {r.roofline_pct:.1f}% of roofline")  # fmt: skip
+        SUMMARY.append((f"qwen3-30b-a3b 8l bs1 {tag}", f"{r.output_tok_s:.1f} tok/s"))
+    engine.shutdown()
+
+
 def main() -> None:
     from roofline.bench.ceilings import measure
 
@@ -314,6 +348,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     llama(ceil)
+    moe(ceil)
     print(f"\n=== summary ({time.perf_counter() - t_start:.0f} s)")
     for name, value in SUMMARY:
         print(f"  {name:<44} {value}")
