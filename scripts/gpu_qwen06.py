@@ -195,6 +195,35 @@ def _bs1(engine, ceil, out_len: int) -> float:
     return latency.run(engine, ceil, [1], 128, out_len)[0].output_tok_s
 
 
+def _host_profile(llm, steps: int = 300) -> None:
+    """Where a batch-1 step's host work goes: cProfile over ``steps`` decode steps (its own
+    overhead inflates the figures; the shares are what to read)."""
+    import cProfile
+    import io
+    import pstats
+
+    from roofline import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    engine.add_request("host-prof", list(range(10, 138)), params)
+    for _ in range(20):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()][3:20]
+    print(f"  host cProfile, batch 1, {steps} steps (tottime / {steps} = per step):")
+    for line in lines:
+        print("    " + line[:150])
+
+
 @section("Qwen3-0.6B decode: preload off / on, batch 1 (median of 6), 8, 64; host; configs")
 def qwen3(llm, ceil) -> None:
     from roofline.bench import latency
@@ -226,6 +255,7 @@ def qwen3(llm, ceil) -> None:
     print(f"  host work per step {host_ms:.3f} ms of {t.total_s / t.steps * 1e3:.3f} ms "
           f"({t.steps} steps; p50 step {r.step_ms_p50:.3f} ms)")  # fmt: skip
     SUMMARY.append(("qwen3-0.6b bs1 host ms/step", f"{host_ms:.3f} of {r.step_ms_p50:.3f}"))
+    _host_profile(llm)
     # the preload's program shape in the engine: (BLOCK_N, num_warps) per GEMV
     qkv, o, gu, down = (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)
     variants = {  # base: qkv 8/4, o 4/4, gate_up 8/4, down 4/8 (the first check: 1,318 tok/s;
