@@ -15,11 +15,13 @@ Sections (each in try/except; a summary table last):
   llama      Llama-3.1-8B batch 1 and 64, preload off / on (regression)
   moe        Qwen3-30B-A3B with 8 layers, batch 1, preload off / on (its attention GEMVs)
 
-    python scripts/gpu_qwen06.py
+    python scripts/gpu_qwen06.py           # everything, ~3 min
+    python scripts/gpu_qwen06.py --quick   # parity, invariance, qwen3 and 8B timings, ~90 s
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -225,7 +227,7 @@ def _host_profile(llm, steps: int = 300) -> None:
 
 
 @section("Qwen3-0.6B decode: preload off / on, batch 1 (median of 6), 8, 64; host; configs")
-def qwen3(llm, ceil) -> None:
+def qwen3(llm, ceil, quick: bool) -> None:
     from roofline.bench import latency
 
     engine = llm.llm_engine
@@ -255,6 +257,8 @@ def qwen3(llm, ceil) -> None:
     print(f"  host work per step {host_ms:.3f} ms of {t.total_s / t.steps * 1e3:.3f} ms "
           f"({t.steps} steps; p50 step {r.step_ms_p50:.3f} ms)")  # fmt: skip
     SUMMARY.append(("qwen3-0.6b bs1 host ms/step", f"{host_ms:.3f} of {r.step_ms_p50:.3f}"))
+    if quick:
+        return
     _host_profile(llm)
     # the preload's program shape in the engine: (BLOCK_N, num_warps) per GEMV
     qkv, o, gu, down = (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)
@@ -359,12 +363,16 @@ def moe(ceil) -> None:
 def main() -> None:
     from roofline.bench.ceilings import measure
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="parity, invariance, timings only")
+    args = ap.parse_args()
     t_start = time.perf_counter()
     ceil = measure(DEV, torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, "
           f"torch {torch.__version__}, PDL {pdl.pdl_enabled()}")  # fmt: skip
     parity_hf()
-    kernel_bits()
+    if not args.quick:
+        kernel_bits()
     llm = None
     try:
         llm = sm.load("qwen3-0.6b", max_model_len=4096, max_num_seqs=64,
@@ -373,12 +381,13 @@ def main() -> None:
         traceback.print_exc()
     if llm is not None:
         invariance(llm)
-        qwen3(llm, ceil)
+        qwen3(llm, ceil, args.quick)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     llama(ceil)
-    moe(ceil)
+    if not args.quick:
+        moe(ceil)
     print(f"\n=== summary ({time.perf_counter() - t_start:.0f} s)")
     for name, value in SUMMARY:
         print(f"  {name:<44} {value}")
