@@ -299,7 +299,12 @@ def qwen3(llm, ceil, quick: bool) -> None:
             r = latency.run(engine, ceil, [1], input_len, 128)[0]
             row.append(f"{tokens_per_split}: {r.output_tok_s:.0f}")
     decode_attention_fused.set_split_tokens(64)
-    set_preload(engine, True)
+    for warps in (2, 8, 4):  # the fused attention's warps per program (4: the default)
+        decode_attention_fused.NUM_WARPS = warps
+        set_preload(engine, True)
+        r = latency.run(engine, ceil, [1], 128, 128)[0]
+        print(f"  fused attention with {warps} warps: {r.output_tok_s:.0f} tok/s")
+        SUMMARY.append((f"qwen3-0.6b bs1 attention {warps} warps", f"{r.output_tok_s:.0f} tok/s"))
     for input_len, row in rows.items():
         print(f"  split tokens, context {input_len}..{input_len + 128}: {' | '.join(row)} tok/s")
         SUMMARY.append((f"qwen3-0.6b bs1 ctx {input_len} split 32/64/128", " | ".join(row)))

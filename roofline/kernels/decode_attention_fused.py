@@ -58,6 +58,7 @@ MAX_ROWS = 4
 """Most decode rows the fused kernel takes: it is built for latency-bound small batches. At
 large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
+NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -442,7 +443,7 @@ def fused_decode_attention(
         SPLIT_TOKENS=max(SPLIT_TOKENS, block_n), QK_NORM=qk_norm is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, BLOCK_S=MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
-        LINE_ELEMS=line_elems, num_warps=4, num_stages=3,
+        LINE_ELEMS=line_elems, num_warps=NUM_WARPS, num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF
         **meta,
     )  # fmt: skip
