@@ -58,6 +58,7 @@ MAX_ROWS = 4
 """Most decode rows the fused kernel takes: it is built for latency-bound small batches. At
 large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
+NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -128,16 +129,15 @@ def fused_decode_attention_ref(
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, offs_r, r_mask, cos, sin, eps, inv_head_dim, HALF: tl.constexpr,
-               dtype: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, inv_head_dim, dtype: tl.constexpr,
+               QK_NORM: tl.constexpr):  # fmt: skip
     """RMSNorm over each head (row) of the halves ``x1 | x2`` (fp32 ``[ROWS, BLOCK_R]``) with the
-    weight at ``w_ptr`` when QK_NORM, then rotate-half RoPE (``cos, sin: [1, BLOCK_R]``, rounded
-    to dtype); the roundings of ``rotary_kv_store``. Returns the halves in dtype."""
+    weight halves ``w1 | w2`` (fp32 ``[1, BLOCK_R]``, loaded before the PDL wait) when QK_NORM,
+    then rotate-half RoPE (``cos, sin: [1, BLOCK_R]``, rounded to dtype); the roundings of
+    ``rotary_kv_store``. Returns the halves in dtype."""
     if QK_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [ROWS]
         rstd = tl.rsqrt(ss * inv_head_dim + eps)[:, None]  # [ROWS, 1]
-        w1 = tl.load(w_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
         x1 = _round(_round(x1 * rstd, dtype) * w1, dtype)
         x2 = _round(_round(x2 * rstd, dtype) * w2, dtype)
     o1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
@@ -259,7 +259,8 @@ def _fused_decode_attention_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         # Before the wait: everything that predates the step. The first block's cached K/V go to
-        # registers, the rest of the split to L2; the position's cos/sin, the slot.
+        # registers, the rest of the split to L2; the position's cos/sin, the slot, the q/k norm
+        # weights.
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
         first_mask = offs_n < ctx_end
         pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=first_mask, other=0).to(tl.int64)
@@ -275,6 +276,14 @@ def _fused_decode_attention_kernel(
         sin = _round(tl.load(cs_row + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32), dtype)
         cos, sin = cos[None, :], sin[None, :]  # [1, BLOCK_R]
         slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        if QK_NORM:  # the q/k norm weights: [1, BLOCK_R] halves
+            qw1 = tl.load(q_norm_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+            qw2 = tl.load(q_norm_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+            kw1 = tl.load(k_norm_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+            kw2 = tl.load(k_norm_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+            qw2, kw2 = qw2[None, :], kw2[None, :]
+        else:  # unread
+            qw1, qw2, kw1, kw2 = cos, cos, cos, cos
         if PDL:
             offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)  # [LINES]
             for n0 in range(start + BLOCK_N, ctx_end, BLOCK_N):
@@ -302,10 +311,8 @@ def _fused_decode_attention_kernel(
         k2 = tl.load(k_src + HALF, mask=kr_mask, other=0.0).to(tl.float32)
         v_src = v_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v_new = tl.load(v_src, mask=d_mask[None, :], other=0.0)  # [1, BLOCK_D]
-        q1, q2 = _norm_rope(q1, q2, q_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
-                            HALF, dtype, QK_NORM)  # fmt: skip
-        k1, k2 = _norm_rope(k1, k2, k_norm_ptr, offs_r, r_mask, cos, sin, norm_eps, inv_head_dim,
-                            HALF, dtype, QK_NORM)  # fmt: skip
+        q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, norm_eps, inv_head_dim, dtype, QK_NORM)
+        k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, norm_eps, inv_head_dim, dtype, QK_NORM)
         if owner & (slot >= 0):
             c_off = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
             c_dtype = k_cache_ptr.dtype.element_ty
@@ -439,7 +446,7 @@ def fused_decode_attention(
         SPLIT_TOKENS=max(SPLIT_TOKENS, block_n), QK_NORM=qk_norm is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, BLOCK_S=MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
-        LINE_ELEMS=line_elems, num_warps=4, num_stages=3,
+        LINE_ELEMS=line_elems, num_warps=NUM_WARPS, num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF
         **meta,
     )  # fmt: skip

@@ -290,6 +290,10 @@ def _skinny_gemm_kernel(
         prefetch_l2(w_ptr + rows_n[:, None] * stride_wn + offs_l[None, :])  # [BN, LINES]
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BM, BN] outputs
+    if ADD_RESIDUAL:  # loaded now, with x: not a second round trip after the loop
+        r_ptrs = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
     if RMS_NORM:  # the rows' fp32 statistic, as rms_norm: sum of rounded squares * (1 / K)
         sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         if NORM_STEPS > 0:  # unrolled, the same order: every load in flight at once
@@ -340,11 +344,8 @@ def _skinny_gemm_kernel(
     if HAS_BIAS:
         result += tl.load(bias_ptr + rows_n).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     result = result.to(out_ptr.dtype.element_ty)
     if ADD_RESIDUAL:  # the GEMM's output rounded, then the add rounded: two eager ops' bits
-        r_ptrs = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
         result = (result.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, result, mask=mask)
 

@@ -12,8 +12,10 @@ chain, and an early trigger anywhere is safe.
 
 ``ROOFLINE_PDL``: ``1`` on, ``0`` off, ``auto`` (the default) on from compute capability 9.0.
 ``set_pdl`` switches it for kernels launched from then on (benchmarks compare both). The
-kernels that take part are ``kernels.gemv`` (skinny GEMMs) and ``kernels.kv_store``
-(``rotary_kv_store``).
+kernels that take part are ``kernels.gemv`` (skinny GEMMs), ``kernels.gemv_preload``,
+``kernels.kv_store`` (``rotary_kv_store``), ``kernels.decode_attention_fused``,
+``kernels.lm_head_argmax``, ``kernels.rmsnorm`` (the final norm before the LM head), the MoE router
+and the int4 GEMV.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device
+from roofline.kernels import check_device, is_interpret
+from roofline.kernels.pdl import pdl_enabled
 
 
 def rms_norm_ref(
@@ -56,12 +57,16 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # a programmatic dependent: the weight before the wait, x after it
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK] input dtype
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK] input dtype
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -100,6 +105,8 @@ def _launch(
         return out, res_out
     block = triton.next_power_of_2(hidden)
     num_warps = _num_warps(block)
+    pdl = x.is_cuda and not is_interpret() and pdl_enabled()
+    meta: dict = {"launch_pdl": True} if pdl else {}
     _rms_norm_kernel[(rows,)](
         x2,
         r2,
@@ -115,8 +122,10 @@ def _launch(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl,
         num_warps=num_warps,
         enable_fp_fusion=False,  # square, then sum (no fma), as pow(2).mean() does
+        **meta,
     )
     return out, res_out
 

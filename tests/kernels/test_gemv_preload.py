@@ -45,14 +45,20 @@ def test_matches_skinny_gemm(dtype, n, k, kind) -> None:
 def test_applies_only_when_switched_on_and_small() -> None:
     x = torch.zeros(1, 1024, dtype=torch.bfloat16, device=DEVICE)
     w = torch.zeros(4096, 1024, dtype=torch.bfloat16, device=DEVICE)
+    was = gemv_preload._ENABLED
     gemv_preload.set_enabled(False)
     assert not gemv_preload.applies(x, w)
     gemv_preload.set_enabled(True)
     try:
         assert gemv_preload.applies(x, w)  # Qwen3-0.6B's qkv: 8 x 1024 per program
+        down = torch.zeros(1024, 3072, dtype=torch.bfloat16, device=DEVICE)
+        assert gemv_preload.applies(torch.zeros(1, 3072, dtype=torch.bfloat16), down)
+        assert gemv_preload.k_tiles(3072) == (2048, 1024)  # not a padded 4096
+        big = torch.zeros(4096, 4096, dtype=torch.bfloat16, device=DEVICE)  # the 8B's o_proj
+        assert not gemv_preload.applies(torch.zeros(1, 4096, dtype=torch.bfloat16), big)
         assert not gemv_preload.applies(torch.zeros(2, 1024, dtype=torch.bfloat16), w)
     finally:
-        gemv_preload.set_enabled(False)
+        gemv_preload.set_enabled(was)
 
 
 def test_compiles_for_hopper() -> None:
@@ -60,9 +66,11 @@ def test_compiles_for_hopper() -> None:
 
     pointers = dict.fromkeys(("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "norm_w_ptr",
                               "residual_ptr"), "bf16")  # fmt: skip
-    base = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, SILU_MUL=False, LIBDEVICE=True,
-                RMS_NORM=True, ADD_RESIDUAL=False, PDL=True)  # fmt: skip
-    down = dict(base, BLOCK_N=4, BLOCK_K=4096, SILU_MUL=True, RMS_NORM=False, ADD_RESIDUAL=True)
+    base = dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=1024, BLOCK_K2=0, SILU_MUL=False,
+                LIBDEVICE=True, RMS_NORM=True, ADD_RESIDUAL=False, PDL=True)  # fmt: skip
+    # Qwen3-0.6B's down projection: K = 3072 as 2048 + 1024 columns
+    down = dict(base, BLOCK_N=4, BLOCK_K=2048, BLOCK_K2=1024, SILU_MUL=True, RMS_NORM=False,
+                ADD_RESIDUAL=True)  # fmt: skip
     module, kernel = "roofline.kernels.gemv_preload", "_gemv_preload_kernel"
     ptxs = compile_for_hopper(module, kernel, [base, down], pointers, ("inv_k", "eps"))
     for ptx in ptxs:

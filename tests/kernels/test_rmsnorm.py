@@ -104,3 +104,22 @@ def test_strided_rows() -> None:
     view = x[:, :128]  # row stride 256, features contiguous
     assert_close(rms_norm(view, weight[:128], 1e-6), rms_norm_ref(view, weight[:128], 1e-6),
                  torch.float16)  # fmt: skip
+
+
+def test_pdl_variant_compiles_for_hopper() -> None:
+    """As a programmatic dependent the norm weight is read before ``griddepcontrol.wait`` and the
+    rows (the previous kernel's output) only after it."""
+    from hopper_variants import compile_for_hopper
+
+    pointers = dict.fromkeys(("x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
+                              "residual_out_ptr"), "bf16")  # fmt: skip
+    variants = [dict(HAS_RESIDUAL=h, BLOCK=1024, PDL=True) for h in (False, True)]
+    options = dict(num_warps=2, enable_fp_fusion=False)
+    ptxs = compile_for_hopper("roofline.kernels.rmsnorm", "_rms_norm_kernel", variants, pointers,
+                              ("inv_hidden", "eps"), options)  # fmt: skip
+    for has_residual, ptx in zip((False, True), ptxs):
+        wait = ptx.index("griddepcontrol.wait")
+        before, after = ptx[:wait], ptx[wait:]
+        loads = before.count("ld.global")  # the weight's, one row of loads
+        assert loads > 0 and "st.global" not in before
+        assert after.count("ld.global") == loads * (1 + has_residual)  # x (and the residual)
