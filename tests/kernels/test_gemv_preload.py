@@ -56,6 +56,8 @@ def test_applies_only_when_switched_on_and_small() -> None:
         assert gemv_preload.k_tiles(3072) == (2048, 1024)  # not a padded 4096
         big = torch.zeros(4096, 4096, dtype=torch.bfloat16, device=DEVICE)  # the 8B's o_proj
         assert not gemv_preload.applies(torch.zeros(1, 4096, dtype=torch.bfloat16), big)
+        moe_qkv = torch.zeros(5120, 2048, dtype=torch.bfloat16, device=DEVICE)  # 30B-A3B: slower
+        assert not gemv_preload.applies(torch.zeros(1, 2048, dtype=torch.bfloat16), moe_qkv)
         assert not gemv_preload.applies(torch.zeros(2, 1024, dtype=torch.bfloat16), w)
     finally:
         gemv_preload.set_enabled(was)
