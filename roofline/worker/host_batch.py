@@ -223,8 +223,12 @@ def upload(
     ``torch.tensor`` over a Python list of the same ints. ``staging`` (CUDA): its reused pinned
     buffers carry the bytes (``worker/staging.py``) instead of a fresh pinned tensor."""
     joined: list[int] = []
+    sizes: list[int] = []
     for values in lists:  # pointer copies; then one conversion to int64 (array.extend per
         joined += values  # list converts each int about half as fast as the constructor)
+        if len(values) & 1:  # every view starts 16-byte aligned: Triton specializes pointer
+            joined.append(0)  # alignment, so an odd list length would compile kernels mid-run
+        sizes.append(len(values) + (len(values) & 1))
     flat = array("q", joined)
     if not flat:
         packed = torch.empty(0, dtype=torch.int64, device=device)
@@ -236,4 +240,4 @@ def upload(
         host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True)
         host.copy_(torch.frombuffer(flat, dtype=torch.int64))
         packed = host.to(device, non_blocking=True)
-    return list(packed.split([len(x) for x in lists]))
+    return [view[: len(x)] for view, x in zip(packed.split(sizes), lists)]

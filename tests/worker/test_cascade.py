@@ -181,17 +181,21 @@ def test_cli_flag_turns_cascade_off() -> None:
 
 
 def test_eager_metadata_is_fresh_int32_as_the_graph_buffers() -> None:
-    """Views into a step's packed upload sit at offsets that change every step: the eager
-    metadata copies them into fresh int32 tensors (the dtype and alignment the cascade graphs
-    compiled the kernels for), so an eager step never specializes a kernel again."""
+    """Views into a step's packed upload sit at offsets that change every step (each starts
+    16-byte aligned: odd-length lists are padded); the eager metadata copies them into fresh
+    int32 tensors (the dtype the cascade graphs compiled the kernels for), so an eager step
+    never specializes a kernel again."""
     import torch
 
     from roofline.attention.cascade import CascadePlan, eager_metadata
     from roofline.worker.host_batch import upload
 
     plan = CascadePlan([4, 5, 6], 3 * PAGE, [3 * PAGE, 0, 3 * PAGE], 9, 2)
-    *_, pages, length, starts = upload([[1], [2, 3], *plan.lists()], torch.device("cpu"))
-    assert pages.data_ptr() % 16 != 0  # an odd offset into the packed tensor
+    views = upload([[1], [2, 3], *plan.lists()], torch.device("cpu"))
+    *_, pages, length, starts = views
+    # an odd list before them is padded: every view starts 16-byte aligned, at its own length
+    assert all(v.data_ptr() % 16 == 0 for v in views) and pages.tolist() == [4, 5, 6]
+    assert [len(v) for v in views[:2]] == [1, 2]
     meta = eager_metadata(plan, [pages, length, starts])
     for t in (meta.prefix_pages, meta.prefix_len, meta.suffix_start):
         assert t.dtype == torch.int32 and t.data_ptr() % 16 == 0
