@@ -55,31 +55,14 @@ from roofline.kernels import pdl  # noqa: E402
 from roofline.kernels.moe_router import moe_router, moe_router_ref  # noqa: E402
 
 SUMMARY: dict[str, object] = {}
-TABLE: list[tuple[str, str]] = []
+TABLE = m2.TABLE  # one table: the sections of both scripts report into it
 DEVICE = "cuda"
 E, K, H, INTER = m2.SHAPES["qwen3-30b-a3b"]
 LAYERS = 8
 EPS = 1e-6
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                fn(*args, **kwargs)
-            except Exception:  # report and go on with the next section
-                traceback.print_exc()
-                TABLE.append((name, "FAILED"))
-            finally:
-                gc.collect()
-                torch.cuda.empty_cache()
-                print(f"({name}: {time.perf_counter() - t0:.1f}s)", flush=True)
-
-        return run
-
-    return wrap
+section = m2.section  # print, time, report a failure into TABLE and go on (gpu_moe2)
 
 
 VARIANTS = {  # label: (residual in the down store, PDL, down prefetch, late PDL triggers)
