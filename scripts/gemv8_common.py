@@ -5,13 +5,11 @@ every call out of L2, and the timed config sweep that drops wrong results."""
 
 from __future__ import annotations
 
-import gc
 import math
-import time
-import traceback
 from functools import partial
 
-import quant_decode_bench as qdb  # scripts/ is on sys.path when run as a script
+import gpu_quant as gq  # scripts/ is on sys.path when run as a script
+import quant_decode_bench as qdb
 import torch
 
 from roofline.kernels import int4_gemv as ig
@@ -20,30 +18,12 @@ from roofline.quantization import formats
 SHAPES = qdb.SHAPES
 FORMATS = ("int4", "int8", "fp8")
 DEVICE = "cuda"
-SUMMARY: dict[str, object] = {}
-TABLE: list[str] = []
+SUMMARY = gq.SUMMARY  # gpu_quant's section runner reports failures into its SUMMARY: share both
+TABLE = gq.TABLE
 C = ig.Int4GemvConfig
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
-                traceback.print_exc()
-                SUMMARY[f"{name}_error"] = repr(e)
-            finally:
-                print(f"({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
-        return run
-
-    return wrap
+section = gq.section  # print, time, report a failure into SUMMARY and go on
 
 
 def fmt_key(fmt: str) -> int | str:
