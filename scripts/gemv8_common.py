@@ -1,6 +1,7 @@
 """Shared pieces of ``scripts/gpu_gemv8.py`` and ``scripts/gemv8_sweeps.py``: the sections'
-error handling and summary, the 8B shapes and weight formats (repacked int4 / int8, fp8, the
-canonical int4 / int8 bytes "c4" / "c8"), random weights per format, rings of copies that keep
+error handling and summary, the 8B shapes and weight formats (repacked int4 / int8 nibble planes,
+per-channel int8 read as it is "i8", fp8, the canonical int4 / group-128 int8 bytes "c4" / "c8"),
+random weights per format, rings of copies that keep
 every call out of L2, and the timed config sweep that drops wrong results."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from roofline.kernels import int4_gemv as ig
 from roofline.quantization import formats
 
 SHAPES = qdb.SHAPES
-FORMATS = ("int4", "int8", "fp8")
+FORMATS = ("int4", "int8", "i8", "fp8")
 DEVICE = "cuda"
 SUMMARY = gq.SUMMARY  # gpu_quant's section runner reports failures into its SUMMARY: share both
 TABLE = gq.TABLE
@@ -27,11 +28,16 @@ section = gq.section  # print, time, report a failure into SUMMARY and go on
 
 
 def fmt_key(fmt: str) -> int | str:
-    return {"int4": 4, "int8": 8, "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
+    return {"int4": 4, "int8": 8, "i8": "i8", "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
 
 
 def bits_of(fmt: str) -> int:
     return 4 if fmt in ("int4", "c4") else 8
+
+
+def kind_of(fmt: str) -> str:
+    """The quantization kind (canonical layout) of a format: int4, int8 or fp8."""
+    return {"c4": "int4", "i8": "int8", "c8": "int8"}.get(fmt, fmt)
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
@@ -42,10 +48,14 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
         q = formats.quantize_int4(w, 128, False, dtype)
         deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
         return q.qweight, ig.pack_scales(q.scales, q.offsets), tuple(q), deq
-    if fmt == "c8":
-        q = formats.quantize_int8(w, k, dtype)
+    if fmt == "c8":  # group-wise (128): the nibble planes over the canonical bytes
+        q = formats.quantize_int8(w, 128, dtype)
         deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
         return q.qweight, ig.pack_scales(q.scales, None), (q.qweight, q.scales, None), deq
+    if fmt == "i8":  # per channel, read as it is: the [N] scales themselves
+        q = formats.quantize_int8(w, k, dtype)
+        deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
+        return q.qweight, q.scales.reshape(-1), (q.qweight, q.scales, None), deq
     if fmt == "int4":
         q = formats.quantize_int4(w, 128, False, dtype)
         deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
@@ -60,7 +70,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
 
 
 def group_of(fmt: str, k: int) -> int:
-    return 128 if fmt in ("int4", "c4") else k
+    return 128 if fmt in ("int4", "c4", "c8") else k
 
 
 def sweep_configs(fmt, x, ring, ref, cfgs, **kw) -> list[tuple[float, ig.Int4GemvConfig]]:

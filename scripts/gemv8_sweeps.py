@@ -22,6 +22,7 @@ from gemv8_common import (
     bits_of,
     fmt_key,
     group_of,
+    kind_of,
     ring_of,
     section,
     sweep_configs,
@@ -80,7 +81,8 @@ def gemv_sweep(copy_bw: float) -> None:
             old_cfg = ig.pick_config(n, k, group_of(fmt, k), 1, x.device, fmt_key(fmt))
             ref = (x.float() @ deq.T).to(x.dtype)
             good = sweep_configs(fmt, x, ring, ref, m1_candidates(fmt, layer) + [old_cfg])
-            t_old_kernel = qdb.time_ring(partial(quant_gemv.quant_gemv, fmt, x), canon_ring)
+            qg = partial(quant_gemv.quant_gemv, kind_of(fmt), x)
+            t_old_kernel = qdb.time_ring(qg, canon_ring)
             if good:
                 t, cfg = good[0]
                 tuned[key] = tuple(cfg)
@@ -151,7 +153,7 @@ def prologue_sweep(fmt, layer, n, k, ring, copy_bw, tuned_pro, parts) -> None:
     ig.PROLOGUE_TUNED_CONFIGS[key] = tuple(cfg)
     first = silu_and_mul if prologue == "silu" else partial(rms_norm, weight=nw, eps=1e-5)
     t_apart = qdb.time_ring(lambda w, p: ig.int4_gemv(first(x), w, p, bits=b), ring)
-    fuse_key = "fp8" if fmt == "fp8" else b
+    fuse_key = fmt if fmt in ("fp8", "i8") else b
     if prologue == "silu":
         common.GEMV_FUSE_SILU[fuse_key] = t < t_apart
     parts.append(f"{fmt} {prologue} fused {t * 1e6:.1f} / apart {t_apart * 1e6:.1f} us")

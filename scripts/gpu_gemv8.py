@@ -1,27 +1,30 @@
 """Batch-1 decode of the quantized methods on an H100 (Llama-3.1-8B config, random weights):
 ``kernels.int4_gemv`` for int4 g128, int8 and fp8 e4m3, and where a decode layer's time goes.
 
-1. parity on the GPU: every layout (repacked int4 / int8, fp8, the canonical int4 / int8 bytes)
-   against x times the exactly dequantized weight at one and 16 rows, the norm / SiLU prologues,
-   the residual epilogue and the SiLU epilogue (bit-exact against ``silu_and_mul``);
-2. the canonical int4 / int8 bytes read as they are vs the repacked copies, per 8B shape at
-   1 / 4 / 16 rows (canonical winners installed as the "c4" / "c8" tables);
-3. the fused decode MLP at one row, 8 layers in a CUDA graph per format: the SiLU in the gate |
+1. parity on the GPU: every layout (repacked int4, int8 nibble planes, per-channel int8 read as
+   it is "i8", fp8; without ``--quick`` the canonical int4 / group-128 int8 bytes) against x
+   times the exactly dequantized weight at one and 16 rows, the norm / SiLU prologues, the
+   residual epilogue and the SiLU epilogue (bit-exact against ``silu_and_mul``);
+2. i8 against the nibble planes and fp8 at the same bytes, per 8B shape: one row plain and in
+   the fused decode layer's variants (norm prologue, SiLU epilogue, residual), 4 / 8 / 16 rows;
+   i8's configs swept around fp8's and installed (``scripts/gemv8_int8.py``);
+3. (not ``--quick``) the canonical int4 bytes read as they are vs the repacked copy, per 8B
+   shape at 1 / 4 / 16 rows (canonical winners installed as the "c4" table);
+4. the fused decode MLP at one row, 8 layers in a CUDA graph per format: the SiLU in the gate |
    up GEMV's epilogue vs its own launch vs the down projection's prologue;
-4. an attention layer at one row, 32 layers in a CUDA graph with PDL: rotary_kv_store +
-   decode_attention + merge vs the fused decode attention, Llama-3.1-8B and Qwen3-0.6B shapes,
-   160 and 1000 tokens;
-5. 8B batch-1 decode per method (``/fusedattn``: the fused decode attention at every shape;
-   ``/canon``: int8 layers read from their canonical tensors, no repacked copy), each
+5. 8B batch-1 decode per method (int8 also at batch 8; ``/planes``: int8 on the repacked nibble
+   planes, a second copy; ``/fusedattn``: the fused decode attention at every shape), each
    beside its roofline (weight bytes + KV over the copy bandwidth of this run), the weights'
    GiB read and resident, and a kernel profile with each kernel's exclusive time (its part of
    the step not overlapped by the kernel before it).
 
 ``--full-sweep`` adds the one-row config sweep of every format (with ``preload``: the first tile
-in registers before the PDL wait) and int4_gemv's row tiles against ``mixed_gemm`` at 32-256
-rows. Each section prints its error and goes on; the summary table comes last.
+in registers before the PDL wait), int4_gemv's row tiles against ``mixed_gemm`` at 32-256 rows
+and the attention-layer chain. Each section prints its error and goes on; the summary table
+comes last.
 
-    python scripts/gpu_gemv8.py                  # about 2.5 minutes
+    python scripts/gpu_gemv8.py --quick          # about 1.5 minutes
+    python scripts/gpu_gemv8.py                  # about 2 minutes
     python scripts/gpu_gemv8.py --full-sweep     # about 4 minutes
 """
 
@@ -36,7 +39,8 @@ import time
 import traceback
 from functools import partial
 
-import gemv8_sweeps  # scripts/ is on sys.path when run as a script
+import gemv8_int8  # scripts/ is on sys.path when run as a script
+import gemv8_sweeps
 import gpu_quant
 import quant_decode_bench as qdb
 import torch
@@ -70,11 +74,11 @@ from roofline.quantization import common
 
 
 @section("parity")
-def parity() -> None:
+def parity(formats: tuple[str, ...]) -> None:
     """Every layout against x times the exactly dequantized weight (picked configs, one and 16
     rows), the prologues and epilogues against the unfused kernels; compiles first, in parallel."""
     cases = []  # (fmt, layer, label, fn(warmup) -> out, ref thunk)
-    for fmt in FORMATS + ("c4", "c8"):
+    for fmt in formats:
         for layer, (n, k) in SHAPES.items():
             words, pairs, _, deq = make_weight(fmt, n, k, seed=3)
             b = bits_of(fmt)
@@ -85,7 +89,7 @@ def parity() -> None:
                 cfg = ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt))
                 cfg = cfg or ig.heuristic_config(n, k, group_of(fmt, k), m, 132)  # (quant_gemv's)
                 cases.append((fmt, layer, f"M={m}", partial(run, x, config=cfg), ref))
-            if fmt == "fp8" and layer == "o":
+            if fmt in ("fp8", "i8") and layer == "o":
                 x = torch.randn(3, k, device=DEVICE, dtype=torch.float16)
                 cases.append((fmt, layer, "fp16", partial(run, x), (x.float() @ deq.T).half()))
             if layer == "down":
@@ -120,7 +124,7 @@ def parity() -> None:
         lines[(fmt, layer)].append(f"{label} {err:.1e}")
     for (fmt, layer), errs in lines.items():
         print(f"{fmt:4} {layer:7}: max rel err " + ", ".join(errs))
-    exact = {f: SUMMARY.get(f"silu_out_exact_{f}") for f in FORMATS + ("c4", "c8")}
+    exact = {f: SUMMARY.get(f"silu_out_exact_{f}") for f in formats}
     print(f"SiLU epilogue bit-exact vs silu_and_mul: {exact}")
     SUMMARY["parity_worst"] = worst
     TABLE.append(
@@ -136,7 +140,7 @@ def canon_sweep(copy_bw: float) -> None:
     prologue variants the fused decode layer runs) and 4 / 16 rows (the repacked tables'
     configs). Canonical winners go to the "c4" / "c8" tables for the decode runs below."""
     tuned: dict = {}
-    for fmt, rep in (("c4", "int4"), ("c8", "int8")):
+    for fmt, rep in (("c4", "int4"),):
         for layer, (n, k) in SHAPES.items():
             ring, _, deq = ring_of(fmt, n, k)
             ring_rep, _, _ = ring_of(rep, n, k)
@@ -194,7 +198,7 @@ def mlp_chain(copy_bw: float) -> None:
     projection's prologue."""
     n, k = SHAPES["gate_up"]
     layers = 8
-    for fmt in ("int4", "int8", "fp8"):
+    for fmt in ("int4", "int8", "i8", "fp8"):
         b = bits_of(fmt)
         gus = [make_weight(fmt, n, k, seed=i)[:2] for i in range(layers)]
         downs = [make_weight(fmt, k, n // 2, seed=100 + i)[:2] for i in range(layers)]
@@ -360,13 +364,14 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 @section("decode per method")
 def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
     for method in methods:
-        batches = [1]
-        llm = None
         quant, _, variant = method.partition("/")
+        batches = [1, 8] if quant == "int8" else [1]
+        llm = None
         fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
             common.USE_FP8_GEMV = variant != "old"
             common.CANONICAL_GEMV = variant == "canon"
+            common.INT8_GEMV_PLANES = variant == "planes"
             fused_decode.SILU_EPILOGUE = variant != "nosiluepi"
             ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
             if variant == "fusedattn":  # every shape on the fused decode attention
@@ -406,6 +411,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
         finally:
             attn_fused.UNFUSED_FASTER.update(fused_shapes)
             common.CANONICAL_GEMV = False
+            common.INT8_GEMV_PLANES = False
             common.USE_FP8_GEMV = True
             fused_decode.SILU_EPILOGUE = True
             ig.PREFETCH_BYTES = 16384
@@ -422,10 +428,15 @@ def main() -> None:
         help="also the one-row config sweep of every format and the row-tile sweep (~70 s more)",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,bf16/fusedattn,int8,int8/canon,int4,fp8",
-        help="decode runs; variants /fusedattn /canon /nosiluepi /old (fp8 on quant_gemv) /pf64k",
+        "--quick", action="store_true",
+        help="parity of int4 / int8 planes / i8 / fp8, i8 vs planes vs fp8, the MLP chain, decode",
     )  # fmt: skip
-    ap.add_argument("--profile", default="int8,int4", help="decode runs to profile")
+    ap.add_argument(
+        "--methods", default="bf16,int8,int8/planes,int4,fp8",
+        help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
+        "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
+    )  # fmt: skip
+    ap.add_argument("--profile", default="int8,fp8", help="decode runs to profile")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -433,13 +444,15 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
-    parity()
+    parity(FORMATS if args.quick else FORMATS + ("c4", "c8"))
+    gemv8_int8.compare(bw)
     if args.full_sweep:
         gemv8_sweeps.gemv_sweep(bw)
         gemv8_sweeps.row_tiles(bw)
-    canon_sweep(bw)
+        attention_chain()
+    if not args.quick:
+        canon_sweep(bw)
     mlp_chain(bw)
-    attention_chain()
     decode(ceil, args.methods.split(","), profiled=tuple(args.profile.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))

@@ -41,6 +41,12 @@ tensor cores, at any M up to 16:
   widened to bf16 by ``mixed_gemm._e4m3_to_bf16`` (byte permutes and one bf16x2 multiply per
   two elements, exact) or to fp16 by the hardware's paired conversion; the row's scale
   multiplies the finished sum.
+* per-channel int8 (``words`` of dtype int8: the canonical ``[N, K]`` weight itself, no repack;
+  ``scale_pairs`` its ``[N]`` scales in any float dtype): fp8's loop, each byte widened by
+  ``int4_gemv_tiles._int8_asm`` (bf16: ``128 + (q & 127)`` and the sign's ``128`` or ``256`` by
+  one lop3 each, their difference by one paired FMA; fp16: one lop3 and one FMA), exactly; no
+  sum of x and no per-tile scale, unlike the nibble planes (``repack_int8``, which group-wise
+  int8 keeps).
 
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
 bits), rounded once to x's dtype. ``int4_layout.int4_gemv_ref`` is the plain-torch reference.
@@ -97,7 +103,7 @@ __all__ = [
 def _int4_gemv_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL), rows contiguous
     q_ptr,  # [N, K // 8] int32, repacked (int8: [N, K // 4]; FP8: the e4m3 [N, K] as int32)
-    so_ptr,  # [N, K // GROUP, 2] (scale, offset); FP8: fp32 [N] scales
+    so_ptr,  # [N, K // GROUP, 2] (scale, offset); FP8: [N] scales (fp32; INT8: any float)
     bias_ptr,
     out_ptr,  # [M, N]
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
@@ -116,7 +122,8 @@ def _int4_gemv_kernel(
     inv_k,  # fp32(1 / K): RMSNorm's mean factor
     eps,
     BITS: tl.constexpr,  # 4, or 8 (two nibble planes of q + 128 per tile, or FP8)
-    FP8: tl.constexpr,  # e4m3 bytes in natural order, one scale per row (BITS == 8)
+    FP8: tl.constexpr,  # bytes in natural order, one scale per row (BITS == 8): e4m3, or
+    INT8: tl.constexpr,  # int8 (per-channel int8 read as it is)
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # MMA rows: KSPLIT slices of BLOCK_N // KSPLIT weight rows
@@ -203,7 +210,7 @@ def _int4_gemv_kernel(
     if PRELOAD:  # the first tile came in before the wait
         acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
                     BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
-                    CANON)  # fmt: skip
+                    CANON, INT8)  # fmt: skip
         k_start = 128
     for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
@@ -214,7 +221,7 @@ def _int4_gemv_kernel(
                 words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
             acc = _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
                         BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
-                        CANON)  # fmt: skip
+                        CANON, INT8)  # fmt: skip
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
@@ -225,7 +232,7 @@ def _int4_gemv_kernel(
     else:
         real_n = tl.minimum(offs_n, N - 1)
     if FP8:  # the row's scale (partial sums are scaled before they are added: still ordered)
-        res *= tl.load(so_ptr + real_n)[:, None]
+        res *= tl.load(so_ptr + real_n).to(tl.float32)[:, None]
     if KGRID == 1:
         _epilogue(res, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N,
                   stride_om, stride_rm, HAS_BIAS, RESIDUAL, SILU_OUT, ROWS, ASM)  # fmt: skip
@@ -350,12 +357,14 @@ def int4_gemv(
     ``[M, N / 2]`` with ``silu_and_mul``'s bits. ``config`` overrides the picked one (sweeps);
     one that cannot run raises ValueError. ``warmup`` compiles without launching. An fp8 e4m3
     ``words`` (with ``bits=8``) is the canonical fp8 weight, its ``scale_pairs`` the
-    per-channel fp32 scales."""
+    per-channel fp32 scales; an int8 ``words`` with ``[N]`` ``scale_pairs`` the canonical
+    per-channel int8 weight and its scales."""
     check_device(x, words)
     fp8 = words.dtype == FP8_DTYPE
     canon = words.dtype in (torch.uint8, torch.int8)  # the canonical int4 / int8 bytes
     if bits not in (4, 8) or (fp8 and bits != 8) or (canon and bits != CANON_BITS[words.dtype]):
         raise ValueError(f"int4_gemv: bits {bits} do not fit a {words.dtype} weight")
+    int8_rows = words.dtype == torch.int8 and scale_pairs.dim() == 1  # per-channel, as fp8
     m, n = x.shape[0], words.shape[0]
     k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
@@ -370,6 +379,11 @@ def int4_gemv(
         if scale_pairs.shape != (n,) or scale_pairs.dtype != torch.float32:
             raise ValueError(f"int4_gemv: fp8 takes fp32 [{n}] scales, not {scale_pairs.shape}")
         num_groups = 1
+    elif int8_rows:
+        if scale_pairs.shape != (n,) or not scale_pairs.dtype.is_floating_point:
+            raise ValueError(f"int4_gemv: int8 takes [{n}] per-channel scales, not "
+                             f"{tuple(scale_pairs.shape)} {scale_pairs.dtype}")  # fmt: skip
+        num_groups = 1
     else:
         num_groups = scale_pairs.shape[1]
         if scale_pairs.shape != (n, num_groups, 2) or k % num_groups:
@@ -377,6 +391,8 @@ def int4_gemv(
     if not scale_pairs.is_contiguous() or not words.is_contiguous():
         raise ValueError("int4_gemv: the weight and its scales must be contiguous")
     group = k // num_groups
+    if canon and not int8_rows and words.dtype == torch.int8 and group == k:
+        raise ValueError("int4_gemv: per-channel int8 bytes take their [N] scales (not pairs)")
     if canon and group % TILE_K:
         raise ValueError(f"int4_gemv: the canonical layout takes groups of 128k, not {group}")
     if not can_repack(k, group):
@@ -388,7 +404,8 @@ def int4_gemv(
     prologue = "silu" if silu_mul else "norm" if norm is not None else None
     if silu_out and (silu_mul or residual is not None or n % 2):
         raise ValueError("int4_gemv: silu_out takes a gate | up weight, no SiLU prologue or add")
-    cfg = config or pick_config(n, k, group, m, x.device, table_format(words, bits), prologue)
+    fmt = table_format(words, bits, group)
+    cfg = config or pick_config(n, k, group, m, x.device, fmt, prologue)
     if cfg is None:
         raise ValueError(f"int4_gemv: not taken for [{n}, {k}] at M = {m} (TUNED_CONFIGS)")
     k_slice = _resolve(cfg, k, group)
@@ -410,7 +427,7 @@ def int4_gemv(
     extra = {"grid": grid} if warmup else {}
     compiled = not is_interpret()
     pdl = compiled and pdl_enabled()
-    pair32 = scale_pairs.element_size() == 2
+    pair32 = scale_pairs.element_size() == 2 and not int8_rows
     # prefetch the start of each MMA row's slice: at most PREFETCH_BYTES a program, whole lines
     budget = max(1, PREFETCH_BYTES // (128 * cfg.block_n))
     lines = triton.next_power_of_2(min(triton.cdiv(k_slice * bits // 8, 128), budget))
@@ -424,13 +441,13 @@ def int4_gemv(
         m, n, k, k_slice, x.stride(0), q.stride(0), scale_pairs.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0, 1.0 / k,
         norm[1] if norm is not None else 0.0,
-        BITS=bits, FP8=fp8, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-        BLOCK_M=block_m,
+        BITS=bits, FP8=fp8 or int8_rows, INT8=int8_rows, GROUP=group, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m,
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
         PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
-        NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon,
+        NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon and not int8_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out

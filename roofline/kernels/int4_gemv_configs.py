@@ -139,7 +139,11 @@ def pick_config(
     """The measured config of M's bucket (and prologue), else the heuristic's; None where the
     table says the other decode kernel is faster (no prologue)."""
     key = (bits, n, k, group, row_bucket(m))  # bits: table_format's key
-    keys = [key, (int(bits[1:]), *key[1:])] if bits in ("c4", "c8") else [key]
+    keys = [key]
+    if bits in ("c4", "c8"):
+        keys.append((int(bits[1:]), *key[1:]))
+    elif bits == "i8":  # per-channel int8 bytes: absent entries take fp8's (the same loop)
+        keys.append(("fp8", *key[1:]))
     if prologue is not None:
         for kk in keys:
             tuned = PROLOGUE_TUNED_CONFIGS.get((prologue, *kk))
@@ -155,11 +159,15 @@ def pick_config(
     return heuristic_config(n, k, group, m, num_sms(device))
 
 
-def table_format(words: torch.Tensor, bits: int) -> int | str:
-    """The tables' format key of a weight: 4 / 8 (repacked int4 / int8 planes), "fp8", or "c4" /
-    "c8" (the canonical int4 / int8 bytes read as they are; absent entries fall back to 4 / 8)."""
+def table_format(words: torch.Tensor, bits: int, group: int) -> int | str:
+    """The tables' format key of a weight: 4 / 8 (repacked int4 / int8 planes), "fp8", "i8" (the
+    per-channel int8 bytes, read as fp8's; absent entries fall back to fp8's), or "c4" / "c8"
+    (the canonical int4 / group-wise int8 bytes read as they are; absent entries fall back to
+    4 / 8)."""
     if words.dtype == torch.float8_e4m3fn:
         return "fp8"
+    if words.dtype == torch.int8 and group == words.shape[1]:
+        return "i8"
     if words.dtype in (torch.uint8, torch.int8):
         return f"c{bits}"
     return bits
@@ -204,5 +212,6 @@ def takes(
         return False
     if prologue == "norm" and m != 1:
         return False
-    cfg = pick_config(words.shape[0], k, group, m, device, table_format(words, bits), prologue)
+    fmt = table_format(words, bits, group)
+    cfg = pick_config(words.shape[0], k, group, m, device, fmt, prologue)
     return cfg is not None and can_repack(k, group) and _resolve(cfg, k, group) is not None

@@ -30,6 +30,34 @@ def _e4m3_asm(bf16):
     )
 
 
+@triton.constexpr_function
+def _int8_asm(bf16):
+    """PTX: int8 bytes 0, 1 of ``$2`` -> the 16-bit pair ``$0``, bytes 2, 3 -> ``$1``, exactly.
+    bf16 (7 mantissa bits): each byte to the bottom of a lane, ``128 + (q & 127)`` and ``128`` or
+    ``256`` (the sign bit) by one lop3 each, their difference by one paired FMA. fp16: one lop3
+    leaves ``1024 + (q + 128)`` (the sign bit flipped), one paired FMA subtracts 1152."""
+    if bf16:
+        lanes = (
+            "lop3.b32 p0, a0, 0x007F007F, 0x43004300, 0xEA; "
+            "lop3.b32 p1, a1, 0x007F007F, 0x43004300, 0xEA; "
+            "lop3.b32 t0, a0, 0x00800080, 0x43004300, 0xEA; "
+            "lop3.b32 t1, a1, 0x00800080, 0x43004300, 0xEA; "
+            "mov.b32 c, 0xBF80BF80; "  # -1.0
+            "fma.rn.bf16x2 $0, t0, c, p0; fma.rn.bf16x2 $1, t1, c, p1; }"
+        )
+    else:
+        lanes = (
+            "lop3.b32 p0, a0, 0x00FF00FF, 0x64806480, 0x6A; "  # mask ? (a ^ c) : c
+            "lop3.b32 p1, a1, 0x00FF00FF, 0x64806480, 0x6A; "
+            "mov.b32 c, 0x3C003C00; mov.b32 t0, 0xE480E480; "  # 1.0, -1152.0
+            "fma.rn.f16x2 $0, p0, c, t0; fma.rn.f16x2 $1, p1, c, t0; }"
+        )
+    return (
+        "{ .reg .b32 a<2>, p<2>, t<2>, c; "
+        "prmt.b32 a0, $2, 0, 0x4140; prmt.b32 a1, $2, 0, 0x4342; " + lanes
+    )
+
+
 @triton.jit
 def _halves(words, SH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
     """Nibbles SH/4 (low half) and SH/4 + 4 (high half) of every word as 16-bit floats
@@ -122,21 +150,27 @@ def _operand(words, PAIRS: tl.constexpr, P0: tl.constexpr, MAGIC: tl.constexpr, 
 
 
 @triton.jit
-def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """A row tile of e4m3 bytes read as ``[rows, 32]`` int32 words (element ``4 w + b`` in byte b
-    of word w) -> the ``[rows, 128]`` operand in x's dtype, exactly. Compiled: each byte moves to
-    the top of a 16-bit lane, its exponent and mantissa shift into the 16-bit type's fields (sign
-    kept) and one paired multiply rebiases the exponent (bf16 by 2^120, fp16 by 2^8; subnormals
-    and zeros included), about 2.5 instructions an element, no conversion unit."""
+def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr, INT8: tl.constexpr):
+    """A row tile of e4m3 (INT8: int8) bytes read as ``[rows, 32]`` int32 words (element
+    ``4 w + b`` in byte b of word w) -> the ``[rows, 128]`` operand in x's dtype, exactly.
+    Compiled, e4m3: each byte moves to the top of a 16-bit lane, its exponent and mantissa shift
+    into the 16-bit type's fields (sign kept) and one paired multiply rebiases the exponent (bf16
+    by 2^120, fp16 by 2^8; subnormals and zeros included), about 2.5 instructions an element, no
+    conversion unit; int8 (``_int8_asm``): about 2 an element (bf16), 1.5 (fp16)."""
     if ASM:
         pairs = tl.inline_asm_elementwise(
-            _e4m3_asm(DTYPE == tl.bfloat16), "=r,=r,r", [words], dtype=(tl.int32, tl.int32),
-            is_pure=True, pack=1,
+            _int8_asm(DTYPE == tl.bfloat16) if INT8 else _e4m3_asm(DTYPE == tl.bfloat16),
+            "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
         )  # fmt: skip
         e0 = pairs[0].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w, 4w + 1
         e1 = (pairs[0] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
         e2 = pairs[1].to(tl.int16).to(DTYPE, bitcast=True)  # elements 4w + 2, 4w + 3
         e3 = (pairs[1] >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    elif INT8:  # the interpreter: each byte sign-extended
+        e0 = _int8_value(words).to(DTYPE)
+        e1 = _int8_value(words >> 8).to(DTYPE)
+        e2 = _int8_value(words >> 16).to(DTYPE)
+        e3 = _int8_value(words >> 24).to(DTYPE)
     else:  # the interpreter: decode each byte arithmetically (exact in fp32)
         e0 = _e4m3_value(words).to(DTYPE)
         e1 = _e4m3_value(words >> 8).to(DTYPE)
@@ -144,6 +178,13 @@ def _fp8_operand(words, DTYPE: tl.constexpr, ASM: tl.constexpr):
         e3 = _e4m3_value(words >> 24).to(DTYPE)
     tile = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [rows, 32, pair, half]: 4 w + 2 p + h
     return tl.reshape(tile, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
+def _int8_value(byte):
+    """The int8 value of the low byte of each int32 as fp32."""
+    b = byte & 0xFF
+    return (b - ((b & 0x80) << 1)).to(tl.float32)
 
 
 @triton.jit
@@ -187,10 +228,11 @@ def _scale_pair(ptrs, PAIR32: tl.constexpr):
 def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
           BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
           PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-          ASM: tl.constexpr, PAIR32: tl.constexpr, CANON: tl.constexpr):  # fmt: skip
+          ASM: tl.constexpr, PAIR32: tl.constexpr, CANON: tl.constexpr,
+          INT8: tl.constexpr):  # fmt: skip
     """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
-    and ``words_hi``; FP8: e4m3 bytes; CANON: the canonical int4 / int8 bytes) against the
-    matching x tile, group by group."""
+    and ``words_hi``; FP8: e4m3 bytes, or int8 bytes with INT8; CANON: the canonical int4 /
+    int8 bytes) against the matching x tile, group by group."""
     DTYPE: tl.constexpr = ones.dtype
     # low nibbles: B + q (bf16 128, fp16 1024); int8's high nibbles: 16 (B' + q), B' = 128 / 1024
     MAGIC: tl.constexpr = 0x64006400 if DTYPE == tl.float16 else 0x43004300
@@ -210,8 +252,8 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
             # by cp.async, where one tile feeding both dots would not be
             xt = tl.load(x_ptrs + kg)  # [GK, C]
             xt1 = tl.load(x_ptrs + kg, eviction_policy="evict_last")
-        if FP8:  # [BN, 32] words of e4m3 bytes: sum q x; the row's scale comes at the end
-            acc = tl.dot(_fp8_operand(words, DTYPE, ASM), xt, acc)
+        if FP8:  # [BN, 32] words of e4m3 / int8 bytes: sum q x; the row's scale comes at the end
+            acc = tl.dot(_fp8_operand(words, DTYPE, ASM, INT8), xt, acc)
         else:
             if CANON and BITS == 4:  # canonical words (GK == 128)
                 d = tl.dot(_canonical_int4(words, MAGIC, ASM, DTYPE), xt)

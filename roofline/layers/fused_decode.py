@@ -221,7 +221,7 @@ def mlp_norm_add(
 
         words, bits = gate_up.gemv_words, gate_up.gemv_bits
         k = int4_gemv.weight_k(words, bits)
-        fmt = int4_gemv.table_format(words, bits)
+        fmt = int4_gemv.table_format(words, bits, gate_up.gemv_group)
         cfg = int4_gemv.pick_config(words.shape[0], k, gate_up.gemv_group, h.shape[0], h.device,
                                     fmt, "norm")  # fmt: skip
         plain_down = int4_gemv.takes(h.shape[0], h.dtype, h.device, down.gemv_words,

@@ -69,7 +69,12 @@ USE_INT8_GEMV = os.environ.get("ROOFLINE_INT8_GEMV", "1") != "0"
 # fp8 weight-only decode batches take it over the canonical e4m3 weight itself (no copy);
 # ROOFLINE_FP8_GEMV=0 keeps them on kernels.quant_gemv.
 USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
-# ROOFLINE_GEMV_CANONICAL=1: int8 layers whose groups hold whole 128-element tiles give
+# Per-channel int8 layers give kernels.int4_gemv their canonical qweight and [N] scales as they
+# are (one copy of the weight; each byte widened to a 16-bit operand as fp8's e4m3 bytes are, the
+# row's scale applied once at the end); ROOFLINE_INT8_GEMV_PLANES=1 keeps the repacked nibble
+# planes instead (a second copy; A/B runs).
+INT8_GEMV_PLANES = os.environ.get("ROOFLINE_INT8_GEMV_PLANES", "0") == "1"
+# ROOFLINE_GEMV_CANONICAL=1: group-wise int8 layers whose groups hold whole 128-element tiles give
 # kernels.int4_gemv their canonical tensors as they are (one copy of the weight on the GPU: 8B
 # 8.47 GiB resident instead of 14.97) at 2% of batch-1 speed (H100, 8B: 276.3 vs 282.0 tok/s;
 # scripts/gpu_gemv8.py). int4 always repacks (read canonically it measured 266 vs 401 tok/s).
@@ -78,13 +83,16 @@ CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
 # vs 18.9 apart; int8 29.0 vs 28.6; fp8 25.9 vs 28.9). The fused decode layer's MLP takes neither
 # where the gate | up GEMV computes the SiLU itself (layers.fused_decode.SILU_EPILOGUE).
-GEMV_FUSE_SILU: dict[int | str, bool] = {4: False, 8: False, "fp8": True}
+# Per-channel int8 read as it is ("i8") runs fp8's loop: fp8's choice until measured.
+GEMV_FUSE_SILU: dict[int | str, bool] = {4: False, 8: False, "fp8": True, "i8": True}
 
 
 def gemv_fuses_silu(layer: nn.Module) -> bool:
     """Whether ``int4_gemv`` takes this repacked layer's SiLU-and-mul as its prologue."""
-    fp8 = layer.gemv_words.dtype == formats.FP8_DTYPE
-    return GEMV_FUSE_SILU["fp8" if fp8 else layer.gemv_bits]
+    from roofline.kernels.int4_gemv import table_format
+
+    fmt = table_format(layer.gemv_words, layer.gemv_bits, layer.gemv_group)
+    return GEMV_FUSE_SILU[fmt if fmt in ("fp8", "i8") else layer.gemv_bits]
 
 
 CpuKernel = Callable[
@@ -237,6 +245,8 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
     ``gemv_words`` and ``gemv_pairs``, the repacked copies ``kernels.int4_gemv`` reads for decode
     batches (the canonical tensors stay for the larger batches: ``mixed_gemm`` and dequantize +
     cuBLAS read them), ``gemv_bits`` and ``gemv_group``;
+    a per-channel int8 layer gets its own ``qweight`` and its scales as ``[N]`` (views, no
+    copy; ``INT8_GEMV_PLANES``: the repacked planes instead);
     an fp8 layer gets its own ``qweight`` and fp32 ``scales`` as they are (no copy).
     ``cuda_only=False`` makes them on any device (the interpreter's tests)."""
     layer.gemv_words = None
@@ -259,6 +269,12 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
     k = layer.qweight.shape[1] * (2 if bits == 4 else 1)
     group = k // layer.scales.shape[1]
     if not int4_gemv.can_repack(k, group):
+        return
+    if kind == "int8" and group == k and not INT8_GEMV_PLANES:  # per channel: as they are
+        # plain tensors over the parameters' storage (not registered as parameters themselves)
+        layer.gemv_words = layer.qweight.detach()
+        layer.gemv_pairs = layer.scales.detach().reshape(-1)
+        layer.gemv_bits, layer.gemv_group = bits, group
         return
     if CANONICAL_GEMV and kind == "int8" and group % int4_gemv.TILE_K == 0:  # as they are
         layer.gemv_words = layer.qweight

@@ -28,7 +28,7 @@ def _fp8_weight(seed: int = 0, n: int = N, k: int = K):
 
 
 def _reference(x, q, s, bias=None):
-    out = x.float() @ (q.float() * s[:, None]).T
+    out = x.float() @ (q.float() * s.float().reshape(-1)[:, None]).T  # per-row scales
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -112,27 +112,34 @@ def test_int4_and_int8_preload_match() -> None:
     assert_close(got, (x.float() @ w8.T).to(x.dtype), torch.bfloat16)
 
 
-def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An fp8 linear's kernel layout is its own qweight and scales (no copy); the fused decode
-    layer's norm-prologue and SiLU + residual GEMMs equal the unfused composition."""
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_fused_decode_layer_calls_on_a_byte_linear(kind: str, monkeypatch) -> None:
+    """An fp8 or per-channel int8 linear's kernel layout is its own qweight and scales (no copy);
+    the fused decode layer's norm-prologue and SiLU + residual GEMMs equal the unfused
+    composition."""
     from torch import nn
 
     from roofline.layers import fused_decode
     from roofline.layers.linear import MergedLinear
     from roofline.quantization import common
     from roofline.quantization.fp8 import Fp8LinearMethod
+    from roofline.quantization.int8 import Int8LinearMethod
 
+    method_cls = Fp8LinearMethod if kind == "fp8" else Int8LinearMethod
     gen = torch.Generator().manual_seed(5)
-    layer = MergedLinear(K, [N // 2, N // 2], bias=False, method=Fp8LinearMethod())
+    layer = MergedLinear(K, [N // 2, N // 2], bias=False, method=method_cls())
     w = torch.randn(N, K, generator=gen) / K**0.5
     for shard in range(2):
         layer.method.load(layer, shard, "weight", w[shard * N // 2 : (shard + 1) * N // 2])
     layer = layer.to(DEVICE)
-    common.prepare_kernel_layout("fp8", layer, cuda_only=False)
-    assert layer.gemv_words is layer.qweight and layer.gemv_bits == 8 and layer.gemv_group == K
+    common.prepare_kernel_layout(kind, layer, cuda_only=False)
+    assert layer.gemv_words.data_ptr() == layer.qweight.data_ptr()
+    assert layer.gemv_pairs.data_ptr() == layer.scales.data_ptr()
+    assert layer.gemv_bits == 8 and layer.gemv_group == K
     assert fused_decode._gemv_linear(layer)
+    fmt = "fp8" if kind == "fp8" else "i8"
     for fuse, epilogue in ((True, False), (False, False), (False, True)):
-        monkeypatch.setitem(common.GEMV_FUSE_SILU, "fp8", fuse)
+        monkeypatch.setitem(common.GEMV_FUSE_SILU, fmt, fuse)
         monkeypatch.setattr(fused_decode, "SILU_EPILOGUE", epilogue)
         norm = nn.Module()
         norm.weight = nn.Parameter((torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16))
@@ -147,8 +154,8 @@ def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPat
         got = fused_decode.linear_add(layer, gate_up, residual, silu_mul=True)
         plain = _reference(silu_and_mul(gate_up), layer.qweight, layer.scales)
         assert_close(got, (plain.float() + residual.float()).to(torch.bfloat16), torch.bfloat16)
-        gu = MergedLinear(K, [128, 128], bias=False, method=Fp8LinearMethod())
-        down = MergedLinear(128, [K], bias=False, method=Fp8LinearMethod())
+        gu = MergedLinear(K, [128, 128], bias=False, method=method_cls())
+        down = MergedLinear(128, [K], bias=False, method=method_cls())
         for lin, (n_out, k_in) in ((gu, (256, K)), (down, (K, 128))):
             w_l = torch.randn(n_out, k_in, generator=gen) / k_in**0.5
             if lin is gu:
@@ -158,7 +165,7 @@ def test_fused_decode_layer_calls_on_an_fp8_linear(monkeypatch: pytest.MonkeyPat
                 lin.method.load(lin, 0, "weight", w_l)
         gu, down = gu.to(DEVICE), down.to(DEVICE)
         for lin in (gu, down):
-            common.prepare_kernel_layout("fp8", lin, cuda_only=False)
+            common.prepare_kernel_layout(kind, lin, cuda_only=False)
         res_h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
         got = fused_decode.mlp_norm_add(gu, down, norm, h, res_h)
         act = silu_and_mul(_reference(rms_norm(h, norm.weight, 1e-5), gu.qweight, gu.scales))
@@ -201,6 +208,53 @@ def test_silu_out_epilogue(fmt: str) -> None:
         ig.int4_gemv(x, words, pairs, bits=bits, silu_out=True, residual=residual)
 
 
+@pytest.mark.parametrize(
+    "dtype,m,cfg",
+    [
+        (torch.bfloat16, 1, ig.Int4GemvConfig(64, 4, 1, 4, 2)),
+        (torch.bfloat16, 1, ig.Int4GemvConfig(64, 2, 1, 4, 2, 2, 1)),  # K on the grid, preload
+        (torch.bfloat16, 3, None),
+        (torch.float16, 1, ig.Int4GemvConfig(32, 2, 2, 2, 2)),
+        (torch.float16, 16, None),
+    ],
+)
+def test_int8_rows_match_reference(dtype, m, cfg) -> None:
+    """Per-channel int8 bytes read as they are (fp8's loop), every code -128..127 present, with
+    bf16 / fp16 / fp32 scales and the norm and SiLU prologues."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    q = formats.quantize_int8(w, K, dtype)
+    qweight = q.qweight.clone()
+    qweight[2, :256] = torch.arange(-128, 128, dtype=torch.int8)
+    qweight, scales = qweight.to(DEVICE), q.scales.reshape(-1).to(DEVICE)
+    dense = qweight.float() * scales.float()[:, None]
+    x = torch.randn(m, K, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE)
+    assert ig.table_format(qweight, 8, K) == "i8" and ig.supports(x, qweight, K, bits=8)
+    for s in (scales, scales.float()):
+        got = ig.int4_gemv(x, qweight, s, bias, bits=8, config=cfg)
+        assert_close(got, ((x.float() @ dense.T) + bias.float()).to(dtype), dtype)
+    h = x[:1]
+    norm_w = (torch.rand(K, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    got = ig.int4_gemv(h, qweight, scales, norm=(norm_w, 1e-5), bits=8)
+    assert_close(got, ig.int4_gemv(rms_norm(h, norm_w, 1e-5), qweight, scales, bits=8), dtype)
+    gate_up = torch.randn(m, 2 * K, generator=gen).to(dtype).to(DEVICE)
+    got = ig.int4_gemv(gate_up, qweight, scales, silu_mul=True, bits=8, config=cfg)
+    assert_close(got, (silu_and_mul(gate_up).float() @ dense.T).to(dtype), dtype)
+
+
+def test_every_int8_code_decodes_exactly() -> None:
+    """Row r holds code r - 128, scale 1, x = e_j for each of a word's four bytes: out = q."""
+    codes = torch.arange(-128, 128, dtype=torch.int8)
+    q = codes[:, None].expand(256, 128).contiguous().to(DEVICE)
+    s = torch.ones(256, device=DEVICE)
+    for j in range(4):
+        x = torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE)
+        x[0, j] = 1.0
+        got = ig.int4_gemv(x, q, s, bits=8, config=ig.Int4GemvConfig(64, 1, 1, 4, 2))
+        assert torch.equal(got[0].float(), q[:, 0].float())
+
+
 @pytest.mark.parametrize("kind,group", [("int4", 128), ("int4", 256), ("int8", K), ("int8", 128)])
 def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) -> None:
     """int4 / int8 canonical bytes (no repack) against the dequantized weight; the layer's kernel
@@ -213,10 +267,15 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
         q = formats.quantize_int4(w, group, False, torch.bfloat16)
         qweight, pairs, bits = q.qweight, ig.pack_scales(q.scales, q.offsets), 4
         dense = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
-    else:
+    else:  # per channel: the [N] scales themselves (pairs refused)
         q8 = formats.quantize_int8(w, group, torch.bfloat16)
         qweight, pairs, bits = q8.qweight, ig.pack_scales(q8.scales, None), 8
         dense = formats.dequantize_int8(q8.qweight, q8.scales, torch.float32)
+        if group == K:
+            x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
+            with pytest.raises(ValueError, match="per-channel"):
+                ig.int4_gemv(x, qweight.to(DEVICE), pairs.to(DEVICE), bits=8)
+            pairs = q8.scales.reshape(-1)
     qweight, pairs, dense = qweight.to(DEVICE), pairs.to(DEVICE), dense.to(DEVICE)
     for m, cfg in ((1, ig.Int4GemvConfig(64, 4, 1, 4, 2, 1, 1)), (3, None), (16, None)):
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -233,10 +292,16 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
     method = Int4LinearMethod(group) if kind == "int4" else Int8LinearMethod(group)
     layer = MergedLinear(K, [N], bias=False, method=method)
     layer.method.load(layer, 0, "weight", w)
-    monkeypatch.setattr(common, "CANONICAL_GEMV", True)
+    monkeypatch.setattr(common, "CANONICAL_GEMV", group != K)  # per channel: by default
     common.prepare_kernel_layout(kind, layer, cuda_only=False)
     assert layer.gemv_bits == bits
     if kind == "int8":  # read as it is; int4 always repacks (canonical measured far slower)
-        assert layer.gemv_words is layer.qweight
+        assert layer.gemv_words.data_ptr() == layer.qweight.data_ptr()
+        if group == K:  # the scales' own storage, as [N]
+            assert layer.gemv_pairs.shape == (N,)
+            assert layer.gemv_pairs.data_ptr() == layer.scales.data_ptr()
+            monkeypatch.setattr(common, "INT8_GEMV_PLANES", True)
+            common.prepare_kernel_layout(kind, layer, cuda_only=False)
+            assert layer.gemv_words.dtype == torch.int32  # the repacked planes
     else:
         assert layer.gemv_words.dtype == torch.int32
