@@ -48,7 +48,7 @@ NORM_CANDIDATES = [
 ]  # fmt: skip
 
 
-def _variant(layer: str, k: int, n: int):
+def decode_call(layer: str, k: int, n: int):
     """(label, kwargs, the input x, the reference's input and kwargs) of the call the fused
     decode layer makes for this shape at one row."""
     if layer in ("qkv", "gate_up"):
@@ -78,7 +78,7 @@ def compare(copy_bw: float) -> None:
         rings = {fmt: ring_of(fmt, n, k) for fmt in ("i8", "int8", "fp8")}
         qbytes = qdb.nbytes(*rings["i8"][0][0])
         x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        label, kw, xin, plain_in = _variant(layer, k, n)
+        label, kw, xin, plain_in = decode_call(layer, k, n)
         parts = []
         # plain one row: i8 swept, the planes and fp8 at their tables' configs
         ring, _, deq = rings["i8"]

@@ -2,18 +2,20 @@
 ``kernels.int4_gemv`` for int4 g128, int8 and fp8 e4m3, and where a decode layer's time goes.
 
 1. parity on the GPU: every layout (repacked int4, int8 nibble planes, per-channel int8 read as
-   it is "i8", fp8; without ``--quick`` the canonical int4 / group-128 int8 bytes) against x
+   it is "i8", fp8, canonical int4; without ``--quick`` group-128 int8 bytes) against x
    times the exactly dequantized weight at one and 16 rows, the norm / SiLU prologues, the
    residual epilogue and the SiLU epilogue (bit-exact against ``silu_and_mul``);
 2. i8 against the nibble planes and fp8 at the same bytes, per 8B shape: one row plain and in
    the fused decode layer's variants (norm prologue, SiLU epilogue, residual), 4 / 8 / 16 rows;
    i8's configs swept around fp8's and installed (``scripts/gemv8_int8.py``);
-3. (not ``--quick``) the canonical int4 bytes read as they are vs the repacked copy, per 8B
-   shape at 1 / 4 / 16 rows (canonical winners installed as the "c4" table);
-4. the fused decode MLP at one row, 8 layers in a CUDA graph per format: the SiLU in the gate |
-   up GEMV's epilogue vs its own launch vs the down projection's prologue;
-5. 8B batch-1 decode per method (int8 also at batch 8; ``/planes``: int8 on the repacked nibble
-   planes, a second copy; ``/fusedattn``: the fused decode attention at every shape), each
+3. the canonical int4 bytes read as they are (x permuted per tile) vs the repacked copy, per 8B
+   shape at 1 / 4 / 8 / 16 rows and in the fused decode layer's call (winners installed as the
+   "c4" table);
+4. (not ``--quick``) the fused decode MLP at one row, 8 layers in a CUDA graph per format: the
+   SiLU in the gate | up GEMV's epilogue vs its own launch vs the down projection's prologue;
+5. 8B batch-1 decode per method (int8 and int4 also at batch 8; ``/planes``: int8 on the
+   repacked nibble planes, a second copy; ``/canon``: int4 on its canonical bytes, one copy;
+   ``/fusedattn``: the fused decode attention at every shape), each
    beside its roofline (weight bytes + KV over the copy bandwidth of this run), the weights'
    GiB read and resident, and a kernel profile with each kernel's exclusive time (its part of
    the step not overlapped by the kernel before it).
@@ -135,10 +137,11 @@ def parity(formats: tuple[str, ...]) -> None:
 
 @section("canonical vs repacked")
 def canon_sweep(copy_bw: float) -> None:
-    """int4 g128 and int8 read from their canonical bytes (no repacked copy) vs the repacked
-    layouts, per 8B shape: one row (the repacked table's config and a few around it, the
-    prologue variants the fused decode layer runs) and 4 / 16 rows (the repacked tables'
-    configs). Canonical winners go to the "c4" / "c8" tables for the decode runs below."""
+    """int4 g128 read from its canonical bytes (no repacked copy: the words widened as repacked
+    ones are, x permuted per tile) vs the repacked copy, per 8B shape: one row (the repacked
+    table's config and a few around it; the fused decode layer's call, norm prologue / SiLU
+    epilogue / residual, at the picked configs, and the halves-interleaving canonical path of
+    before) and 4 / 8 / 16 rows. Canonical winners go to the "c4" table for the decode runs."""
     tuned: dict = {}
     for fmt, rep in (("c4", "int4"),):
         for layer, (n, k) in SHAPES.items():
@@ -150,7 +153,8 @@ def canon_sweep(copy_bw: float) -> None:
             base = ig.pick_config(n, k, group, 1, x.device, fmt_key(rep))
             around = [base, base._replace(preload=0), base._replace(num_stages=3),
                       base._replace(num_warps=8), C(64, 8, 1, 4, 3, 1, 1), C(128, 8, 1, 4, 2, 2, 1),
-                      C(64, 8, 2, 4, 3), C(128, 4, 1, 4, 3, 4, 1)]  # fmt: skip
+                      C(64, 8, 2, 4, 3), C(128, 4, 1, 4, 3, 4, 1), C(128, 8, 2, 4, 2),
+                      C(128, 8, 1, 4, 2, 1, 1)]  # fmt: skip
             ref = (x.float() @ deq.T).to(x.dtype)
             good = sweep_configs(fmt, x, ring, ref, around)
             t_rep = qdb.time_ring(
@@ -163,7 +167,19 @@ def canon_sweep(copy_bw: float) -> None:
                 ig.TUNED_CONFIGS[(fmt_key(fmt), n, k, group, 1)] = tuple(cfg)
                 parts.append(f"canonical {t * 1e6:.1f} us {100 * qbytes / t / copy_bw:.0f}% "
                              f"{tuple(cfg)}")  # fmt: skip
-            for m in (4, 16):
+                ig.CANON4_XPERM = False
+                try:
+                    t_old = qdb.time_ring(partial(ig.int4_gemv, x, bits=4, config=cfg), ring)
+                    parts.append(f"halves moved {t_old * 1e6:.1f}")
+                finally:
+                    ig.CANON4_XPERM = True
+            label, kw, xin, _ = gemv8_int8.decode_call(layer, k, n)
+            t_c = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring)
+            t_r = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring_rep)
+            parts.append(f"{label} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
+            SUMMARY[f"c4_{layer}"] = {"m1": (t_rep, good[0][0] if good else None),
+                                      label: (t_c, t_r)}  # fmt: skip
+            for m in (4, 8, 16):
                 xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
                 t_c = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring)
                 t_r = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring_rep)
@@ -365,7 +381,7 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
     for method in methods:
         quant, _, variant = method.partition("/")
-        batches = [1, 8] if quant == "int8" else [1]
+        batches = [1, 8] if quant in ("int8", "int4") else [1]
         llm = None
         fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
@@ -429,10 +445,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--quick", action="store_true",
-        help="parity of int4 / int8 planes / i8 / fp8, i8 vs planes vs fp8, the MLP chain, decode",
+        help="parity (int4, int8 planes, i8, fp8, c4), i8 vs planes vs fp8, c4 vs int4, decode",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,int8,int8/planes,int4,fp8",
+        "--methods", default="bf16,int8,int8/planes,int4,int4/canon,fp8",
         help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
@@ -444,15 +460,15 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
-    parity(FORMATS if args.quick else FORMATS + ("c4", "c8"))
+    parity(FORMATS + ("c4",) if args.quick else FORMATS + ("c4", "c8"))
     gemv8_int8.compare(bw)
     if args.full_sweep:
         gemv8_sweeps.gemv_sweep(bw)
         gemv8_sweeps.row_tiles(bw)
         attention_chain()
+    canon_sweep(bw)
     if not args.quick:
-        canon_sweep(bw)
-    mlp_chain(bw)
+        mlp_chain(bw)
     decode(ceil, args.methods.split(","), profiled=tuple(args.profile.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))

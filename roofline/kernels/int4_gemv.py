@@ -144,6 +144,7 @@ def _int4_gemv_kernel(
     NORM_EVEN: tl.constexpr,  # K % 1024 == 0
     SILU_OUT: tl.constexpr,  # gate | up weight: out = silu(gate) * up, [M, N // 2]
     CANON: tl.constexpr,  # the canonical int4 / int8 bytes read as int32 words (GROUP >= 128)
+    XPERM: tl.constexpr,  # canonical int4: repacked-order operands, x permuted per tile instead
 ):
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if BITS == 4:
@@ -210,7 +211,7 @@ def _int4_gemv_kernel(
     if PRELOAD:  # the first tile came in before the wait
         acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
                     BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
-                    CANON, INT8)  # fmt: skip
+                    CANON, INT8, XPERM)  # fmt: skip
         k_start = 128
     for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
@@ -221,7 +222,7 @@ def _int4_gemv_kernel(
                 words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
             acc = _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
                         BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
-                        CANON, INT8)  # fmt: skip
+                        CANON, INT8, XPERM)  # fmt: skip
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
     res = tl.sum(tl.sum(acc4, axis=2), axis=0)  # [ROWS, BM]
@@ -301,6 +302,9 @@ def _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_o
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 FP8_DTYPE = torch.float8_e4m3fn
 CANON_BITS = {torch.uint8: 4, torch.int8: 8}
+CANON4_XPERM = os.environ.get("ROOFLINE_CANON4_XPERM", "1") != "0"
+"""Canonical int4 words widened as repacked ones are (each lop3 a ready MMA register), x's tile
+permuted to their K order; 0: the words' halves interleaved into natural order instead."""
 PREFETCH_BYTES = int(os.environ.get("ROOFLINE_INT4_GEMV_PREFETCH", "16384"))
 """Weight bytes a program asks into L2 before its PDL wait (the start of each MMA row's slice,
 whole 128-byte lines), while the previous kernel still runs."""
@@ -448,6 +452,7 @@ def int4_gemv(
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
         PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
         NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon and not int8_rows,
+        XPERM=CANON4_XPERM,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out

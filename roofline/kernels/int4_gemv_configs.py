@@ -64,12 +64,6 @@ TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None
     ("fp8", 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
     ("fp8", 28672, 4096, 4096, 16): None,
     ("fp8", 4096, 14336, 14336, 1): (128, 8, 1, 4, 4, 2),
-    # the canonical int8 bytes (common.CANONICAL_GEMV), one row, same script's second run:
-    # 12.5 / 8.4 / 44.2 / 24.7 us (68 / 68 / 90 / 80%; repacked 82 / 68 / 94 / 80%)
-    ("c8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
-    ("c8", 4096, 4096, 4096, 1): (128, 4, 1, 4, 3, 4, 1),
-    ("c8", 28672, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
-    ("c8", 4096, 14336, 14336, 1): (64, 8, 2, 4, 3),
 }
 # With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
 # N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).

@@ -106,6 +106,16 @@ def _canonical_int4(words, MAGIC: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.con
 
 
 @triton.jit
+def _canon4_x(xt):
+    """An x tile ``[128, C]`` in the K order of canonical int4 words read as repacked ones:
+    ``_operand``'s column ``32 n + 2 w + h`` of canonical words is element ``8 w + 4 h + n``
+    (word w, nibble ``4 h + n``), so x's row ``8 w + 4 h + n`` moves to row ``32 n + 2 w + h``
+    (the dot over the tile is the same sum in another order)."""
+    x4 = tl.reshape(xt, (16, 2, 4, xt.shape[1]))  # [w, h, n, C]
+    return tl.reshape(tl.permute(x4, (2, 0, 1, 3)), (128, xt.shape[1]))  # [n, w, h, C]
+
+
+@triton.jit
 def _canonical_int8(words, MAGIC: tl.constexpr, MAGIC_HI: tl.constexpr, ASM: tl.constexpr,
                     DTYPE: tl.constexpr):  # fmt: skip
     """Canonical int8 words (element ``4 w + b`` in byte b) -> the low and high nibble planes of
@@ -229,7 +239,7 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
           BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
           PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
           ASM: tl.constexpr, PAIR32: tl.constexpr, CANON: tl.constexpr,
-          INT8: tl.constexpr):  # fmt: skip
+          INT8: tl.constexpr, XPERM: tl.constexpr):  # fmt: skip
     """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
     and ``words_hi``; FP8: e4m3 bytes, or int8 bytes with INT8; CANON: the canonical int4 /
     int8 bytes) against the matching x tile, group by group."""
@@ -255,7 +265,10 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
         if FP8:  # [BN, 32] words of e4m3 / int8 bytes: sum q x; the row's scale comes at the end
             acc = tl.dot(_fp8_operand(words, DTYPE, ASM, INT8), xt, acc)
         else:
-            if CANON and BITS == 4:  # canonical words (GK == 128)
+            if CANON and BITS == 4 and XPERM:  # canonical words, x permuted (GK == 128)
+                a = _operand(words, 4, 0, MAGIC, ASM, DTYPE)  # column 32 n + 2 w + h
+                d = tl.dot(a, _canon4_x(xt))
+            elif CANON and BITS == 4:  # canonical words (GK == 128)
                 d = tl.dot(_canonical_int4(words, MAGIC, ASM, DTYPE), xt)
             elif CANON:
                 a, a_hi = _canonical_int8(words, MAGIC, MAGIC_HI, ASM, DTYPE)

@@ -277,10 +277,23 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
                 ig.int4_gemv(x, qweight.to(DEVICE), pairs.to(DEVICE), bits=8)
             pairs = q8.scales.reshape(-1)
     qweight, pairs, dense = qweight.to(DEVICE), pairs.to(DEVICE), dense.to(DEVICE)
-    for m, cfg in ((1, ig.Int4GemvConfig(64, 4, 1, 4, 2, 1, 1)), (3, None), (16, None)):
-        x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-        got = ig.int4_gemv(x, qweight, pairs, bits=bits, config=cfg)
-        assert_close(got, (x.float() @ dense.T).to(x.dtype), torch.bfloat16)
+    for xperm in (True, False) if kind == "int4" else (True,):  # x permuted / halves moved
+        monkeypatch.setattr(ig, "CANON4_XPERM", xperm)
+        for m, cfg in ((1, ig.Int4GemvConfig(64, 4, 1, 4, 2, 1, 1)), (3, None), (16, None)):
+            x = torch.randn(m, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+            got = ig.int4_gemv(x, qweight, pairs, bits=bits, config=cfg)
+            assert_close(got, (x.float() @ dense.T).to(x.dtype), torch.bfloat16)
+    if kind == "int4":  # the prologues and the residual, x permuted
+        h = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        nw = (torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(h, qweight, pairs, norm=(nw, 1e-5), bits=4)
+        normed = rms_norm(h, nw, 1e-5)
+        assert_close(got, (normed.float() @ dense.T).to(h.dtype), torch.bfloat16)
+        gu = torch.randn(2, 2 * K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        res = torch.randn(2, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(gu, qweight, pairs, silu_mul=True, residual=res, bits=4)
+        ref = (silu_and_mul(gu).float() @ dense.T).to(h.dtype).float() + res.float()
+        assert_close(got, ref.to(h.dtype), torch.bfloat16)
     q64 = formats.quantize_int4(w, 64, False, torch.bfloat16)
     with pytest.raises(ValueError, match="canonical"):
         ig.int4_gemv(x, q64.qweight.to(DEVICE), ig.pack_scales(q64.scales, q64.offsets).to(DEVICE))
@@ -295,13 +308,11 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
     monkeypatch.setattr(common, "CANONICAL_GEMV", group != K)  # per channel: by default
     common.prepare_kernel_layout(kind, layer, cuda_only=False)
     assert layer.gemv_bits == bits
-    if kind == "int8":  # read as it is; int4 always repacks (canonical measured far slower)
-        assert layer.gemv_words.data_ptr() == layer.qweight.data_ptr()
+    assert layer.gemv_words.data_ptr() == layer.qweight.data_ptr()  # read as it is
+    if kind == "int8":
         if group == K:  # the scales' own storage, as [N]
             assert layer.gemv_pairs.shape == (N,)
             assert layer.gemv_pairs.data_ptr() == layer.scales.data_ptr()
             monkeypatch.setattr(common, "INT8_GEMV_PLANES", True)
             common.prepare_kernel_layout(kind, layer, cuda_only=False)
             assert layer.gemv_words.dtype == torch.int32  # the repacked planes
-    else:
-        assert layer.gemv_words.dtype == torch.int32
