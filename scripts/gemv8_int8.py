@@ -31,12 +31,13 @@ from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.rmsnorm import rms_norm
 from roofline.quantization import common
 
-PLAIN_CANDIDATES = [  # fp8's one-row winners and their neighbours
+PLAIN_CANDIDATES = [  # fp8's one-row winners and their neighbours; two tiles preloaded
     C(*c)
     for c in [
         (64, 8, 1, 4, 3, 1, 1), (64, 8, 2, 4, 3), (128, 8, 1, 4, 4, 2), (128, 8, 1, 4, 2, 2, 1),
         (128, 8, 1, 4, 3, 2, 1), (64, 8, 1, 4, 3), (128, 4, 1, 4, 3, 4, 1), (128, 8, 2, 4, 2),
         (64, 16, 1, 4, 3), (128, 8, 1, 4, 4, 2, 1), (64, 8, 1, 4, 4, 1, 1), (128, 8, 4, 4, 3),
+        (64, 8, 1, 4, 3, 1, 2), (128, 8, 1, 4, 2, 2, 2), (64, 8, 1, 4, 4, 1, 2),
     ]
 ]  # fmt: skip
 NORM_CANDIDATES = [
@@ -44,6 +45,7 @@ NORM_CANDIDATES = [
     for c in [
         (64, 8, 1, 4, 3), (64, 8, 1, 4, 3, 1, 1), (128, 8, 1, 4, 3), (128, 8, 1, 4, 3, 1, 1),
         (128, 4, 1, 4, 3, 2), (128, 4, 1, 4, 3, 2, 1), (64, 8, 2, 4, 3), (64, 8, 1, 4, 4, 1, 1),
+        (64, 8, 1, 4, 3, 1, 2), (128, 8, 1, 4, 3, 1, 2), (128, 4, 1, 4, 3, 2, 2),
     ]
 ]  # fmt: skip
 

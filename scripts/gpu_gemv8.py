@@ -448,7 +448,7 @@ def main() -> None:
         help="parity (int4, int8 planes, i8, fp8, c4), i8 vs planes vs fp8, c4 vs int4, decode",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,int8,int8/planes,int4,int4/canon,fp8",
+        "--methods", default="bf16,int8,int8/planes,int8/pf64k,int4,int4/canon,fp8",
         help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip

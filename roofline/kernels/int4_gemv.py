@@ -139,7 +139,7 @@ def _int4_gemv_kernel(
     PAIR32: tl.constexpr,  # 16-bit scale pairs: one 32-bit load each
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
     PREFETCH_LINES: tl.constexpr,  # 128-byte lines per MMA row prefetched before the wait
-    PRELOAD: tl.constexpr,  # the first tile loaded into registers before the wait
+    PRELOAD: tl.constexpr,  # the first 1 or 2 tiles loaded into registers before the wait
     NORM_CHUNKS: tl.constexpr,  # cdiv(K, 1024) with NORM: the statistic's loads, unrolled
     NORM_EVEN: tl.constexpr,  # K % 1024 == 0
     SILU_OUT: tl.constexpr,  # gate | up weight: out = silu(gate) * up, [M, N // 2]
@@ -180,11 +180,16 @@ def _int4_gemv_kernel(
     if GROUP <= 128 and not FP8:  # slices hold whole groups
         so_ptrs += 2 * ((k_origin + slice_r * k_slice) // GROUP)
     k_row = k_origin + slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
-    if PRELOAD:  # the first tile into registers before the wait (TILES == 1)
+    if PRELOAD:  # the first tile(s) into registers before the wait (TILES == 1)
         w_first = tl.load(q_ptrs)
         w_first_hi = w_first
         if BITS == 8 and not FP8 and not CANON:
             w_first_hi = tl.load(q_ptrs + 16)
+        if PRELOAD == 2:
+            w_second = tl.load(q_ptrs + WPT)
+            w_second_hi = w_second
+            if BITS == 8 and not FP8 and not CANON:
+                w_second_hi = tl.load(q_ptrs + WPT + 16)
     if PDL:  # the weight is no earlier kernel's output: pull it toward L2, then wait for x
         offs_p = tl.minimum(tl.arange(0, PREFETCH_LINES) * 32, slice_words - 1)  # 128-B lines
         prefetch_l2(q_row[:, None] + offs_p[None, :])  # [BN, lines]
@@ -208,11 +213,16 @@ def _int4_gemv_kernel(
     ones = tl.full((BLOCK_N, GK), 1.0, tl.float32).to(DTYPE)
     acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     k_start = 0
-    if PRELOAD:  # the first tile came in before the wait
+    if PRELOAD:  # the first tile(s) came in before the wait
         acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
                     BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
                     CANON, INT8, XPERM)  # fmt: skip
         k_start = 128
+        if PRELOAD == 2:
+            acc = _tile(acc, w_second, w_second_hi, 128, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd,
+                        ones, K, BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                        CANON, INT8, XPERM)  # fmt: skip
+            k_start = 256
     for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
         for t in tl.static_range(TILES):
             kt = k0 + 128 * t
@@ -450,7 +460,7 @@ def int4_gemv(
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
         ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
-        PRELOAD=bool(cfg.preload), NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
+        PRELOAD=cfg.preload, NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
         NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon and not int8_rows,
         XPERM=CANON4_XPERM,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,

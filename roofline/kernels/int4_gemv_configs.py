@@ -28,7 +28,7 @@ class Int4GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     kgrid: int = 1  # K parts over a second grid axis; the last program of a row block sums them
-    preload: int = 0  # 1: the first tile into registers before the PDL wait (tiles == 1)
+    preload: int = 0  # 1 / 2: the first tile(s) into registers before the PDL wait (tiles == 1)
     block_m: int = 0  # x rows a program (above MAX_ROWS rows: 16 to 64); 0: M's bucket
 
 
@@ -178,12 +178,12 @@ def _resolve(cfg: Int4GemvConfig, k: int, group: int) -> int | None:
     group)."""
     if cfg.block_n % cfg.ksplit or cfg.block_n // cfg.ksplit < 1 or k % (cfg.ksplit * cfg.kgrid):
         return None
-    if cfg.preload and cfg.tiles != 1:
+    if cfg.preload and cfg.tiles != 1 or cfg.preload not in (0, 1, 2):
         return None
     if cfg.block_m and (cfg.block_m & (cfg.block_m - 1) or not 16 <= cfg.block_m <= 64):
         return None
     k_slice = k // (cfg.ksplit * cfg.kgrid)
-    if k_slice % (TILE_K * cfg.tiles):
+    if k_slice % (TILE_K * cfg.tiles) or k_slice < TILE_K * cfg.preload:
         return None
     return k_slice
 

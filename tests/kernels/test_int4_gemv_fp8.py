@@ -91,15 +91,18 @@ def test_fp8_refusals() -> None:
     assert ig.weight_k(q, 8) == K and ig.supports(x, q, K, bits=8)
     with pytest.raises(ValueError, match="cannot run"):  # preload needs one tile a step
         ig.int4_gemv(x, q, s, bits=8, config=ig.Int4GemvConfig(64, 2, 2, 4, 2, 1, 1))
+    with pytest.raises(ValueError, match="cannot run"):  # two tiles preloaded: 128 per slice
+        ig.int4_gemv(x, q, s, bits=8, config=ig.Int4GemvConfig(64, 4, 1, 4, 2, 1, 2))
 
 
-def test_int4_and_int8_preload_match() -> None:
+@pytest.mark.parametrize("preload,ksplit", [(1, 4), (2, 2)])
+def test_int4_and_int8_preload_match(preload: int, ksplit: int) -> None:
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(N, K, generator=gen) / K**0.5
     q4 = formats.quantize_int4(w, 64, False, torch.bfloat16)
     q8 = formats.quantize_int8(w, K, torch.bfloat16)
     x = torch.randn(2, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-    cfg = ig.Int4GemvConfig(64, 4, 1, 4, 3, 1, 1)
+    cfg = ig.Int4GemvConfig(64, ksplit, 1, 4, 3, 1, preload)  # the first tile(s) preloaded
     words4 = ig.repack_int4(q4.qweight.to(DEVICE))
     pairs4 = ig.pack_scales(q4.scales.to(DEVICE), q4.offsets.to(DEVICE))
     w4 = formats.dequantize_int4(*q4, torch.float32).to(DEVICE)
@@ -214,6 +217,7 @@ def test_silu_out_epilogue(fmt: str) -> None:
         (torch.bfloat16, 1, ig.Int4GemvConfig(64, 4, 1, 4, 2)),
         (torch.bfloat16, 1, ig.Int4GemvConfig(64, 2, 1, 4, 2, 2, 1)),  # K on the grid, preload
         (torch.bfloat16, 3, None),
+        (torch.bfloat16, 1, ig.Int4GemvConfig(64, 2, 1, 4, 3, 1, 2)),  # two tiles preloaded
         (torch.float16, 1, ig.Int4GemvConfig(32, 2, 2, 2, 2)),
         (torch.float16, 16, None),
     ],
