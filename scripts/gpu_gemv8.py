@@ -381,7 +381,8 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
     for method in methods:
         quant, _, variant = method.partition("/")
-        batches = [1, 8] if quant in ("int8", "int4") else [1]
+        b8 = quant in ("int8", "int4") and variant in ("", "planes", "canon")
+        batches = [1, 8] if b8 else [1]
         llm = None
         fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
