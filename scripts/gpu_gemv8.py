@@ -387,7 +387,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
         fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
             common.USE_FP8_GEMV = variant != "old"
-            common.CANONICAL_GEMV = variant == "canon"
+            common.INT4_GEMV_CANONICAL = variant == "canon"
             common.INT8_GEMV_PLANES = variant == "planes"
             fused_decode.SILU_EPILOGUE = variant != "nosiluepi"
             ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
@@ -427,7 +427,7 @@ def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
             traceback.print_exc()
         finally:
             attn_fused.UNFUSED_FASTER.update(fused_shapes)
-            common.CANONICAL_GEMV = False
+            common.INT4_GEMV_CANONICAL = False
             common.INT8_GEMV_PLANES = False
             common.USE_FP8_GEMV = True
             fused_decode.SILU_EPILOGUE = True

@@ -74,10 +74,12 @@ USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
 # row's scale applied once at the end); ROOFLINE_INT8_GEMV_PLANES=1 keeps the repacked nibble
 # planes instead (a second copy; A/B runs).
 INT8_GEMV_PLANES = os.environ.get("ROOFLINE_INT8_GEMV_PLANES", "0") == "1"
-# ROOFLINE_GEMV_CANONICAL=1: int4 and group-wise int8 layers whose groups hold whole 128-element
-# tiles give kernels.int4_gemv their canonical qweight as it is (one copy of the weight; int4's
-# words widened as repacked ones are, x permuted per tile to their K order: int4_gemv.XPERM).
-# Earlier, int4's halves interleaved into natural order measured 266 vs 401 tok/s (H100, 8B).
+# ROOFLINE_INT4_GEMV_CANONICAL=1: int4 layers whose groups hold whole 128-element tiles give
+# kernels.int4_gemv their canonical qweight as it is (one copy of the weight): the words widened
+# as repacked ones are, x permuted per tile to their K order (int4_gemv.CANON4_XPERM). Earlier,
+# int4's halves interleaved into natural order measured 266 vs 401 tok/s (H100, 8B).
+INT4_GEMV_CANONICAL = os.environ.get("ROOFLINE_INT4_GEMV_CANONICAL", "0") == "1"
+# ROOFLINE_GEMV_CANONICAL=1: int4 and group-wise int8 layers (groups of 128k) read canonically.
 CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
 # silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
@@ -276,7 +278,8 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
         layer.gemv_pairs = layer.scales.detach().reshape(-1)
         layer.gemv_bits, layer.gemv_group = bits, group
         return
-    if CANONICAL_GEMV and group % int4_gemv.TILE_K == 0:  # as they are
+    canonical = CANONICAL_GEMV or (INT4_GEMV_CANONICAL and kind == "int4")
+    if canonical and group % int4_gemv.TILE_K == 0:  # as they are
         layer.gemv_words = layer.qweight.detach()
         layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
         layer.gemv_bits, layer.gemv_group = bits, group

@@ -309,7 +309,10 @@ def test_canonical_layouts_read_as_they_are(kind: str, group: int, monkeypatch) 
     method = Int4LinearMethod(group) if kind == "int4" else Int8LinearMethod(group)
     layer = MergedLinear(K, [N], bias=False, method=method)
     layer.method.load(layer, 0, "weight", w)
-    monkeypatch.setattr(common, "CANONICAL_GEMV", group != K)  # per channel: by default
+    if kind == "int4":
+        monkeypatch.setattr(common, "INT4_GEMV_CANONICAL", True)
+    else:
+        monkeypatch.setattr(common, "CANONICAL_GEMV", group != K)  # per channel: by default
     common.prepare_kernel_layout(kind, layer, cuda_only=False)
     assert layer.gemv_bits == bits
     assert layer.gemv_words.data_ptr() == layer.qweight.data_ptr()  # read as it is
