@@ -109,6 +109,22 @@ def compare(copy_bw: float) -> None:
                 ig.PROLOGUE_TUNED_CONFIGS[key] = tuple(good_n[0][1])
                 print(f"  i8 {layer} {label}: "
                       + "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good_n))  # fmt: skip
+        xms = {m: torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16) for m in (4, 8, 16)}
+        gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+        warm = []  # every call timed below, compiled in parallel first
+        for fmt in ("i8", "int8", "fp8"):
+            w, p = rings[fmt][0][0]
+            b = bits_of(fmt)
+            warm += [
+                partial(ig.int4_gemv, x, w, p, bits=b),
+                partial(ig.int4_gemv, xin, w, p, bits=b, **kw),
+            ]
+            for m, xm in xms.items():
+                if ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt)) is not None:
+                    warm.append(partial(ig.int4_gemv, xm, w, p, bits=b))
+        if layer == "down":
+            warm.append(partial(ig.int4_gemv, gu, *rings["i8"][0][0], bits=8, silu_mul=True))
+        qdb.precompile([partial(fn, warmup=True) for fn in warm])
         for fmt in ("i8", "int8", "fp8"):
             ring_f = rings[fmt][0]
             t_plain = qdb.time_ring(partial(ig.int4_gemv, x, bits=bits_of(fmt)), ring_f)
@@ -116,15 +132,13 @@ def compare(copy_bw: float) -> None:
             parts.append(f"{fmt} {_pct(qbytes, t_plain, copy_bw)} / {label} {t_var * 1e6:5.1f}")
             SUMMARY[f"rows_{fmt}_{layer}_1"] = (t_plain * 1e6, t_var * 1e6)
         if layer == "down":  # the SiLU prologue (layers not fused) vs its own launch
-            gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
             ring_i8 = rings["i8"][0]
             t_f = qdb.time_ring(partial(ig.int4_gemv, gu, bits=8, silu_mul=True), ring_i8)
             apart = partial(_silu_apart, gu)
             t_a = qdb.time_ring(apart, ring_i8)
             common.GEMV_FUSE_SILU["i8"] = t_f < t_a
             parts.append(f"i8 silu fused {t_f * 1e6:.1f} / apart {t_a * 1e6:.1f}")
-        for m in (4, 8, 16):
-            xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        for m, xm in xms.items():
             ts = []
             for fmt in ("i8", "int8", "fp8"):
                 cfg = ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt))

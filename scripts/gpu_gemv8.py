@@ -157,6 +157,14 @@ def canon_sweep(copy_bw: float) -> None:
                       C(128, 8, 1, 4, 2, 1, 1)]  # fmt: skip
             ref = (x.float() @ deq.T).to(x.dtype)
             good = sweep_configs(fmt, x, ring, ref, around)
+            if good:
+                ig.TUNED_CONFIGS[(fmt_key(fmt), n, k, group, 1)] = tuple(good[0][1])
+            label, kw, xin, _ = gemv8_int8.decode_call(layer, k, n)
+            xms = {m: torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16) for m in (4, 8, 16)}
+            warm = [partial(ig.int4_gemv, xin, *r[0], bits=4, **kw) for r in (ring, ring_rep)]
+            warm += [partial(ig.int4_gemv, xm, *r[0], bits=4) for xm in xms.values()
+                     for r in (ring, ring_rep)]  # fmt: skip
+            qdb.precompile([partial(fn, warmup=True) for fn in warm])
             t_rep = qdb.time_ring(
                 partial(ig.int4_gemv, x, bits=bits_of(fmt), config=base), ring_rep
             )
@@ -173,14 +181,12 @@ def canon_sweep(copy_bw: float) -> None:
                     parts.append(f"halves moved {t_old * 1e6:.1f}")
                 finally:
                     ig.CANON4_XPERM = True
-            label, kw, xin, _ = gemv8_int8.decode_call(layer, k, n)
             t_c = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring)
             t_r = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring_rep)
             parts.append(f"{label} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
             SUMMARY[f"c4_{layer}"] = {"m1": (t_rep, good[0][0] if good else None),
                                       label: (t_c, t_r)}  # fmt: skip
-            for m in (4, 8, 16):
-                xm = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            for m, xm in xms.items():
                 t_c = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring)
                 t_r = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring_rep)
                 parts.append(f"M={m} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
