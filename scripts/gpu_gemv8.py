@@ -384,11 +384,13 @@ def exclusive_profile(engine, label: str, steps: int = 20) -> None:
 
 
 @section("decode per method")
-def decode(ceil, methods: list[str], profiled: tuple[str, ...]) -> None:
+def decode(
+    ceil, methods: list[str], profiled: tuple[str, ...], extra_batches: tuple[int, ...] = (8,)
+) -> None:
     for method in methods:
         quant, _, variant = method.partition("/")
-        b8 = quant in ("int8", "int4") and variant in ("", "planes", "canon")
-        batches = [1, 8] if b8 else [1]
+        more = quant in ("int8", "int4") and variant in ("", "planes", "canon")
+        batches = [1, *extra_batches] if more else [1]
         llm = None
         fused_shapes = set(attn_fused.UNFUSED_FASTER)
         try:
@@ -460,6 +462,9 @@ def main() -> None:
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
     ap.add_argument("--profile", default="int8,fp8", help="decode runs to profile")
+    ap.add_argument(
+        "--batches", default="8", help="batch sizes beyond 1 for the int8 / int4 layouts' decode"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -476,7 +481,8 @@ def main() -> None:
     canon_sweep(bw)
     if not args.quick:
         mlp_chain(bw)
-    decode(ceil, args.methods.split(","), profiled=tuple(args.profile.split(",")))
+    extra = tuple(int(b) for b in args.batches.split(",") if b)
+    decode(ceil, args.methods.split(","), tuple(args.profile.split(",")), extra)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")
     print("\n".join(TABLE))
     os.makedirs(args.out, exist_ok=True)
