@@ -64,6 +64,14 @@ TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None
     ("fp8", 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
     ("fp8", 28672, 4096, 4096, 16): None,
     ("fp8", 4096, 14336, 14336, 1): (128, 8, 1, 4, 4, 2),
+    # per-channel int8 read as it is (common: the int8 default), one row (scripts/gpu_gemv8.py
+    # --quick, 2026-11-24 10:57): 9.9 / 7.7 / 39.5 / 23.0 us (86 / 74 / 101 / 86% of copy; the
+    # nibble planes 10.4 / 8.3 / 42.4 / 24.9, fp8 10.7 / 8.1 / 40.1 / 23.6); absent buckets take
+    # fp8's entries, then the heuristic
+    ("i8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 4, 1, 1),
+    ("i8", 4096, 4096, 4096, 1): (64, 8, 2, 4, 3),
+    ("i8", 28672, 4096, 4096, 1): (64, 8, 1, 4, 4, 1, 1),
+    ("i8", 4096, 14336, 14336, 1): (128, 8, 1, 4, 4, 2),
 }
 # With a prologue ("silu": x = gate_up [M, 2K]; "norm": x = rms_norm(h)), keyed (prologue, bits,
 # N, K, group, m_bucket(M)); else prologue_heuristic (the x a program reads costs more there).
@@ -77,6 +85,10 @@ PROLOGUE_TUNED_CONFIGS: dict[tuple[str, int | str, int, int, int, int], tuple[in
     ("norm", 8, 28672, 4096, 4096, 1): (128, 8, 1, 4, 3),
     ("norm", "fp8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
     ("norm", "fp8", 28672, 4096, 4096, 1): (64, 8, 1, 4, 3),
+    # i8, same run as its table above: qkv with the norm 10.9 us (planes 12.9, fp8 11.2), gate_up
+    # with the norm and the SiLU epilogue 41.4 (planes 43.8, fp8 42.4)
+    ("norm", "i8", 6144, 4096, 4096, 1): (64, 8, 1, 4, 3, 1, 1),
+    ("norm", "i8", 28672, 4096, 4096, 1): (64, 8, 2, 4, 3),
     ("silu", 4, 4096, 14336, 128, 1): (128, 4, 1, 4, 3, 2, 1),
     ("silu", 8, 4096, 14336, 14336, 1): (128, 4, 1, 4, 3, 2),
     ("silu", "fp8", 4096, 14336, 14336, 1): (128, 4, 1, 4, 3, 2, 1),
