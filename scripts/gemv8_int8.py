@@ -2,7 +2,7 @@
 bytes are, one scale per row at the end) against the repacked nibble planes ("int8") and fp8 at
 the same bytes, per Llama-3.1-8B shape on the H100, in the variants the fused decode layer runs
 at one row (qkv and gate_up behind the RMSNorm prologue, gate_up with the SiLU epilogue, o and
-down with the residual epilogue), and at 4 / 8 / 16 rows. A few configs around fp8's winners are
+down with the residual epilogue; more rows: ``gemv8_batch``). A few configs around fp8's winners are
 swept for i8 and the winners installed (printed for committing); ``scripts/gpu_gemv8.py`` runs
 it before the decode runs."""
 
@@ -19,8 +19,6 @@ from gemv8_common import (
     TABLE,
     C,
     bits_of,
-    fmt_key,
-    group_of,
     ring_of,
     section,
     sweep_configs,
@@ -31,21 +29,20 @@ from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.rmsnorm import rms_norm
 from roofline.quantization import common
 
-PLAIN_CANDIDATES = [  # fp8's one-row winners and their neighbours; two tiles preloaded
+PLAIN_CANDIDATES = [  # the first check's winners and runners-up; two tiles preloaded
     C(*c)
     for c in [
-        (64, 8, 1, 4, 3, 1, 1), (64, 8, 2, 4, 3), (128, 8, 1, 4, 4, 2), (128, 8, 1, 4, 2, 2, 1),
-        (128, 8, 1, 4, 3, 2, 1), (64, 8, 1, 4, 3), (128, 4, 1, 4, 3, 4, 1), (128, 8, 2, 4, 2),
-        (64, 16, 1, 4, 3), (128, 8, 1, 4, 4, 2, 1), (64, 8, 1, 4, 4, 1, 1), (128, 8, 4, 4, 3),
-        (64, 8, 1, 4, 3, 1, 2), (128, 8, 1, 4, 2, 2, 2), (64, 8, 1, 4, 4, 1, 2),
+        (64, 8, 1, 4, 4, 1, 1), (64, 8, 1, 4, 3, 1, 1), (64, 8, 2, 4, 3), (128, 8, 1, 4, 4, 2),
+        (128, 8, 1, 4, 2, 2, 1), (64, 8, 1, 4, 3, 1, 2), (64, 8, 1, 4, 4, 1, 2),
+        (128, 8, 1, 4, 2, 2, 2), (128, 8, 1, 4, 4, 2, 2),
     ]
 ]  # fmt: skip
 NORM_CANDIDATES = [
     C(*c)
     for c in [
-        (64, 8, 1, 4, 3), (64, 8, 1, 4, 3, 1, 1), (128, 8, 1, 4, 3), (128, 8, 1, 4, 3, 1, 1),
-        (128, 4, 1, 4, 3, 2), (128, 4, 1, 4, 3, 2, 1), (64, 8, 2, 4, 3), (64, 8, 1, 4, 4, 1, 1),
+        (64, 8, 1, 4, 3, 1, 1), (64, 8, 2, 4, 3), (128, 8, 1, 4, 3), (64, 8, 1, 4, 4, 1, 1),
         (64, 8, 1, 4, 3, 1, 2), (128, 8, 1, 4, 3, 1, 2), (128, 4, 1, 4, 3, 2, 2),
+        (64, 8, 1, 4, 4, 1, 2),
     ]
 ]  # fmt: skip
 
@@ -89,7 +86,7 @@ def compare(copy_bw: float) -> None:
         if good:
             t, cfg = good[0]
             if layer in ("o", "down"):  # the decode layer runs these with the residual add
-                res_ref = ig.int4_gemv(x, *ring[0], residual=kw.get("residual"), bits=8)
+                res_ref = ig.int4_gemv(xin, *ring[0], residual=kw.get("residual"), bits=8)
                 good_r = sweep_configs("i8", xin, ring, res_ref, [c for _, c in good], **kw)
                 if good_r:
                     t, cfg = good_r[0]
@@ -109,7 +106,6 @@ def compare(copy_bw: float) -> None:
                 ig.PROLOGUE_TUNED_CONFIGS[key] = tuple(good_n[0][1])
                 print(f"  i8 {layer} {label}: "
                       + "; ".join(f"{tuple(c)} {s * 1e6:.1f}" for s, c in good_n))  # fmt: skip
-        xms = {m: torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16) for m in (4, 8, 16)}
         gu = torch.randn(1, 2 * k, device=DEVICE, dtype=torch.bfloat16)
         warm = []  # every call timed below, compiled in parallel first
         for fmt in ("i8", "int8", "fp8"):
@@ -119,9 +115,6 @@ def compare(copy_bw: float) -> None:
                 partial(ig.int4_gemv, x, w, p, bits=b),
                 partial(ig.int4_gemv, xin, w, p, bits=b, **kw),
             ]
-            for m, xm in xms.items():
-                if ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt)) is not None:
-                    warm.append(partial(ig.int4_gemv, xm, w, p, bits=b))
         if layer == "down":
             warm.append(partial(ig.int4_gemv, gu, *rings["i8"][0][0], bits=8, silu_mul=True))
         qdb.precompile([partial(fn, warmup=True) for fn in warm])
@@ -138,16 +131,6 @@ def compare(copy_bw: float) -> None:
             t_a = qdb.time_ring(apart, ring_i8)
             common.GEMV_FUSE_SILU["i8"] = t_f < t_a
             parts.append(f"i8 silu fused {t_f * 1e6:.1f} / apart {t_a * 1e6:.1f}")
-        for m, xm in xms.items():
-            ts = []
-            for fmt in ("i8", "int8", "fp8"):
-                cfg = ig.pick_config(n, k, group_of(fmt, k), m, x.device, fmt_key(fmt))
-                if cfg is None:  # the table says quant_gemv there
-                    ts.append(f"{fmt} -")
-                    continue
-                fn = partial(ig.int4_gemv, xm, bits=bits_of(fmt))
-                ts.append(f"{fmt} {qdb.time_ring(fn, rings[fmt][0]) * 1e6:.1f}")
-            parts.append(f"M={m} " + " / ".join(ts))
         line = f"{layer:7} M=1: " + " | ".join(parts)
         print(line, flush=True)
         TABLE.append(line)

@@ -5,28 +5,30 @@
    it is "i8", fp8, canonical int4; without ``--quick`` group-128 int8 bytes) against x
    times the exactly dequantized weight at one and 16 rows, the norm / SiLU prologues, the
    residual epilogue and the SiLU epilogue (bit-exact against ``silu_and_mul``);
-2. i8 against the nibble planes and fp8 at the same bytes, per 8B shape: one row plain and in
-   the fused decode layer's variants (norm prologue, SiLU epilogue, residual), 4 / 8 / 16 rows;
-   i8's configs swept around fp8's and installed (``scripts/gemv8_int8.py``);
-3. the canonical int4 bytes read as they are (x permuted per tile) vs the repacked copy, per 8B
-   shape at 1 / 4 / 8 / 16 rows and in the fused decode layer's call (winners installed as the
-   "c4" table);
-4. (not ``--quick``) the fused decode MLP at one row, 8 layers in a CUDA graph per format: the
-   SiLU in the gate | up GEMV's epilogue vs its own launch vs the down projection's prologue;
-5. 8B batch-1 decode per method (int8 and int4 also at batch 8; ``/planes``: int8 on the
-   repacked nibble planes, a second copy; ``/canon``: int4 on its canonical bytes, one copy;
-   ``/fusedattn``: the fused decode attention at every shape), each
-   beside its roofline (weight bytes + KV over the copy bandwidth of this run), the weights'
-   GiB read and resident, and a kernel profile with each kernel's exclusive time (its part of
-   the step not overlapped by the kernel before it).
+2. i8 against the nibble planes and fp8 at the same bytes, per 8B shape at one row, plain and in
+   the fused decode layer's variants (norm prologue, SiLU epilogue, residual); i8's configs
+   swept (two tiles preloaded among them) and installed (``scripts/gemv8_int8.py``);
+3. the one-copy layouts (i8; canonical int4 "c4", x permuted per tile) swept at 4 / 8 / 16 rows
+   against the two-copy layouts they replace, and c4 at one row in the decode layer's call
+   (``scripts/gemv8_batch.py``; winners installed);
+4. (not ``--quick``) the canonical int4 bytes vs the repacked copy with the halves-moving path of
+   before, and the fused decode MLP at one row, 8 layers in a CUDA graph per format: the SiLU in
+   the gate | up GEMV's epilogue vs its own launch vs the down projection's prologue;
+5. 8B batch-1 decode per method (the int8 and int4 layouts also at ``--batches``; ``/planes``:
+   int8 on the repacked nibble planes, a second copy; ``/canon``: int4 on its canonical bytes,
+   one copy; ``/pf64k``: 64 KB of weight prefetched per program before the PDL wait;
+   ``/fusedattn``: the fused decode attention at every shape), each beside its roofline (weight
+   bytes + KV over the copy bandwidth of this run), the weights' GiB read and resident, and a
+   kernel profile with each kernel's exclusive time (its part of the step not overlapped by the
+   kernel before it).
 
 ``--full-sweep`` adds the one-row config sweep of every format (with ``preload``: the first tile
 in registers before the PDL wait), int4_gemv's row tiles against ``mixed_gemm`` at 32-256 rows
 and the attention-layer chain. Each section prints its error and goes on; the summary table
 comes last.
 
-    python scripts/gpu_gemv8.py --quick          # about 1.5 minutes
-    python scripts/gpu_gemv8.py                  # about 2 minutes
+    python scripts/gpu_gemv8.py --quick --batches 8,32    # about 2.5 minutes
+    python scripts/gpu_gemv8.py                  # about 3 minutes
     python scripts/gpu_gemv8.py --full-sweep     # about 4 minutes
 """
 
@@ -41,7 +43,8 @@ import time
 import traceback
 from functools import partial
 
-import gemv8_int8  # scripts/ is on sys.path when run as a script
+import gemv8_batch  # scripts/ is on sys.path when run as a script
+import gemv8_int8
 import gemv8_sweeps
 import gpu_quant
 import quant_decode_bench as qdb
@@ -457,11 +460,11 @@ def main() -> None:
         help="parity (int4, int8 planes, i8, fp8, c4), i8 vs planes vs fp8, c4 vs int4, decode",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,int8,int8/planes,int8/pf64k,int4,int4/canon,fp8",
+        "--methods", default="bf16,int8,int8/pf64k,int4,int4/canon,int4/pf64k,fp8,fp8/pf64k",
         help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
-    ap.add_argument("--profile", default="int8,fp8", help="decode runs to profile")
+    ap.add_argument("--profile", default="int8,int4/canon", help="decode runs to profile")
     ap.add_argument(
         "--batches", default="8", help="batch sizes beyond 1 for the int8 / int4 layouts' decode"
     )
@@ -474,12 +477,13 @@ def main() -> None:
     SUMMARY["copy_bw"] = bw
     parity(FORMATS + ("c4",) if args.quick else FORMATS + ("c4", "c8"))
     gemv8_int8.compare(bw)
+    gemv8_batch.sweep(bw)
     if args.full_sweep:
         gemv8_sweeps.gemv_sweep(bw)
         gemv8_sweeps.row_tiles(bw)
         attention_chain()
-    canon_sweep(bw)
     if not args.quick:
+        canon_sweep(bw)
         mlp_chain(bw)
     extra = tuple(int(b) for b in args.batches.split(",") if b)
     decode(ceil, args.methods.split(","), tuple(args.profile.split(",")), extra)
