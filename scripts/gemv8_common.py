@@ -1,6 +1,7 @@
 """Shared pieces of ``scripts/gpu_gemv8.py`` and ``scripts/gemv8_sweeps.py``: the sections'
 error handling and summary, the 8B shapes and weight formats (repacked int4 / int8 nibble planes,
-per-channel int8 read as it is "i8", fp8, the canonical int4 / group-128 int8 bytes "c4" / "c8"),
+per-channel int8 read as it is "i8", fp8, the canonical int4 / group-128 int8 bytes "c4" / "c8";
+int4 symmetric with its scales alone, "int4p" asymmetric with (scale, offset) pairs),
 random weights per format, rings of copies that keep
 every call out of L2, and the timed config sweep that drops wrong results."""
 
@@ -28,26 +29,30 @@ section = gq.section  # print, time, report a failure into SUMMARY and go on
 
 
 def fmt_key(fmt: str) -> int | str:
-    return {"int4": 4, "int8": 8, "i8": "i8", "fp8": "fp8", "c4": "c4", "c8": "c8"}[fmt]
+    keys = {"int4": 4, "int4p": 4, "int8": 8, "i8": "i8", "fp8": "fp8", "c4": "c4", "c8": "c8"}
+    return keys[fmt]
 
 
 def bits_of(fmt: str) -> int:
-    return 4 if fmt in ("int4", "c4") else 8
+    return 4 if fmt in ("int4", "int4p", "c4") else 8
 
 
 def kind_of(fmt: str) -> str:
     """The quantization kind (canonical layout) of a format: int4, int8 or fp8."""
-    return {"c4": "int4", "i8": "int8", "c8": "int8"}.get(fmt, fmt)
+    return {"c4": "int4", "int4p": "int4", "i8": "int8", "c8": "int8"}.get(fmt, fmt)
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
     """(words, pairs, canonical (qweight, scales, offsets), fp32 dequantized [N, K])."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
-    if fmt == "c4":  # the canonical bytes, read as they are
-        q = formats.quantize_int4(w, 128, False, dtype)
+    if fmt in ("int4", "c4", "int4p"):  # symmetric (the method's default): the scales alone;
+        # int4p: asymmetric, (scale, offset) pairs; c4: the canonical bytes, read as they are
+        q = formats.quantize_int4(w, 128, fmt != "int4p", dtype)
         deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
-        return q.qweight, ig.pack_scales(q.scales, q.offsets), tuple(q), deq
+        words = q.qweight if fmt == "c4" else ig.repack_int4(q.qweight)
+        scales = ig.pack_scales(q.scales, q.offsets) if fmt == "int4p" else q.scales
+        return words, scales, tuple(q), deq
     if fmt == "c8":  # group-wise (128): the nibble planes over the canonical bytes
         q = formats.quantize_int8(w, 128, dtype)
         deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
@@ -56,10 +61,6 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
         q = formats.quantize_int8(w, k, dtype)
         deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
         return q.qweight, q.scales.reshape(-1), (q.qweight, q.scales, None), deq
-    if fmt == "int4":
-        q = formats.quantize_int4(w, 128, False, dtype)
-        deq = formats.dequantize_int4(q.qweight, q.scales, q.offsets, torch.float32)
-        return ig.repack_int4(q.qweight), ig.pack_scales(q.scales, q.offsets), tuple(q), deq
     if fmt == "int8":
         q = formats.quantize_int8(w, k, dtype)
         deq = formats.dequantize_int8(q.qweight, q.scales, torch.float32)
@@ -70,7 +71,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, dtype=torch.bfloat16):
 
 
 def group_of(fmt: str, k: int) -> int:
-    return 128 if fmt in ("int4", "c4", "c8") else k
+    return 128 if fmt in ("int4", "int4p", "c4", "c8") else k
 
 
 def sweep_configs(fmt, x, ring, ref, cfgs, **kw) -> list[tuple[float, ig.Int4GemvConfig]]:

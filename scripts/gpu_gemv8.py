@@ -16,7 +16,8 @@
    the gate | up GEMV's epilogue vs its own launch vs the down projection's prologue;
 5. 8B batch-1 decode per method (the int8 and int4 layouts also at ``--batches``; ``/planes``:
    int8 on the repacked nibble planes, a second copy; ``/canon``: int4 on its canonical bytes,
-   one copy; ``/pf64k``: 64 KB of weight prefetched per program before the PDL wait;
+   one copy; ``/pairs``: int4's (scale, offset) pairs, a copy, instead of its scales alone;
+   ``/pf64k``: 64 KB of weight prefetched per program before the PDL wait;
    ``/fusedattn``: the fused decode attention at every shape), each beside its roofline (weight
    bytes + KV over the copy bandwidth of this run), the weights' GiB read and resident, and a
    kernel profile with each kernel's exclusive time (its part of the step not overlapped by the
@@ -399,6 +400,7 @@ def decode(
         try:
             common.USE_FP8_GEMV = variant != "old"
             common.INT4_GEMV_CANONICAL = variant == "canon"
+            common.INT4_GEMV_PAIRS = variant == "pairs"
             common.INT8_GEMV_PLANES = variant == "planes"
             fused_decode.SILU_EPILOGUE = variant != "nosiluepi"
             ig.PREFETCH_BYTES = 65536 if variant == "pf64k" else 16384
@@ -440,6 +442,7 @@ def decode(
             attn_fused.UNFUSED_FASTER.update(fused_shapes)
             common.INT4_GEMV_CANONICAL = False
             common.INT8_GEMV_PLANES = False
+            common.INT4_GEMV_PAIRS = False
             common.USE_FP8_GEMV = True
             fused_decode.SILU_EPILOGUE = True
             ig.PREFETCH_BYTES = 16384
@@ -460,7 +463,8 @@ def main() -> None:
         help="parity (int4, int8 planes, i8, fp8, c4), i8 vs planes vs fp8, c4 vs int4, decode",
     )  # fmt: skip
     ap.add_argument(
-        "--methods", default="bf16,int8,int8/pf64k,int4,int4/canon,int4/pf64k,fp8,fp8/pf64k",
+        "--methods",
+        default="bf16,int8,int8/pf64k,int4,int4/canon,int4/pairs,int4/pf64k,fp8,fp8/pf64k",
         help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
@@ -475,7 +479,7 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
-    parity(FORMATS + ("c4",) if args.quick else FORMATS + ("c4", "c8"))
+    parity(FORMATS + ("int4p", "c4") if args.quick else FORMATS + ("int4p", "c4", "c8"))
     gemv8_int8.compare(bw)
     gemv8_batch.sweep(bw)
     if args.full_sweep:

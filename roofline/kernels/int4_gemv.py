@@ -103,7 +103,7 @@ __all__ = [
 def _int4_gemv_kernel(
     x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL), rows contiguous
     q_ptr,  # [N, K // 8] int32, repacked (int8: [N, K // 4]; FP8: the e4m3 [N, K] as int32)
-    so_ptr,  # [N, K // GROUP, 2] (scale, offset); FP8: [N] scales (fp32; INT8: any float)
+    so_ptr,  # [N, K // GROUP, 2] (scale, offset) (SCALES 2: [N, K // GROUP] scales); FP8: [N]
     bias_ptr,
     out_ptr,  # [M, N]
     norm_w_ptr,  # [K] RMSNorm weight (NORM)
@@ -136,7 +136,8 @@ def _int4_gemv_kernel(
     NORM: tl.constexpr,  # x is the residual stream (one row): the GEMM's x is rms_norm(x) * w
     RESIDUAL: tl.constexpr,  # out = residual + result, each rounded as separate kernels round
     ASM: tl.constexpr,  # compiled: lop3 inline asm and libdevice SiLU (not interpreted)
-    PAIR32: tl.constexpr,  # 16-bit scale pairs: one 32-bit load each
+    SCALES: tl.constexpr,  # 0: (scale, offset) pairs; 1: 16-bit pairs, one 32-bit load each;
+    # 2: [N, K // GROUP] scales alone, offset -8 s (symmetric int4: no pairs copy)
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, then wait
     PREFETCH_LINES: tl.constexpr,  # 128-byte lines per MMA row prefetched before the wait
     PRELOAD: tl.constexpr,  # the first 1 or 2 tiles loaded into registers before the wait
@@ -178,7 +179,7 @@ def _int4_gemv_kernel(
     x_ptrs = x_ptr + x_col[None, :] + tl.arange(0, GK)[:, None]
     so_ptrs = so_ptr + rows * stride_so  # [BN]
     if GROUP <= 128 and not FP8:  # slices hold whole groups
-        so_ptrs += 2 * ((k_origin + slice_r * k_slice) // GROUP)
+        so_ptrs += (1 if SCALES == 2 else 2) * ((k_origin + slice_r * k_slice) // GROUP)
     k_row = k_origin + slice_r * k_slice  # [BN]: where each MMA row's slice starts in K
     if PRELOAD:  # the first tile(s) into registers before the wait (TILES == 1)
         w_first = tl.load(q_ptrs)
@@ -215,12 +216,12 @@ def _int4_gemv_kernel(
     k_start = 0
     if PRELOAD:  # the first tile(s) came in before the wait
         acc = _tile(acc, w_first, w_first_hi, 0, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
-                    BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                    BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, SCALES,
                     CANON, INT8, XPERM)  # fmt: skip
         k_start = 128
         if PRELOAD == 2:
             acc = _tile(acc, w_second, w_second_hi, 128, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd,
-                        ones, K, BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                        ones, K, BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, SCALES,
                         CANON, INT8, XPERM)  # fmt: skip
             k_start = 256
     for k0 in tl.range(k_start, k_slice, 128 * TILES, num_stages=NUM_STAGES):
@@ -231,7 +232,7 @@ def _int4_gemv_kernel(
             if BITS == 8 and not FP8 and not CANON:
                 words_hi = tl.load(q_ptrs + kt // 128 * WPT + 16)  # [BN, 16]: high nibbles
             acc = _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
-                        BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, PAIR32,
+                        BITS, FP8, GROUP, GK, PAIRS, BASE, SILU_MUL, NORM, ASM, SCALES,
                         CANON, INT8, XPERM)  # fmt: skip
     acc = tl.where(slice_r[:, None] == slice_c[None, :], acc, 0.0)  # the diagonal blocks
     acc4 = tl.reshape(acc, (KSPLIT, ROWS, KSPLIT, BLOCK_M))
@@ -379,6 +380,7 @@ def int4_gemv(
     if bits not in (4, 8) or (fp8 and bits != 8) or (canon and bits != CANON_BITS[words.dtype]):
         raise ValueError(f"int4_gemv: bits {bits} do not fit a {words.dtype} weight")
     int8_rows = words.dtype == torch.int8 and scale_pairs.dim() == 1  # per-channel, as fp8
+    sym = bits == 4 and scale_pairs.dim() == 2  # symmetric int4: the scales alone, offset -8 s
     m, n = x.shape[0], words.shape[0]
     k = weight_k(words, bits)
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1:
@@ -400,7 +402,8 @@ def int4_gemv(
         num_groups = 1
     else:
         num_groups = scale_pairs.shape[1]
-        if scale_pairs.shape != (n, num_groups, 2) or k % num_groups:
+        shape = (n, num_groups) if sym else (n, num_groups, 2)
+        if scale_pairs.shape != shape or k % num_groups:
             raise ValueError(f"int4_gemv: scale pairs {tuple(scale_pairs.shape)} do not fit {n, k}")
     if not scale_pairs.is_contiguous() or not words.is_contiguous():
         raise ValueError("int4_gemv: the weight and its scales must be contiguous")
@@ -441,7 +444,7 @@ def int4_gemv(
     extra = {"grid": grid} if warmup else {}
     compiled = not is_interpret()
     pdl = compiled and pdl_enabled()
-    pair32 = scale_pairs.element_size() == 2 and not int8_rows
+    scales_kind = 2 if sym else int(scale_pairs.element_size() == 2 and not int8_rows)
     # prefetch the start of each MMA row's slice: at most PREFETCH_BYTES a program, whole lines
     budget = max(1, PREFETCH_BYTES // (128 * cfg.block_n))
     lines = triton.next_power_of_2(min(triton.cdiv(k_slice * bits // 8, 128), budget))
@@ -459,7 +462,7 @@ def int4_gemv(
         BLOCK_N=cfg.block_n, BLOCK_M=block_m,
         KSPLIT=cfg.ksplit, KGRID=cfg.kgrid, TILES=cfg.tiles, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, NORM=norm is not None, RESIDUAL=residual is not None,
-        ASM=compiled, PAIR32=pair32, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
+        ASM=compiled, SCALES=scales_kind, PDL=pdl, PREFETCH_LINES=lines if pdl else 1,
         PRELOAD=cfg.preload, NORM_CHUNKS=triton.cdiv(k, 1024) if norm is not None else 1,
         NORM_EVEN=k % 1024 == 0, SILU_OUT=silu_out, CANON=canon and not int8_rows,
         XPERM=CANON4_XPERM,

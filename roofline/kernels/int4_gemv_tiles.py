@@ -221,9 +221,13 @@ def _norm_tile(x, w, rstd, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scale_pair(ptrs, PAIR32: tl.constexpr):
-    """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs."""
-    if PAIR32:
+def _scale_pair(ptrs, SCALES: tl.constexpr):
+    """The (scale, offset) pairs at ``ptrs`` as fp32: one 32-bit load for 16-bit pairs
+    (SCALES 1); SCALES 2: the scale alone, offset ``-8 s`` (symmetric int4)."""
+    if SCALES == 2:
+        s = tl.load(ptrs).to(tl.float32)
+        o = -8.0 * s
+    elif SCALES == 1:
         v = tl.load(ptrs.to(tl.pointer_type(tl.int32)))  # [BN]: scale low, offset high
         S_DTYPE: tl.constexpr = ptrs.dtype.element_ty
         s = v.to(tl.int16).to(S_DTYPE, bitcast=True).to(tl.float32)
@@ -238,7 +242,7 @@ def _scale_pair(ptrs, PAIR32: tl.constexpr):
 def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones, K,
           BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, GK: tl.constexpr,
           PAIRS: tl.constexpr, BASE: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
-          ASM: tl.constexpr, PAIR32: tl.constexpr, CANON: tl.constexpr,
+          ASM: tl.constexpr, SCALES: tl.constexpr, CANON: tl.constexpr,
           INT8: tl.constexpr, XPERM: tl.constexpr):  # fmt: skip
     """``acc`` plus one 128-element tile at ``kt`` of every K-slice: its weight ``words`` (int8:
     and ``words_hi``; FP8: e4m3 bytes, or int8 bytes with INT8; CANON: the canonical int4 /
@@ -280,9 +284,10 @@ def _tile(acc, words, words_hi, kt, x_ptrs, nw_ptrs, so_ptrs, k_row, rstd, ones,
                     a_hi = _operand(words_hi, PAIRS, PAIRS * j, MAGIC_HI, ASM, DTYPE)
                     d = tl.dot(a_hi, xt, d)
             xs = tl.dot(ones, xt1)  # [BN, C]: sum x, in the same layout
+            STEP: tl.constexpr = 1 if SCALES == 2 else 2  # a group's entries per row
             if GROUP <= 128:
-                s, o = _scale_pair(so_ptrs + 2 * (kg // GROUP), PAIR32)  # [BN] fp32 each
+                s, o = _scale_pair(so_ptrs + STEP * (kg // GROUP), SCALES)  # [BN] fp32 each
             else:  # a slice may start inside a group; a 128-tile never straddles one
-                s, o = _scale_pair(so_ptrs + 2 * ((k_row + kg) // GROUP), PAIR32)
+                s, o = _scale_pair(so_ptrs + STEP * ((k_row + kg) // GROUP), SCALES)
             acc += d * s[:, None] + xs * (o - BASE * s)[:, None]
     return acc

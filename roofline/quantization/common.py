@@ -81,6 +81,9 @@ INT8_GEMV_PLANES = os.environ.get("ROOFLINE_INT8_GEMV_PLANES", "0") == "1"
 # int4's halves interleaved into natural order measured 266 vs 401 tok/s (H100, 8B).
 INT4_GEMV_CANONICAL = os.environ.get("ROOFLINE_INT4_GEMV_CANONICAL", "0") == "1"
 # ROOFLINE_GEMV_CANONICAL=1: int4 and group-wise int8 layers (groups of 128k) read canonically.
+# Symmetric int4 layers hand int4_gemv their scales alone (the offset is -8 s); 1: (scale, offset)
+# pairs, a copy, as asymmetric layers (A/B runs).
+INT4_GEMV_PAIRS = os.environ.get("ROOFLINE_INT4_GEMV_PAIRS", "0") == "1"
 CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
 # silu_and_mul launch first (H100, 8B down at one row, scripts/gpu_gemv8.py: int4 fused 24.0 us
@@ -280,16 +283,27 @@ def prepare_kernel_layout(kind: str, layer: nn.Module, cuda_only: bool = True) -
         layer.gemv_bits, layer.gemv_group = bits, group
         return
     canonical = CANONICAL_GEMV or (INT4_GEMV_CANONICAL and kind == "int4")
-    if canonical and group % int4_gemv.TILE_K == 0:  # as they are
-        layer.gemv_words = layer.qweight.detach()
-        layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
-        layer.gemv_bits, layer.gemv_group = bits, group
-        return
-    repack = int4_gemv.repack_int4 if bits == 4 else int4_gemv.repack_int8
     with torch.no_grad():
-        layer.gemv_words = repack(layer.qweight)
-        layer.gemv_pairs = int4_gemv.pack_scales(layer.scales, getattr(layer, "offsets", None))
+        if canonical and group % int4_gemv.TILE_K == 0:  # as they are
+            layer.gemv_words = layer.qweight.detach()
+        else:
+            repack = int4_gemv.repack_int4 if bits == 4 else int4_gemv.repack_int8
+            layer.gemv_words = repack(layer.qweight)
+        layer.gemv_pairs = _scale_operand(layer, bits)
     layer.gemv_bits, layer.gemv_group = bits, group
+
+
+def _scale_operand(layer: nn.Module, bits: int) -> torch.Tensor:
+    """What ``int4_gemv`` reads for a layer's scales: a symmetric int4 layer's (every offset
+    ``-8 s``, checked exactly) ``[N, groups]`` scales themselves (no copy, half the bytes of
+    pairs; ``ROOFLINE_INT4_GEMV_PAIRS=1`` keeps pairs), else ``pack_scales``' pairs."""
+    from roofline.kernels import int4_gemv
+
+    offsets = getattr(layer, "offsets", None)
+    if bits == 4 and not INT4_GEMV_PAIRS and offsets is not None:
+        if torch.equal(offsets, layer.scales * -8):
+            return layer.scales.detach()
+    return int4_gemv.pack_scales(layer.scales, offsets)
 
 
 class CanonicalLinearMethod(LinearMethod):

@@ -267,3 +267,47 @@ def test_split_k_over_the_grid_leaves_counters_zero() -> None:
         got = ig.int4_gemv(x, words, pairs, bias, residual=residual, config=cfg)
         assert_close(got, expected, torch.bfloat16)
         assert int(ig._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("canonical", [False, True])
+def test_symmetric_layers_pass_their_scales_alone(canonical: bool, monkeypatch) -> None:
+    """A symmetric int4 layer's kernel operand is its ``[N, groups]`` scales themselves (offset
+    ``-8 s`` in the kernel: the same result as the pairs, no copy); an asymmetric layer's is
+    the pairs; the norm and SiLU prologues and the residual read the scales alone too."""
+    from roofline.layers.linear import MergedLinear
+    from roofline.quantization import common
+    from roofline.quantization.int4 import Int4LinearMethod
+
+    monkeypatch.setattr(common, "INT4_GEMV_CANONICAL", canonical)
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    for symmetric in (True, False):
+        layer = MergedLinear(K, [N], bias=False, method=Int4LinearMethod(128, symmetric))
+        layer.method.load(layer, 0, "weight", w)
+        layer = layer.to(DEVICE)
+        common.prepare_kernel_layout("int4", layer, cuda_only=False)
+        if not symmetric:
+            assert layer.gemv_pairs.shape == (N, K // 128, 2)
+            continue
+        assert layer.gemv_pairs.data_ptr() == layer.scales.data_ptr()
+        q = formats.Int4Weight(layer.qweight, layer.scales, layer.offsets)
+        pairs = ig.pack_scales(layer.scales, layer.offsets)
+        words, scales = layer.gemv_words, layer.gemv_pairs
+        x = torch.randn(3, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(x, words, scales)
+        assert torch.equal(got, ig.int4_gemv(x, words, pairs))  # -8 s is the stored offset
+        assert_close(got, _reference(x, q), torch.bfloat16)
+        h = x[:1]
+        nw = (torch.rand(K, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(h, words, scales, norm=(nw, 1e-5))
+        assert torch.equal(got, ig.int4_gemv(h, words, pairs, norm=(nw, 1e-5)))
+        gu = torch.randn(2, 2 * K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        res = torch.randn(2, N, generator=gen).to(torch.bfloat16).to(DEVICE)
+        got = ig.int4_gemv(gu, words, scales, silu_mul=True, residual=res)
+        assert torch.equal(got, ig.int4_gemv(gu, words, pairs, silu_mul=True, residual=res))
+        monkeypatch.setattr(common, "INT4_GEMV_PAIRS", True)
+        common.prepare_kernel_layout("int4", layer, cuda_only=False)
+        assert layer.gemv_pairs.shape == (N, K // 128, 2)
+        monkeypatch.setattr(common, "INT4_GEMV_PAIRS", False)
+    with pytest.raises(ValueError, match="do not fit"):
+        ig.int4_gemv(x, words, scales[:, :-1].contiguous())
