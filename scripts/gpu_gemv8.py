@@ -45,32 +45,28 @@ import traceback
 from functools import partial
 
 import gemv8_batch  # scripts/ is on sys.path when run as a script
+import gemv8_chains
 import gemv8_int8
 import gemv8_sweeps
 import gpu_quant
 import quant_decode_bench as qdb
 import torch
-import triton
 from gemv8_common import (
     DEVICE,
     FORMATS,
     SHAPES,
     SUMMARY,
     TABLE,
-    C,
     bits_of,
     fmt_key,
     group_of,
     make_weight,
-    ring_of,
     section,
-    sweep_configs,
 )  # fmt: skip
 
 from roofline import LLM
 from roofline.bench import latency
 from roofline.bench.ceilings import measure
-from roofline.kernels import decode_attention
 from roofline.kernels import decode_attention_fused as attn_fused
 from roofline.kernels import int4_gemv as ig
 from roofline.kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -137,188 +133,6 @@ def parity(formats: tuple[str, ...]) -> None:
         f"parity int4/int8/fp8/canonical int4_gemv: worst max-rel error {worst:.2e} (bound 1e-2); "
         f"SiLU epilogue exact {exact}"
     )
-
-
-@section("canonical vs repacked")
-def canon_sweep(copy_bw: float) -> None:
-    """int4 g128 read from its canonical bytes (no repacked copy: the words widened as repacked
-    ones are, x permuted per tile) vs the repacked copy, per 8B shape: one row (the repacked
-    table's config and a few around it; the fused decode layer's call, norm prologue / SiLU
-    epilogue / residual, at the picked configs, and the halves-interleaving canonical path of
-    before) and 4 / 8 / 16 rows. Canonical winners go to the "c4" table for the decode runs."""
-    tuned: dict = {}
-    for fmt, rep in (("c4", "int4"),):
-        for layer, (n, k) in SHAPES.items():
-            ring, _, deq = ring_of(fmt, n, k)
-            ring_rep, _, _ = ring_of(rep, n, k)
-            qbytes = qdb.nbytes(*ring[0])
-            group = group_of(fmt, k)
-            x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-            base = ig.pick_config(n, k, group, 1, x.device, fmt_key(rep))
-            around = [base, base._replace(preload=0), base._replace(num_stages=3),
-                      base._replace(num_warps=8), C(64, 8, 1, 4, 3, 1, 1), C(128, 8, 1, 4, 2, 2, 1),
-                      C(64, 8, 2, 4, 3), C(128, 4, 1, 4, 3, 4, 1), C(128, 8, 2, 4, 2),
-                      C(128, 8, 1, 4, 2, 1, 1)]  # fmt: skip
-            ref = (x.float() @ deq.T).to(x.dtype)
-            good = sweep_configs(fmt, x, ring, ref, around)
-            if good:
-                ig.TUNED_CONFIGS[(fmt_key(fmt), n, k, group, 1)] = tuple(good[0][1])
-            label, kw, xin, _ = gemv8_int8.decode_call(layer, k, n)
-            xms = {m: torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16) for m in (4, 8, 16)}
-            warm = [partial(ig.int4_gemv, xin, *r[0], bits=4, **kw) for r in (ring, ring_rep)]
-            warm += [partial(ig.int4_gemv, xm, *r[0], bits=4) for xm in xms.values()
-                     for r in (ring, ring_rep)]  # fmt: skip
-            qdb.precompile([partial(fn, warmup=True) for fn in warm])
-            t_rep = qdb.time_ring(
-                partial(ig.int4_gemv, x, bits=bits_of(fmt), config=base), ring_rep
-            )
-            parts = [f"repacked {t_rep * 1e6:.1f} us {100 * qbytes / t_rep / copy_bw:.0f}%"]
-            if good:
-                t, cfg = good[0]
-                tuned[(fmt_key(fmt), n, k, group, 1)] = tuple(cfg)
-                ig.TUNED_CONFIGS[(fmt_key(fmt), n, k, group, 1)] = tuple(cfg)
-                parts.append(f"canonical {t * 1e6:.1f} us {100 * qbytes / t / copy_bw:.0f}% "
-                             f"{tuple(cfg)}")  # fmt: skip
-                ig.CANON4_XPERM = False
-                try:
-                    t_old = qdb.time_ring(partial(ig.int4_gemv, x, bits=4, config=cfg), ring)
-                    parts.append(f"halves moved {t_old * 1e6:.1f}")
-                finally:
-                    ig.CANON4_XPERM = True
-            t_c = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring)
-            t_r = qdb.time_ring(partial(ig.int4_gemv, xin, bits=4, **kw), ring_rep)
-            parts.append(f"{label} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
-            SUMMARY[f"c4_{layer}"] = {"m1": (t_rep, good[0][0] if good else None),
-                                      label: (t_c, t_r)}  # fmt: skip
-            for m, xm in xms.items():
-                t_c = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring)
-                t_r = qdb.time_ring(partial(ig.int4_gemv, xm, bits=bits_of(fmt)), ring_rep)
-                parts.append(f"M={m} canonical {t_c * 1e6:.1f} / repacked {t_r * 1e6:.1f}")
-            line = f"{fmt} {layer:7} M=1: " + " | ".join(parts)
-            print(line, flush=True)
-            TABLE.append(line)
-            del ring, ring_rep
-            torch.cuda.empty_cache()
-    print("\nint4_gemv.TUNED_CONFIGS canonical (measured here) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
-    SUMMARY["tuned_canonical"] = {repr(k): v for k, v in tuned.items()}
-
-
-def _mlp(variant: str, bits: int, h, norm, gate_up: tuple, down: tuple) -> torch.Tensor:
-    """One fused decode MLP: the SiLU in the gate | up epilogue, apart, or in the down prologue."""
-    if variant == "epilogue":
-        act = ig.int4_gemv(h, *gate_up, norm=norm, silu_out=True, bits=bits)
-        return ig.int4_gemv(act, *down, residual=h, bits=bits)
-    gu = ig.int4_gemv(h, *gate_up, norm=norm, bits=bits)
-    if variant == "apart":
-        return ig.int4_gemv(silu_and_mul(gu), *down, residual=h, bits=bits)
-    return ig.int4_gemv(gu, *down, silu_mul=True, residual=h, bits=bits)
-
-
-@section("MLP at one row")
-def mlp_chain(copy_bw: float) -> None:
-    """8 layers of the fused decode MLP (norm + gate | up, then down + residual) in one CUDA
-    graph per format: the SiLU in the gate | up epilogue, as its own launch, or as the down
-    projection's prologue."""
-    n, k = SHAPES["gate_up"]
-    layers = 8
-    for fmt in ("int4", "int8", "i8", "fp8"):
-        b = bits_of(fmt)
-        gus = [make_weight(fmt, n, k, seed=i)[:2] for i in range(layers)]
-        downs = [make_weight(fmt, k, n // 2, seed=100 + i)[:2] for i in range(layers)]
-        h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-        norm = (nw, 1e-5)
-
-        times = {}
-        for name in ("epilogue", "apart", "prologue"):
-            calls = [partial(_mlp, name, b, h, norm, gus[i], downs[i]) for i in range(layers)]
-            times[name] = qdb.time_graph(calls) * 1e6
-        weights = qdb.nbytes(*gus[0], *downs[0])
-        line = f"MLP {fmt}: " + ", ".join(
-            f"SiLU {name} {t:.1f} us/layer ({100 * weights / (t * 1e-6) / copy_bw:.0f}%)"
-            for name, t in times.items()
-        )
-        print(line, flush=True)
-        TABLE.append(line)
-        SUMMARY[f"mlp_{fmt}"] = times
-        del gus, downs
-        torch.cuda.empty_cache()
-
-
-def _attn_layer(variant: str, qkv_fn, dims: tuple, rope: tuple, cache: tuple, ctx: int):
-    """One attention layer's kernels after its qkv GEMV: none, rotary_kv_store + decode_attention
-    (+ merge), or the fused decode attention."""
-    from roofline.kernels.decode_attention import decode_attention
-    from roofline.kernels.decode_attention_fused import fused_decode_attention
-    from roofline.kernels.kv_store import rotary_kv_store
-
-    heads, kv_heads, hd = dims
-    out = qkv_fn()
-    q = out[:, : heads * hd].view(1, heads, hd)
-    k = out[:, heads * hd : (heads + kv_heads) * hd].view(1, kv_heads, hd)
-    v = out[:, (heads + kv_heads) * hd :].view(1, kv_heads, hd)
-    pos, cos_sin, qk_norm = rope
-    kc, vc, slot, table, seq = cache
-    if variant == "unfused":
-        rotary_kv_store(q, k, v, pos, cos_sin, kc, vc, slot, qk_norm=qk_norm)
-        decode_attention(q, kc, vc, table, seq, 0.088, max_seq_len=ctx)
-    elif variant == "fused":
-        fused_decode_attention(q, k, v, pos, cos_sin, qk_norm, kc, vc, slot, table, seq, 0.088, ctx)
-
-
-@section("attention-layer kernels at one row")
-def attention_chain() -> None:
-    """32 layers of [qkv GEMV (+ the attention kernels)] in one CUDA graph (PDL as the engine
-    runs it): the marginal microseconds of rotary_kv_store + decode_attention + merge vs the fused
-    decode attention, for Llama-3.1-8B (32 / 8 heads, the int4 norm-fused qkv GEMV) and a
-    Qwen3-0.6B-shaped layer (16 / 8 heads, q/k norm, its bf16 qkv GEMV), at 160 and 1000 tokens."""
-    from roofline.kernels.gemv import skinny_gemm
-
-    layers, page_size = 32, 16
-    for model, dims, qk in (("8B", (32, 8, 128), False), ("0.6B", (16, 8, 128), True)):
-        heads, kv_heads, hd = dims
-        n = (heads + 2 * kv_heads) * hd
-        k = 4096 if model == "8B" else 1024
-        h = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
-        if model == "8B":
-            ws = [make_weight("int4", n, k, seed=i)[:2] for i in range(layers)]
-            fns = [partial(ig.int4_gemv, h, *w, norm=(nw, 1e-5)) for w in ws]
-        else:
-            ws = [
-                torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(layers)
-            ]
-            fns = [partial(skinny_gemm, h, w, norm=(nw, 1e-5)) for w in ws]
-        norm_w = torch.rand(hd, device=DEVICE, dtype=torch.bfloat16) + 0.5
-        qk_norm = (norm_w, norm_w, 1e-6) if qk else None
-        cos_sin = torch.randn(4096, hd, device=DEVICE, dtype=torch.bfloat16)
-        parts = []
-        for ctx in (160, 1000):
-            pages = triton.cdiv(ctx, page_size) + 1
-            kc = torch.randn(pages, page_size, kv_heads, hd, device=DEVICE, dtype=torch.bfloat16)
-            cache = (kc, torch.randn_like(kc), torch.tensor([ctx - 1], device=DEVICE),
-                     torch.arange(pages, device=DEVICE, dtype=torch.int32)[None],
-                     torch.tensor([ctx], device=DEVICE, dtype=torch.int32))  # fmt: skip
-            rope = (torch.tensor([ctx - 1], device=DEVICE), cos_sin, qk_norm)
-            t = {}
-            for variant in ("gemv", "unfused", "unfused_nopdl", "fused"):
-                decode_attention.PDL_ATTENTION = variant != "unfused_nopdl"
-                kind = "unfused" if variant == "unfused_nopdl" else variant
-                calls = [partial(_attn_layer, kind, f, dims, rope, cache, ctx) for f in fns]
-                t[variant] = qdb.time_graph(calls) * 1e6
-            decode_attention.PDL_ATTENTION = True
-            parts.append(f"ctx {ctx}: rotary+attention+merge +{t['unfused'] - t['gemv']:.2f} "
-                         f"(split/merge without PDL +{t['unfused_nopdl'] - t['gemv']:.2f}), "
-                         f"fused +{t['fused'] - t['gemv']:.2f} us/layer")  # fmt: skip
-            SUMMARY[f"attention_{model}_{ctx}"] = t
-        line = f"attention {model} ({heads}/{kv_heads} heads, PDL): " + "; ".join(parts)
-        print(line, flush=True)
-        TABLE.append(line)
-        del ws, fns
-        torch.cuda.empty_cache()
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -485,10 +299,10 @@ def main() -> None:
     if args.full_sweep:
         gemv8_sweeps.gemv_sweep(bw)
         gemv8_sweeps.row_tiles(bw)
-        attention_chain()
+        gemv8_chains.attention_chain()
     if not args.quick:
-        canon_sweep(bw)
-        mlp_chain(bw)
+        gemv8_batch.canon_sweep(bw)
+        gemv8_chains.mlp_chain(bw)
     extra = tuple(int(b) for b in args.batches.split(",") if b)
     decode(ceil, args.methods.split(","), tuple(args.profile.split(",")), extra)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f} s, copy {bw / 1e12:.2f} TB/s)")

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.gemv import _mul_rn, _silu_mul, m_bucket
+from roofline.kernels.gemv import _mul_rn, m_bucket
 from roofline.kernels.int4_gemv_configs import (
     MAX_ROWS,
     PROLOGUE_TUNED_CONFIGS,
@@ -77,7 +77,7 @@ from roofline.kernels.int4_gemv_configs import (
     table_format,
     takes,
 )
-from roofline.kernels.int4_gemv_tiles import _tile
+from roofline.kernels.int4_gemv_tiles import _epilogue, _gate_up_rows, _tile
 from roofline.kernels.int4_layout import (
     TILE_K,
     can_repack,
@@ -262,52 +262,6 @@ def _int4_gemv_kernel(
             tl.store(count_ptr + tl.program_id(0), 0)  # zero again for the next launch
             _epilogue(total, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N,
                       stride_om, stride_rm, HAS_BIAS, RESIDUAL, SILU_OUT, ROWS, ASM)  # fmt: skip
-
-
-@triton.jit
-def _gate_up_rows(i, pid, N, HALF: tl.constexpr):
-    """Weight rows of slots ``i`` (< 2 HALF) of program ``pid`` over a gate | up weight of N
-    rows: gate rows ``pid * HALF ..`` then the same up rows (``N // 2`` further)."""
-    n_half = N // 2
-    return ((i // HALF) * n_half + tl.minimum(pid * HALF + i % HALF, n_half - 1)).to(tl.int64)
-
-
-@triton.jit
-def _epilogue(res, bias_ptr, out_ptr, residual_ptr, offs_n, real_n, pid, offs_m, M, N, stride_om,
-              stride_rm, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU_OUT: tl.constexpr,
-              ROWS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """``_finish``, or with SILU_OUT: the bias, gate and up rounded as the GEMV's output, then
-    ``silu(gate) * up`` as ``silu_and_mul`` rounds it, stored as ``[M, N // 2]``."""
-    if SILU_OUT:
-        HALF: tl.constexpr = ROWS // 2
-        dtype = out_ptr.dtype.element_ty
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + real_n).to(tl.float32)[:, None]
-        res = res.to(dtype)
-        gate, up = tl.split(tl.permute(tl.reshape(res, (2, HALF, res.shape[1])), (1, 2, 0)))
-        act = _silu_mul(gate, up, ASM, False)  # [HALF, BM]
-        offs_a = pid * HALF + tl.arange(0, HALF)
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_a[:, None]
-        tl.store(out_ptrs, act, mask=(offs_m[None, :] < M) & (offs_a[:, None] < N // 2))
-    else:
-        _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
-                HAS_BIAS, RESIDUAL)  # fmt: skip
-
-
-@triton.jit
-def _finish(res, bias_ptr, out_ptr, residual_ptr, offs_n, offs_m, M, N, stride_om, stride_rm,
-            HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
-    """Bias, rounding, the residual add and the masked store of a ``[ROWS, BM]`` fp32 result."""
-    if HAS_BIAS:
-        res += tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    res = res.to(out_ptr.dtype.element_ty)
-    if RESIDUAL:  # the GEMM's output rounded, then the add rounded: two eager ops' bits
-        r_ptrs = residual_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        res = (res.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, res, mask=mask)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
