@@ -29,6 +29,7 @@ and the attention-layer chain. Each section prints its error and goes on; the su
 comes last.
 
     python scripts/gpu_gemv8.py --quick --batches 8,32    # about 2.5 minutes
+    python scripts/gpu_gemv8.py --final --batches 8,32    # about 1.5 minutes (merged main)
     python scripts/gpu_gemv8.py                  # about 3 minutes
     python scripts/gpu_gemv8.py --full-sweep     # about 4 minutes
 """
@@ -277,12 +278,16 @@ def main() -> None:
         help="parity (int4, int8 planes, i8, fp8, c4), i8 vs planes vs fp8, c4 vs int4, decode",
     )  # fmt: skip
     ap.add_argument(
+        "--final", action="store_true",
+        help="parity, then decode bf16 / int8 / int4 / fp8 (the committed tables; no sweeps)",
+    )  # fmt: skip
+    ap.add_argument(
         "--methods",
         default="bf16,int8,int8/pf64k,int4,int4/canon,int4/pairs,int4/pf64k,fp8,fp8/pf64k",
         help="decode runs; variants /planes (int8 repacked nibble planes) /fusedattn /canon "
         "/nosiluepi /old (fp8 on quant_gemv) /pf64k",
     )  # fmt: skip
-    ap.add_argument("--profile", default="int8,int4/canon", help="decode runs to profile")
+    ap.add_argument("--profile", default="int8,int4", help="decode runs to profile")
     ap.add_argument(
         "--batches", default="8", help="batch sizes beyond 1 for the int8 / int4 layouts' decode"
     )
@@ -293,14 +298,18 @@ def main() -> None:
     bw = ceil.bandwidth_bytes_per_s
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     SUMMARY["copy_bw"] = bw
-    parity(FORMATS + ("int4p", "c4") if args.quick else FORMATS + ("int4p", "c4", "c8"))
-    gemv8_int8.compare(bw)
-    gemv8_batch.sweep(bw)
+    quick = args.quick or args.final
+    parity(FORMATS + ("int4p", "c4") if quick else FORMATS + ("int4p", "c4", "c8"))
+    if args.final:  # what the merged tables give, nothing installed in-process
+        args.methods = "bf16,int8,int4,fp8"
+    else:
+        gemv8_int8.compare(bw)
+        gemv8_batch.sweep(bw)
     if args.full_sweep:
         gemv8_sweeps.gemv_sweep(bw)
         gemv8_sweeps.row_tiles(bw)
         gemv8_chains.attention_chain()
-    if not args.quick:
+    if not (args.quick or args.final):
         gemv8_batch.canon_sweep(bw)
         gemv8_chains.mlp_chain(bw)
     extra = tuple(int(b) for b in args.batches.split(",") if b)
