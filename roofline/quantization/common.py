@@ -75,14 +75,18 @@ USE_FP8_GEMV = os.environ.get("ROOFLINE_FP8_GEMV", "1") != "0"
 # planes instead (a second copy; A/B runs). H100, 8B batch 1 (scripts/gpu_gemv8.py --quick):
 # 303.2 tok/s, 8.46 GiB resident (planes 282.0, 14.97 GiB); batch 8 4.61 ms a step (planes 5.33).
 INT8_GEMV_PLANES = os.environ.get("ROOFLINE_INT8_GEMV_PLANES", "0") == "1"
-# ROOFLINE_INT4_GEMV_CANONICAL=1: int4 layers whose groups hold whole 128-element tiles give
-# kernels.int4_gemv their canonical qweight as it is (one copy of the weight): the words widened
-# as repacked ones are, x permuted per tile to their K order (int4_gemv.CANON4_XPERM). Earlier,
-# int4's halves interleaved into natural order measured 266 vs 401 tok/s (H100, 8B).
-INT4_GEMV_CANONICAL = os.environ.get("ROOFLINE_INT4_GEMV_CANONICAL", "0") == "1"
+# int4 layers whose groups hold whole 128-element tiles give kernels.int4_gemv their canonical
+# qweight as it is (one copy of the weight): the words widened as repacked ones are, x permuted
+# per tile to their K order (int4_gemv.CANON4_XPERM). H100, 8B (scripts/gpu_gemv8.py --quick,
+# one run): batch 1 408.2 tok/s, 5.41 GiB resident (repacked 401.5, 8.66 GiB); batch 8 3.74 vs
+# 3.60 ms a step (o and down at 4-8 rows: the x permute costs there), batch 32 5.45 both.
+# ROOFLINE_INT4_GEMV_CANONICAL=0 repacks (a second copy; A/B runs). The halves of the words
+# interleaved into natural order instead had measured 266 vs 401 tok/s.
+INT4_GEMV_CANONICAL = os.environ.get("ROOFLINE_INT4_GEMV_CANONICAL", "1") == "1"
 # ROOFLINE_GEMV_CANONICAL=1: int4 and group-wise int8 layers (groups of 128k) read canonically.
-# Symmetric int4 layers hand int4_gemv their scales alone (the offset is -8 s); 1: (scale, offset)
-# pairs, a copy, as asymmetric layers (A/B runs).
+# Symmetric int4 layers hand int4_gemv their scales alone (the offset is -8 s; 8B batch 1 401.5
+# vs 400.0 tok/s with pairs, 0.2 GiB less); 1: (scale, offset) pairs, a copy, as asymmetric
+# layers (A/B runs).
 INT4_GEMV_PAIRS = os.environ.get("ROOFLINE_INT4_GEMV_PAIRS", "0") == "1"
 CANONICAL_GEMV = os.environ.get("ROOFLINE_GEMV_CANONICAL", "0") == "1"
 # The down projection's SiLU-and-mul inside int4_gemv, by bits ("fp8": e4m3), else a
