@@ -106,6 +106,22 @@ def test_heuristic_fills_the_gpu_and_resolves() -> None:
             )
 
 
+def test_every_table_entry_runs_its_shape() -> None:
+    """Each measured config resolves for its key's K and group (else the kernel would refuse it
+    at run time), and the norm-prologue configs of an even N can split a gate | up weight (the
+    fused decode MLP's SiLU epilogue needs it, else it falls back to two launches)."""
+    for key, fields in ig.TUNED_CONFIGS.items():
+        if fields is not None:
+            _, n, k, group, _ = key
+            assert ig._resolve(ig.Int4GemvConfig(*fields), k, group) is not None, key
+    for key, fields in ig.PROLOGUE_TUNED_CONFIGS.items():
+        prologue, _, n, k, group, _ = key
+        cfg = ig.Int4GemvConfig(*fields)
+        assert ig._resolve(cfg, k, group) is not None, key
+        if prologue == "norm" and n == 28672:  # Llama-3.1-8B's gate | up
+            assert ig.splits_gate_up(n, cfg), key
+
+
 def test_refusals() -> None:
     q, words, pairs = _weight(128, False)
     x = torch.zeros(1, K + 8, dtype=torch.bfloat16, device=DEVICE)
