@@ -281,7 +281,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--final", action="store_true",
-        help="parity, then decode bf16 / int8 / int4 / fp8 (the committed tables; no sweeps)",
+        help="parity, then decode bf16 / int8 / int4 (+ repacked) / fp8 (committed tables only)",
     )  # fmt: skip
     ap.add_argument(
         "--methods",
@@ -304,7 +304,7 @@ def main() -> None:
     quick = args.quick or args.final
     parity(FORMATS + ("int4p", "c4") if quick else FORMATS + ("int4p", "c4", "c8"))
     if args.final:  # what the merged tables give, nothing installed in-process
-        args.methods = "bf16,int8,int4,fp8"
+        args.methods = "bf16,int8,int4,int4/repack,fp8"
     else:
         gemv8_int8.compare(bw)
         gemv8_batch.sweep(bw)
