@@ -90,7 +90,9 @@ TUNED_CONFIGS: dict[tuple[int | str, int, int, int, int], tuple[int, ...] | None
     # residual 8.0 / 6.2 / 26.3 / 15.9 us (repacked 8.5 / 6.2 / 26.6 / 16.1); 4 / 8 / 16 rows
     # 9.3 / 13.4 / 13.4, 8.4 / 9.1 / 12.7, 32.9 / 33.1 / 37.1, 22.8 / 26.0 / 31.6 (repacked at
     # its picked configs 8.9 / 13.2 / 12.7, 7.4 / 7.9 / 12.2, 31.3 / 35.3 / 37.2, 19.8 / 21.7 /
-    # 37.9); absent entries take the repacked int4's
+    # 37.9); absent entries take the repacked int4's. Where a config makes Triton pick wgmma
+    # (4-16 rows, >= 16 x columns), x is the MMA's shared-memory operand: the permuted tile is
+    # written back (stmatrix, a fence and barriers each step; sm_90 SASS), hence o / down there
     ("c4", 4096, 4096, 128, 1): (128, 8, 1, 4, 2, 2, 1),
     ("c4", 4096, 14336, 128, 1): (128, 8, 1, 4, 2, 2, 1),
     ("c4", 6144, 4096, 128, 4): (64, 4, 2, 4, 3),
