@@ -47,6 +47,12 @@ tensor cores, at any M up to 16:
   one lop3 each, their difference by one paired FMA; fp16: one lop3 and one FMA), exactly; no
   sum of x and no per-tile scale, unlike the nibble planes (``repack_int8``, which group-wise
   int8 keeps).
+* canonical int4 (``words`` of dtype uint8: the ``[N, K // 2]`` weight itself, groups of 128k;
+  ``CANON4_XPERM``): its int32 words widened by the repack's nibble-pair lop3s, which puts
+  element ``8 w + 4 h + n`` of a tile at operand column ``32 n + 2 w + h``; each x tile is
+  permuted in registers to that K order instead (the same sum, no weight copy).
+* symmetric int4 (``scale_pairs`` the ``[N, groups]`` scales alone): the offset ``-8 s`` is
+  rebuilt in registers, no pairs copy.
 
 The result is ``x @ dequantize(W)^T`` with fp32 accumulation (the weight is never rounded to 16
 bits), rounded once to x's dtype. ``int4_layout.int4_gemv_ref`` is the plain-torch reference.
