@@ -18,6 +18,10 @@ cuBLAS adds a split-K reduction kernel, and faster on mid-size weights (Qwen3-0.
 ``skinny_gemm_applies`` is that condition; where it holds for an MLP's down projection of one
 row (batch-1 decode), ``forward_silu_mul`` runs the SiLU-and-mul inside the skinny GEMM (same
 bits, one launch fewer).
+
+Other half-precision GEMMs on Hopper at row counts where cuBLAS's own choice is measured slow
+take the row-count dispatch of ``layers.gemm_rows`` (cuBLAS on padded rows, or the descriptor
+GEMM); the rest is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from roofline.layers import gemm_rows
 
 if TYPE_CHECKING:
     from roofline.quantization.base import LinearMethod
@@ -121,6 +127,9 @@ def linear(
         from roofline.kernels.gemv import skinny_gemm
 
         return skinny_gemm(x, weight, bias)
+    band = gemm_rows.choose(x, weight)
+    if band is not None:
+        return gemm_rows.run(x, weight, bias, band)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,119 @@
+"""Dense 16-bit GEMM ``out[M, N] = x[M, K] @ w[N, K]^T`` through tensor descriptors (TMA on
+Hopper), for the row counts where cuBLAS's own choice is measured slow (``layers/gemm_rows.py``
+decides; everything else stays on cuBLAS).
+
+One program owns one ``[BLOCK_M, BLOCK_N]`` output tile at a time: x's and w's ``BLOCK_K`` boxes
+come through 2-D descriptors (out-of-range rows of x read as zeros, the store clips them), meet
+in the tensor cores with an fp32 accumulator, and the tile is rounded once to the output dtype.
+Tiles go M-fastest within groups of ``GROUP_M`` row blocks, so the row blocks that share a
+weight tile run side by side and the weight is read from HBM about once (x, at most a few MB
+at the row counts this kernel serves, stays in L2). ``DenseGemmConfig.persistent``: 0 launches
+one program per tile; 1 launches one program per SM walking the tiles with a flattened loop
+(the next tile's loads overlap this one's epilogue); 2 the same loop warp-specialized (a
+producer warp issues the TMA loads).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from roofline.kernels import check_device, num_sms
+from roofline.kernels.dense_gemm_configs import DenseGemmConfig
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _dense_gemm_kernel(
+    x_desc,  # [M, K] boxes [BLOCK_M, BLOCK_K]
+    w_desc,  # [N, K] boxes [BLOCK_N, BLOCK_K]
+    out_desc,  # [M, N] boxes [BLOCK_M, BLOCK_N]
+    M,
+    N,
+    K,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * num_pid_n
+    for tile in tl.range(
+        tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPEC
+    ):
+        first_m = (tile // per_group) * GROUP_M
+        rows = min(num_pid_m - first_m, GROUP_M)  # row blocks in this (maybe last) group
+        pid_m = first_m + (tile % per_group) % rows
+        pid_n = (tile % per_group) // rows
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+            b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(a, b.T, acc)
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def dense_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: 2-D 16-bit x and weight of one dtype, both
+    contiguous with 16-byte aligned rows and bases (what the descriptors need)."""
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.shape[1] == weight.shape[1]
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.shape[1] % 8 == 0
+        and weight.shape[0] % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+def dense_gemm(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    config: DenseGemmConfig,
+    out: torch.Tensor | None = None,  # [M, N]
+) -> torch.Tensor:  # [M, N]
+    """``x @ weight.T`` with the tiles of ``config`` (see ``dense_gemm_applies``)."""
+    check_device(x, weight)
+    if not dense_gemm_applies(x, weight):
+        raise ValueError(
+            f"dense_gemm needs contiguous 16-bit x {tuple(x.shape)} / weight "
+            f"{tuple(weight.shape)} of one dtype, K and N multiples of 8"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    c = config
+    x_desc = TensorDescriptor.from_tensor(x, [c.block_m, c.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
+    num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    programs = min(num_tiles, num_sms(x.device)) if c.persistent else num_tiles
+    _dense_gemm_kernel[(programs,)](
+        x_desc, w_desc, out_desc, m, n, k, programs,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, FLATTEN=c.persistent >= 1, WARP_SPEC=c.persistent == 2,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def dense_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What ``dense_gemm`` computes: fp32 products and sums, rounded once to x's dtype."""
+    return (x.float() @ weight.float().T).to(x.dtype)

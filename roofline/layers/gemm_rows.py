@@ -1,0 +1,138 @@
+"""Row-count dispatch of the unquantized 16-bit GEMMs on Hopper: where cuBLAS's own kernel
+choice for ``x[M, K] @ w[N, K]^T`` is measured slow at some row counts M, run those counts
+another way; everything else goes to ``F.linear`` untouched.
+
+cuBLAS picks its kernel by the problem's size, and at some row counts it picks badly: on the H100
+Llama-3.1-8B's gate_up GEMM (N 28672, K 4096) took 332 us at 448 rows and 186 us at 512, so the
+mixed-step graph of the 448-row bucket was slower than the 512-row one. ``PLANS[(N, K)]`` lists,
+for a weight shape, bands of row counts ``lo <= M <= hi`` and what they run instead:
+
+* ``Pad(rows)``: cuBLAS on x padded with zero rows up to ``rows`` (one copy of x, a few us),
+  the output a view of the first M rows (contiguous);
+* ``Chunks(rows)``: cuBLAS on blocks of ``rows`` rows, each written into its slice of the
+  output (where cuBLAS runs two halves faster than the whole);
+* ``Tiles(config)``: the descriptor GEMM of ``kernels/dense_gemm.py`` with that config.
+
+The bands come from ``scripts/gpu_short.py``'s sweep (every M from 1 to 1024 in steps of 8, then
+coarser to 8192) on an H100 SXM, bf16, weights not in L2; they apply on compute capability 9.0
+in bf16/fp16 (``applies``). ``ROOFLINE_GEMM_ROWS=0`` turns the dispatch off. The check is a dict
+lookup and a bisect on host ints: no device work, capturable in CUDA graphs (whose buckets fix M
+at capture, so the choice is made once per bucket).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from roofline.kernels.dense_gemm_configs import DenseGemmConfig
+
+
+class Pad(NamedTuple):
+    rows: int
+    """Run cuBLAS at this many rows (>= M)."""
+
+
+class Chunks(NamedTuple):
+    rows: int
+    """Run cuBLAS on consecutive blocks of this many rows, each into its rows of the output."""
+
+
+class Tiles(NamedTuple):
+    config: DenseGemmConfig
+    """Run ``kernels.dense_gemm`` with these tiles."""
+
+
+class Band(NamedTuple):
+    lo: int
+    hi: int
+    action: Pad | Chunks | Tiles
+
+
+Plan = list[Band]
+"""A weight shape's bands, sorted by ``lo``, not overlapping."""
+
+PLANS: dict[tuple[int, int], Plan] = {}
+"""(N, K) -> bands (H100 measurements; see the module docstring)."""
+
+_ENABLED = os.environ.get("ROOFLINE_GEMM_ROWS", "1") != "0"
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the dispatch on or off (benchmarks compare both; graphs keep what they captured)."""
+    global _ENABLED
+    _ENABLED = enabled
+
+
+@functools.lru_cache(maxsize=8)
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def find_band(plan: Plan, rows: int) -> Band | None:
+    """The band of ``plan`` holding ``rows``, or None."""
+    i = bisect.bisect_right(plan, (rows, float("inf"))) - 1
+    if i >= 0 and plan[i].lo <= rows <= plan[i].hi:
+        return plan[i]
+    return None
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
+    """The band that re-routes ``x @ weight.T``, or None (``F.linear`` as usual)."""
+    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype in _HALF):
+        return None
+    plan = PLANS.get((weight.shape[0], weight.shape[1]))
+    if plan is None or weight.dtype != x.dtype:
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if not _hopper(index):
+        return None
+    return find_band(plan, x.shape[0])
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, band: Band):
+    """``F.linear(x, weight, bias)`` the way ``band`` says."""
+    # x: [M, K], weight: [N, K] -> [M, N]
+    m = x.shape[0]
+    action = band.action
+    if isinstance(action, Pad):
+        xp = F.pad(x, (0, 0, 0, action.rows - m))  # [rows, K], the extra rows zero
+        return F.linear(xp, weight, bias)[:m]
+    if isinstance(action, Chunks):
+        out = x.new_empty(m, weight.shape[0])  # [M, N]
+        for start in range(0, m, action.rows):
+            rows = slice(start, min(m, start + action.rows))
+            if bias is None:
+                torch.mm(x[rows], weight.t(), out=out[rows])
+            else:
+                torch.addmm(bias, x[rows], weight.t(), out=out[rows])
+        return out
+    from roofline.kernels.dense_gemm import dense_gemm, dense_gemm_applies
+
+    if not dense_gemm_applies(x, weight):
+        return F.linear(x, weight, bias)
+    out = dense_gemm(x, weight, action.config)
+    return out if bias is None else out.add_(bias)
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> None:
+    """Compile the descriptor GEMM for every ``Tiles`` band of ``shapes`` (N, K) once, so no
+    step of a run compiles it (an eager step can reach a band no graph bucket did)."""
+    if not (_ENABLED and device.type == "cuda"):
+        return
+    from roofline.kernels.dense_gemm import dense_gemm
+
+    for n, k in shapes:
+        for band in PLANS.get((n, k), []):
+            if isinstance(band.action, Tiles):
+                x = torch.zeros(band.lo, k, dtype=dtype, device=device)
+                w = torch.zeros(n, k, dtype=dtype, device=device)
+                dense_gemm(x, w, band.action.config)
+
+
+_HALF = (torch.bfloat16, torch.float16)

@@ -1,0 +1,470 @@
+"""Issue 13's unquantized GEMM dispatch by row count, on the GPU: Llama-3.1-8B config, random
+bf16 weights. Sections, in order (each in try/except: an error is printed and the next runs):
+
+1. parity on the GPU: the descriptor GEMM (``kernels/dense_gemm.py``) per config vs torch at
+   the four layer shapes, and ``layers.gemm_rows``'s padded path vs plain ``F.linear``;
+2. the cuBLAS sweep (``F.linear``, bf16): qkv 4096->6144, o 4096->4096, gate_up
+   4096->28672, down 14336->4096 at M = 1, 8, 16 .. 1024, then every 64 to 2048, 4096, 8192,
+   each GEMM replayed from a CUDA graph over enough weight copies that no weight is in L2;
+   with the default BLAS backend and with ``preferred_blas_library('cublaslt')``; per shape
+   the row counts >= 1.15x slower than the best padded count of M .. M + 64;
+3. the descriptor GEMM per config at the row counts the engine's steps hit;
+4. the dispatch table derived from 2-3 (``--plans measured``; ``--plans shipped`` keeps the
+   module's ``PLANS``; ``--plans off`` turns the dispatch off), printed as a Python literal,
+   and its time per bucket against plain cuBLAS;
+5. the engine with that table: the short preset twice and the default preset twice with
+   GPU time by step kind (decode graph / mixed graph by bucket / eager mixed / big prefill) and
+   the short preset's row-count histogram; then a kernel-time split (GEMM / attention / other)
+   of mixed-bucket graph replays and the 256-row decode graph;
+6. 8B batch-1 decode (regression: >= 169 tok/s).
+
+A table last; the raw sweep and results as JSON into $OUT/short.json.
+
+    python scripts/gpu_short.py            # everything (~150 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from collections import Counter, defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from roofline import LLM
+from roofline.bench import latency, throughput, workloads
+from roofline.bench.ceilings import measure
+from roofline.kernels.dense_gemm import dense_gemm, dense_gemm_ref
+from roofline.kernels.dense_gemm_configs import DenseGemmConfig
+from roofline.layers import gemm_rows
+from roofline.layers.gemm_rows import Band, Chunks, Pad, Tiles
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS_GRID = [1] + list(range(8, 1025, 8)) + list(range(1088, 2049, 64)) + [4096, 8192]
+TRITON_ROWS = [128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 2048]
+CONFIGS = [
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 1),
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 0),
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 2),
+    DenseGemmConfig(128, 128, 64, 8, 4, 4, 1),
+    DenseGemmConfig(128, 128, 64, 8, 8, 4, 0),
+    DenseGemmConfig(64, 256, 64, 8, 4, 4, 0),
+    DenseGemmConfig(64, 128, 64, 8, 4, 4, 0),
+    DenseGemmConfig(128, 128, 128, 8, 8, 3, 1),
+]
+ROWS: list[tuple[str, str]] = []
+RESULTS: dict[str, object] = {}
+WEIGHTS: dict[str, list[torch.Tensor]] = {}
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"{name}: {value}", flush=True)
+
+
+def section(name: str):
+    def wrap(fn):
+        def run(*a, **kw):
+            print(f"\n=== {name}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                traceback.print_exc()
+                row(f"{name} FAILED", f"{type(e).__name__}: {e}")
+            finally:
+                print(f"({time.perf_counter() - t0:.1f} s)", flush=True)
+
+        return run
+
+    return wrap
+
+
+def weights(name: str) -> list[torch.Tensor]:
+    """Copies of the shape's weight, together > 150 MB (each call reads one not in L2)."""
+    if name not in WEIGHTS:
+        n, k = SHAPES[name]
+        copies = max(1, -(-(150 << 20) // (n * k * 2)))
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        WEIGHTS[name] = [
+            (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(BF16) for _ in range(copies)
+        ]
+    return WEIGHTS[name]
+
+
+X_ALL = {}
+
+
+def x_rows(k: int, m: int) -> torch.Tensor:
+    if k not in X_ALL:
+        gen = torch.Generator(device=DEV).manual_seed(2)
+        X_ALL[k] = torch.randn(max(ROWS_GRID) + 64, k, device=DEV, generator=gen).to(BF16)
+    return X_ALL[k][:m]
+
+
+def graph_us(fn, ws: list[torch.Tensor], reps: int = 6, replays: int = 3) -> float:
+    """Microseconds per call of ``fn(w)`` replayed from a CUDA graph of ``reps`` calls cycling
+    over ``ws`` (median of ``replays`` timed replays after one warm-up)."""
+    fn(ws[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(ws[i % len(ws)])
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def cublas_us(name: str, m: int) -> float:
+    x = x_rows(SHAPES[name][1], m)
+    return graph_us(lambda w: F.linear(x, w), weights(name))
+
+
+@section("1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
+def parity() -> None:
+    for name, (n, k) in SHAPES.items():
+        x = x_rows(k, 448)
+        w = weights(name)[0]
+        ref = dense_gemm_ref(x, w).float()
+        worst = 0.0
+        for cfg in CONFIGS:
+            try:
+                out = dense_gemm(x, w, cfg).float()
+                worst = max(worst, (out - ref).abs().max().item())
+            except Exception as e:  # noqa: BLE001 - a config may not compile
+                print(f"  {name} {tuple(cfg)}: {type(e).__name__}: {str(e)[:200]}")
+        pad = gemm_rows.run(x[:437], w, None, Band(1, 448, Pad(512))).float()
+        pad_err = (pad - ref[:437]).abs().max().item()
+        cub_err = (F.linear(x, w).float() - ref).abs().max().item()
+        row(
+            f"parity {name} [{n}x{k}] 448 rows",
+            f"descriptor GEMM max|diff| {worst:.1e}, padded cuBLAS {pad_err:.1e}, cuBLAS "
+            f"{cub_err:.1e} (vs fp32 products rounded once) -> "
+            f"{'OK' if worst < 0.05 and pad_err < 0.05 else 'MISMATCH'}",
+        )
+
+
+@section("2. cuBLAS sweep (F.linear, bf16, weights not in L2, CUDA-graph timed)")
+def sweep(ceil) -> dict[str, dict[str, dict[int, float]]]:
+    res: dict[str, dict[str, dict[int, float]]] = {}
+    for backend in ("default", "cublaslt"):
+        saved = torch.backends.cuda.preferred_blas_library()
+        if backend == "cublaslt":
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            print(f"  backend {backend} ({torch.backends.cuda.preferred_blas_library()})")
+            res[backend] = {name: {m: cublas_us(name, m) for m in ROWS_GRID} for name in SHAPES}
+        finally:
+            torch.backends.cuda.preferred_blas_library(saved)
+    for name, (n, k) in SHAPES.items():
+        t = res["default"][name]
+        lt = res["cublaslt"][name]
+        bad = []
+        for m in ROWS_GRID:
+            if m > 1024:
+                continue
+            cands = [mm for mm in ROWS_GRID if m <= mm <= m + 64]
+            best = min(cands, key=lambda mm: t[mm])
+            if t[m] >= 1.15 * t[best]:
+                bad.append(f"{m}:{t[m]:.0f}->{best}:{t[best]:.0f}")
+        row(f"cuBLAS {name} slow counts (M:us->padded M:us)", " ".join(bad) or "none")
+        ltwins = [f"{m}:{t[m]:.0f}/{lt[m]:.0f}" for m in ROWS_GRID if lt[m] < 0.9 * t[m]]
+        row(f"cuBLASLt >=10% faster at {name} (M:default/lt us)", " ".join(ltwins) or "none")
+        floor_b = n * k * 2 / ceil.bandwidth_bytes_per_s
+        pts = [m for m in ROWS_GRID if m in (1, 64, 128, 256) or m % 128 == 0]
+        eff = []
+        for m in pts:
+            ideal = max(2 * m * n * k / ceil.matmul_flops_per_s, floor_b)
+            eff.append(f"{m}:{t[m]:.0f}({100 * ideal / t[m] * 1e-6:.0f}%)")
+        row(f"cuBLAS {name} us (% of roofline) by M", " ".join(eff))
+    RESULTS["sweep"] = res
+    return res
+
+
+@section("3. descriptor GEMM per config at the engine's row counts")
+def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]]]:
+    best: dict[str, dict[int, tuple[float, DenseGemmConfig]]] = {}
+    raw: dict[str, dict] = {}
+    for name, (_, k) in SHAPES.items():
+        best[name] = {}
+        for m in TRITON_ROWS + ([8192] if name == "down" else []):
+            x = x_rows(k, m)
+            times = {}
+            for cfg in CONFIGS:
+                try:
+                    times[cfg] = graph_us(lambda w, c=cfg: dense_gemm(x, w, c), weights(name))  # noqa: B023
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name} {m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}")
+            if not times:
+                continue
+            cfg = min(times, key=times.get)
+            best[name][m] = (times[cfg], cfg)
+            raw[f"{name} {m}"] = {str(tuple(c)): round(t, 1) for c, t in times.items()}
+            c = cub["default"][name].get(m, float("nan"))
+            print(
+                f"  {name:8s} M={m:5d}: cuBLAS {c:7.1f} us | best tiles {times[cfg]:7.1f} "
+                f"{tuple(cfg)} ({c / times[cfg]:.2f}x) | "
+                + " ".join(f"{t:.0f}" for t in times.values()),
+                flush=True,
+            )
+    RESULTS["triton"] = raw
+    return best
+
+
+def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
+    """Per shape and grid row count, the fastest of: cuBLAS at M, cuBLAS padded to a grid count
+    <= M + 64 (+ the pad's copy), cuBLAS on blocks of 2048 / 4096 rows (4096, 8192 rows), the
+    descriptor GEMM (row counts it was timed at); acting only on a >= 5% gain. Contiguous grid
+    counts with the same action form a band (blocks: that count only)."""
+    plans: dict[tuple[int, int], list[Band]] = {}
+    for name, shape in SHAPES.items():
+        t = cub["default"][name]
+        bands: list[Band] = []
+        prev = 0
+        for m in ROWS_GRID:
+            pad_cost = 2 * m * shape[1] * 2 * 2 / 2.5e12 * 1e6 + 2.0  # read+write x, a launch
+            options: list[tuple[float, object]] = [(t[m], None)]
+            for mm in ROWS_GRID:
+                if m < mm <= m + 64:
+                    options.append((t[mm] + pad_cost, Pad(mm)))
+            for c in (2048, 4096):  # blocks of rows (the largest counts only)
+                if m > c and m % c == 0 and c in t:
+                    options.append((m // c * t[c] + 2.0, Chunks(c)))
+            if m in tiles.get(name, {}):
+                tt, cfg = tiles[name][m]
+                options.append((tt, Tiles(cfg)))
+            cost, action = min(options, key=lambda o: o[0])
+            if action is not None and cost < 0.95 * t[m]:
+                lo = m if isinstance(action, Chunks) else prev + 1
+                if bands and bands[-1].action == action and bands[-1].hi == prev:
+                    bands[-1] = Band(bands[-1].lo, m, action)
+                else:
+                    bands.append(Band(lo, m, action))
+            prev = m
+        if bands:
+            plans[shape] = bands
+    return plans
+
+
+@section("4. the dispatch table and its time at the engine's row counts")
+def table(cub: dict, tiles: dict, mode: str) -> None:
+    if mode == "off":
+        gemm_rows.set_enabled(False)
+        row("dispatch", "off")
+        return
+    if mode == "measured":
+        gemm_rows.PLANS.clear()
+        gemm_rows.PLANS.update(derive(cub, tiles))
+    print("PLANS = {")
+    for shape, bands in gemm_rows.PLANS.items():
+        print(f"    {shape}: [")
+        for b in bands:
+            print(f"        Band({b.lo}, {b.hi}, {b.action!r}),")
+        print("    ],")
+    print("}")
+    RESULTS["plans"] = {str(k): [repr(b) for b in v] for k, v in gemm_rows.PLANS.items()}
+    buckets = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1344, 2048, 8192]
+    per_bucket = defaultdict(lambda: [0.0, 0.0])
+    for name, (n, k) in SHAPES.items():
+        parts = []
+        for m in buckets:
+            x = x_rows(k, m)
+            band = gemm_rows.find_band(gemm_rows.PLANS.get((n, k), []), m)
+            plain = graph_us(lambda w: F.linear(x, w), weights(name))  # noqa: B023
+            if band is None:
+                per_bucket[m][0] += plain
+                per_bucket[m][1] += plain
+                continue
+            new = graph_us(lambda w: gemm_rows.run(x, w, None, band), weights(name))  # noqa: B023
+            per_bucket[m][0] += plain
+            per_bucket[m][1] += new
+            parts.append(f"{m}:{plain:.0f}->{new:.0f}")
+        row(f"dispatch {name} (M: cuBLAS us -> dispatched)", " ".join(parts) or "unchanged")
+    row(
+        "4 GEMMs of a layer, us by M (cuBLAS -> dispatched)",
+        " ".join(f"{m}:{a:.0f}->{b:.0f}" for m, (a, b) in per_bucket.items()),
+    )
+
+
+MIXED_BUCKETS = (256, 320, 384, 448, 512, 640, 768, 896, 1024)
+"""Step-kind labels of mixed steps (256: any count up to 256)."""
+
+
+class StepClock:
+    """GPU time by step kind: an event recorded as each step is scheduled (before its launch;
+    with one step in flight the time to the next event is the earlier step's)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, str]] = []
+        self.rows: Counter = Counter()
+
+    def __call__(self, so) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        n, reqs = so.num_batched_tokens, len(so.scheduled)
+        if n == reqs:
+            kind = f"decode {-(-n // 16) * 16:4d}"
+        elif n <= 1024:
+            kind = f"mixed <={next(b for b in MIXED_BUCKETS if b >= n):5d}"
+        elif n < 4096:
+            kind = "mixed >1024"
+        else:
+            kind = "prefill >=4096"
+        self.marks.append((ev, kind))
+        self.rows[kind] += 1
+
+    def phases(self) -> dict[str, tuple[int, float]]:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        torch.cuda.synchronize()
+        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        marks = self.marks + [(end, "")]
+        for (a, kind), (b, _) in zip(marks, marks[1:]):
+            out[kind][0] += 1
+            out[kind][1] += a.elapsed_time(b) / 1e3
+        return {k: (n, s) for k, (n, s) in sorted(out.items())}
+
+
+def run_preset(llm: LLM, ceil, name: str, tag: str) -> None:
+    engine = llm.llm_engine
+    engine.kv_manager.reset_prefix_cache()
+    wl = workloads.preset(name, engine.model_config.vocab_size)
+    clock = StepClock()
+    res = throughput.run(llm, ceil, wl, use_tqdm=False, observe=clock)
+    phases = clock.phases()
+    label = f"preset {name} ({tag})"
+    row(
+        label,
+        f"{res.elapsed_s:.3f} s, {res.output_tok_s:,.0f} out tok/s, {res.roofline_pct:.1f}% of "
+        f"roofline ({res.roofline_s:.3f} s), host {100 * res.host_fraction:.1f}%, max running "
+        f"{res.max_running}, {res.num_preemptions} preemptions, {len(res.jit_compiles)} JIT "
+        f"compiles {res.jit_compiles}",
+    )
+    dec = [(n, s) for k, (n, s) in phases.items() if k.startswith("decode")]
+    mix = {k: v for k, v in phases.items() if not k.startswith("decode")}
+    row(
+        f"  phases {name} ({tag})",
+        f"decode steps {sum(n for n, _ in dec)}: {sum(s for _, s in dec):.3f} s; "
+        + "; ".join(
+            f"{k}: {n} steps {s:.3f} s ({1e3 * s / n:.2f} ms/step)" for k, (n, s) in mix.items()
+        ),
+    )
+    if name == "short" and tag.endswith("1"):
+        row(
+            "  decode steps by rows (short)",
+            " ".join(
+                f"{k[7:].strip()}:{n}/{1e3 * s / n:.1f}ms"
+                for k, (n, s) in phases.items()
+                if k.startswith("decode")
+            ),
+        )
+    RESULTS[label] = vars(res) | {"phases": phases}
+
+
+@section("5b. kernel-time split of mixed-bucket and decode graph replays")
+def split(llm: LLM) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.llm_engine.runner
+    mixed = getattr(runner.mixed, "graphs", None)
+    targets = []
+    if mixed is not None:
+        for b in (320, 448, 512, 640, 768, 1024):
+            if b in mixed.graphs:
+                mixed._stage_empty(b)
+                targets.append((f"mixed bucket {b} (all padding)", mixed.graphs[b]))
+    if runner.graphs is not None and 256 in runner.graphs.graphs:
+        runner.graphs.slot_mapping.fill_(-1)
+        runner.graphs.seq_lens.fill_(256)
+        targets.append(("decode graph 256 (ctx 256)", runner.graphs.graphs[256]))
+    for label, graph in targets:
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+        cls: dict[str, float] = defaultdict(float)
+        for evt in prof.events():
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            nm = evt.name.lower()
+            if any(s in nm for s in ("nvjet", "gemm", "xmma", "cutlass", "sm90", "_dense")):
+                key = "GEMM"
+            elif any(s in nm for s in ("attention", "prefill", "decode", "cascade")):
+                key = "attention"
+            else:
+                key = "other"
+            cls[key] += evt.time_range.elapsed_us() / 3
+        total = sum(cls.values())
+        row(
+            f"split {label}",
+            f"{total / 1e3:.2f} ms: "
+            + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(cls.items())),
+        )
+
+
+@section("6. decode: Llama-3.1-8B batch 1 (regression: >= 169 tok/s)")
+def bs1(llm: LLM, ceil) -> None:
+    rows = latency.run(llm.llm_engine, ceil, [1], 512, 128)
+    print(latency.format_rows(rows))
+    row("8B batch-1 decode", f"{rows[0].output_tok_s:.1f} tok/s ({rows[0].step_ms_p50:.2f} ms)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plans", choices=("measured", "shipped", "off"), default="measured")
+    ap.add_argument("--no-sweep", action="store_true", help="skip sections 2-3 (plans shipped)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    ceil = measure(DEV, BF16)
+    row(
+        "ceilings",
+        f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+    )
+    parity()
+    cub = tiles = None
+    if not args.no_sweep:
+        cub = sweep(ceil)
+        tiles = triton_sweep(cub) if cub else None
+    mode = args.plans if cub is not None else ("off" if args.plans == "off" else "shipped")
+    table(cub or {"default": {}}, tiles or {}, mode)
+    WEIGHTS.clear()
+    X_ALL.clear()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
+    row("start-up", f"{time.perf_counter() - t0:.1f} s")
+    for name in ("short", "default"):
+        for i in (1, 2):
+            section(f"5. preset {name} run {i}")(run_preset)(llm, ceil, name, f"run {i}")
+    split(llm)
+    bs1(llm, ceil)
+    print(f"\n=== gpu_short summary ({time.perf_counter() - t_start:.0f} s) ===")
+    width = max(len(n) for n, _ in ROWS)
+    for name, value in ROWS:
+        print(f"{name.ljust(width)}  {value}")
+    with open(os.path.join(args.out, "short.json"), "w") as f:
+        json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

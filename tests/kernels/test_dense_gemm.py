@@ -1,0 +1,82 @@
+"""The descriptor dense GEMM (``kernels/dense_gemm.py``) against its fp32 reference: row counts
+below, at and past a tile (the descriptor's zero-filled rows, the clipped store), every tile
+order (one program per tile, persistent with a flattened loop, grouped row blocks that end in a
+partial group), and the refusal of tensors the descriptors cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE, ON_GPU, assert_close
+
+from roofline.kernels.dense_gemm import (
+    DenseGemmConfig,
+    dense_gemm,
+    dense_gemm_applies,
+    dense_gemm_ref,
+)
+
+N, K = (384, 512) if ON_GPU else (96, 64)
+CONFIGS = (
+    [DenseGemmConfig(64, 128, 64, 8, 4, 3, 0), DenseGemmConfig(128, 128, 64, 4, 8, 3, 1)]
+    if ON_GPU
+    else [DenseGemmConfig(16, 32, 32, 8, 4, 1, 0), DenseGemmConfig(32, 16, 16, 2, 4, 1, 1)]
+)
+
+
+@pytest.mark.parametrize("rows", [1, 37, 100])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}p{c.persistent}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(rows: int, config: DenseGemmConfig, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype).to(DEVICE)
+    out = dense_gemm(x, w, config)
+    assert out.shape == (rows, N) and out.dtype == dtype
+    assert_close(out, dense_gemm_ref(x, w), dtype)
+
+
+def test_writes_into_out_rows_only() -> None:
+    """``out`` given: its rows are written, a neighbour buffer past them is not touched."""
+    x = torch.randn(20, K).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(N, K) / K**0.5).to(torch.bfloat16).to(DEVICE)
+    big = torch.full((32, N), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    dense_gemm(x, w, CONFIGS[0], out=big[:20])
+    assert_close(big[:20], dense_gemm_ref(x, w), torch.bfloat16)
+    assert bool((big[20:] == 7.0).all())
+
+
+def test_refuses_what_descriptors_cannot_take() -> None:
+    x = torch.randn(8, K).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(N, K).to(torch.bfloat16).to(DEVICE)
+    assert dense_gemm_applies(x, w)
+    assert not dense_gemm_applies(x.float(), w.float())
+    assert not dense_gemm_applies(x, w.half())
+    assert not dense_gemm_applies(x.t().contiguous().t()[:, : K - 8], w[:, : K - 8])
+    assert not dense_gemm_applies(x[:, :-3], w[:, :-3])
+    with pytest.raises(ValueError, match="dense_gemm needs"):
+        dense_gemm(x[:, :-3], w[:, :-3], CONFIGS[0])
+
+
+def test_row_dispatch_bands_and_actions() -> None:
+    """``layers.gemm_rows``: the band lookup, and each action's result equals ``F.linear``'s
+    rows (the padded rows cut off; the descriptor GEMM within bf16 rounding)."""
+    from roofline.layers.gemm_rows import Band, Chunks, Pad, Tiles, choose, find_band, run
+
+    plan = [Band(1, 8, Pad(16)), Band(33, 40, Tiles(CONFIGS[0])), Band(41, 64, Pad(72)),
+            Band(90, 200, Chunks(32))]  # fmt: skip
+    assert find_band(plan, 1) is plan[0] and find_band(plan, 8) is plan[0]
+    assert find_band(plan, 9) is None and find_band(plan, 32) is None
+    assert find_band(plan, 33) is plan[1] and find_band(plan, 64) is plan[2]
+    assert find_band(plan, 65) is None and find_band([], 5) is None
+    assert find_band(plan, 100) is plan[3] and find_band(plan, 201) is None
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for rows, band in [(5, plan[0]), (37, plan[1]), (50, plan[2]), (100, plan[3])]:
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+        out = run(x, w, bias, band)
+        assert out.shape == (rows, N) and out.is_contiguous()
+        assert_close(out, torch.nn.functional.linear(x, w, bias), torch.bfloat16)
+    if not ON_GPU:  # CPU tensors are never re-routed
+        assert choose(torch.zeros(448, K, dtype=torch.bfloat16), w) is None
