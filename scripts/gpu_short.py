@@ -26,6 +26,7 @@ A table last; the raw sweep and results as JSON into $OUT/short.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -47,17 +48,26 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS_GRID = [1] + list(range(8, 1025, 8)) + list(range(1088, 2049, 64)) + [4096, 8192]
+HEAD = {"lm_head": (128256, 4096)}
+"""Swept too (cuBLAS only), at the row counts it meets: one per request of a step."""
+HEAD_GRID = [1] + list(range(8, 513, 8))
+ALL_SHAPES = SHAPES | HEAD
 TRITON_ROWS = [128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 2048]
 CONFIGS = [
     DenseGemmConfig(128, 256, 64, 8, 8, 3, 1),
     DenseGemmConfig(128, 256, 64, 8, 8, 3, 0),
     DenseGemmConfig(128, 256, 64, 8, 8, 3, 2),
     DenseGemmConfig(128, 128, 64, 8, 4, 4, 1),
-    DenseGemmConfig(128, 128, 64, 8, 8, 4, 0),
     DenseGemmConfig(64, 256, 64, 8, 4, 4, 0),
     DenseGemmConfig(64, 128, 64, 8, 4, 4, 0),
-    DenseGemmConfig(128, 128, 128, 8, 8, 3, 1),
 ]
+SPLIT_CONFIGS = [  # timed at row counts <= SPLIT_MAX_ROWS only
+    DenseGemmConfig(128, 128, 64, 8, 4, 4, 0, 2),
+    DenseGemmConfig(128, 128, 64, 8, 4, 4, 0, 4),
+    DenseGemmConfig(64, 128, 128, 8, 4, 3, 0, 4),
+    DenseGemmConfig(256, 128, 64, 8, 8, 3, 0, 3),
+]
+SPLIT_MAX_ROWS = 512
 ROWS: list[tuple[str, str]] = []
 RESULTS: dict[str, object] = {}
 WEIGHTS: dict[str, list[torch.Tensor]] = {}
@@ -89,7 +99,7 @@ def section(name: str):
 def weights(name: str) -> list[torch.Tensor]:
     """Copies of the shape's weight, together > 150 MB (each call reads one not in L2)."""
     if name not in WEIGHTS:
-        n, k = SHAPES[name]
+        n, k = ALL_SHAPES[name]
         copies = max(1, -(-(150 << 20) // (n * k * 2)))
         gen = torch.Generator(device=DEV).manual_seed(1)
         WEIGHTS[name] = [
@@ -131,7 +141,7 @@ def graph_us(fn, ws: list[torch.Tensor], reps: int = 6, replays: int = 3) -> flo
 
 
 def cublas_us(name: str, m: int) -> float:
-    x = x_rows(SHAPES[name][1], m)
+    x = x_rows(ALL_SHAPES[name][1], m)
     return graph_us(lambda w: F.linear(x, w), weights(name))
 
 
@@ -142,10 +152,12 @@ def parity() -> None:
         w = weights(name)[0]
         ref = dense_gemm_ref(x, w).float()
         worst = 0.0
-        for cfg in CONFIGS:
+        for cfg in CONFIGS + SPLIT_CONFIGS:
             try:
                 out = dense_gemm(x, w, cfg).float()
                 worst = max(worst, (out - ref).abs().max().item())
+                if cfg.split_k > 1 and not torch.equal(dense_gemm(x, w, cfg).float(), out):
+                    row(f"parity {name} {tuple(cfg)}", "split-K NOT deterministic")
             except Exception as e:  # noqa: BLE001 - a config may not compile
                 print(f"  {name} {tuple(cfg)}: {type(e).__name__}: {str(e)[:200]}")
         pad = gemm_rows.run(x[:437], w, None, Band(1, 448, Pad(512))).float()
@@ -168,25 +180,28 @@ def sweep(ceil) -> dict[str, dict[str, dict[int, float]]]:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         try:
             print(f"  backend {backend} ({torch.backends.cuda.preferred_blas_library()})")
-            res[backend] = {name: {m: cublas_us(name, m) for m in ROWS_GRID} for name in SHAPES}
+            res[backend] = {
+                name: {m: cublas_us(name, m) for m in (HEAD_GRID if name in HEAD else ROWS_GRID)}
+                for name in ALL_SHAPES
+            }
         finally:
             torch.backends.cuda.preferred_blas_library(saved)
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in ALL_SHAPES.items():
         t = res["default"][name]
         lt = res["cublaslt"][name]
         bad = []
-        for m in ROWS_GRID:
+        for m in t:
             if m > 1024:
                 continue
-            cands = [mm for mm in ROWS_GRID if m <= mm <= m + 64]
+            cands = [mm for mm in t if m <= mm <= m + 64]
             best = min(cands, key=lambda mm: t[mm])
             if t[m] >= 1.15 * t[best]:
                 bad.append(f"{m}:{t[m]:.0f}->{best}:{t[best]:.0f}")
         row(f"cuBLAS {name} slow counts (M:us->padded M:us)", " ".join(bad) or "none")
-        ltwins = [f"{m}:{t[m]:.0f}/{lt[m]:.0f}" for m in ROWS_GRID if lt[m] < 0.9 * t[m]]
+        ltwins = [f"{m}:{t[m]:.0f}/{lt[m]:.0f}" for m in t if lt[m] < 0.9 * t[m]]
         row(f"cuBLASLt >=10% faster at {name} (M:default/lt us)", " ".join(ltwins) or "none")
         floor_b = n * k * 2 / ceil.bandwidth_bytes_per_s
-        pts = [m for m in ROWS_GRID if m in (1, 64, 128, 256) or m % 128 == 0]
+        pts = [m for m in t if m in (1, 64, 128, 256) or m % 128 == 0]
         eff = []
         for m in pts:
             ideal = max(2 * m * n * k / ceil.matmul_flops_per_s, floor_b)
@@ -200,12 +215,13 @@ def sweep(ceil) -> dict[str, dict[str, dict[int, float]]]:
 def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]]]:
     best: dict[str, dict[int, tuple[float, DenseGemmConfig]]] = {}
     raw: dict[str, dict] = {}
+    print("  configs in order: " + " ".join(str(tuple(c)) for c in CONFIGS + SPLIT_CONFIGS))
     for name, (_, k) in SHAPES.items():
         best[name] = {}
         for m in TRITON_ROWS + ([8192] if name == "down" else []):
             x = x_rows(k, m)
             times = {}
-            for cfg in CONFIGS:
+            for cfg in CONFIGS + (SPLIT_CONFIGS if m <= SPLIT_MAX_ROWS else []):
                 try:
                     times[cfg] = graph_us(lambda w, c=cfg: dense_gemm(x, w, c), weights(name))  # noqa: B023
                 except Exception as e:  # noqa: BLE001
@@ -232,14 +248,16 @@ def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
     descriptor GEMM (row counts it was timed at); acting only on a >= 5% gain. Contiguous grid
     counts with the same action form a band (blocks: that count only)."""
     plans: dict[tuple[int, int], list[Band]] = {}
-    for name, shape in SHAPES.items():
-        t = cub["default"][name]
+    for name, shape in ALL_SHAPES.items():
+        t = cub["default"].get(name)
+        if not t:
+            continue
         bands: list[Band] = []
         prev = 0
-        for m in ROWS_GRID:
+        for m in sorted(t):
             pad_cost = 2 * m * shape[1] * 2 * 2 / 2.5e12 * 1e6 + 2.0  # read+write x, a launch
             options: list[tuple[float, object]] = [(t[m], None)]
-            for mm in ROWS_GRID:
+            for mm in t:
                 if m < mm <= m + 64:
                     options.append((t[mm] + pad_cost, Pad(mm)))
             for c in (2048, 4096):  # blocks of rows (the largest counts only)
@@ -278,22 +296,22 @@ def table(cub: dict, tiles: dict, mode: str) -> None:
         print("    ],")
     print("}")
     RESULTS["plans"] = {str(k): [repr(b) for b in v] for k, v in gemm_rows.PLANS.items()}
-    buckets = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1344, 2048, 8192]
+    buckets = [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960,
+               1024, 1344, 2048, 8192]  # fmt: skip
     per_bucket = defaultdict(lambda: [0.0, 0.0])
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in ALL_SHAPES.items():
         parts = []
-        for m in buckets:
+        for m in [b for b in buckets if name not in HEAD or b <= 512]:
             x = x_rows(k, m)
             band = gemm_rows.find_band(gemm_rows.PLANS.get((n, k), []), m)
             plain = graph_us(lambda w: F.linear(x, w), weights(name))  # noqa: B023
-            if band is None:
+            new = plain
+            if band is not None:
+                new = graph_us(lambda w: gemm_rows.run(x, w, None, band), weights(name))  # noqa: B023
+                parts.append(f"{m}:{plain:.0f}->{new:.0f}")
+            if name not in HEAD:
                 per_bucket[m][0] += plain
-                per_bucket[m][1] += plain
-                continue
-            new = graph_us(lambda w: gemm_rows.run(x, w, None, band), weights(name))  # noqa: B023
-            per_bucket[m][0] += plain
-            per_bucket[m][1] += new
-            parts.append(f"{m}:{plain:.0f}->{new:.0f}")
+                per_bucket[m][1] += new
         row(f"dispatch {name} (M: cuBLAS us -> dispatched)", " ".join(parts) or "unchanged")
     row(
         "4 GEMMs of a layer, us by M (cuBLAS -> dispatched)",
@@ -386,13 +404,18 @@ def split(llm: LLM) -> None:
     if mixed is not None:
         for b in (320, 448, 512, 640, 768, 1024):
             if b in mixed.graphs:
-                mixed._stage_empty(b)
-                targets.append((f"mixed bucket {b} (all padding)", mixed.graphs[b]))
-    if runner.graphs is not None and 256 in runner.graphs.graphs:
-        runner.graphs.slot_mapping.fill_(-1)
-        runner.graphs.seq_lens.fill_(256)
-        targets.append(("decode graph 256 (ctx 256)", runner.graphs.graphs[256]))
-    for label, graph in targets:
+                stage = functools.partial(mixed._stage_empty, b)
+                targets.append((f"mixed bucket {b} (all padding)", stage, mixed.graphs[b]))
+    decode = runner.graphs
+    if decode is not None and 256 in decode.graphs:
+
+        def stage() -> None:
+            decode.slot_mapping.fill_(-1)
+            decode.seq_lens.fill_(256)
+
+        targets.append(("decode graph 256 (ctx 256)", stage, decode.graphs[256]))
+    for label, stage, graph in targets:
+        stage()
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -11,6 +11,11 @@ at the row counts this kernel serves, stays in L2). ``DenseGemmConfig.persistent
 one program per tile; 1 launches one program per SM walking the tiles with a flattened loop
 (the next tile's loads overlap this one's epilogue); 2 the same loop warp-specialized (a
 producer warp issues the TMA loads).
+
+``split_k > 1`` (few output tiles, long K: the decode-sized row counts) gives each program one
+slice of K (slices differ by one K tile at most); its fp32 partial tile goes to a workspace, and
+the tile's last slice to arrive (an acq_rel atomic counts arrivals) sums all slices in slice
+order, stores the tile and resets its counter: one launch, deterministic, replayable in graphs.
 """
 
 from __future__ import annotations
@@ -62,6 +67,75 @@ def _dense_gemm_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _dense_gemm_split_kernel(
+    x_desc,  # [M, K] boxes [BLOCK_M, BLOCK_K]
+    w_desc,  # [N, K] boxes [BLOCK_N, BLOCK_K]
+    out_desc,  # [M, N] boxes [BLOCK_M, BLOCK_N]
+    ws_ptr,  # fp32 [split_k, M, N] partial tiles
+    lock_ptr,  # int32 [tiles] arrival counters, zero between launches
+    M,
+    N,
+    K,
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    part = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % rows
+    pid_n = (tile % per_group) // rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = (part * k_tiles) // split_k  # slice s: K tiles [s kt / S, (s + 1) kt / S)
+    k_last = ((part + 1) * k_tiles) // split_k
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_first, k_last):
+        a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, b.T, acc)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BLOCK_M, BLOCK_N]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    slice_size = M.to(tl.int64) * N
+    tl.store(ws_ptr + part * slice_size + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial sums are written
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == split_k - 1:  # the last slice to finish sums them all, in slice order
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(split_k):  # .cg: from L2, never a stale L1 line
+            total += tl.load(ws_ptr + s * slice_size + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+        tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
+
+
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+MAX_SPLIT_TILES = 1 << 14
+"""Output tiles a split-K launch may have (its arrival counters)."""
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of ``device``'s current stream (launches of one stream run
+    one after another; each leaves its counters at zero)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    locks = _LOCKS.get((device, stream))
+    if locks is None:
+        locks = _LOCKS[(device, stream)] = torch.zeros(
+            MAX_SPLIT_TILES, dtype=torch.int32, device=device
+        )
+    return locks
+
+
 def dense_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: 2-D 16-bit x and weight of one dtype, both
     contiguous with 16-byte aligned rows and bases (what the descriptors need)."""
@@ -104,6 +178,16 @@ def dense_gemm(
     w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    if c.split_k > 1:
+        if num_tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"split-K over {num_tiles} tiles (at most {MAX_SPLIT_TILES})")
+        ws = torch.empty(c.split_k, m, n, dtype=torch.float32, device=x.device)
+        _dense_gemm_split_kernel[(num_tiles, c.split_k)](
+            x_desc, w_desc, out_desc, ws, _locks(x.device), m, n, k, c.split_k,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+        return out
     programs = min(num_tiles, num_sms(x.device)) if c.persistent else num_tiles
     _dense_gemm_kernel[(programs,)](
         x_desc, w_desc, out_desc, m, n, k, programs,
