@@ -10,7 +10,8 @@ weight tile run side by side and the weight is read from HBM about once (x, at m
 at the row counts this kernel serves, stays in L2). ``DenseGemmConfig.persistent``: 0 launches
 one program per tile; 1 launches one program per SM walking the tiles with a flattened loop
 (the next tile's loads overlap this one's epilogue); 2 the same loop warp-specialized (a
-producer warp issues the TMA loads).
+producer warp issues the TMA loads); 3 the stream-K schedule of ``dense_gemm_streamk.py``
+(whole tiles, then the last waves' K iterations shared out evenly over the SMs).
 
 ``split_k > 1`` (few output tiles, long K: the decode-sized row counts) gives each program one
 slice of K (slices differ by one K tile at most); its fp32 partial tile goes to a workspace, and
@@ -159,8 +160,10 @@ def dense_gemm(
     weight: torch.Tensor,  # [N, K]
     config: DenseGemmConfig,
     out: torch.Tensor | None = None,  # [M, N]
+    num_programs: int | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``x @ weight.T`` with the tiles of ``config`` (see ``dense_gemm_applies``)."""
+    """``x @ weight.T`` with the tiles of ``config`` (see ``dense_gemm_applies``);
+    ``num_programs``: of a persistent launch (default one per SM; tests take fewer)."""
     check_device(x, weight)
     if not dense_gemm_applies(x, weight):
         raise ValueError(
@@ -188,7 +191,14 @@ def dense_gemm(
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
         return out
-    programs = min(num_tiles, num_sms(x.device)) if c.persistent else num_tiles
+    if c.persistent == 3:
+        from roofline.kernels.dense_gemm_streamk import launch_streamk, streamk_programs
+
+        sms = num_programs or num_sms(x.device)
+        programs = streamk_programs(num_tiles, triton.cdiv(k, c.block_k), sms)
+        launch_streamk(x_desc, w_desc, out_desc, m, n, k, c, programs, _locks(x.device), x.device)
+        return out
+    programs = min(num_tiles, num_programs or num_sms(x.device)) if c.persistent else num_tiles
     _dense_gemm_kernel[(programs,)](
         x_desc, w_desc, out_desc, m, n, k, programs,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
