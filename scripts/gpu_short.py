@@ -3,7 +3,8 @@ bf16 weights. Sections, in order (each in try/except: an error is printed and th
 
 1. parity on the GPU: the descriptor GEMM (``kernels/dense_gemm.py``) per config (one program
    per tile, persistent, warp-specialized, stream-K, split-K) vs torch at the four layer shapes
-   (and two launches of the fix-up schedules bit-equal), and ``layers.gemm_rows``'s padded path vs plain ``F.linear``;
+   (two launches of the fix-up schedules bit-equal), and ``layers.gemm_rows``'s padded path
+   vs plain ``F.linear``;
 2. the cuBLAS sweep (``F.linear``, bf16): qkv 4096->6144, o 4096->4096, gate_up
    4096->28672, down 14336->4096 at M = 1, 8, 16 .. 1024, then every 64 to 2048, 4096, 8192,
    each GEMM replayed from a CUDA graph over enough weight copies that no weight is in L2;
