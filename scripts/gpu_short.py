@@ -54,7 +54,7 @@ HEAD = {"lm_head": (128256, 4096)}
 """Swept too (cuBLAS only), at the row counts it meets: one per request of a step."""
 HEAD_GRID = [1] + list(range(8, 513, 8))
 ALL_SHAPES = SHAPES | HEAD
-TRITON_ROWS = [128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 2048]
+TRITON_ROWS = [128, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 2048]
 CONFIGS = [
     DenseGemmConfig(128, 256, 64, 8, 8, 3, 1),
     DenseGemmConfig(128, 256, 64, 8, 8, 3, 0),
