@@ -120,19 +120,25 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, band: 
     return out if bias is None else out.add_(bias)
 
 
-def warm_up(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> None:
-    """Compile the descriptor GEMM for every ``Tiles`` band of ``shapes`` (N, K) once, so no
-    step of a run compiles it (an eager step can reach a band no graph bucket did)."""
-    if not (_ENABLED and device.type == "cuda"):
-        return
-    from roofline.kernels.dense_gemm import dense_gemm
+def warm_up(model: torch.nn.Module) -> None:
+    """Run each ``Tiles`` band of ``model``'s unquantized layers once (at its smallest count, on
+    zeros), so that the runner's warm-up compiles the descriptor GEMM for every config a step
+    can reach, eager steps included (graph buckets reach only their own counts)."""
+    from roofline.layers.linear import MergedLinear
 
-    for n, k in shapes:
-        for band in PLANS.get((n, k), []):
-            if isinstance(band.action, Tiles):
-                x = torch.zeros(band.lo, k, dtype=dtype, device=device)
-                w = torch.zeros(n, k, dtype=dtype, device=device)
-                dense_gemm(x, w, band.action.config)
+    done: set[tuple] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, MergedLinear) or not isinstance(weight, torch.Tensor):
+            continue
+        for band in PLANS.get((weight.shape[0], weight.shape[1]), []):
+            key = (band.action, weight.dtype, weight.shape[1] % 16, weight.shape[0] % 16)
+            if not isinstance(band.action, Tiles) or key in done:
+                continue
+            x = torch.zeros(band.lo, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            if choose(x, weight) is band:
+                run(x, weight, None, band)
+                done.add(key)
 
 
 _HALF = (torch.bfloat16, torch.float16)

@@ -27,6 +27,7 @@ from roofline.attention.torch_backend import TorchAttentionBackend
 from roofline.config import CacheConfig, ModelConfig, SchedulerConfig
 from roofline.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from roofline.distributed.parallel_state import SINGLE, ParallelContext
+from roofline.layers import gemm_rows
 from roofline.layers.attention import AttentionBackend, ForwardContext
 from roofline.layers.linear import MergedLinear
 from roofline.layers.moe import FusedMoE
@@ -235,6 +236,7 @@ class ModelRunner:
             hidden = hidden.to(self.device)  # [8, hidden]
             for m in (1, 2, 4, 8):
                 self.model.compute_logits(hidden[:m])
+            gemm_rows.warm_up(self.model)  # descriptor-GEMM bands eager steps may reach
 
     @torch.inference_mode()
     def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:

@@ -109,3 +109,23 @@ def test_row_dispatch_bands_and_actions() -> None:
         assert_close(out, torch.nn.functional.linear(x, w, bias), torch.bfloat16)
     if not ON_GPU:  # CPU tensors are never re-routed
         assert choose(torch.zeros(448, K, dtype=torch.bfloat16), w) is None
+
+
+def test_warm_up_runs_each_tiles_band_of_the_model(monkeypatch) -> None:
+    """``gemm_rows.warm_up`` launches each ``Tiles`` config of a model's layers once (two layers
+    of one shape: once), at the band's smallest count; ``Pad`` bands need no warm-up."""
+    from roofline.layers import gemm_rows
+    from roofline.layers.linear import Linear
+
+    layers = torch.nn.Sequential(Linear(K, N), Linear(K, N), Linear(K, 2 * N))
+    layers = layers.to(torch.bfloat16).to(DEVICE)
+    tiles, pad = gemm_rows.Tiles(CONFIGS[0]), gemm_rows.Pad(24)
+    plan = [gemm_rows.Band(3, 8, tiles), gemm_rows.Band(9, 16, pad), gemm_rows.Band(17, 20, tiles)]
+    monkeypatch.setitem(gemm_rows.PLANS, (N, K), plan)
+    # every device as Hopper: the bands of PLANS apply
+    monkeypatch.setattr(gemm_rows, "choose", lambda x, w: gemm_rows.find_band(
+        gemm_rows.PLANS.get(tuple(w.shape), []), x.shape[0]))  # fmt: skip
+    calls = []
+    monkeypatch.setattr(gemm_rows, "run", lambda x, w, b, band: calls.append((x.shape[0], band)))
+    gemm_rows.warm_up(layers)
+    assert calls == [(3, plan[0])]
