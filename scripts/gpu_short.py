@@ -216,6 +216,9 @@ def sweep(ceil) -> dict[str, dict[str, dict[int, float]]]:
             eff.append(f"{m}:{t[m]:.0f}({100 * ideal / t[m] * 1e-6:.0f}%)")
         row(f"cuBLAS {name} us (% of roofline) by M", " ".join(eff))
     RESULTS["sweep"] = res
+    for backend, shapes in res.items():  # raw, for offline bucket choices
+        for name, t in shapes.items():
+            print(f"SWEEP {backend} {name} " + " ".join(f"{m}:{v:.1f}" for m, v in t.items()))
     return res
 
 
