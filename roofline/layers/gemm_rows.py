@@ -15,7 +15,7 @@ for a weight shape, bands of row counts ``lo <= M <= hi`` and what they run inst
 
 The bands come from ``scripts/gpu_short.py``'s sweep (every M from 1 to 1024 in steps of 8, then
 coarser to 8192) on an H100 SXM, bf16, weights not in L2; they apply on compute capability 9.0
-in bf16/fp16 (``applies``). ``ROOFLINE_GEMM_ROWS=0`` turns the dispatch off. The check is a dict
+in bf16 (``choose``). ``ROOFLINE_GEMM_ROWS=0`` turns the dispatch off. The check is a dict
 lookup and a bisect on host ints: no device work, capturable in CUDA graphs (whose buckets fix M
 at capture, so the choice is made once per bucket).
 """
@@ -84,7 +84,7 @@ def find_band(plan: Plan, rows: int) -> Band | None:
 
 def choose(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
     """The band that re-routes ``x @ weight.T``, or None (``F.linear`` as usual)."""
-    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype in _HALF):
+    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
         return None
     plan = PLANS.get((weight.shape[0], weight.shape[1]))
     if plan is None or weight.dtype != x.dtype:
@@ -140,5 +140,3 @@ def warm_up(model: torch.nn.Module) -> None:
                 run(x, weight, None, band)
                 done.add(key)
 
-
-_HALF = (torch.bfloat16, torch.float16)
