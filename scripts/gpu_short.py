@@ -44,7 +44,7 @@ from roofline.bench.ceilings import measure
 from roofline.kernels.dense_gemm import dense_gemm, dense_gemm_ref
 from roofline.kernels.dense_gemm_configs import DenseGemmConfig
 from roofline.layers import gemm_rows
-from roofline.layers.gemm_rows import Band, Chunks, Pad, Tiles
+from roofline.layers.gemm_rows import Band, Chunks, Lt, Pad, Tiles
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -254,10 +254,10 @@ def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]
 
 
 def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
-    """Per shape and grid row count, the fastest of: cuBLAS at M, cuBLAS padded to a grid count
-    <= M + 64 (+ the pad's copy), cuBLAS on blocks of 2048 / 4096 rows (4096, 8192 rows), the
-    descriptor GEMM (row counts it was timed at); acting only on a >= 5% gain. Contiguous grid
-    counts with the same action form a band (blocks: that count only)."""
+    """Per shape and grid row count, the fastest of: cuBLAS at M, cuBLASLt at M, cuBLAS padded to
+    a grid count <= M + 64 (+ the pad's copy), cuBLAS on blocks of 2048 / 4096 rows (4096 and
+    8192 rows), the descriptor GEMM (row counts it was timed at); acting only on a >= 5% gain.
+    Contiguous grid counts with the same action form a band (blocks: that count only)."""
     plans: dict[tuple[int, int], list[Band]] = {}
     for name, shape in ALL_SHAPES.items():
         t = cub["default"].get(name)
@@ -271,6 +271,9 @@ def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
             for mm in t:
                 if m < mm <= m + 64:
                     options.append((t[mm] + pad_cost, Pad(mm)))
+            lt = cub.get("cublaslt", {}).get(name, {})
+            if m in lt:
+                options.append((lt[m] + 1.0, Lt()))
             for c in (2048, 4096):  # blocks of rows (the largest counts only)
                 if m > c and m % c == 0 and c in t:
                     options.append((m // c * t[c] + 2.0, Chunks(c)))

@@ -9,6 +9,8 @@ for a weight shape, bands of row counts ``lo <= M <= hi`` and what they run inst
 
 * ``Pad(rows)``: cuBLAS on x padded with zero rows up to ``rows`` (one copy of x, a few us),
   the output a view of the first M rows (contiguous);
+* ``Lt()``: cuBLASLt instead of cuBLAS for this call (the BLAS backend torch prefers is
+  switched around it and restored);
 * ``Chunks(rows)``: cuBLAS on blocks of ``rows`` rows, each written into its slice of the
   output (where cuBLAS runs two halves faster than the whole);
 * ``Tiles(config)``: the descriptor GEMM of ``kernels/dense_gemm.py`` with that config.
@@ -38,6 +40,11 @@ class Pad(NamedTuple):
     """Run cuBLAS at this many rows (>= M)."""
 
 
+class Lt(NamedTuple):
+    """Run cuBLASLt (``torch.backends.cuda.preferred_blas_library("cublaslt")`` for the call):
+    its heuristics pick another kernel than cuBLAS's at some counts."""
+
+
 class Chunks(NamedTuple):
     rows: int
     """Run cuBLAS on consecutive blocks of this many rows, each into its rows of the output."""
@@ -51,7 +58,7 @@ class Tiles(NamedTuple):
 class Band(NamedTuple):
     lo: int
     hi: int
-    action: Pad | Chunks | Tiles
+    action: Pad | Lt | Chunks | Tiles
 
 
 Plan = list[Band]
@@ -103,6 +110,13 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, band: 
     if isinstance(action, Pad):
         xp = F.pad(x, (0, 0, 0, action.rows - m))  # [rows, K], the extra rows zero
         return F.linear(xp, weight, bias)[:m]
+    if isinstance(action, Lt):
+        saved = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch.backends.cuda.preferred_blas_library(saved)
     if isinstance(action, Chunks):
         out = x.new_empty(m, weight.shape[0])  # [M, N]
         for start in range(0, m, action.rows):
@@ -139,4 +153,3 @@ def warm_up(model: torch.nn.Module) -> None:
             if choose(x, weight) is band:
                 run(x, weight, None, band)
                 done.add(key)
-

@@ -90,10 +90,10 @@ def test_refuses_what_descriptors_cannot_take() -> None:
 def test_row_dispatch_bands_and_actions() -> None:
     """``layers.gemm_rows``: the band lookup, and each action's result equals ``F.linear``'s
     rows (the padded rows cut off; the descriptor GEMM within bf16 rounding)."""
-    from roofline.layers.gemm_rows import Band, Chunks, Pad, Tiles, choose, find_band, run
+    from roofline.layers.gemm_rows import Band, Chunks, Lt, Pad, Tiles, choose, find_band, run
 
     plan = [Band(1, 8, Pad(16)), Band(33, 40, Tiles(CONFIGS[0])), Band(41, 64, Pad(72)),
-            Band(90, 200, Chunks(32))]  # fmt: skip
+            Band(90, 200, Chunks(32)), Band(300, 310, Lt())]  # fmt: skip
     assert find_band(plan, 1) is plan[0] and find_band(plan, 8) is plan[0]
     assert find_band(plan, 9) is None and find_band(plan, 32) is None
     assert find_band(plan, 33) is plan[1] and find_band(plan, 64) is plan[2]
@@ -102,7 +102,9 @@ def test_row_dispatch_bands_and_actions() -> None:
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
-    for rows, band in [(5, plan[0]), (37, plan[1]), (50, plan[2]), (100, plan[3])]:
+    assert find_band(plan, 305) is plan[4]
+    cases = [(5, plan[0]), (37, plan[1]), (50, plan[2]), (100, plan[3])]
+    for rows, band in cases + ([(301, plan[4])] if ON_GPU else []):  # cuBLASLt: CUDA only
         x = torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
         out = run(x, w, bias, band)
         assert out.shape == (rows, N) and out.is_contiguous()
