@@ -152,6 +152,23 @@ def cublas_us(name: str, m: int) -> float:
     return graph_us(lambda w: F.linear(x, w), weights(name))
 
 
+@section("0. compile every descriptor-GEMM config at once (a dry run on a thread pool)")
+def compile_all() -> None:
+    from roofline.kernels.parallel_compile import ParallelCompiler
+
+    compiler = ParallelCompiler()
+    compiler.prepare()
+    try:
+        with compiler.dry_run():
+            for name, (_, k) in SHAPES.items():
+                for cfg in CONFIGS + SPLIT_CONFIGS:
+                    dense_gemm(x_rows(k, 448), weights(name)[0], cfg)
+        stats = compiler.finish(wait=True)
+        row("compiled", f"{stats.num_kernels} specialisations, {stats.num_failed} failed")
+    finally:
+        compiler.close(wait=True)
+
+
 @section("1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
 def parity() -> None:
     for name, (n, k) in SHAPES.items():
@@ -476,6 +493,7 @@ def main() -> None:
         f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
     )
+    compile_all()
     parity()
     cub = tiles = None
     if not args.no_sweep:
