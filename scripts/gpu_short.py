@@ -1,6 +1,7 @@
 """Issue 13's unquantized GEMM dispatch by row count, on the GPU: Llama-3.1-8B config, random
 bf16 weights. Sections, in order (each in try/except: an error is printed and the next runs):
 
+0. every descriptor-GEMM config compiled at once (a dry run on a thread pool);
 1. parity on the GPU: the descriptor GEMM (``kernels/dense_gemm.py``) per config (one program
    per tile, persistent, warp-specialized, stream-K, split-K) vs torch at the four layer shapes
    (two launches of the fix-up schedules bit-equal), and ``layers.gemm_rows``'s padded path
@@ -9,15 +10,18 @@ bf16 weights. Sections, in order (each in try/except: an error is printed and th
    4096->28672, down 14336->4096 at M = 1, 8, 16 .. 1024, then every 64 to 2048, 4096, 8192,
    each GEMM replayed from a CUDA graph over enough weight copies that no weight is in L2;
    with the default BLAS backend and with ``preferred_blas_library('cublaslt')``; per shape
-   the row counts >= 1.15x slower than the best padded count of M .. M + 64;
-3. the descriptor GEMM per config at the row counts the engine's steps hit;
-4. the dispatch table derived from 2-3 (``--plans measured``; ``--plans shipped`` keeps the
-   module's ``PLANS``; ``--plans off`` turns the dispatch off), printed as a Python literal,
-   and its time per bucket against plain cuBLAS;
-5. the engine with that table: the short preset twice and the default preset twice with
-   GPU time by step kind (decode graph / mixed graph by bucket / eager mixed / big prefill) and
-   the short preset's row-count histogram; then a kernel-time split (GEMM / attention / other)
-   of mixed-bucket graph replays and the 256-row decode graph;
+   the row counts >= 1.15x slower than the best padded count of M .. M + 64; the LM head too
+   (up to 512 rows); the raw times as ``SWEEP`` lines;
+3. the descriptor GEMM per config (stream-K included) at the decode-graph buckets from 128
+   rows, the mixed-graph buckets and 2048 rows, each beside cuBLAS timed again;
+4. the dispatch table derived from 2-3 (``--plans measured``, compared with the shipped
+   ``PLANS``; ``--plans shipped`` keeps the module's; ``--plans off`` turns the dispatch off),
+   printed as a Python literal, and its time per bucket against plain cuBLAS;
+5. the engine with that table: the short, default and shared-prefix presets with dispatch on,
+   off, on again (graphs captured again at each switch: same-run comparisons), GPU time by
+   step kind (decode graph / mixed graph by bucket / eager mixed / big prefill); then a
+   kernel-time split (GEMM / attention / other) of two mixed-bucket graph replays and the
+   256-row decode graph;
 6. 8B batch-1 decode (regression: >= 169 tok/s).
 
 A table last; the raw sweep and results as JSON into $OUT/short.json.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import time
@@ -54,27 +59,28 @@ HEAD = {"lm_head": (128256, 4096)}
 """Swept too (cuBLAS only), at the row counts it meets: one per request of a step."""
 HEAD_GRID = [1] + list(range(8, 513, 8))
 ALL_SHAPES = SHAPES | HEAD
-TRITON_ROWS = [128, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 2048]
-CONFIGS = [
-    DenseGemmConfig(128, 256, 64, 8, 8, 3, 1),
-    DenseGemmConfig(128, 256, 64, 8, 8, 3, 0),
-    DenseGemmConfig(128, 256, 64, 8, 8, 3, 2),
-    DenseGemmConfig(128, 128, 64, 8, 4, 4, 1),
-    DenseGemmConfig(64, 256, 64, 8, 4, 4, 0),
+TRITON_ROWS = list(range(128, 257, 16)) + list(range(320, 1025, 64)) + [2048]
+"""The decode-graph buckets from 128 rows, the mixed-graph buckets, a prefill chunk."""
+CONFIGS = [  # check 1's winners somewhere, then stream-K (persistent=3)
     DenseGemmConfig(64, 128, 64, 8, 4, 4, 0),
-    DenseGemmConfig(128, 128, 64, 8, 8, 4, 0),
-    DenseGemmConfig(128, 128, 64, 8, 4, 4, 0),
-    DenseGemmConfig(128, 256, 64, 8, 8, 3, 3),  # stream-K
+    DenseGemmConfig(64, 256, 64, 8, 4, 4, 0),
+    DenseGemmConfig(128, 128, 64, 8, 4, 4, 1),
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 1),
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 2),
+    DenseGemmConfig(128, 256, 64, 8, 8, 3, 3),
     DenseGemmConfig(128, 128, 64, 8, 4, 4, 3),
     DenseGemmConfig(256, 128, 64, 8, 8, 3, 3),
+    DenseGemmConfig(64, 256, 64, 8, 4, 4, 3),
+    DenseGemmConfig(64, 128, 64, 8, 4, 4, 3),
 ]
 SPLIT_CONFIGS = [  # timed at row counts <= SPLIT_MAX_ROWS only
     DenseGemmConfig(128, 128, 64, 8, 4, 4, 0, 2),
     DenseGemmConfig(128, 128, 64, 8, 4, 4, 0, 4),
-    DenseGemmConfig(64, 128, 128, 8, 4, 3, 0, 4),
-    DenseGemmConfig(256, 128, 64, 8, 8, 3, 0, 3),
 ]
 SPLIT_MAX_ROWS = 512
+TILES_MIN_GAIN = 0.92
+"""A descriptor-GEMM band needs <= this time ratio against cuBLAS timed beside it (runs of one
+GEMM differ by a few % between sections)."""
 ROWS: list[tuple[str, str]] = []
 RESULTS: dict[str, object] = {}
 WEIGHTS: dict[str, list[torch.Tensor]] = {}
@@ -169,7 +175,8 @@ def compile_all() -> None:
         compiler.close(wait=True)
 
 
-@section("1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
+@section("0. every descriptor-GEMM config compiled at once (a dry run on a thread pool);
+1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
 def parity() -> None:
     for name, (n, k) in SHAPES.items():
         x = x_rows(k, 448)
@@ -230,7 +237,7 @@ def sweep(ceil) -> dict[str, dict[str, dict[int, float]]]:
         eff = []
         for m in pts:
             ideal = max(2 * m * n * k / ceil.matmul_flops_per_s, floor_b)
-            eff.append(f"{m}:{t[m]:.0f}({100 * ideal / t[m] * 1e-6:.0f}%)")
+            eff.append(f"{m}:{t[m]:.0f}({100 * ideal * 1e6 / t[m]:.0f}%)")
         row(f"cuBLAS {name} us (% of roofline) by M", " ".join(eff))
     RESULTS["sweep"] = res
     for backend, shapes in res.items():  # raw, for offline bucket choices
@@ -244,9 +251,10 @@ def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]
     best: dict[str, dict[int, tuple[float, DenseGemmConfig]]] = {}
     raw: dict[str, dict] = {}
     print("  configs in order: " + " ".join(str(tuple(c)) for c in CONFIGS + SPLIT_CONFIGS))
-    for name, (_, k) in SHAPES.items():
+    for name, (_, k) in ALL_SHAPES.items():
         best[name] = {}
-        for m in TRITON_ROWS + ([8192] if name == "down" else []):
+        rows = TRITON_ROWS + ([8192] if name == "down" else [])
+        for m in [128, 256] if name in HEAD else rows:
             x = x_rows(k, m)
             times = {}
             for cfg in CONFIGS + (SPLIT_CONFIGS if m <= SPLIT_MAX_ROWS else []):
@@ -257,9 +265,9 @@ def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]
             if not times:
                 continue
             cfg = min(times, key=times.get)
-            best[name][m] = (times[cfg], cfg)
+            c = cublas_us(name, m)  # timed beside the tiles: the ratio is what counts
+            best[name][m] = (times[cfg] / c, cfg)
             raw[f"{name} {m}"] = {str(tuple(c)): round(t, 1) for c, t in times.items()}
-            c = cub["default"][name].get(m, float("nan"))
             print(
                 f"  {name:8s} M={m:5d}: cuBLAS {c:7.1f} us | best tiles {times[cfg]:7.1f} "
                 f"{tuple(cfg)} ({c / times[cfg]:.2f}x) | "
@@ -273,7 +281,8 @@ def triton_sweep(cub: dict) -> dict[str, dict[int, tuple[float, DenseGemmConfig]
 def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
     """Per shape and grid row count, the fastest of: cuBLAS at M, cuBLASLt at M, cuBLAS padded to
     a grid count <= M + 64 (+ the pad's copy), cuBLAS on blocks of 2048 / 4096 rows (4096 and
-    8192 rows), the descriptor GEMM (row counts it was timed at); acting only on a >= 5% gain.
+    8192 rows), the descriptor GEMM (row counts it was timed at, >= 8% faster than cuBLAS timed
+    beside it); acting only on a >= 5% gain.
     Contiguous grid counts with the same action form a band (blocks: that count only)."""
     plans: dict[tuple[int, int], list[Band]] = {}
     for name, shape in ALL_SHAPES.items():
@@ -283,10 +292,10 @@ def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
         bands: list[Band] = []
         prev = 0
         for m in sorted(t):
-            pad_cost = 2 * m * shape[1] * 2 * 2 / 2.5e12 * 1e6 + 2.0  # read+write x, a launch
             options: list[tuple[float, object]] = [(t[m], None)]
             for mm in t:
-                if m < mm <= m + 64:
+                if m < mm <= m + 64:  # + the pad: read x, write the padded copy, a launch
+                    pad_cost = (m + mm) * shape[1] * 2 / 2.5e12 * 1e6 + 2.0
                     options.append((t[mm] + pad_cost, Pad(mm)))
             lt = cub.get("cublaslt", {}).get(name, {})
             if m in lt:
@@ -295,8 +304,9 @@ def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
                 if m > c and m % c == 0 and c in t:
                     options.append((m // c * t[c] + 2.0, Chunks(c)))
             if m in tiles.get(name, {}):
-                tt, cfg = tiles[name][m]
-                options.append((tt, Tiles(cfg)))
+                ratio, cfg = tiles[name][m]  # tiles / cuBLAS, timed side by side
+                if ratio <= TILES_MIN_GAIN:
+                    options.append((ratio * t[m], Tiles(cfg)))
             cost, action = min(options, key=lambda o: o[0])
             if action is not None and cost < 0.95 * t[m]:
                 lo = m if isinstance(action, Chunks) else prev + 1
@@ -317,8 +327,18 @@ def table(cub: dict, tiles: dict, mode: str) -> None:
         row("dispatch", "off")
         return
     if mode == "measured":
+        shipped = dict(gemm_rows.PLANS)
         gemm_rows.PLANS.clear()
         gemm_rows.PLANS.update(derive(cub, tiles))
+        for shape in sorted(set(shipped) | set(gemm_rows.PLANS)):
+            a, b = shipped.get(shape, []), gemm_rows.PLANS.get(shape, [])
+            row(
+                f"plans {shape} vs shipped",
+                "same"
+                if a == b
+                else f"only shipped {[x for x in a if x not in b]}; only "
+                f"measured {[x for x in b if x not in a]}",
+            )
     print("PLANS = {")
     for shape, bands in gemm_rows.PLANS.items():
         print(f"    {shape}: [")
@@ -413,7 +433,7 @@ def run_preset(llm: LLM, ceil, name: str, tag: str) -> None:
             f"{k}: {n} steps {s:.3f} s ({1e3 * s / n:.2f} ms/step)" for k, (n, s) in mix.items()
         ),
     )
-    if name == "short" and tag.endswith("1"):
+    if name == "short" and tag == "on":
         row(
             "  decode steps by rows (short)",
             " ".join(
@@ -425,6 +445,20 @@ def run_preset(llm: LLM, ceil, name: str, tag: str) -> None:
     RESULTS[label] = vars(res) | {"phases": phases}
 
 
+def recapture(llm: LLM, enabled: bool) -> None:
+    """Drop the runner's graphs, switch the dispatch, capture them again."""
+    runner = llm.llm_engine.runner
+    gemm_rows.set_enabled(enabled)
+    runner.graphs = runner.cascade_graphs = None
+    if runner.mixed is not None:
+        runner.mixed.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    runner.capture_cuda_graphs()
+    row(f"recaptured (dispatch {'on' if enabled else 'off'})", f"{time.perf_counter() - t0:.1f} s")
+
+
 @section("5b. kernel-time split of mixed-bucket and decode graph replays")
 def split(llm: LLM) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -433,7 +467,7 @@ def split(llm: LLM) -> None:
     mixed = getattr(runner.mixed, "graphs", None)
     targets = []
     if mixed is not None:
-        for b in (320, 448, 512, 640, 768, 1024):
+        for b in (448, 640):
             if b in mixed.graphs:
                 stage = functools.partial(mixed._stage_empty, b)
                 targets.append((f"mixed bucket {b} (all padding)", stage, mixed.graphs[b]))
@@ -507,10 +541,16 @@ def main() -> None:
     t0 = time.perf_counter()
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
-    row("start-up", f"{time.perf_counter() - t0:.1f} s")
-    for name in ("short", "default"):
-        for i in (1, 2):
-            section(f"5. preset {name} run {i}")(run_preset)(llm, ceil, name, f"run {i}")
+    row("start-up", f"{time.perf_counter() - t0:.1f} s (dispatch {mode})")
+    # dispatch on, off, on again (the graphs captured again each time): same-run comparisons
+    rounds = [("on", True), ("off", False), ("on, again", True)]
+    if mode == "off":
+        rounds = [("off", False)]
+    for i, (tag, enabled) in enumerate(rounds):
+        if i:
+            section(f"5. graphs captured again, dispatch {tag}")(recapture)(llm, enabled)
+        for name in ("short", "default", "shared-prefix"):
+            section(f"5. preset {name}, dispatch {tag}")(run_preset)(llm, ceil, name, tag)
     split(llm)
     bs1(llm, ceil)
     print(f"\n=== gpu_short summary ({time.perf_counter() - t_start:.0f} s) ===")

@@ -64,8 +64,48 @@ class Band(NamedTuple):
 Plan = list[Band]
 """A weight shape's bands, sorted by ``lo``, not overlapping."""
 
-PLANS: dict[tuple[int, int], Plan] = {}
-"""(N, K) -> bands (H100 measurements; see the module docstring)."""
+_GATE_UP_896 = Tiles(DenseGemmConfig(128, 256, 64, 8, 8, 3, 1))
+PLANS: dict[tuple[int, int], Plan] = {
+    # H100 SXM, bf16, us per GEMM (cuBLAS at M -> the band's way), scripts/gpu_short.py
+    (6144, 4096): [  # qkv
+        Band(169, 176, Pad(192)),  # 27 -> 24
+        Band(217, 224, Pad(256)),  # 29 -> 24
+        Band(313, 320, Pad(336)),  # 38 -> 28
+        Band(825, 832, Pad(896)),  # 85 -> 68
+        Band(833, 880, Pad(904)),  # 77..84 -> 63
+    ],
+    (4096, 4096): [  # o
+        Band(441, 448, Pad(464)),  # 30 -> 24
+        Band(825, 832, Pad(840)),  # 71 -> 39
+    ],
+    (28672, 4096): [  # gate_up
+        Band(281, 288, Pad(296)),  # 143 -> 114
+        Band(393, 400, Pad(408)),  # 201 -> 147
+        Band(433, 448, Pad(456)),  # 204..296 -> 159
+        Band(529, 560, Pad(568)),  # 299..303 -> 194
+        Band(577, 584, Pad(592)),  # 279 -> 205
+        Band(593, 600, Pad(608)),  # 272 -> 212
+        Band(609, 616, Pad(640)),  # 272 -> 213
+        Band(641, 672, Pad(680)),  # 267..272 -> 232
+        Band(825, 840, Pad(848)),  # 326 -> 276
+        Band(889, 896, _GATE_UP_896),  # 336 -> 275
+    ],
+    (4096, 14336): [  # down
+        Band(121, 128, Lt()),  # 53 -> 47
+        Band(137, 144, Lt()),  # 53 -> 47
+        Band(153, 160, Lt()),  # 54 -> 48
+        Band(265, 272, Lt()),  # 75 -> 65
+        Band(329, 336, Lt()),  # 85 -> 64
+        Band(345, 360, Pad(376)),  # 78..90 -> 65
+        Band(377, 384, Lt()),  # 87 -> 65
+        Band(393, 400, Lt()),  # 87 -> 69
+        Band(409, 416, Pad(432)),  # 103 -> 73
+        Band(417, 424, Lt()),  # 85 -> 74
+        Band(457, 464, Lt()),  # 89 -> 77
+    ],
+}
+"""(N, K) -> bands, from one H100 sweep (see the module docstring): the Llama-3.1-8B (and
+Mistral-7B) shapes; other shapes have none."""
 
 _ENABLED = os.environ.get("ROOFLINE_GEMM_ROWS", "1") != "0"
 

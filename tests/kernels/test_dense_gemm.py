@@ -131,3 +131,26 @@ def test_warm_up_runs_each_tiles_band_of_the_model(monkeypatch) -> None:
     monkeypatch.setattr(gemm_rows, "run", lambda x, w, b, band: calls.append((x.shape[0], band)))
     gemm_rows.warm_up(layers)
     assert calls == [(3, plan[0])]
+
+
+def test_shipped_plans_are_well_formed() -> None:
+    """Every shipped band: sorted, not overlapping, padding up (never down), configs the
+    kernel takes (power-of-two tiles, split-K only without persistence)."""
+    from roofline.layers.gemm_rows import PLANS, Chunks, Pad, Tiles
+
+    for (n, k), bands in PLANS.items():
+        assert n % 8 == 0 and k % 8 == 0
+        for a, b in zip(bands, bands[1:]):
+            assert a.hi < b.lo, (a, b)
+        for band in bands:
+            assert 1 <= band.lo <= band.hi
+            act = band.action
+            if isinstance(act, Pad):
+                assert act.rows > band.hi
+            elif isinstance(act, Chunks):
+                assert 0 < act.rows < band.hi
+            elif isinstance(act, Tiles):
+                c = act.config
+                for size in (c.block_m, c.block_n, c.block_k):
+                    assert size >= 16 and size & (size - 1) == 0
+                assert c.split_k == 1 or c.persistent == 0
