@@ -175,8 +175,7 @@ def compile_all() -> None:
         compiler.close(wait=True)
 
 
-@section("0. every descriptor-GEMM config compiled at once (a dry run on a thread pool);
-1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
+@section("1. parity on the GPU: descriptor GEMM and padded cuBLAS vs torch")
 def parity() -> None:
     for name, (n, k) in SHAPES.items():
         x = x_rows(k, 448)
