@@ -308,8 +308,9 @@ def derive(cub: dict, tiles: dict) -> dict[tuple[int, int], list[Band]]:
                     options.append((ratio * t[m], Tiles(cfg)))
             cost, action = min(options, key=lambda o: o[0])
             if action is not None and cost < 0.95 * t[m]:
-                lo = m if isinstance(action, Chunks) else prev + 1
-                if bands and bands[-1].action == action and bands[-1].hi == prev:
+                # a band reaches at most 64 rows below a measured count (blocks: that count)
+                lo = m if isinstance(action, Chunks) else max(prev + 1, m - 63)
+                if bands and bands[-1].action == action and bands[-1].hi == lo - 1:
                     bands[-1] = Band(bands[-1].lo, m, action)
                 else:
                     bands.append(Band(lo, m, action))
