@@ -46,10 +46,13 @@ import torch.nn.functional as F
 from roofline import LLM
 from roofline.bench import latency, throughput, workloads
 from roofline.bench.ceilings import measure
+from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.dense_gemm import dense_gemm, dense_gemm_ref
 from roofline.kernels.dense_gemm_configs import DenseGemmConfig
+from roofline.kernels.dense_gemm_silu import dense_gemm_silu, dense_gemm_silu_ref
 from roofline.layers import gemm_rows
 from roofline.layers.gemm_rows import Band, Chunks, Lt, Pad, Tiles
+from roofline.layers.linear import linear
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -78,6 +81,13 @@ SPLIT_CONFIGS = [  # timed at row counts <= SPLIT_MAX_ROWS only
     DenseGemmConfig(128, 128, 64, 8, 4, 4, 0, 4),
 ]
 SPLIT_MAX_ROWS = 512
+SILU_CONFIGS = [  # gate_up with the SiLU-and-mul in the epilogue (kernels/dense_gemm_silu.py)
+    DenseGemmConfig(128, 128, 64, 8, 8, 3, 0),
+    DenseGemmConfig(128, 128, 64, 8, 8, 3, 1),
+    DenseGemmConfig(64, 128, 64, 8, 4, 4, 0),
+    DenseGemmConfig(128, 64, 64, 8, 4, 4, 0),
+    DenseGemmConfig(64, 256, 64, 8, 8, 2, 0),
+]
 TILES_MIN_GAIN = 0.92
 """A descriptor-GEMM band needs <= this time ratio against cuBLAS timed beside it (runs of one
 GEMM differ by a few % between sections)."""
@@ -169,6 +179,8 @@ def compile_all() -> None:
             for name, (_, k) in SHAPES.items():
                 for cfg in CONFIGS + SPLIT_CONFIGS:
                     dense_gemm(x_rows(k, 448), weights(name)[0], cfg)
+            for cfg in SILU_CONFIGS:
+                dense_gemm_silu(x_rows(4096, 448), weights("gate_up")[0], cfg)
         stats = compiler.finish(wait=True)
         row("compiled", f"{stats.num_kernels} specialisations, {stats.num_failed} failed")
     finally:
@@ -199,6 +211,24 @@ def parity() -> None:
             f"descriptor GEMM max|diff| {worst:.1e}, padded cuBLAS {pad_err:.1e}, cuBLAS "
             f"{cub_err:.1e} (vs fp32 products rounded once) -> "
             f"{'OK' if worst < 0.05 and pad_err < 0.05 else 'MISMATCH'}",
+        )
+
+
+@section("1b. parity on the GPU: gate_up with the SiLU-and-mul epilogue vs the unfused path")
+def parity_silu() -> None:
+    x, w = x_rows(4096, 448), weights("gate_up")[0]
+    ref = dense_gemm_silu_ref(x, w).float()
+    unfused = silu_and_mul(F.linear(x, w)).float()
+    for cfg in SILU_CONFIGS:
+        try:
+            err = (dense_gemm_silu(x, w, cfg).float() - ref).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - a config may not compile
+            row(f"parity silu epilogue {tuple(cfg)}", f"{type(e).__name__}: {str(e)[:160]}")
+            continue
+        row(
+            f"parity silu epilogue {tuple(cfg)}",
+            f"max|diff| {err:.1e} (cuBLAS + silu_and_mul {(unfused - ref).abs().max().item():.1e})"
+            f" -> {'OK' if err < 0.05 else 'MISMATCH'}",
         )
 
 
@@ -374,6 +404,51 @@ MIXED_BUCKETS = (256, 320, 384, 448, 512, 640, 768, 896, 1024)
 """Step-kind labels of mixed steps (256: any count up to 256)."""
 
 
+@section("4b. gate_up + SiLU-and-mul in one GEMM vs the dispatched GEMM + silu_and_mul")
+def silu_table(mode: str) -> None:
+    """Per row count, the fused GEMM's best config against the unfused pair (the GEMM as the
+    table above dispatches it, then the activation kernel), timed side by side; a band where
+    the fused one is >= 5% faster (at most 64 rows below a measured count)."""
+    if mode == "off":
+        return
+    gemm_rows.SILU_PLANS.clear()
+    shape = SHAPES["gate_up"]
+    bands: list[Band] = []
+    prev = 0
+    parts = []
+    for m in TRITON_ROWS + [4096, 8192]:
+        x = x_rows(shape[1], m)
+        pair = graph_us(lambda w: silu_and_mul(linear(x, w, None)), weights("gate_up"))  # noqa: B023
+        times = {}
+        for cfg in SILU_CONFIGS:
+            try:
+                times[cfg] = graph_us(lambda w, c=cfg: dense_gemm_silu(x, w, c), weights("gate_up"))  # noqa: B023
+            except Exception as e:  # noqa: BLE001
+                print(f"  silu {m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:120]}")
+        if times:
+            cfg = min(times, key=times.get)
+            print(
+                f"  gate_up+silu M={m:5d}: pair {pair:7.1f} us | fused {times[cfg]:7.1f} "
+                f"{tuple(cfg)} ({pair / times[cfg]:.2f}x) | "
+                + " ".join(f"{t:.0f}" for t in times.values()),
+                flush=True,
+            )
+            parts.append(f"{m}:{pair:.0f}->{times[cfg]:.0f}")
+            if times[cfg] < 0.95 * pair:
+                lo = max(prev + 1, m - 63)
+                action = Tiles(cfg)
+                if bands and bands[-1].action == action and bands[-1].hi == lo - 1:
+                    bands[-1] = Band(bands[-1].lo, m, action)
+                else:
+                    bands.append(Band(lo, m, action))
+        prev = m
+    row("gate_up+silu (M: pair us -> fused)", " ".join(parts))
+    if bands and mode == "measured":
+        gemm_rows.SILU_PLANS[shape] = bands
+    print(f"SILU_PLANS = {{{shape}: {bands!r}}}")
+    RESULTS["silu_plans"] = repr(bands)
+
+
 class StepClock:
     """GPU time by step kind: an event recorded as each step is scheduled (before its launch;
     with one step in flight the time to the next event is the earlier step's)."""
@@ -535,6 +610,8 @@ def main() -> None:
         tiles = triton_sweep(cub) if cub else None
     mode = args.plans if cub is not None else ("off" if args.plans == "off" else "shipped")
     table(cub or {"default": {}}, tiles or {}, mode)
+    parity_silu()
+    silu_table(mode)
     WEIGHTS.clear()
     X_ALL.clear()
     torch.cuda.empty_cache()

@@ -107,6 +107,11 @@ PLANS: dict[tuple[int, int], Plan] = {
 """(N, K) -> bands, from one H100 sweep (see the module docstring): the Llama-3.1-8B (and
 Mistral-7B) shapes; other shapes have none."""
 
+SILU_PLANS: dict[tuple[int, int], Plan] = {}
+"""(2I, K) of an MLP's merged gate_up weight -> bands whose ``Tiles`` config runs the GEMM with
+the SiLU-and-mul in its epilogue (``kernels/dense_gemm_silu.py``): the ``[M, 2I]`` activation is
+never written nor read back (``MergedLinear.fuses_silu_mul_out``)."""
+
 _ENABLED = os.environ.get("ROOFLINE_GEMM_ROWS", "1") != "0"
 
 
@@ -142,6 +147,28 @@ def choose(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
     return find_band(plan, x.shape[0])
 
 
+def choose_silu(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
+    """The ``SILU_PLANS`` band for ``silu_and_mul(x @ weight.T)`` in one GEMM, or None."""
+    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
+        return None
+    plan = SILU_PLANS.get((weight.shape[0], weight.shape[1]))
+    if plan is None or weight.dtype != x.dtype:
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if not _hopper(index):
+        return None
+    return find_band(plan, x.shape[0])
+
+
+def run_silu(x: torch.Tensor, weight: torch.Tensor, band: Band) -> torch.Tensor:
+    """``silu_and_mul(x @ weight.T)`` in one GEMM with ``band``'s tiles. x: [M, K], weight:
+    [2I, K] -> [M, I]."""
+    from roofline.kernels.dense_gemm_silu import dense_gemm_silu
+
+    assert isinstance(band.action, Tiles)
+    return dense_gemm_silu(x, weight, band.action.config)
+
+
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, band: Band):
     """``F.linear(x, weight, bias)`` the way ``band`` says."""
     # x: [M, K], weight: [N, K] -> [M, N]
@@ -175,9 +202,10 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, band: 
 
 
 def warm_up(model: torch.nn.Module) -> None:
-    """Run each ``Tiles`` band of ``model``'s unquantized layers once (at its smallest count, on
-    zeros), so that the runner's warm-up compiles the descriptor GEMM for every config a step
-    can reach, eager steps included (graph buckets reach only their own counts)."""
+    """Run each ``Tiles`` band (of ``PLANS`` and ``SILU_PLANS``) of ``model``'s layers once (at
+    its smallest count, on zeros), so that the runner's warm-up compiles the descriptor GEMM for
+    every config a step can reach, eager steps included (graph buckets reach only their own
+    counts)."""
     from roofline.layers.linear import MergedLinear
 
     done: set[tuple] = set()
@@ -185,11 +213,17 @@ def warm_up(model: torch.nn.Module) -> None:
         weight = getattr(module, "weight", None)
         if not isinstance(module, MergedLinear) or not isinstance(weight, torch.Tensor):
             continue
-        for band in PLANS.get((weight.shape[0], weight.shape[1]), []):
-            key = (band.action, weight.dtype, weight.shape[1] % 16, weight.shape[0] % 16)
-            if not isinstance(band.action, Tiles) or key in done:
-                continue
-            x = torch.zeros(band.lo, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            if choose(x, weight) is band:
-                run(x, weight, None, band)
+        shape = (weight.shape[0], weight.shape[1])
+        for fused, plan in ((False, PLANS.get(shape, [])), (True, SILU_PLANS.get(shape, []))):
+            for band in plan:
+                key = (fused, band.action, weight.dtype, shape[0] % 16, shape[1] % 16)
+                if not isinstance(band.action, Tiles) or key in done:
+                    continue
+                x = torch.zeros(band.lo, shape[1], dtype=weight.dtype, device=weight.device)
+                if fused and choose_silu(x, weight) is band:
+                    run_silu(x, weight, band)
+                elif not fused and choose(x, weight) is band:
+                    run(x, weight, None, band)
+                else:
+                    continue
                 done.add(key)

@@ -87,6 +87,27 @@ class MergedLinear(nn.Module):
             self, gate_up
         )
 
+    def fuses_silu_mul_out(self, x: torch.Tensor) -> bool:
+        """Whether ``forward_silu_mul_out(x)`` replaces ``silu_and_mul(self(x))``: an MLP's
+        16-bit gate_up layer without bias whose shape and row count have a band in
+        ``gemm_rows.SILU_PLANS`` (the SiLU-and-mul in the GEMM's epilogue)."""
+        from roofline.quantization.base import UnquantizedLinearMethod
+
+        return (
+            self.bias is None
+            and type(self).forward is MergedLinear.forward
+            and type(self.method) is UnquantizedLinearMethod
+            and len(self.output_sizes) == 2
+            and self.output_sizes[0] == self.output_sizes[1]
+            and gemm_rows.choose_silu(x, self.weight) is not None
+        )
+
+    def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features / 2] (SiLU(gate) * up)
+        band = gemm_rows.choose_silu(x, self.weight)
+        assert band is not None, "forward_silu_mul_out without fuses_silu_mul_out"
+        return gemm_rows.run_silu(x, self.weight, band)
+
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * in_features] (gate | up) -> [num_tokens, sum(output_sizes)]
         return self.method.apply_silu_mul(self, gate_up, self.bias)

@@ -141,6 +141,9 @@ class LlamaMLP(nn.Module):
     ) -> torch.Tensor:
         if norm is not None and residual is not None:  # fused decode: x is the residual stream
             return fused_decode.mlp_norm_add(self.gate_up_proj, self.down_proj, norm, x, residual)
+        if self.gate_up_proj.fuses_silu_mul_out(x):  # the SiLU-and-mul in gate_up's epilogue
+            out = self.down_proj(self.gate_up_proj.forward_silu_mul_out(x))
+            return out if self.reduce is None else self.reduce(out)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if self.down_proj.fuses_silu_mul(gate_up):  # batch-1 decode: SiLU inside the down GEMM
             out = self.down_proj.forward_silu_mul(gate_up)

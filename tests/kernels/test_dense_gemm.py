@@ -154,3 +154,54 @@ def test_shipped_plans_are_well_formed() -> None:
                 for size in (c.block_m, c.block_n, c.block_k):
                     assert size >= 16 and size & (size - 1) == 0
                 assert c.split_k == 1 or c.persistent == 0
+
+
+@pytest.mark.parametrize("rows", [1, 37, 100])
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_silu_epilogue_matches_reference(rows: int, persistent: int) -> None:
+    """The gate_up GEMM with the SiLU-and-mul in its epilogue: the unfused path's values (the
+    GEMM rounded to bf16, torch's SiLU-and-mul) within bf16 rounding; refuses a tile that
+    would straddle gate and up."""
+    from roofline.kernels.dense_gemm_silu import dense_gemm_silu, dense_gemm_silu_ref
+
+    inter = 128 if ON_GPU else 64
+    cfg = (
+        DenseGemmConfig(64, 64, 64, 8, 4, 3, persistent)
+        if ON_GPU
+        else DenseGemmConfig(16, 32, 16, 2, 4, 1, persistent)
+    )
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(2 * inter, K, generator=gen) / K**0.5).to(torch.bfloat16).to(DEVICE)
+    out = dense_gemm_silu(x, w, cfg, num_programs=3)
+    assert out.shape == (rows, inter)
+    assert_close(out, dense_gemm_silu_ref(x, w), torch.bfloat16)
+    with pytest.raises(ValueError, match="N / 2 a multiple"):
+        dense_gemm_silu(x, w[: 2 * inter - 16], cfg)
+
+
+def test_merged_gate_up_takes_the_silu_epilogue_in_its_bands(monkeypatch) -> None:
+    """``MergedLinear.fuses_silu_mul_out``: only a bias-free two-shard layer whose row count has
+    a ``SILU_PLANS`` band; ``forward_silu_mul_out`` then equals the SiLU-and-mul of its output."""
+    from roofline.layers import gemm_rows
+    from roofline.layers.linear import MergedLinear
+
+    inter = 64
+    cfg = (
+        DenseGemmConfig(64, 64, 64, 8, 4, 3, 0) if ON_GPU else DenseGemmConfig(16, 32, 16, 2, 4, 1)
+    )
+    band = gemm_rows.Band(2, 40, gemm_rows.Tiles(cfg))
+    monkeypatch.setitem(gemm_rows.SILU_PLANS, (2 * inter, K), [band])
+    # every device as Hopper: the bands of SILU_PLANS apply
+    monkeypatch.setattr(gemm_rows, "choose_silu", lambda x, w: gemm_rows.find_band(
+        gemm_rows.SILU_PLANS.get(tuple(w.shape), []), x.shape[0]))  # fmt: skip
+    layer = MergedLinear(K, [inter, inter]).to(torch.bfloat16).to(DEVICE)
+    torch.nn.init.normal_(layer.weight, std=K**-0.5)
+    x = torch.randn(30, K).to(torch.bfloat16).to(DEVICE)
+    assert layer.fuses_silu_mul_out(x) and not layer.fuses_silu_mul_out(x[:1])
+    gate, up = layer(x).float().chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16)
+    assert_close(layer.forward_silu_mul_out(x), want, torch.bfloat16)
+    biased = MergedLinear(K, [inter, inter], bias=True).to(torch.bfloat16).to(DEVICE)
+    three = MergedLinear(K, [inter, inter // 2, inter // 2]).to(torch.bfloat16).to(DEVICE)
+    assert not biased.fuses_silu_mul_out(x) and not three.fuses_silu_mul_out(x)
