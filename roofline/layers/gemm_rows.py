@@ -64,53 +64,76 @@ class Band(NamedTuple):
 Plan = list[Band]
 """A weight shape's bands, sorted by ``lo``, not overlapping."""
 
-_GATE_UP_896 = Tiles(DenseGemmConfig(128, 256, 64, 8, 8, 3, 1))
+_TILES_128X256 = Tiles(DenseGemmConfig(128, 256, 64, 8, 8, 3, 1))
 PLANS: dict[tuple[int, int], Plan] = {
-    # H100 SXM, bf16, us per GEMM (cuBLAS at M -> the band's way), scripts/gpu_short.py
+    # H100 SXM, bf16, us per GEMM at the band's top count: cuBLAS -> the band's way, from
+    # scripts/gpu_short.py's second check (its derived table at <= 1024 rows; above, the gains
+    # were within the run-to-run spread and the eager steps got no faster with them)
     (6144, 4096): [  # qkv
-        Band(169, 176, Pad(192)),  # 27 -> 24
-        Band(217, 224, Pad(256)),  # 29 -> 24
-        Band(313, 320, Pad(336)),  # 38 -> 28
-        Band(825, 832, Pad(896)),  # 85 -> 68
-        Band(833, 880, Pad(904)),  # 77..84 -> 63
+        Band(313, 320, Pad(344)),  # 38 -> 28
+        Band(409, 416, Pad(432)),  # 43 -> 33
+        Band(825, 832, Pad(888)),  # 89 -> 66
+        Band(833, 880, Pad(904)),  # 76..84 -> 63
     ],
     (4096, 4096): [  # o
-        Band(441, 448, Pad(464)),  # 30 -> 24
-        Band(825, 832, Pad(840)),  # 71 -> 39
+        Band(537, 568, Lt()),  # 31..43 -> 28
+        Band(705, 712, Lt()),  # 43 -> 34
+        Band(825, 832, Pad(840)),  # 68 -> 39
+        Band(841, 856, Lt()),  # 48 -> 40
     ],
     (28672, 4096): [  # gate_up
-        Band(281, 288, Pad(296)),  # 143 -> 114
-        Band(393, 400, Pad(408)),  # 201 -> 147
-        Band(433, 448, Pad(456)),  # 204..296 -> 159
-        Band(529, 560, Pad(568)),  # 299..303 -> 194
-        Band(577, 584, Pad(592)),  # 279 -> 205
-        Band(593, 600, Pad(608)),  # 272 -> 212
-        Band(609, 616, Pad(640)),  # 272 -> 213
-        Band(641, 672, Pad(680)),  # 267..272 -> 232
-        Band(825, 840, Pad(848)),  # 326 -> 276
-        Band(889, 896, _GATE_UP_896),  # 336 -> 275
+        Band(281, 288, Pad(296)),  # 133 -> 110
+        Band(393, 400, Pad(408)),  # 199 -> 142
+        Band(433, 448, Pad(456)),  # 203..293 -> 155
+        Band(513, 520, Pad(528)),  # 211 -> 181
+        Band(529, 536, Pad(568)),  # 295 -> 190
+        Band(545, 560, Pad(568)),  # 296..300 -> 190
+        Band(577, 584, Pad(592)),  # 280 -> 199
+        Band(593, 600, Pad(608)),  # 274 -> 206
+        Band(609, 616, Pad(632)),  # 274 -> 208
+        Band(641, 672, Pad(680)),
+        Band(705, 712, Pad(720)),
+        Band(785, 824, Lt()),
+        Band(825, 840, Pad(848)),  # 326 -> 274
+        Band(857, 864, Pad(872)),
+        Band(881, 888, Pad(944)),
+        Band(889, 896, _TILES_128X256),  # 319 -> 274 (1.16x; 1.22x in the first check)
+        Band(897, 904, Pad(944)),
+        Band(913, 920, Pad(944)),
+        Band(929, 936, Pad(944)),
+        Band(953, 960, Lt()),
+        Band(961, 984, Pad(992)),
+        Band(1001, 1008, Pad(1024)),
+        Band(1009, 1016, Lt()),
     ],
     (4096, 14336): [  # down
-        Band(121, 128, Lt()),  # 53 -> 47
-        Band(137, 144, Lt()),  # 53 -> 47
-        Band(153, 160, Lt()),  # 54 -> 48
-        Band(265, 272, Lt()),  # 75 -> 65
-        Band(329, 336, Lt()),  # 85 -> 64
-        Band(345, 360, Pad(376)),  # 78..90 -> 65
-        Band(377, 384, Lt()),  # 87 -> 65
-        Band(393, 400, Lt()),  # 87 -> 69
-        Band(409, 416, Pad(432)),  # 103 -> 73
-        Band(417, 424, Lt()),  # 85 -> 74
-        Band(457, 464, Lt()),  # 89 -> 77
+        Band(89, 96, Lt()),
+        Band(121, 160, Lt()),  # 53 -> 47
+        Band(169, 176, Lt()),
+        Band(185, 192, Lt()),  # 61 -> 49
+        Band(217, 224, Lt()),
+        Band(265, 272, Lt()),  # 70 -> 63
+        Band(281, 288, Lt()),  # 74 -> 65
+        Band(329, 336, Lt()),  # 83 -> 64
+        Band(345, 352, Pad(376)),  # 79 -> 64
+        Band(353, 360, Lt()),  # 91 -> 73
+        Band(377, 384, Lt()),  # 86 -> 64
+        Band(393, 400, Lt()),  # 90 -> 69
+        Band(409, 416, Pad(440)),  # 96 -> 71
+    ],
+    (128256, 4096): [  # an LM head (Llama-3 vocabulary)
+        Band(337, 352, Pad(360)),  # 636 -> 547
+        Band(409, 416, Pad(440)),
     ],
 }
-"""(N, K) -> bands, from one H100 sweep (see the module docstring): the Llama-3.1-8B (and
-Mistral-7B) shapes; other shapes have none."""
+"""(N, K) -> bands, from H100 sweeps (see the module docstring): the Llama-3.1-8B shapes
+(Mistral-7B shares them); other shapes have none."""
 
 SILU_PLANS: dict[tuple[int, int], Plan] = {}
 """(2I, K) of an MLP's merged gate_up weight -> bands whose ``Tiles`` config runs the GEMM with
 the SiLU-and-mul in its epilogue (``kernels/dense_gemm_silu.py``): the ``[M, 2I]`` activation is
-never written nor read back (``MergedLinear.fuses_silu_mul_out``)."""
+never written nor read back (``MergedLinear.fuses_silu_mul_out``). None shipped: measured by
+``scripts/gpu_short.py`` (section 4b), not yet in an end-to-end run."""
 
 _ENABLED = os.environ.get("ROOFLINE_GEMM_ROWS", "1") != "0"
 

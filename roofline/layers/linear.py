@@ -91,15 +91,18 @@ class MergedLinear(nn.Module):
         """Whether ``forward_silu_mul_out(x)`` replaces ``silu_and_mul(self(x))``: an MLP's
         16-bit gate_up layer without bias whose shape and row count have a band in
         ``gemm_rows.SILU_PLANS`` (the SiLU-and-mul in the GEMM's epilogue)."""
+        weight = getattr(self, "weight", None)
+        if self.bias is not None or not isinstance(weight, torch.Tensor):
+            return False
+        if gemm_rows.choose_silu(x, weight) is None:  # the common case: one dict lookup
+            return False
         from roofline.quantization.base import UnquantizedLinearMethod
 
         return (
-            self.bias is None
-            and type(self).forward is MergedLinear.forward
+            type(self).forward is MergedLinear.forward
             and type(self.method) is UnquantizedLinearMethod
             and len(self.output_sizes) == 2
             and self.output_sizes[0] == self.output_sizes[1]
-            and gemm_rows.choose_silu(x, self.weight) is not None
         )
 
     def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
