@@ -595,6 +595,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plans", choices=("measured", "shipped", "off"), default="measured")
     ap.add_argument("--no-sweep", action="store_true", help="skip sections 2-3 (plans shipped)")
+    ap.add_argument("--silu", choices=("measured", "shipped"), default=None,
+                    help="SiLU-epilogue bands for the engine (default: as --plans)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -613,7 +615,7 @@ def main() -> None:
     mode = args.plans if cub is not None else ("off" if args.plans == "off" else "shipped")
     table(cub or {"default": {}}, tiles or {}, mode)
     parity_silu()
-    silu_table(mode)
+    silu_table("off" if mode == "off" else (args.silu or mode))
     WEIGHTS.clear()
     X_ALL.clear()
     torch.cuda.empty_cache()
