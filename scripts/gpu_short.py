@@ -443,11 +443,12 @@ def silu_table(mode: str) -> None:
                     bands.append(Band(lo, m, action))
         prev = m
     row("gate_up+silu (M: pair us -> fused)", " ".join(parts))
+    print(f"SILU_PLANS measured = {{{shape}: {bands!r}}}")
     if mode == "shipped":
         bands = shipped
     if bands:
         gemm_rows.SILU_PLANS[shape] = bands
-    print(f"SILU_PLANS = {{{shape}: {bands!r}}}")
+    row("SiLU-epilogue bands in the engine", f"{len(bands)} ({mode})")
     RESULTS["silu_plans"] = repr(bands)
 
 
