@@ -10,8 +10,7 @@ weight tile run side by side and the weight is read from HBM about once (x, at m
 at the row counts this kernel serves, stays in L2). ``DenseGemmConfig.persistent``: 0 launches
 one program per tile; 1 launches one program per SM walking the tiles with a flattened loop
 (the next tile's loads overlap this one's epilogue); 2 the same loop warp-specialized (a
-producer warp issues the TMA loads); 3 the stream-K schedule of ``dense_gemm_streamk.py``
-(whole tiles, then the last waves' K iterations shared out evenly over the SMs).
+producer warp issues the TMA loads).
 
 ``split_k > 1`` (few output tiles, long K: the decode-sized row counts) gives each program one
 slice of K (slices differ by one K tile at most); its fp32 partial tile goes to a workspace, and
@@ -190,13 +189,6 @@ def dense_gemm(
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
-        return out
-    if c.persistent == 3:
-        from roofline.kernels.dense_gemm_streamk import launch_streamk, streamk_programs
-
-        sms = num_programs or num_sms(x.device)
-        programs = streamk_programs(num_tiles, triton.cdiv(k, c.block_k), sms)
-        launch_streamk(x_desc, w_desc, out_desc, m, n, k, c, programs, _locks(x.device), x.device)
         return out
     programs = min(num_tiles, num_programs or num_sms(x.device)) if c.persistent else num_tiles
     _dense_gemm_kernel[(programs,)](

@@ -14,7 +14,6 @@ class DenseGemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     persistent: int = 0
-    """0: one program per tile; 1: one per SM, flattened tile loop; 2: that, warp-specialized;
-    3: one per SM, stream-K (``dense_gemm_streamk.py``)."""
+    """0: one program per tile; 1: one per SM, flattened tile loop; 2: that, warp-specialized."""
     split_k: int = 1
     """K slices per tile (> 1: one program per tile and slice, ``persistent`` ignored)."""

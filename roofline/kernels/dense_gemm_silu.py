@@ -86,7 +86,7 @@ def dense_gemm_silu(
         raise ValueError(
             f"dense_gemm_silu needs contiguous 16-bit x {tuple(x.shape)} / weight "
             f"{tuple(weight.shape)} of one dtype, N / 2 a multiple of {c.block_n}, and a config "
-            "without split-K or stream-K"
+            "without split-K"
         )
     m, k = x.shape
     inter = weight.shape[0] // 2

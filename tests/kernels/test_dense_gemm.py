@@ -48,23 +48,6 @@ def test_matches_reference(rows: int, config: DenseGemmConfig, dtype: torch.dtyp
         assert torch.equal(dense_gemm(x, w, config), out)
 
 
-STREAMK = (
-    DenseGemmConfig(64, 128, 64, 8, 4, 3, 3) if ON_GPU else DenseGemmConfig(16, 16, 16, 2, 4, 1, 3)
-)
-
-
-@pytest.mark.parametrize("rows,programs", [(100, 5), (100, 7), (30, 132), (16, 3)])
-def test_streamk_matches_reference(rows: int, programs: int) -> None:
-    """Stream-K: whole tiles first, then the rest's K iterations shared out; tiles spread over
-    one, two or many programs (fix-up in program order: two launches give the same bits)."""
-    gen = torch.Generator().manual_seed(rows + programs)
-    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w = (torch.randn(N, K, generator=gen) / K**0.5).to(torch.bfloat16).to(DEVICE)
-    out = dense_gemm(x, w, STREAMK, num_programs=programs)
-    assert_close(out, dense_gemm_ref(x, w), torch.bfloat16)
-    assert torch.equal(dense_gemm(x, w, STREAMK, num_programs=programs), out)
-
-
 def test_writes_into_out_rows_only() -> None:
     """``out`` given: its rows are written, a neighbour buffer past them is not touched."""
     x = torch.randn(20, K).to(torch.bfloat16).to(DEVICE)
