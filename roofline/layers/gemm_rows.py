@@ -3,9 +3,9 @@ choice for ``x[M, K] @ w[N, K]^T`` is measured slow at some row counts M, run th
 another way; everything else goes to ``F.linear`` untouched.
 
 cuBLAS picks its kernel by the problem's size, and at some row counts it picks badly: on the H100
-Llama-3.1-8B's gate_up GEMM (N 28672, K 4096) took 332 us at 448 rows and 186 us at 512, so the
-mixed-step graph of the 448-row bucket was slower than the 512-row one. ``PLANS[(N, K)]`` lists,
-for a weight shape, bands of row counts ``lo <= M <= hi`` and what they run instead:
+Llama-3.1-8B's gate_up GEMM (N 28672, K 4096) took 293 us at 448 rows and 155 us padded to 456,
+so the mixed-step graph of the 448-row bucket was slower than the 512-row one. ``PLANS[(N, K)]``
+lists, for a weight shape, bands of row counts ``lo <= M <= hi`` and what they run instead:
 
 * ``Pad(rows)``: cuBLAS on x padded with zero rows up to ``rows`` (one copy of x, a few us),
   the output a view of the first M rows (contiguous);
