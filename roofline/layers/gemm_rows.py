@@ -106,14 +106,12 @@ PLANS: dict[tuple[int, int], Plan] = {
         Band(1001, 1008, Pad(1024)),
         Band(1009, 1016, Lt()),
     ],
-    (4096, 14336): [  # down
-        Band(89, 96, Lt()),
-        Band(121, 160, Lt()),  # 53 -> 47
-        Band(169, 176, Lt()),
-        Band(185, 192, Lt()),  # 61 -> 49
-        Band(217, 224, Lt()),
-        Band(265, 272, Lt()),  # 70 -> 63
-        Band(281, 288, Lt()),  # 74 -> 65
+    (4096, 14336): [  # down: cuBLASLt from 32 to 288 rows (both checks: 2-20% at every decode
+        # bucket but 208, where the two tie), and at the slow counts above
+        Band(25, 192, Lt()),  # 128: 53 -> 47, 192: 61 -> 49
+        Band(217, 224, Lt()),  # 60 -> 54
+        Band(241, 256, Lt()),  # 60 -> 56
+        Band(265, 288, Lt()),  # 70..74 -> 63..65
         Band(329, 336, Lt()),  # 83 -> 64
         Band(345, 352, Pad(376)),  # 79 -> 64
         Band(353, 360, Lt()),  # 91 -> 73
