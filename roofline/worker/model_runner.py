@@ -54,6 +54,7 @@ from roofline.worker.prompt_logprobs import (
     prompt_logprob_rows,
 )
 from roofline.worker.staging import HostIdBuffers, PinnedStaging
+from roofline.worker.warmup import warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -211,22 +212,17 @@ class ModelRunner:
         """Prefill-shaped forwards and LM heads on dummy tokens, so that kernel selection, JIT
         compilation and allocator growth happen at start-up rather than in a request's latency.
 
-        On CUDA it runs one forward per prefill tile size the attention kernel picks (query
-        lengths up to 16, 32, 64 and 128), each mixed with decode rows and a cached prefix, as
-        serving steps are; the shape-dependent launch arguments are left unspecialized in the
-        kernels, so these compile everything a step can need. Elsewhere one small prefill.
-        K/V go to the first pages only, which no request holds yet."""
+        On CUDA it runs one forward per attention kernel variant a step can pick
+        (``worker/warmup.py``: short and long chunks, fresh and over a cached prefix, beside
+        decode rows, decode-first too), as serving steps are; the shape-dependent launch
+        arguments are left unspecialized in the kernels, so these compile everything a step can
+        need. Elsewhere one small prefill. K/V go to the first pages only, which no request
+        holds yet."""
         limit = min(self.num_pages * self.page_size, self.scheduler_config.max_model_len)
         shapes = [[(0, max(1, min(num_tokens, limit)))]]
         if self.device.type == "cuda":
-            # (start, num_new) per request: 16 cached tokens before most chunks
-            mixed = [[(16, q), (40, 1), (0, 3), (20, 1)] for q in (16, 32, 64, 128)]
-            mixed.insert(0, [(0, 128)])  # a fresh chunk of 128+ rows: no prefix to gather
-            if self.mixed is not None:  # decode rows first: the split path's kernels too
-                mixed += [[(40, 1), (20, 1), (16, q), (0, 3)] for q in (16, 32, 64, 128)]
-            pages = sum(-(-(a + n) // self.page_size) for a, n in mixed[-1])
-            if pages <= self.num_pages and 16 + 128 <= limit:
-                shapes = [[(0, max(1, min(num_tokens, limit)))], *mixed]
+            shapes = warmup_batches(num_tokens, limit, self.page_size, self.num_pages,
+                                    split=self.mixed is not None)  # fmt: skip
         for shape in shapes:
             self._warmup_forward(shape)
         if self.device.type == "cuda":
