@@ -33,7 +33,7 @@ from roofline.attention.triton_backend import store_step_kv
 from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
-from roofline.kernels.prefill_attention import prefill_attention
+from roofline.kernels.prefill_attention import has_cached_context, prefill_attention
 from roofline.kernels.prefix_gather import GatheredPrefix
 
 
@@ -167,6 +167,7 @@ def split_attention(
             k_new=k_new,
             v_new=v_new,
             prefix=prefix,
+            has_prefix=has_cached_context(meta),
             **tiles,
         )
     return out

@@ -21,7 +21,7 @@ from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
 from roofline.kernels.kv_store import rotary_kv_store, store_kv
-from roofline.kernels.prefill_attention import prefill_attention
+from roofline.kernels.prefill_attention import has_cached_context, prefill_attention
 from roofline.kernels.prefix_gather import PrefixGatherer
 from roofline.kernels.verify_attention import verify_attention
 
@@ -143,4 +143,5 @@ class TritonAttentionBackend:
             k_new=k if meta.max_query_len >= TMA_MIN_QUERY_LEN else None,
             v_new=v if meta.max_query_len >= TMA_MIN_QUERY_LEN else None,
             prefix=self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale),
+            has_prefix=has_cached_context(meta),
         )

@@ -36,7 +36,9 @@ LOG2E = 1.4426950408889634
 # them. "_hf": heads fastest in the launch order (all heads' longest tiles first, the query heads
 # of one KV head side by side in L2) instead of tiles fastest. Chosen from the H100 sweep of
 # scripts/gpu_kernels.py.
-VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf")
+VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf", "tma_gqa")
+# "tma_gqa": the group's query heads packed into each tile (prefill_attention_tma_gqa.py), for
+# power-of-two GQA groups; other models take "tma_hf".
 # H100, 8192-token causal prompt, 32/8 heads, d 128 (scripts/gpu_kernels.py): base 355-358
 # TFLOP/s, base_hf 342, tma 406, tma_ws 409, tma_hf 462 (all 128 x 128 tiles, 8 warps, 3
 # stages); the whole Llama-3.1-8B prefill at 74.2% (base) / 78.8% (tma_hf) of the matmul rate
@@ -312,13 +314,15 @@ def prefill_attention(
     v_new: torch.Tensor | None = None,  # (already in the cache too), for the "tma" variants
     variant: str | None = None,
     prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
+    has_prefix: bool = True,  # False: no request has cached context (fresh prompts only)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of a ragged batch of query rows over their paged K/V; returns ``out``.
     With ``k_new``/``v_new`` (this step's rows, as stored; the caller decides when they pay)
     and a "tma" variant (default ``DEFAULT_VARIANT``), the step's own keys are read from them
     through tensor descriptors
     and only the cached prefix from the pages, or, for the requests ``prefix`` gathered, from
-    its contiguous rows. The tile/launch overrides exist for sweeps."""
+    its contiguous rows; ``has_prefix=False`` (the caller knows every context is empty) leaves
+    the descriptor kernels' prefix code out. The tile/launch overrides exist for sweeps."""
     check_device(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -330,23 +334,37 @@ def prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
     cfg_m, cfg_n, cfg_warps, cfg_stages = _pick_config(q.dtype, head_dim, max_query_len)
+    if variant == "tma_gqa" and cfg_m == 128 and head_dim == 128:  # long chunks, 16-bit
+        from roofline.kernels.prefill_attention_tma_gqa import CONFIG as GQA_TILES
+
+        cfg_m, cfg_n, cfg_warps, cfg_stages = GQA_TILES
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_warps
     num_stages = num_stages or cfg_stages
-    variant = variant or DEFAULT_VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
     if variant.startswith("tma") and k_scale is None:
         from roofline.kernels import prefill_attention_tma as tma
+        from roofline.kernels import prefill_attention_tma_gqa as tma_gqa
 
-        if tma.tma_applies(q, k_new, v_new):
+        if not tma.tma_applies(q, k_new, v_new):
+            pass
+        elif variant == "tma_gqa" and tma_gqa.applies(num_heads, num_kv_heads):
+            return tma_gqa.prefill_attention_tma_gqa(
+                q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                scale * LOG2E, out, block_m, block_n, num_warps, num_stages, prefix=prefix,
+                has_prefix=has_prefix,
+            )  # fmt: skip
+        else:
             return tma.prefill_attention_tma(
                 q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 scale * LOG2E, out, block_m, block_n, num_warps, num_stages,
-                warp_spec=variant.startswith("tma_ws"), heads_fast=variant.endswith("_hf"),
-                prefix=prefix,
+                warp_spec=variant.startswith("tma_ws"),
+                heads_fast=variant.endswith("_hf") or variant == "tma_gqa", prefix=prefix,
+                has_prefix=has_prefix,
             )  # fmt: skip
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)
@@ -393,6 +411,20 @@ def prefill_attention(
         num_stages=num_stages,
     )
     return out
+
+
+_CONTEXT_MEMO: list = [None, True]  # (the step's metadata, its answer): asked once per layer
+
+
+def has_cached_context(meta) -> bool:  # noqa: ANN001 - an AttentionMetadata
+    """Whether a request of the step (the prefill part of a split step) attends cached
+    positions before its chunk, from the host lists; True where they are not known (graph
+    buckets). False lets the descriptor kernels leave their prefix code out."""
+    if _CONTEXT_MEMO[0] is not meta:
+        known = bool(meta.query_lens_cpu) and len(meta.seq_lens_cpu) == len(meta.query_lens_cpu)
+        fresh = known and sum(meta.seq_lens_cpu) == sum(meta.query_lens_cpu)
+        _CONTEXT_MEMO[:] = [meta, not fresh]
+    return _CONTEXT_MEMO[1]
 
 
 def causal_attention_flops(

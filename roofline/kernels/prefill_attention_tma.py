@@ -106,7 +106,7 @@ def _prefill_tma_kernel(
     stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
-    HEADS_FAST: tl.constexpr, PREFIX_TMA: tl.constexpr,
+    HEADS_FAST: tl.constexpr, PREFIX_TMA: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FAST:  # grid (heads, tiles)
         tile = num_tiles - 1 - tl.program_id(1)  # last tiles (longest causal rows) first
@@ -145,7 +145,9 @@ def _prefill_tma_kernel(
     # keys past the prefix). PREFIX_TMA: prefixes of long chunks were gathered into contiguous
     # rows (``kernels/prefix_gather.py``), this request's from ``prefix_start_loc[req]`` (-1:
     # not gathered), read as boxes like the chunk's own keys; the others from the pages.
-    if PREFIX_TMA:
+    if not HAS_PREFIX:  # every request's context is empty (fresh prompts): no prefix code
+        pass
+    elif PREFIX_TMA:
         p_row = tl.load(prefix_start_loc_ptr + req)
         if (p_row >= 0) & (ctx_len > 0):
             acc, m_i, l_i = _attend_gathered_prefix(
@@ -215,6 +217,7 @@ def prefill_attention_tma(
     warp_spec: bool = False,
     heads_fast: bool = False,
     prefix: GatheredPrefix | None = None,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """``prefix``: the cached prefixes gathered into contiguous rows (``gather_prefix``), read
     through descriptors too; None: the prefix is gathered from the pages inside the kernel."""
@@ -239,8 +242,8 @@ def prefill_attention_tma(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WARP_SPEC=warp_spec,
-        HEADS_FAST=heads_fast, PREFIX_TMA=prefix is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        HEADS_FAST=heads_fast, PREFIX_TMA=prefix is not None, HAS_PREFIX=has_prefix,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
