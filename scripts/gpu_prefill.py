@@ -50,8 +50,8 @@ DEV = torch.device("cuda")
 H, HK, D, PS = 32, 8, 128, 16
 ENGINE_KW = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
 # (BLOCK_M rows, BLOCK_N keys, warps, stages); tma_gqa rows = BLOCK_M / 4 tokens x 4 heads
-GQA_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2),
-               (128, 32, 8, 4), (64, 64, 4, 3), (64, 32, 4, 4), (256, 64, 8, 2),
+GQA_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3),
+               (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 4),
                (128, 64, 4, 3)]  # fmt: skip
 HF_CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4)]
 N_FRESH, CHUNK = 8192, (8192, 2048)  # the fresh prompt; (cached, new) of the chunk
@@ -223,12 +223,14 @@ def kernel_sweep(quick: bool) -> tuple[int, int, int, int] | None:
     cargs = (q2, kc2, vc2, pages[None], qsl2, sl2, D**-0.5, m)
     pref = gather_prefix(plan_prefix(pages[None], [total], [m], PS), kc2, vc2)
     base = prefill_attention(*cargs, k_new=k_new, v_new=v_new, prefix=pref, variant="tma_hf")
-    for variant, cfg in (("tma_hf", None), ("tma_gqa", best)):
+    paged_code = pref._replace(complete=False)  # the kernel with its paged-prefix path too
+    cases = [("tma_hf", None, pref), ("tma_hf +paged code", None, paged_code),
+             ("tma_gqa", best, pref), ("tma_gqa +paged code", best, paged_code)]  # fmt: skip
+    for variant, cfg, pre in cases:
         tiles = {} if cfg is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"),
                                                 cfg, strict=True))  # fmt: skip
-        fn = lambda variant=variant, tiles=tiles: prefill_attention(  # noqa: E731
-            *cargs, k_new=k_new, v_new=v_new, prefix=pref, variant=variant, **tiles
-        )
+        fn = functools.partial(prefill_attention, *cargs, k_new=k_new, v_new=v_new, prefix=pre,
+                               variant=variant.split()[0], **tiles)  # fmt: skip
         err = (fn().float() - base.float()).abs().max().item()
         t = time_fn(fn, DEV, iters=10)
         print(f"  2048 over 8k (gathered), {variant} {cfg or ''}: {t * 1e6:.0f} us, "

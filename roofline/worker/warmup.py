@@ -10,9 +10,10 @@ kernel and tiles from the step's host lists, which these batches cover:
 * the GQA-packed kernel (``kernels/prefill_attention_gqa.py``) for steps of mostly short chunks
   (at most ``MAX_QUERY_LEN`` rows), which every batch of the first kind is;
 * the descriptor (TMA) kernel for steps of mostly *long* chunks (the default preset's and every
-  long prompt's steps), a variant each: fresh chunks only (no prefix code, ``HAS_PREFIX``), a
-  chunk over a cached prefix gathered into contiguous rows (``kernels/prefix_gather.py``) and
-  read through descriptors too (``PREFIX_TMA``), and beside context read from the pages;
+  long prompt's steps), a variant each: fresh chunks only (no prefix code, ``HAS_PREFIX``),
+  context read from the pages only, a chunk over a cached prefix gathered into contiguous rows
+  (``kernels/prefix_gather.py``) and read through descriptors too (``PREFIX_TMA``), alone or
+  beside contexts still read from the pages (``PAGED_PREFIX``);
 * each of those with decode rows first, the split (mixed-step) path's layout, when the runner has
   it (``worker/graph_mode.py``), besides the batches in arrival order; and there, decode rows
   over contexts of ``2^j`` split lengths: the decode kernel's split count
@@ -58,8 +59,12 @@ def warmup_batches(
     # (cached, new) per request: 16 cached tokens before the chunk, decode rows, a short prompt
     batches = [first] + [[(0, q)] for q in (128, long_len) if q <= max_len]
     batches += [[(16, q), (40, 1), (0, 3), (20, 1)] for q in chunks]
-    if long_len in chunks:  # a long chunk beside context no request gathers: paged prefix code
-        batches.append([(40, 1), (0, long_len), (16, 3)])
+    if long_len in chunks:  # prefix code variants beside a long chunk (module docstring)
+        batches += [
+            [(40, 1), (0, long_len), (16, 3)],  # context, none gathered: paged prefix only
+            [(16, long_len), (0, 3)],  # every context gathered: no paged prefix code
+            [(40, 1), (16, long_len), (16, 3)],  # gathered and paged, decode-first too
+        ]
     if split:  # decode rows first: the split path's kernels too
         batches += [[(40, 1), (20, 1), (16, q), (0, 3)] for q in chunks]
         if long_len in chunks:
