@@ -51,6 +51,29 @@ def test_plan_picks_long_chunks_over_a_prefix(small_min_query_len):
     assert torch.equal(gathered.v[64:128], batch.v_seqs[3][:64])
     none = prefix_gather.plan_prefix(batch.block_table, [30, 1], [30, 1], PAGE)
     assert none is None  # no context, or too short to pay
+    # requests 1 and 4 keep their context on the pages: the kernel needs its paged path
+    assert not plan.complete and not gathered.complete
+    lens = [(MIN_Q + 9, 53), (30, 0), (MIN_Q, 64)]  # every context gathered, a fresh prompt
+    alone = prefix_gather.plan_prefix(batch.block_table[[0, 2, 3]], [q + c for q, c in lens],
+                                      [q for q, _ in lens], PAGE)  # fmt: skip
+    assert alone.complete and alone.start_loc.tolist() == [0, -1, 64]
+
+
+def test_has_cached_context_reads_the_host_lists():
+    from types import SimpleNamespace
+
+    from roofline.kernels.prefill_attention import has_cached_context
+
+    def meta(seq_lens, query_lens):
+        return SimpleNamespace(seq_lens_cpu=seq_lens, query_lens_cpu=query_lens)
+
+    assert not has_cached_context(meta([300, 7], [300, 7]))  # fresh prompts only
+    assert has_cached_context(meta([300, 41], [300, 1]))  # a decode row's context
+    assert has_cached_context(meta([], []))  # a graph bucket's metadata: not known
+    m = meta([5], [5])
+    assert not has_cached_context(m)
+    m.seq_lens_cpu = [9]  # the same step's metadata object: answered once
+    assert not has_cached_context(m)
 
 
 @pytest.mark.parametrize(
