@@ -36,14 +36,15 @@ LOG2E = 1.4426950408889634
 # them. "_hf": heads fastest in the launch order (all heads' longest tiles first, the query heads
 # of one KV head side by side in L2) instead of tiles fastest. Chosen from the H100 sweep of
 # scripts/gpu_kernels.py.
-VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf", "tma_gqa")
-# "tma_gqa": the group's query heads packed into each tile (prefill_attention_tma_gqa.py), for
-# power-of-two GQA groups; other models take "tma_hf".
+VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf")
 # H100, 8192-token causal prompt, 32/8 heads, d 128 (scripts/gpu_kernels.py): base 355-358
 # TFLOP/s, base_hf 342, tma 406, tma_ws 409, tma_hf 462 (all 128 x 128 tiles, 8 warps, 3
 # stages); the whole Llama-3.1-8B prefill at 74.2% (base) / 78.8% (tma_hf) of the matmul rate
 # in one run, torch SDPA in its place 79.4%.
 DEFAULT_VARIANT = "tma_hf"
+TMA_TILES: tuple[int, int, int, int] | None = None
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) of the descriptor kernels where ``_pick_config``
+gives long chunks 128-row tiles (head_dim 128, 16-bit); None: ``_pick_config``'s."""
 
 
 def prefill_attention_ref(
@@ -338,33 +339,21 @@ def prefill_attention(
     if variant not in VARIANTS:
         raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
     cfg_m, cfg_n, cfg_warps, cfg_stages = _pick_config(q.dtype, head_dim, max_query_len)
-    if variant == "tma_gqa" and cfg_m == 128 and head_dim == 128:  # long chunks, 16-bit
-        from roofline.kernels.prefill_attention_tma_gqa import CONFIG as GQA_TILES
-
-        cfg_m, cfg_n, cfg_warps, cfg_stages = GQA_TILES
+    if TMA_TILES is not None and variant.startswith("tma") and cfg_m == 128 and head_dim == 128:
+        cfg_m, cfg_n, cfg_warps, cfg_stages = TMA_TILES  # long chunks, 16-bit
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_warps
     num_stages = num_stages or cfg_stages
     if variant.startswith("tma") and k_scale is None:
         from roofline.kernels import prefill_attention_tma as tma
-        from roofline.kernels import prefill_attention_tma_gqa as tma_gqa
 
-        if not tma.tma_applies(q, k_new, v_new):
-            pass
-        elif variant == "tma_gqa" and tma_gqa.applies(num_heads, num_kv_heads):
-            return tma_gqa.prefill_attention_tma_gqa(
-                q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                scale * LOG2E, out, block_m, block_n, num_warps, num_stages, prefix=prefix,
-                has_prefix=has_prefix,
-            )  # fmt: skip
-        else:
+        if tma.tma_applies(q, k_new, v_new):
             return tma.prefill_attention_tma(
                 q, k_new, v_new, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                 scale * LOG2E, out, block_m, block_n, num_warps, num_stages,
-                warp_spec=variant.startswith("tma_ws"),
-                heads_fast=variant.endswith("_hf") or variant == "tma_gqa", prefix=prefix,
-                has_prefix=has_prefix,
+                warp_spec=variant.startswith("tma_ws"), heads_fast=variant.endswith("_hf"),
+                prefix=prefix, has_prefix=has_prefix,
             )  # fmt: skip
     num_tiles = num_tokens // block_m + num_reqs  # upper bound on sum(cdiv(query_len, block_m))
     search_steps = max(1, (num_reqs - 1).bit_length() + 1)

@@ -78,8 +78,8 @@ def test_has_cached_context_reads_the_host_lists():
 
 @pytest.mark.parametrize(
     "dtype,group,variant",
-    [(torch.float32, 2, "tma"), (torch.bfloat16, 1, "tma_hf"), (torch.float32, 2, "tma_gqa")],
-    ids=["fp32-gqa2-tma", "bf16-mha-tma_hf", "fp32-gqa2-tma_gqa"],
+    [(torch.float32, 2, "tma"), (torch.bfloat16, 1, "tma_hf")],
+    ids=["fp32-gqa2-tma", "bf16-mha-tma_hf"],
 )
 def test_gathered_prefix_matches_reference(small_min_query_len, dtype, group, variant):
     batch, k, v = _batch(dtype, group)

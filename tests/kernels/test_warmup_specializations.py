@@ -83,14 +83,8 @@ def _odd_batches(seed: int, split: bool, n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["tma_hf", "tma_gqa"])
 @pytest.mark.parametrize("mode", ["full", "full_decode_only"], ids=["split", "in-order"])
-def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(
-    tiny_path, gpu_tiles, mode, variant, monkeypatch
-):
-    from roofline.kernels import prefill_attention
-
-    monkeypatch.setattr(prefill_attention, "DEFAULT_VARIANT", variant)
+def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(tiny_path, gpu_tiles, mode):
     runner = _runner(tiny_path, mode)
     split = runner.mixed is not None
     assert split == (mode == "full")
@@ -98,8 +92,7 @@ def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(
     batches = warmup_batches(32, limit, PAGE, runner.num_pages, split)
     assert any(new == long_chunk_len() for b in batches for _, new in b)
     warm = set(_keys(runner, batches))
-    tma_kernel = "_prefill_tma_gqa_kernel" if variant == "tma_gqa" else "_prefill_tma_kernel"
-    assert any(k.kernel == tma_kernel for k in warm)
+    assert any(k.kernel == "_prefill_tma_kernel" for k in warm)
     missing: dict[LaunchKey, list] = {}
     for batch in _odd_batches(7 if split else 8, split, 40):
         for key in _keys(runner, [batch]):
