@@ -342,6 +342,12 @@ def model_prefill(llm, ceil, best) -> tuple | None:  # noqa: ANN001
         device_gaps(llm, fresh(9))
     except Exception as e:  # noqa: BLE001 - a profiler without device timestamps
         print(f"  device gaps: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    before = torch.cuda.memory_stats()
+    timed_generate(llm, fresh, 1)
+    after = torch.cuda.memory_stats()
+    print("  allocator during one 8192 prefill: " + ", ".join(
+        f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in keys), flush=True)  # fmt: skip
     step_timeline(llm, fresh(8), f"8192 fresh ({winner})")
 
     chunk_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(2048, 8192)])
