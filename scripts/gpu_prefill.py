@@ -270,6 +270,29 @@ def child_presets() -> None:
               f"{sorted(set(res.jit_compiles))}", flush=True)  # fmt: skip
 
 
+def attention_floor(llm, fresh, flops: float, rate: float) -> None:  # noqa: ANN001
+    """The 8192 prefill with the prefill attention launch skipped (its output left as
+    allocated; tokens meaningless): what the rest of the step costs, the floor any attention
+    kernel adds to."""
+    from roofline.attention import split_backend, triton_backend
+
+    saved = split_backend.prefill_attention, triton_backend.prefill_attention
+
+    def skip(q, *args, out=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return torch.empty_like(q) if out is None else out
+
+    split_backend.prefill_attention = triton_backend.prefill_attention = skip
+    try:
+        timed_generate(llm, fresh, 1)
+        t = timed_generate(llm, fresh, 3)
+    finally:
+        split_backend.prefill_attention, triton_backend.prefill_attention = saved
+    pct = 100 * flops / t / rate
+    print(f"  8192-token prefill with the attention launch skipped: {t * 1e3:.1f} ms ({pct:.1f}% "
+          "of matmul counting attention's FLOPs)", flush=True)  # fmt: skip
+    SUMMARY.append(("8B prefill 8192, attention skipped (the floor)", f"{t * 1e3:.1f} ms"))
+
+
 def device_gaps(llm, prompt: list[int]) -> None:  # noqa: ANN001
     """The device's idle time between consecutive kernels of one generate, by the kernel each
     gap follows (profiler timestamps)."""
@@ -337,6 +360,7 @@ def model_prefill(llm, ceil, best) -> tuple | None:  # noqa: ANN001
                         f"{t * 1e3:.1f} ms, {pct:.1f}% of matmul"))  # fmt: skip
     winner = min(results, key=lambda k: results[k][0])
     pa.TMA_TILES = results[winner][1]
+    attention_floor(llm, fresh, cost.flops, rate)
     print_split(f"8192 fresh ({winner})", *kernel_split(llm, fresh(7)))
     try:
         device_gaps(llm, fresh(9))
