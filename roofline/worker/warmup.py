@@ -16,10 +16,10 @@ kernel and tiles from the step's host lists, which these batches cover:
   beside contexts still read from the pages (``PAGED_PREFIX``);
 * each of those with decode rows first, the split (mixed-step) path's layout, when the runner has
   it (``worker/graph_mode.py``), besides the batches in arrival order; and there, decode rows
-  over contexts of ``2^j`` split lengths: the decode kernel's split count
-  follows the step's longest context, and its merge kernel's tile of partials (the next power
-  of two) is a constexpr — an eagerly run mixed step (one past the graph buckets, as the
-  default preset's prefill steps are) with a long decode context compiled it mid-run.
+  over contexts of 2, 4, .. 64 splits: the decode kernel's split count follows the step's
+  longest context, and its merge kernel's tile of partials (the next power of two) is a
+  constexpr, so an eagerly run mixed step (one past the graph buckets, as the default preset's
+  prefill steps are) with a longer decode context than the warm-up's compiled it mid-run.
 
 A batch is a list of ``(num_cached, num_new)`` per request. Decode rows and short chunks beside
 the long chunk keep the step realistic (a 3-token fresh prompt, one-row decodes over 20 and 40
@@ -48,9 +48,8 @@ def warmup_batches(
 ) -> list[WarmupBatch]:
     """The CUDA warm-up's steps: one small fresh prefill of ``num_tokens``, then where a
     128-row chunk over 16 cached tokens fits ``max_len`` (the context bound), those of the
-    module docstring that fit it and ``num_pages``.
-    ``split``: the runner lays mixed steps out decode-first (its split path), so each batch
-    runs in that order too."""
+    module docstring that fit it and ``num_pages``. ``split``: the runner lays mixed steps out
+    decode-first (its split path), so each batch runs in that order too."""
     first = [(0, max(1, min(num_tokens, max_len)))]
     if 16 + max(SHORT_CHUNKS) > max_len:
         return [first]
