@@ -19,7 +19,8 @@ kernel and tiles from the step's host lists, which these batches cover:
   over contexts of 2, 4, .. 64 splits: the decode kernel's split count follows the step's
   longest context, and its merge kernel's tile of partials (the next power of two) is a
   constexpr, so an eagerly run mixed step (one past the graph buckets, as the default preset's
-  prefill steps are) with a longer decode context than the warm-up's compiled it mid-run.
+  prefill steps are) with a longer decode context than the warm-up's could compile one mid-run
+  unless a graph capture happened to (``tests/kernels/test_warmup_specializations.py``).
 
 A batch is a list of ``(num_cached, num_new)`` per request. Decode rows and short chunks beside
 the long chunk keep the step realistic (a 3-token fresh prompt, one-row decodes over 20 and 40
