@@ -52,8 +52,11 @@ H, HK, D, PS = 32, 8, 128, 16
 ENGINE_KW = dict(max_model_len=10496, max_num_seqs=256, max_num_batched_tokens=8192)
 PRESET_KW = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
 # (BLOCK_M rows, BLOCK_N keys, warps, stages) of the descriptor kernel; the first: committed
-CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4),
-           (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 2)]  # fmt: skip
+CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2),
+           (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3),
+           (128, 64, 8, 4)]  # fmt: skip
+# (128, *, 4, *): one warpgroup per 128-row tile, two CTAs per SM that need not wait for each
+# other (an 8-warp CTA's two warpgroups meet at a CTA barrier around every TMA refill: sm_90 SASS)
 N_FRESH, CHUNK = 8192, (8192, 2048)  # the fresh prompt; (cached, new) of the chunk
 RAGGED = ([300, 1, 1000, 0, 2048, 17], [0, 800, 1500, 5, 4000, 3])  # (new, cached) per request
 GATHERED = ([1000, 2048, 300], [1500, 4000, 0])  # every context gathered: no paged path
