@@ -29,7 +29,7 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("warm_keys")
-    tiny_hf_model("llama", path, num_hidden_layers=1, head_dim=32, hidden_size=128,
+    tiny_hf_model("llama", path, num_hidden_layers=1, head_dim=128, hidden_size=256,
                   num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=MAX_LEN)  # fmt: skip
     return path
@@ -83,8 +83,17 @@ def _odd_batches(seed: int, split: bool, n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["full", "full_decode_only"], ids=["split", "in-order"])
-def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(tiny_path, gpu_tiles, mode):
+@pytest.mark.parametrize(
+    "mode,tiles",
+    [("full", None), ("full_decode_only", None), ("full", (128, 64, 4, 2))],
+    ids=["split", "in-order", "split-tiles-override"],
+)
+def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(
+    tiny_path, gpu_tiles, mode, tiles, monkeypatch
+):
+    from roofline.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "TMA_TILES", tiles)
     runner = _runner(tiny_path, mode)
     split = runner.mixed is not None
     assert split == (mode == "full")
