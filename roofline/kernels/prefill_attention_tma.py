@@ -107,7 +107,6 @@ def _prefill_tma_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
     HEADS_FAST: tl.constexpr, PREFIX_TMA: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    PAGED_PREFIX: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FAST:  # grid (heads, tiles)
         tile = num_tiles - 1 - tl.program_id(1)  # last tiles (longest causal rows) first
@@ -155,14 +154,13 @@ def _prefill_tma_kernel(
                 acc, m_i, l_i, q, kp_desc, vp_desc, p_row, col, ctx_len, offs_m, scale_log2e,
                 BLOCK_N, PRECISION,
             )  # fmt: skip
-        elif PAGED_PREFIX:  # (False: every request with context was gathered)
-            if ctx_len > 0:
-                acc, m_i, l_i = _attend_paged_prefix(
-                    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head,
-                    ctx_len, offs_m, offs_d, scale_log2e, stride_kp, stride_ks, stride_kh,
-                    stride_vp, stride_vs, stride_vh, stride_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                    PRECISION,
-                )  # fmt: skip
+        elif ctx_len > 0:
+            acc, m_i, l_i = _attend_paged_prefix(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head,
+                ctx_len, offs_m, offs_d, scale_log2e, stride_kp, stride_ks, stride_kh,
+                stride_vp, stride_vs, stride_vh, stride_bt, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                PRECISION,
+            )  # fmt: skip
     elif ctx_len > 0:
         acc, m_i, l_i = _attend_paged_prefix(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, req, kv_head, ctx_len,
@@ -245,7 +243,6 @@ def prefill_attention_tma(
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WARP_SPEC=warp_spec,
         HEADS_FAST=heads_fast, PREFIX_TMA=prefix is not None, HAS_PREFIX=has_prefix,
-        PAGED_PREFIX=prefix is None or not prefix.complete,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

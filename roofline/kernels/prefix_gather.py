@@ -37,8 +37,6 @@ class PrefixPlan(NamedTuple):
     pages: torch.Tensor  # [num_gathered_pages] int64, request after request
     start_loc: torch.Tensor  # [num_reqs] int32: first gathered row of each request, -1: none
     num_rows: int
-    complete: bool = False
-    """Every request with cached context was gathered (the kernel needs no paged path)."""
 
 
 class GatheredPrefix(NamedTuple):
@@ -48,7 +46,6 @@ class GatheredPrefix(NamedTuple):
     k: torch.Tensor  # [num_rows, num_kv_heads, head_dim]
     v: torch.Tensor  # [num_rows, num_kv_heads, head_dim]
     start_loc: torch.Tensor  # [num_reqs] int32, -1: read from the pages
-    complete: bool = False  # no request reads its prefix from the pages
 
 
 def plan_prefix(
@@ -61,7 +58,6 @@ def plan_prefix(
     starts: list[int] = []
     parts: list[torch.Tensor] = []
     num_rows = 0
-    complete = True
     for r, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         context_len = seq_len - query_len
         num_pages = -(-context_len // page_size)
@@ -73,14 +69,13 @@ def plan_prefix(
             num_rows += rows
         else:
             starts.append(-1)
-            complete = complete and context_len <= 0
     if not parts:
         return None
     pages = torch.cat(parts).long()  # [num_gathered_pages]
     start_loc = torch.tensor(starts, dtype=torch.int32)  # [num_reqs]
     if block_table.is_cuda:  # no host wait for the queue (a pageable copy would synchronise)
         start_loc = start_loc.pin_memory().to(block_table.device, non_blocking=True)
-    return PrefixPlan(pages, start_loc, num_rows, complete)
+    return PrefixPlan(pages, start_loc, num_rows)
 
 
 def gather_prefix(
@@ -92,7 +87,7 @@ def gather_prefix(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, plan.pages).view(-1, num_kv_heads, head_dim)  # [rows, Hk, D]
     v = v_cache.index_select(0, plan.pages).view(-1, num_kv_heads, head_dim)  # [rows, Hk, D]
-    return GatheredPrefix(k, v, plan.start_loc, plan.complete)
+    return GatheredPrefix(k, v, plan.start_loc)
 
 
 class PrefixGatherer:

@@ -11,9 +11,8 @@ kernel and tiles from the step's host lists, which these batches cover:
   (at most ``MAX_QUERY_LEN`` rows), which every batch of the first kind is;
 * the descriptor (TMA) kernel for steps of mostly *long* chunks (the default preset's and every
   long prompt's steps), a variant each: fresh chunks only (no prefix code, ``HAS_PREFIX``),
-  context read from the pages only, a chunk over a cached prefix gathered into contiguous rows
-  (``kernels/prefix_gather.py``) and read through descriptors too (``PREFIX_TMA``), alone or
-  beside contexts still read from the pages (``PAGED_PREFIX``);
+  context read from the pages only, and a chunk over a cached prefix gathered into contiguous
+  rows (``kernels/prefix_gather.py``) and read through descriptors too (``PREFIX_TMA``);
 * each of those with decode rows first, the split (mixed-step) path's layout, when the runner has
   it (``worker/graph_mode.py``), besides the batches in arrival order; and there, decode rows
   over contexts of 2, 4, .. 64 splits: the decode kernel's split count follows the step's
@@ -62,8 +61,7 @@ def warmup_batches(
     if long_len in chunks:  # prefix code variants beside a long chunk (module docstring)
         batches += [
             [(40, 1), (0, long_len), (16, 3)],  # context, none gathered: paged prefix only
-            [(16, long_len), (0, 3)],  # every context gathered: no paged prefix code
-            [(40, 1), (16, long_len), (16, 3)],  # gathered and paged, decode-first too
+            [(16, long_len), (0, 3)],  # a gathered prefix alone (the split path's prefill part)
         ]
     if split:  # decode rows first: the split path's kernels too
         batches += [[(40, 1), (20, 1), (16, q), (0, 3)] for q in chunks]

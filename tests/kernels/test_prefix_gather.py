@@ -51,12 +51,6 @@ def test_plan_picks_long_chunks_over_a_prefix(small_min_query_len):
     assert torch.equal(gathered.v[64:128], batch.v_seqs[3][:64])
     none = prefix_gather.plan_prefix(batch.block_table, [30, 1], [30, 1], PAGE)
     assert none is None  # no context, or too short to pay
-    # requests 1 and 4 keep their context on the pages: the kernel needs its paged path
-    assert not plan.complete and not gathered.complete
-    lens = [(MIN_Q + 9, 53), (30, 0), (MIN_Q, 64)]  # every context gathered, a fresh prompt
-    alone = prefix_gather.plan_prefix(batch.block_table[[0, 2, 3]], [q + c for q, c in lens],
-                                      [q for q, _ in lens], PAGE)  # fmt: skip
-    assert alone.complete and alone.start_loc.tolist() == [0, -1, 64]
 
 
 def test_has_cached_context_reads_the_host_lists():
