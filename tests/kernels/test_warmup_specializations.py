@@ -45,12 +45,12 @@ def gpu_tiles(monkeypatch):
         monkeypatch.setattr(module, "is_interpret", lambda: False)
 
 
-def _runner(path, mode: str):
+def _runner(path, mode: str, kv_cache_dtype: str = "auto"):
     from roofline import LLM
 
     llm = LLM(str(path), dtype="bfloat16", device="cpu", attention_backend="triton",
               cuda_graph_mode=mode, max_model_len=MAX_LEN, page_size=PAGE,
-              max_num_batched_tokens=MAX_LEN)  # fmt: skip
+              max_num_batched_tokens=MAX_LEN, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     return llm.llm_engine.runner
 
 
@@ -84,24 +84,27 @@ def _odd_batches(seed: int, split: bool, n: int) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.parametrize(
-    "mode,tiles",
-    [("full", None), ("full_decode_only", None), ("full", (128, 64, 4, 2))],
-    ids=["split", "in-order", "split-tiles-override"],
-)
+    "mode,tiles,kv_cache_dtype",
+    [("full", None, "auto"), ("full_decode_only", None, "auto"),
+     ("full", (128, 64, 4, 2), "auto"), ("full", None, "fp8")],
+    ids=["split", "in-order", "split-tiles-override", "split-fp8-cache"],
+)  # fmt: skip
 def test_odd_steps_find_every_kernel_variant_compiled_by_the_warmup(
-    tiny_path, gpu_tiles, mode, tiles, monkeypatch
+    tiny_path, gpu_tiles, mode, tiles, kv_cache_dtype, monkeypatch
 ):
     from roofline.kernels import prefill_attention
 
     monkeypatch.setattr(prefill_attention, "TMA_TILES", tiles)
-    runner = _runner(tiny_path, mode)
+    runner = _runner(tiny_path, mode, kv_cache_dtype)
     split = runner.mixed is not None
     assert split == (mode == "full")
     limit = min(runner.num_pages * PAGE, MAX_LEN)
     batches = warmup_batches(32, limit, PAGE, runner.num_pages, split)
     assert any(new == long_chunk_len() for b in batches for _, new in b)
     warm = set(_keys(runner, batches))
-    assert any(k.kernel == "_prefill_tma_kernel" for k in warm)
+    # a quantized cache keeps every chunk on the paged kernel (the descriptors read 16-bit rows)
+    descriptor = kv_cache_dtype == "auto"
+    assert any(k.kernel == "_prefill_tma_kernel" for k in warm) == descriptor
     missing: dict[LaunchKey, list] = {}
     for batch in _odd_batches(7 if split else 8, split, 40):
         for key in _keys(runner, [batch]):
