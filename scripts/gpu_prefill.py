@@ -294,6 +294,53 @@ def attention_floor(llm, fresh, flops: float, rate: float) -> None:  # noqa: ANN
     SUMMARY.append(("8B prefill 8192, attention skipped (the floor)", f"{t * 1e3:.1f} ms"))
 
 
+def host_phases(llm, prompt: list[int]) -> None:  # noqa: ANN001
+    """Host milliseconds of one generate's pieces before and around its step's kernels
+    (wrappers on the engine's own methods), and when the first device work was queued."""
+    from roofline import SamplingParams
+    from roofline.core.scheduler import Scheduler
+    from roofline.engine.llm_engine import LLMEngine
+    from roofline.worker import host_batch, model_runner
+    from roofline.worker.graph_mode import MixedStepPath
+    from roofline.worker.model_runner import ModelRunner
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    patches = []
+
+    def timed(owner, name: str, label: str) -> None:  # noqa: ANN001
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t
+
+        patches.append((owner, name, vars(owner)[name]))  # the raw attribute (classmethods)
+        setattr(owner, name, wrapper)
+
+    timed(LLMEngine, "add_request", "add_request (validate, hash)")
+    timed(Scheduler, "schedule", "scheduler.schedule")
+    timed(host_batch.HostBatch, "build", "HostBatch.build")
+    timed(model_runner, "upload", "upload (lists -> pinned -> device)")
+    timed(MixedStepPath, "plan", "mixed plan")
+    timed(ModelRunner, "launch_batch", "launch_batch (all of it)")
+    timed(type(llm.llm_engine.runner.model), "forward", "model forward (host launches)")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+    wall = time.perf_counter() - t0
+    parts = "; ".join(f"{k} {v * 1e3:.2f}" for k, v in spent.items())
+    print(f"  host pieces of one 8192 generate (wall {wall * 1e3:.1f} ms): {parts}", flush=True)
+
+
 def device_gaps(llm, prompt: list[int]) -> None:  # noqa: ANN001
     """The device's idle time between consecutive kernels of one generate, by the kernel each
     gap follows (profiler timestamps)."""
@@ -374,6 +421,10 @@ def model_prefill(llm, ceil, best) -> tuple | None:  # noqa: ANN001
     print("  allocator during one 8192 prefill: " + ", ".join(
         f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in keys), flush=True)  # fmt: skip
     step_timeline(llm, fresh(8), f"8192 fresh ({winner})")
+    try:
+        host_phases(llm, fresh(10))
+    except Exception as e:  # noqa: BLE001 - an engine whose pieces moved
+        print(f"  host pieces: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
     chunk_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(2048, 8192)])
     llm.llm_engine.kv_manager.reset_prefix_cache()
