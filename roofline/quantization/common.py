@@ -6,6 +6,9 @@ one of the canonical layouts (``formats``) by device and number of rows:
   layers ``kernels.int4_gemv`` (tensor cores over the repacked copy ``prepare_kernel_layout``
   made after loading) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
   unpacking, tuned per shape);
+* CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 per channel and int4 at the shapes
+  and M buckets of ``kernels.wo_gemm.WO_CONFIGS``: ``kernels.wo_gemm`` (``ROOFLINE_WO_GEMM=0``:
+  off);
 * CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
   widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
   or dequantize + cuBLAS where its table measured that faster (``ROOFLINE_QUANT_MIXED_GEMM=0``:
@@ -59,6 +62,10 @@ GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MA
 # or, where its tuned table says so, dequantize + cuBLAS; ROOFLINE_QUANT_MIXED_GEMM=0 keeps the
 # older choice below (the generic fused GEMM up to fused_max_rows, then dequantize + cuBLAS).
 USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
+# Before it, int8 (per channel) and int4 layers take kernels.wo_gemm (Hopper: TMA, register-A
+# wgmma overlapping the next tile's widening) at the shapes and M buckets of its measured table;
+# ROOFLINE_WO_GEMM=0 keeps them on kernels.mixed_gemm.
+USE_WO_GEMM = os.environ.get("ROOFLINE_WO_GEMM", "1") != "0"
 
 # int4 decode batches take kernels.int4_gemv (tensor cores, a repacked copy of the weight made by
 # prepare_kernel_layout); ROOFLINE_INT4_GEMV=0 keeps them on kernels.quant_gemv (A/B runs).
@@ -192,6 +199,12 @@ def quantized_linear(
         if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
             return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
     n, k = layer.qweight.shape[0], x.shape[-1]
+    if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4"):
+        from roofline.kernels import wo_gemm
+
+        cfg = wo_gemm.pick(kind, x.shape[0], n, k)
+        if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
+            return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, offsets, bias, cfg)
     if USE_MIXED_GEMM and x.shape[0] > DECODE_MAX_ROWS:
         from roofline.kernels import mixed_gemm
 

@@ -1,0 +1,339 @@
+"""Weight-only int8 / int4 GEMM for Hopper at batch sizes (about 64-512 rows), written in Gluon
+(Triton's explicit-layout dialect): ``out[M, N] = x[M, K] @ dequantize(W)^T (+ bias)``, x bf16,
+W in the canonical layouts of ``roofline.quantization.formats`` (int8 ``[N, K]`` with one scale per
+row, int4 nibbles ``[N, K // 2]`` with group scales and offsets), read as stored.
+
+Swap-AB: a program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``; each warpgroup's 64 weight
+rows are wgmma's M side and the rows of x its N side (up to 256: at 256 rows every weight element
+is widened exactly once). TMA copies x tiles and packed weight tiles into a ``STAGES``-deep ring
+(one mbarrier per stage). Each K tile's packed weight is read from shared memory straight into
+the wgmma A-operand register layout, widened there to bf16 by integer bit moves and fp32 adds (no
+int-to-float conversions, quarter rate on Hopper) and issued as a register-A ``wgmma``; while the
+tile's MMAs run, the next tile is widened, then ``warpgroup_mma_wait`` retires the MMAs with the
+tile's A registers among its ``deps``: ptxas sees them read at the wait, so it cannot hand them to
+the next tile's widening while an MMA still reads them (the hazard ptxas before 13.3 otherwise
+creates, triton-lang/triton#9433; ``tests/kernels/sm90_inspect.register_a_hazards`` checks the
+SASS). int8 row scales multiply the finished accumulator; int4 group scales and offsets are
+applied per element in fp32 (``w = q s + offset``, rounded once, as ``formats`` does).
+
+``SPLIT_K`` slices K for shapes with few output tiles; the slices' fp32 partial sums go to a
+workspace and the last slice of a tile to arrive (an acq_rel atomic counter) adds them in slice
+order: deterministic, one launch, CUDA-graph replayable (the counters return to zero).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+KIND_INT8, KIND_INT4 = 0, 1
+
+
+class WoConfig(NamedTuple):
+    block_m: int  # rows of x per program (wgmma N): 64, 128 or 256
+    block_n: int  # weight rows per program: 64 per warpgroup (num_warps = block_n // 16)
+    block_k: int  # K elements per pipeline stage: 64 or 128
+    split_k: int  # K slices
+    stages: int  # TMA ring depth
+    group_m: int = 8  # row blocks of x that walk the same weight columns together
+
+
+@gluon.jit
+def _int8_to_bf16(q):
+    """int8 -> bf16, exact, two at a time (the pair a thread holds of wgmma's A operand: one
+    16-bit shared-memory load): u = q ^ 0x80 (= q + 128) goes into the mantissa of 2^23 (one byte
+    permute per element), an fp32 subtract of 2^23 + 128 gives q, and the upper halves of the
+    two fp32 values are one bf16x2 (|q| <= 128 has at most 8 significant bits)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 u, f0, f1;
+        cvt.u32.u16 u, $1;
+        xor.b32 u, u, 0x8080;
+        prmt.b32 f0, u, 0x4B000000, 0x7440;
+        prmt.b32 f1, u, 0x4B000000, 0x7441;
+        sub.f32 f0, f0, 0f4B000080;
+        sub.f32 f1, f1, 0f4B000080;
+        prmt.b32 $0, f0, f1, 0x7632;
+        }""",
+        "=r,h",
+        [q],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _int4_halves(b):
+    """The two nibbles of byte ``b`` (low = even k) as fp32 ``v = 1 + q / 16`` (each nibble put
+    into the mantissa of 1.0f; no int-to-float conversion): one FMA then makes
+    ``v * 16 s + (offset - 16 s)`` = ``q s + offset``."""
+    lo = ((b & 0xF).to(gl.uint32) << 19) | 0x3F800000
+    hi = ((b & 0xF0).to(gl.uint32) << 15) | 0x3F800000
+    return lo.to(gl.float32, bitcast=True), hi.to(gl.float32, bitcast=True)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _wo_gemm_kernel(
+    x_desc,  # TMA [M, K] bf16, block [BLOCK_M, BLOCK_K]
+    q_desc,  # TMA int8 [N, K] (block [BLOCK_N, BLOCK_K]) or uint8 [N, K // 2] (BLOCK_K // 2)
+    s_ptr,  # int8: [N] row scales; int4: [N, K // GROUP]
+    o_ptr,  # int4: [N, K // GROUP] offsets
+    bias_ptr,  # [N]
+    out_ptr,  # [M, N] bf16
+    ws_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1)
+    lock_ptr,  # int32 [tiles] arrival counters, zero between launches
+    M,
+    N,
+    K,
+    stride_s,
+    stride_om,
+    KIND: gl.constexpr,
+    GROUP: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    NW: gl.constexpr = gl.num_warps()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    QK: gl.constexpr = BLOCK_K // 2 if KIND == 1 else BLOCK_K  # bytes of a weight row per tile
+
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_tiles_all = K // BLOCK_K
+    slice_id = gl.program_id(1)
+    tile_first = (slice_id * k_tiles_all) // SPLIT_K
+    k_tiles = ((slice_id + 1) * k_tiles_all) // SPLIT_K - tile_first
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, QK], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    tile_bytes: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * QK
+    for i in gl.static_range(STAGES):
+        pred = i < k_tiles
+        kk = tile_first + i
+        mbarrier.expect(ready.index(i), tile_bytes, pred=pred)
+        tma.async_copy_global_to_shared(
+            x_desc, [off_m, kk * BLOCK_K], ready.index(i), x_smem.index(i), pred=pred
+        )
+        tma.async_copy_global_to_shared(
+            q_desc, [off_n, kk * QK], ready.index(i), q_smem.index(i), pred=pred
+        )
+
+    rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))  # [BN]
+    rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    mbarrier.wait(ready.index(0), 0)
+    w = _widen(q_smem.index(0), s_ptr, o_ptr, rows_n, tile_first, stride_s, a_layout, KIND,
+               GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+    for k in range(k_tiles):
+        s = k % STAGES
+        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
+        sn = kn % STAGES
+        mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
+        w_next = _widen(q_smem.index(sn), s_ptr, o_ptr, rows_n,
+                        tile_first + gl.minimum(kn, k_tiles - 1), stride_s, a_layout, KIND, GROUP,
+                        BLOCK_N, BLOCK_K)  # fmt: skip
+        # every MMA of tile k retires before the loop goes on: no A register is reused early
+        acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+        gl.thread_barrier()  # every warpgroup is done with stage s
+        kl = k + STAGES
+        pred = kl < k_tiles
+        mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
+        tma.async_copy_global_to_shared(
+            x_desc,
+            [off_m, (tile_first + kl) * BLOCK_K],
+            ready.index(s),
+            x_smem.index(s),
+            pred=pred,
+        )
+        tma.async_copy_global_to_shared(
+            q_desc, [off_n, (tile_first + kl) * QK], ready.index(s), q_smem.index(s), pred=pred
+        )
+        w = w_next
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, NW], [0, 1])  # along N
+    res = gl.convert_layout(acc, out_layout)  # [BN, BM]
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    n_ok = offs_n < N
+    if KIND == 0:
+        res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    mask = n_ok[:, None] & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
+    else:
+        slice_size = M.to(gl.int64) * N
+        offs_ws = offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
+        gl.store(ws_ptr + slice_id * slice_size + offs_ws, res, mask=mask)
+        gl.thread_barrier()  # every thread's partial sums are written
+        arrived = gl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+            for sl in range(SPLIT_K):  # .cg: from L2, never a stale L1 line
+                part = ws_ptr + sl * slice_size + offs_ws
+                total += gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
+            gl.atomic_xchg(lock_ptr + pid, 0)
+
+
+@gluon.jit
+def _widen(
+    q_tile,  # shared [BLOCK_N, QK] packed weight tile
+    s_ptr,
+    o_ptr,
+    rows_n,  # [BN] int64, SliceLayout(1, a_layout)
+    k_tile,  # index of the tile along K (for the group scales)
+    stride_s,
+    a_layout: gl.constexpr,
+    KIND: gl.constexpr,
+    GROUP: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+):
+    """The tile in bf16, in wgmma's A-operand register layout."""
+    if KIND == 0:
+        w = _int8_to_bf16(q_tile.load(a_layout))
+    else:
+        # bytes in the A layout of a [BN, BK / 2] tile: each thread's byte holds its k pair
+        b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
+        lo, hi = _int4_halves(b)
+        v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
+        col = (k_tile * BLOCK_K) // GROUP
+        sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)[:, None]
+        off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)[:, None]
+        w = (v * (16.0 * sc) + (off - 16.0 * sc)).to(gl.bfloat16)
+    return w
+
+
+@gluon.constexpr_function
+def a_layout_bytes(a_layout):
+    return gl.DotOperandLayout(operand_index=0, parent=a_layout.parent, k_width=1)
+
+
+WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}
+"""(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``
+where this kernel beat the mixed GEMM's pick and bf16 cuBLAS; other shapes keep
+``kernels.mixed_gemm``."""
+M_BUCKETS = (32, 64, 128, 256, 512)
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket >= M (beyond the last: none)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return 0
+
+
+def pick(kind: str, m: int, n: int, k: int) -> WoConfig | None:
+    """The measured config of (kind, N, K, M's bucket), or None (not measured faster there)."""
+    cfg = WO_CONFIGS.get((kind, n, k, m_bucket(m)))
+    return None if cfg is None else WoConfig(*cfg)
+
+
+def supports(
+    kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cfg: WoConfig
+) -> bool:
+    """Whether ``wo_gemm`` takes this call with ``cfg``: a Hopper GPU, bf16 x with 16-byte
+    aligned rows (TMA), int8 with one scale per row or int4 whose groups hold whole K tiles
+    (shapes and pointers only, no sync)."""
+    if kind not in ("int8", "int4") or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9 or x.dim() != 2:
+        return False
+    m, k = x.shape
+    n = qweight.shape[0]
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or k % cfg.block_k:
+        return False
+    if not qweight.is_contiguous() or qweight.data_ptr() % 16 or qweight.stride(0) % 16:
+        return False
+    if kind == "int8":
+        return scales.numel() == n and qweight.dtype == torch.int8
+    groups = scales.shape[1] if scales.dim() == 2 else 0
+    return groups > 0 and k % groups == 0 and (k // groups) % cfg.block_k == 0
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+MAX_TILES = 1 << 16
+
+
+def wo_gemm(
+    kind: str,
+    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cfg: WoConfig,
+) -> torch.Tensor:  # [M, N] bf16
+    """``x @ dequantize(W)^T (+ bias)`` (see the module doc); the caller checks ``supports``.
+    int8 ``scales`` hold one value per row ([N] or [N, 1]); int4 ``scales`` / ``offsets`` are
+    ``[N, K // group]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    code = KIND_INT4 if kind == "int4" else KIND_INT8
+    qk = cfg.block_k // 2 if code == KIND_INT4 else cfg.block_k
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    q_dtype = gl.uint8 if code == KIND_INT4 else gl.int8
+    q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
+    q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    ws = locks = out
+    if cfg.split_k > 1:
+        ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+        locks = _LOCKS.get(x.device)
+        if locks is None:
+            locks = _LOCKS[x.device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
+    group = k // scales.shape[1] if code == KIND_INT4 else 0  # (int8: row scales)
+    stride_s = scales.stride(0) if code == KIND_INT4 else 1
+    _wo_gemm_kernel[(tiles, cfg.split_k)](
+        x_desc, q_desc, scales, offsets if offsets is not None else scales,
+        bias if bias is not None else scales, out, ws, locks, m, n, k,
+        stride_s, out.stride(0),
+        KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        GROUP_M=cfg.group_m, num_warps=cfg.block_n // 16,
+    )  # fmt: skip
+    return out

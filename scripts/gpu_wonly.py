@@ -1,0 +1,377 @@
+"""Weight-only int8 / int4 (g128) against bf16 at batch sizes (H100, Llama-3.1-8B shapes, random
+weights): where the mixed-input GEMM loses at 128-512 rows, and the engine figures it moves.
+
+Sections (each prints and goes on after an error):
+
+* ``parity``: every shipped ``mixed_gemm.TUNED_CONFIGS`` entry of int8 / int4 on its own shape, at
+  a row count inside its bucket, against x times the exactly dequantized weight ON THE GPU;
+* ``wo``: ``kernels.wo_gemm`` (Gluon: TMA ring, register-A wgmma overlapping the next tile's
+  widening), int8 per channel and int4 g128, per shape (qkv / o / gate_up / down) and M (256 /
+  128 / 64, ``--wo``): every candidate checked against the exact reference on the GPU (count of
+  wrong configs) before it is timed beside bf16 cuBLAS (us, TFLOP/s) and what the layer runs
+  today; winners that beat today's path go into ``WO_CONFIGS`` for the engine section;
+* ``ceiling``: per shape at M = 256, bf16 cuBLAS beside a plain bf16 Triton GEMM with the mixed
+  kernel's tile shapes and pipeline (no widening): what the tile structure itself reaches;
+* ``sweep`` (``--m``): ``gpu_mixedmma.sweep`` of the older kernel over this script's families;
+* ``engine``: decode steps at b8 / b32 / b128 and (``--offline N``) the offline workload (256
+  requests, input 100-1024, output 512) run N times per method, the last (warm) run reported,
+  bf16 / int8 / int4, with the ratios to bf16.
+
+    python scripts/gpu_wonly.py                    # first check, ~2 min
+    python scripts/gpu_wonly.py --wo 256,128,512,64 --offline 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_mixedgemm as base  # noqa: E402
+import gpu_mixedmma as mma  # noqa: E402
+
+from roofline.kernels import mixed_gemm as mg  # noqa: E402
+from roofline.kernels import wo_gemm as wg  # noqa: E402
+
+BF16 = torch.bfloat16
+T, W = mg.MODE_SMEM, mg.MODE_REG_WAIT
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, mode) per M bucket
+FAMILIES = {
+    256: [
+        (256, 128, 64, 8, 3, W), (256, 64, 64, 4, 3, W), (128, 64, 128, 4, 3, W),
+        (128, 128, 64, 8, 3, W), (256, 128, 64, 8, 4, T), (128, 256, 64, 8, 3, T),
+        (128, 128, 64, 4, 4, T), (256, 64, 128, 4, 3, W),
+    ],
+    128: [
+        (128, 64, 128, 4, 3, W), (128, 128, 64, 8, 3, W), (128, 128, 128, 8, 3, W),
+        (128, 256, 64, 8, 3, T), (128, 128, 64, 4, 4, T), (64, 64, 128, 4, 3, W),
+    ],
+    512: [
+        (256, 128, 64, 8, 3, W), (128, 128, 64, 8, 3, W), (256, 128, 64, 8, 4, T),
+        (128, 256, 64, 8, 3, T), (128, 128, 64, 4, 4, T), (256, 64, 64, 4, 3, W),
+    ],
+    64: [
+        (64, 64, 128, 4, 3, W), (64, 128, 128, 4, 3, W), (64, 256, 64, 8, 3, T),
+        (64, 128, 128, 4, 3, T),
+    ],
+}  # fmt: skip
+CEILING_TILES = [  # (BLOCK_M rows of x, BLOCK_N weight rows, BLOCK_K, warps, stages, swap-AB)
+    (128, 64, 128, 4, 3, True), (256, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True),
+    (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True),
+]  # fmt: skip
+
+
+@triton.jit
+def _bf16_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SWAP: tl.constexpr,
+):  # fmt: skip
+    """out = x @ w^T with the mixed kernel's tile order (GROUP_M 8) and pipeline, w bf16."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = 8 * num_pid_n
+    first_m = (pid // per_group) * 8
+    group_rows = tl.minimum(num_pid_m - first_m, 8)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x = tl.load(x_ptrs)
+        w = tl.load(w_ptrs)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc_t = tl.dot(x, tl.trans(w), acc_t)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not SWAP:
+        acc = tl.trans(acc_t)
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def bf16_triton(tile):
+    bm, bn, bk, warps, stages, swap = tile
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _bf16_gemm_kernel[grid](
+            x, w, out, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
+            SWAP=swap, num_warps=warps,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES) per M bucket
+    512: [(256, 128, 64, 1, 4), (128, 128, 64, 1, 4), (128, 128, 128, 1, 4), (128, 64, 128, 1, 4)],
+    256: [
+        (256, 128, 64, 1, 4), (256, 64, 64, 1, 3), (128, 128, 64, 1, 4), (128, 128, 64, 2, 4),
+        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 4), (128, 128, 128, 2, 4),
+    ],
+    128: [
+        (128, 128, 64, 1, 4), (128, 128, 64, 2, 4), (128, 64, 128, 1, 4), (128, 64, 128, 2, 4),
+        (128, 128, 128, 1, 4), (128, 128, 128, 2, 4), (128, 64, 128, 3, 4),
+    ],
+    64: [
+        (64, 128, 128, 1, 4), (64, 128, 128, 2, 4), (64, 64, 128, 1, 4), (64, 64, 128, 2, 4),
+        (64, 64, 128, 4, 4), (64, 128, 128, 4, 4),
+    ],
+}  # fmt: skip
+WO_WRONG: list[str] = []
+
+
+def wo_fn(kind: str, cfg: wg.WoConfig):
+    return lambda x, qw, s, o: wg.wo_gemm(kind, x, qw, s, o, None, cfg)
+
+
+@base.section("wo")
+def wo_sweep(ms: list[int], kinds: list[str]) -> dict:
+    """kernels.wo_gemm: every candidate checked against x times the exactly dequantized weight
+    on the GPU (3 inputs, M - 3 rows: a partial row block) before it is timed, beside bf16
+    cuBLAS and what the layer runs today (mixed_gemm's pick or dequantize + cuBLAS); the winner
+    per shape and bucket goes into ``WO_CONFIGS`` where it beats today's path."""
+    tuned: dict[tuple, tuple] = {}
+    for m in ms:
+        for kind in kinds:
+            fams = [wg.WoConfig(*c) for c in WO_FAMILIES[m]]
+            n0, k0 = base.SHAPES["qkv"]
+            w0 = base.quantized(kind, n0, k0)
+            x0 = torch.randn(m, k0, device="cuda", dtype=BF16)
+            base.precompile([partial(wo_fn(kind, c), x0, *w0) for c in fams])
+            for layer, (n, k) in base.SHAPES.items():
+                flop = 2.0 * m * n * k
+                ring = base.make_ring(kind, n, k, False)
+                qw, s, o = ring[0]
+                xs = [torch.randn(m - 3, k, device="cuda", dtype=BF16) for _ in "abc"]
+                refs = [base.exact_ref(kind, x, qw, s, o) for x in xs]
+                x = torch.randn(m, k, device="cuda", dtype=BF16)
+                w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
+                t16 = base.time_ring(partial(F.linear, x), w16, False)
+                t_now = base.time_ring(partial(base.dispatch(kind), x), ring, False)
+                res = []
+                for c in fams:
+                    if not wg.supports(kind, x, qw, s, c):
+                        continue
+                    try:
+                        fn = wo_fn(kind, c)
+                        err = max(base.rel_err(fn(xx, qw, s, o), r) for xx, r in zip(xs, refs))
+                        if not err < 2e-2:
+                            WO_WRONG.append(f"{kind} {layer} M={m - 3} {tuple(c)}: {err:.2e}")
+                            print(f"  WRONG {WO_WRONG[-1]}", flush=True)
+                            continue
+                        res.append((base.time_ring(partial(fn, x), ring, False), c))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {kind} {layer} M={m} {tuple(c)}: {type(e).__name__}: {e}")
+                if not res:
+                    print(f"{kind} {layer} M={m}: no wo_gemm config ran", flush=True)
+                    continue
+                res.sort()
+                t_best, best = res[0]
+                if t_best < t_now:
+                    tuned[(kind, n, k, m)] = tuple(best)
+                print(
+                    f"{kind} {layer:7} M={m:4}: bf16 {t16 * 1e6:6.1f} us "
+                    f"({flop / t16 / 1e12:4.0f} TF/s) | today {t_now * 1e6:6.1f} "
+                    f"({t16 / t_now:4.2f}x) | wo {t_best * 1e6:6.1f} ({flop / t_best / 1e12:4.0f}"
+                    f" TF/s, {t16 / t_best:4.2f}x) {tuple(best)}; next: "
+                    + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in res[1:4]),
+                    flush=True,
+                )
+                mma.SUMMARY[f"wo_{kind}_{layer}_{m}"] = {
+                    "bf16_us": t16 * 1e6, "today_us": t_now * 1e6, "wo_us": t_best * 1e6,
+                    "wo": tuple(best),
+                }  # fmt: skip
+                del ring, xs, refs, w16
+            torch.cuda.empty_cache()
+    mma.TABLE.append(f"wo_gemm configs WRONG on the GPU: {len(WO_WRONG)}")
+    for m in ms:
+        for kind in kinds:
+            got = [mma.SUMMARY.get(f"wo_{kind}_{layer}_{m}") for layer in base.SHAPES]
+            if all(got):
+                mma.TABLE.append(
+                    f"M={m:4} {kind}: bf16 / today "
+                    + "/".join(f"{g['bf16_us'] / g['today_us']:.2f}" for g in got)
+                    + "; bf16 / wo "
+                    + "/".join(f"{g['bf16_us'] / g['wo_us']:.2f}" for g in got)
+                    + " (qkv/o/gate_up/down)"
+                )
+    lines = "".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items())
+    print("\nWO_CONFIGS = {\n" + lines + "}")
+    return tuned
+
+
+@base.section("parity")
+def parity() -> None:
+    keep = {k: v for k, v in mg.TUNED_CONFIGS.items() if k[0] in ("int8", "int4")}
+    saved = dict(mg.TUNED_CONFIGS)
+    mg.TUNED_CONFIGS.clear()
+    mg.TUNED_CONFIGS.update(keep)
+    try:
+        base.tuned_parity()
+    finally:
+        mg.TUNED_CONFIGS.clear()
+        mg.TUNED_CONFIGS.update(saved)
+
+
+@base.section("ceiling")
+def ceiling(ms: list[int]) -> None:
+    for m in ms:
+        for layer, (n, k) in base.SHAPES.items():
+            flop = 2.0 * m * n * k
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            ring = [(torch.randn(n, k, device="cuda", dtype=BF16) * 0.02,) for _ in range(3)]
+            t16 = base.time_ring(partial(F.linear, x), ring, False)
+            cells = []
+            for tile in CEILING_TILES:
+                if tile[0] > max(64, 2 * m):
+                    continue
+                fn = bf16_triton(tile)
+                try:
+                    err = base.rel_err(fn(x, ring[0][0]), F.linear(x, ring[0][0]))
+                    t = base.time_ring(partial(fn, x), ring, False)
+                    bad = "" if err < 2e-2 else f" WRONG {err:.1e}"
+                    cells.append(f"{tile[:3]}{'s' if tile[5] else ''} {t * 1e6:.1f}{bad}")
+                except Exception as e:  # noqa: BLE001
+                    cells.append(f"{tile[:3]} {type(e).__name__}")
+            print(
+                f"M={m:4} {layer:7}: cuBLAS bf16 {t16 * 1e6:6.1f} us "
+                f"({flop / t16 / 1e12:4.0f} TFLOP/s) | triton bf16: " + "; ".join(cells),
+                flush=True,
+            )
+            mma.SUMMARY[f"ceiling_{layer}_{m}"] = (t16 * 1e6, cells)
+            del ring, x
+
+
+@base.section("engine")
+def engine(methods: list[str], batches: list[int], offline: int) -> None:
+    """Per method: decode steps at ``batches`` rows, then ``offline`` times the offline workload
+    (the last run reported: the first compiles what the warm-up prompts missed)."""
+    import gc
+
+    from gpu_profile_presets import phase_split
+
+    from roofline import LLM, SamplingParams
+    from roofline.bench import latency, workloads
+    from roofline.bench.ceilings import measure
+
+    ceil = measure(torch.device("cuda"), BF16)
+    for method in methods:
+        llm = None
+        try:
+            t0 = time.perf_counter()
+            llm = LLM(
+                base.MODEL, load_format="dummy", device="cuda", max_model_len=4096,
+                max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+                quantization=None if method == "bf16" else method,
+            )  # fmt: skip
+            startup = time.perf_counter() - t0
+            rows = latency.run(llm.llm_engine, ceil, batches, 128, 32)
+            steps = {r.batch_size: r.step_ms_p50 for r in rows}
+            line = f"{method:5} start-up {startup:4.1f} s; decode step ms " + " ".join(
+                f"b{b} {t:.2f}" for b, t in steps.items()
+            )
+            got: dict = {"step_ms": steps}
+            if offline:
+                vocab = llm.llm_engine.model_config.vocab_size
+                warm = [[7] * n for n in base.WARM_LENS]
+                llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
+                out_len = base.OUTPUT_LEN
+                wl = workloads.synthetic(256, (100, 1024), (out_len, out_len), vocab)
+                runs = []
+                for _ in range(offline):
+                    llm.llm_engine.kv_manager.reset_prefix_cache()
+                    res, phases = phase_split(llm, ceil, wl)
+                    runs.append(res.output_tok_s)
+                dec = phases.get("decode", [])
+                med = 1e3 * sorted(dec)[len(dec) // 2] if dec else 0.0
+                line += (
+                    f"; offline 256 req: {res.output_tok_s:6.0f} out tok/s warm (runs "
+                    + "/".join(f"{r:.0f}" for r in runs)
+                    + f"; {res.roofline_pct:.0f}% of roofline); prefill "
+                    f"{sum(phases.get('prefill', [])):.2f} s, decode steps {len(dec)} "
+                    f"{sum(dec):.2f} s (median {med:.1f} ms)"
+                )
+                got["out_tok_s"] = res.output_tok_s
+            print(line, flush=True)
+            mma.TABLE.append(line)
+            mma.SUMMARY[f"engine_{method}"] = got
+        except Exception as e:  # noqa: BLE001
+            print(f"engine {method} FAILED: {type(e).__name__}: {e}", flush=True)
+        finally:
+            llm = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--wo", default="256,128,64", help="wo_gemm M buckets, in order")
+    ap.add_argument("--m", default="", help="mixed_gemm sweep M buckets, in order")
+    ap.add_argument("--kinds", default="int8,int4")
+    ap.add_argument("--budget", type=float, default=45.0, help="seconds for the sweep")
+    ap.add_argument("--ceiling", default="256", help="M values of the ceiling section")
+    ap.add_argument("--engine", default="bf16,int8,int4")
+    ap.add_argument("--steps", default="8,32,128")
+    ap.add_argument("--offline", type=int, default=0, help="offline workload runs (0: none)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    parity()
+    wo_ms = [int(v) for v in args.wo.split(",") if v]
+    if wo_ms:
+        wg.WO_CONFIGS.update(wo_sweep(wo_ms, args.kinds.split(",")) or {})
+    if args.ceiling:
+        ceiling([int(v) for v in args.ceiling.split(",")])
+    mma.FAMILIES.clear()
+    mma.FAMILIES.update(FAMILIES)
+    ms = [int(v) for v in args.m.split(",") if v]
+    tuned = (mma.sweep(ms, args.kinds.split(","), args.budget) or {}) if ms else {}
+    mma.summarize(tuned, args.out)
+    if args.engine:
+        methods = args.engine.split(",")
+        steps = [int(v) for v in args.steps.split(",") if v]
+        engine(methods, steps, args.offline)
+        ref = mma.SUMMARY.get("engine_bf16")
+        for method in methods[1:]:
+            got = mma.SUMMARY.get(f"engine_{method}")
+            if ref and got:
+                ratios = " ".join(
+                    f"b{b} {ref['step_ms'][b] / t:.2f}x"
+                    for b, t in got["step_ms"].items()
+                    if b in ref["step_ms"]
+                )
+                off = (
+                    f"offline {got['out_tok_s'] / ref['out_tok_s']:.2f}x, " if args.offline else ""
+                )
+                mma.TABLE.append(f"{method} / bf16: {off}decode steps {ratios}")
+    print(f"\n=== summary ({time.perf_counter() - t0:.0f} s)")
+    print("\n".join(mma.TABLE))
+
+
+if __name__ == "__main__":
+    main()
