@@ -152,18 +152,18 @@ def _wo_gemm_kernel(
     rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))  # [BN]
     rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, tile_first, stride_s, KIND, GROUP, BLOCK_K)
     mbarrier.wait(ready.index(0), 0)
-    w = _widen(q_smem.index(0), s_ptr, o_ptr, rows_n, tile_first, stride_s, a_layout, KIND,
-               GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+    w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
     for k in range(k_tiles):
         s = k % STAGES
-        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
         kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
         sn = kn % STAGES
+        span, base = _group_scales(s_ptr, o_ptr, rows_n, tile_first + gl.minimum(kn, k_tiles - 1),
+                                   stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
         mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
-        w_next = _widen(q_smem.index(sn), s_ptr, o_ptr, rows_n,
-                        tile_first + gl.minimum(kn, k_tiles - 1), stride_s, a_layout, KIND, GROUP,
-                        BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
         # every MMA of tile k retires before the loop goes on: no A register is reused early
         acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
         gl.thread_barrier()  # every warpgroup is done with stage s
@@ -215,16 +215,30 @@ def _wo_gemm_kernel(
 
 
 @gluon.jit
+def _group_scales(s_ptr, o_ptr, rows_n, k_tile, stride_s, KIND: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+    """int4: the fp32 per-row constants of a K tile's group, ``16 s`` and ``offset - 16 s``
+    ([BN] each; loaded a tile ahead of their use, their latency under the MMAs); int8: zeros
+    (row scales are applied to the accumulator)."""
+    if KIND == 1:
+        col = (k_tile * BLOCK_K) // GROUP
+        sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)
+        off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)
+        span = 16.0 * sc
+        base = off - span
+    else:
+        span = rows_n.to(gl.float32) * 0.0
+        base = span
+    return span, base
+
+
+@gluon.jit
 def _widen(
     q_tile,  # shared [BLOCK_N, QK] packed weight tile
-    s_ptr,
-    o_ptr,
-    rows_n,  # [BN] int64, SliceLayout(1, a_layout)
-    k_tile,  # index of the tile along K (for the group scales)
-    stride_s,
+    span,  # [BN] fp32 (int4: 16 s)
+    base,  # [BN] fp32 (int4: offset - 16 s)
     a_layout: gl.constexpr,
     KIND: gl.constexpr,
-    GROUP: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
 ):
@@ -236,10 +250,7 @@ def _widen(
         b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
         lo, hi = _int4_halves(b)
         v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
-        col = (k_tile * BLOCK_K) // GROUP
-        sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)[:, None]
-        off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)[:, None]
-        w = (v * (16.0 * sc) + (off - 16.0 * sc)).to(gl.bfloat16)
+        w = (v * span[:, None] + base[:, None]).to(gl.bfloat16)
     return w
 
 
