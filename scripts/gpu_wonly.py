@@ -127,10 +127,10 @@ def bf16_triton(tile):
 
 
 WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES) per M bucket
-    512: [(256, 128, 64, 1, 4), (128, 128, 64, 1, 4), (128, 128, 128, 1, 4), (128, 64, 128, 1, 4)],
+    512: [(256, 128, 64, 1, 4), (256, 128, 64, 2, 4), (128, 128, 64, 1, 4), (128, 128, 128, 1, 4)],
     256: [
-        (256, 128, 64, 1, 4), (256, 64, 64, 1, 3), (128, 128, 64, 1, 4), (128, 128, 64, 2, 4),
-        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 128, 128, 1, 4),
+        (256, 128, 64, 1, 4), (256, 128, 64, 2, 4), (256, 128, 64, 3, 4), (256, 64, 64, 1, 3),
+        (128, 128, 64, 1, 4), (128, 128, 64, 2, 4), (128, 64, 128, 1, 4), (128, 64, 128, 2, 4),
     ],
     128: [
         (128, 128, 64, 1, 4), (128, 128, 64, 2, 4), (128, 64, 128, 1, 4), (128, 64, 128, 2, 4),
@@ -176,11 +176,12 @@ def wo_sweep(ms: list[int], kinds: list[str]) -> dict:
                     try:
                         fn = wo_fn(kind, c)
                         err = max(base.rel_err(fn(xx, qw, s, o), r) for xx, r in zip(xs, refs))
-                        if not err < 2e-2:
+                        t = base.time_ring(partial(fn, x), ring, False)
+                        if not err < 2e-2:  # timed all the same (never picked)
                             WO_WRONG.append(f"{kind} {layer} M={m - 3} {tuple(c)}: {err:.2e}")
-                            print(f"  WRONG {WO_WRONG[-1]}", flush=True)
+                            print(f"  WRONG {WO_WRONG[-1]} ({t * 1e6:.1f} us)", flush=True)
                             continue
-                        res.append((base.time_ring(partial(fn, x), ring, False), c))
+                        res.append((t, c))
                     except Exception as e:  # noqa: BLE001
                         print(f"  {kind} {layer} M={m} {tuple(c)}: {type(e).__name__}: {e}")
                 if not res:

@@ -189,28 +189,40 @@ def _wo_gemm_kernel(
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     n_ok = offs_n < N
-    if KIND == 0:
-        res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     mask = n_ok[:, None] & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
+        out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+        if KIND == 0:
+            res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         if HAS_BIAS:
             res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
     else:
         slice_size = M.to(gl.int64) * N
-        offs_ws = offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]
+        offs_ws = offs_m[None, :] * N + offs_n[:, None]  # int32: SPLIT_K * M * N < 2^31
         gl.store(ws_ptr + slice_id * slice_size + offs_ws, res, mask=mask)
         gl.thread_barrier()  # every thread's partial sums are written
         arrived = gl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
-            for sl in range(SPLIT_K):  # .cg: from L2, never a stale L1 line
-                part = ws_ptr + sl * slice_size + offs_ws
-                total += gl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
-            gl.store(out_ptrs, total.to(gl.bfloat16), mask=mask)
+        if arrived == SPLIT_K - 1:  # sum the slices in order, a chunk of rows of x at a time
+            CH: gl.constexpr = 64 if BLOCK_M > 64 else BLOCK_M
+            for c in gl.static_range(BLOCK_M // CH):
+                offs_c = off_m + c * CH + gl.arange(0, CH, layout=gl.SliceLayout(0, out_layout))
+                mask_c = n_ok[:, None] & (offs_c[None, :] < M)
+                offs_wc = offs_c[None, :] * N + offs_n[:, None]
+                total = gl.zeros([BLOCK_N, CH], gl.float32, out_layout)
+                for sl in range(SPLIT_K):  # .cg: from L2, never a stale L1 line
+                    part = ws_ptr + sl * slice_size + offs_wc
+                    total += gl.load(part, mask=mask_c, other=0.0, cache_modifier=".cg")
+                if KIND == 0:  # the row scales
+                    total = (
+                        total
+                        * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+                    )
+                if HAS_BIAS:
+                    bias = gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
+                    total += bias[:, None]
+                out_c = out_ptr + offs_c.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+                gl.store(out_c, total.to(gl.bfloat16), mask=mask_c)
             gl.atomic_xchg(lock_ptr + pid, 0)
 
 
@@ -302,7 +314,7 @@ def supports(
     return groups > 0 and k % groups == 0 and (k // groups) % cfg.block_k == 0
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
 
@@ -331,19 +343,23 @@ def wo_gemm(
     q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split_k = max(1, min(cfg.split_k, k // cfg.block_k))  # no empty slice
     ws = locks = out
-    if cfg.split_k > 1:
-        ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
-        locks = _LOCKS.get(x.device)
-        if locks is None:
-            locks = _LOCKS[x.device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
+    if split_k > 1:
+        if tiles > MAX_TILES or split_k * m * n >= 1 << 31:
+            raise ValueError(f"wo_gemm: split-K of {m} x {n} ({tiles} tiles) is too large")
+        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        key = (x.device, torch.cuda.current_stream(x.device).cuda_stream)
+        locks = _LOCKS.get(key)
+        if locks is None:  # (kernels of one stream run in turn; each leaves its counters at 0)
+            locks = _LOCKS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
     group = k // scales.shape[1] if code == KIND_INT4 else 0  # (int8: row scales)
     stride_s = scales.stride(0) if code == KIND_INT4 else 1
-    _wo_gemm_kernel[(tiles, cfg.split_k)](
+    _wo_gemm_kernel[(tiles, split_k)](
         x_desc, q_desc, scales, offsets if offsets is not None else scales,
         bias if bias is not None else scales, out, ws, locks, m, n, k,
         stride_s, out.stride(0),
-        KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, num_warps=cfg.block_n // 16,
     )  # fmt: skip
