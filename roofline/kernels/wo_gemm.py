@@ -191,9 +191,9 @@ def _wo_gemm_kernel(
     n_ok = offs_n < N
     mask = n_ok[:, None] & (offs_m[None, :] < M)
     if SPLIT_K == 1:
-        out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
         if KIND == 0:
             res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
         if HAS_BIAS:
             res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
