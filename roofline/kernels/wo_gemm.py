@@ -49,6 +49,21 @@ class WoConfig(NamedTuple):
     group_m: int = 8  # row blocks of x that walk the same weight columns together
 
 
+INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
+    """{
+    .reg .b32 u, f0, f1;
+    cvt.u32.u16 u, $1;
+    xor.b32 u, u, 0x8080;
+    prmt.b32 f0, u, 0x4B000000, 0x7440;
+    prmt.b32 f1, u, 0x4B000000, 0x7441;
+    sub.f32 f0, f0, 0f4B000080;
+    sub.f32 f1, f1, 0f4B000080;
+    prmt.b32 $0, f0, f1, 0x7632;
+    }"""
+)
+"""Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact."""
+
+
 @gluon.jit
 def _int8_to_bf16(q):
     """int8 -> bf16, exact, two at a time (the pair a thread holds of wgmma's A operand: one
@@ -56,21 +71,7 @@ def _int8_to_bf16(q):
     permute per element), an fp32 subtract of 2^23 + 128 gives q, and the upper halves of the
     two fp32 values are one bf16x2 (|q| <= 128 has at most 8 significant bits)."""
     return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 u, f0, f1;
-        cvt.u32.u16 u, $1;
-        xor.b32 u, u, 0x8080;
-        prmt.b32 f0, u, 0x4B000000, 0x7440;
-        prmt.b32 f1, u, 0x4B000000, 0x7441;
-        sub.f32 f0, f0, 0f4B000080;
-        sub.f32 f1, f1, 0f4B000080;
-        prmt.b32 $0, f0, f1, 0x7632;
-        }""",
-        "=r,h",
-        [q],
-        dtype=gl.bfloat16,
-        is_pure=True,
-        pack=2,
+        INT8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
     )
 
 
@@ -295,23 +296,36 @@ def pick(kind: str, m: int, n: int, k: int) -> WoConfig | None:
 def supports(
     kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cfg: WoConfig
 ) -> bool:
-    """Whether ``wo_gemm`` takes this call with ``cfg``: a Hopper GPU, bf16 x with 16-byte
-    aligned rows (TMA), int8 with one scale per row or int4 whose groups hold whole K tiles
-    (shapes and pointers only, no sync)."""
-    if kind not in ("int8", "int4") or not x.is_cuda or x.dtype != torch.bfloat16:
+    """Whether ``wo_gemm`` takes this call with ``cfg``: a Hopper GPU and ``fits``."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
-    if torch.cuda.get_device_capability(x.device)[0] != 9 or x.dim() != 2:
+    return fits(kind, x, qweight, scales, cfg)
+
+
+def fits(
+    kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cfg: WoConfig
+) -> bool:
+    """The layout checks of ``supports`` (any device): bf16 x with 16-byte aligned rows (TMA),
+    K a multiple of BLOCK_K, int8 with one scale per row, or int4 whose groups hold whole K
+    tiles (shapes, strides and pointers only, no sync)."""
+    if kind not in ("int8", "int4") or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
-    m, k = x.shape
+    k = x.shape[1]
     n = qweight.shape[0]
     if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or k % cfg.block_k:
         return False
     if not qweight.is_contiguous() or qweight.data_ptr() % 16 or qweight.stride(0) % 16:
         return False
     if kind == "int8":
-        return scales.numel() == n and qweight.dtype == torch.int8
+        return qweight.dtype == torch.int8 and qweight.shape[1] == k and scales.numel() == n
     groups = scales.shape[1] if scales.dim() == 2 else 0
-    return groups > 0 and k % groups == 0 and (k // groups) % cfg.block_k == 0
+    return (
+        qweight.dtype == torch.uint8
+        and qweight.shape[1] * 2 == k
+        and groups > 0
+        and k % groups == 0
+        and (k // groups) % cfg.block_k == 0
+    )
 
 
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -354,6 +368,8 @@ def wo_gemm(
         if locks is None:  # (kernels of one stream run in turn; each leaves its counters at 0)
             locks = _LOCKS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
     group = k // scales.shape[1] if code == KIND_INT4 else 0  # (int8: row scales)
+    if offsets is not None and offsets.stride() != scales.stride():  # (one stride for both)
+        scales, offsets = scales.contiguous(), offsets.contiguous()
     stride_s = scales.stride(0) if code == KIND_INT4 else 1
     _wo_gemm_kernel[(tiles, split_k)](
         x_desc, q_desc, scales, offsets if offsets is not None else scales,

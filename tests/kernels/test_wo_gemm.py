@@ -1,0 +1,193 @@
+"""The Hopper weight-only GEMM (``kernels.wo_gemm``, Gluon: no interpreter, so its numbers are
+checked on the GPU by ``scripts/gpu_wonly.py``): here, the int8 -> bf16 widening PTX executed by a
+small emulator over every pair of int8 values, the layout checks and the config table, and (with
+Triton's ptxas, on any machine) that every shipped config and a few representative ones compile
+for sm_90 with the weight as wgmma's register operand, TMA loads, no spills and no
+register-operand race in the SASS."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from kernel_utils import ON_GPU
+
+from roofline.kernels import wo_gemm as wg
+from roofline.quantization import formats
+
+
+def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Execute the straight-line PTX of an inline-asm block (the instructions the widening
+    uses) on uint32 arrays; ``$n`` operands come from / go to ``inputs``."""
+    regs = {k: v.astype(np.uint32) for k, v in inputs.items()}
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        if tok.startswith("0f"):
+            return np.full_like(next(iter(regs.values())), int(tok[2:], 16))
+        if tok.startswith("0x") or tok.isdigit():
+            return np.full_like(next(iter(regs.values())), int(tok, 0))
+        return regs[tok]
+
+    def as_f32(a: np.ndarray) -> np.ndarray:
+        return a.view(np.float32)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in srcs]
+        if op == "cvt.u32.u16":
+            out = a[0] & 0xFFFF
+        elif op == "xor.b32":
+            out = a[0] ^ a[1]
+        elif op == "sub.f32":
+            out = (as_f32(a[0]) - as_f32(a[1])).view(np.uint32)
+        elif op == "prmt.b32":
+            both = np.stack([(a[j] >> (8 * i)) & 0xFF for j in (0, 1) for i in range(4)])
+            out = np.zeros_like(a[0])
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0x7
+                out |= np.take_along_axis(both, sel[None, :].astype(np.int64), 0)[0] << (8 * i)
+        else:
+            raise AssertionError(f"instruction {op} not emulated")
+        regs[dst] = out.astype(np.uint32)
+    return regs
+
+
+def test_int8_widening_ptx_is_exact_for_every_pair() -> None:
+    pairs = np.arange(1 << 16, dtype=np.uint32)  # two int8 in the low 16 bits
+    asm = re.sub(r"\$(\d)", r"R\1", wg.INT8_TO_BF16_PTX.value)
+    out = _run_ptx(asm, {"R1": pairs})["R0"]
+    lo = (out << 16).view(np.float32)  # bf16 -> fp32: the bits move up
+    hi = (out & 0xFFFF0000).view(np.float32)
+    q = pairs.astype(np.uint16).view(np.int8).reshape(-1, 2).astype(np.float32)
+    assert np.array_equal(lo, q[:, 0]) and np.array_equal(hi, q[:, 1])
+
+
+def test_layout_checks() -> None:
+    cfg = wg.WoConfig(128, 128, 64, 1, 4)
+    w = torch.randn(256, 512)
+    x = torch.randn(37, 512).to(torch.bfloat16)
+    q8 = formats.quantize_int8(w, 512, torch.bfloat16)
+    assert wg.fits("int8", x, q8.qweight, q8.scales, cfg)
+    assert not wg.fits("int8", x.float(), q8.qweight, q8.scales, cfg)  # bf16 x only
+    assert not wg.fits("int8", x[:, 1:-63], q8.qweight, q8.scales, cfg)  # misaligned rows
+    grouped = formats.quantize_int8(w, 128, torch.bfloat16)
+    assert not wg.fits("int8", x, grouped.qweight, grouped.scales, cfg)  # per channel only
+    q4 = formats.quantize_int4(w, 128, True, torch.bfloat16)
+    assert wg.fits("int4", x, q4.qweight, q4.scales, cfg)
+    assert not wg.fits("int4", x, q4.qweight, q4.scales, cfg._replace(block_k=256))
+    q4_32 = formats.quantize_int4(w, 32, True, torch.bfloat16)  # groups inside a K tile
+    assert not wg.fits("int4", x, q4_32.qweight, q4_32.scales, cfg)
+    assert not wg.supports("int8", x, q8.qweight, q8.scales, cfg)  # not a GPU tensor
+
+
+def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wg, "WO_CONFIGS", {("int8", 6144, 4096, 256): (256, 128, 64, 2, 4)})
+    assert [wg.m_bucket(m) for m in (17, 64, 65, 256, 300, 513)] == [32, 64, 128, 256, 512, 0]
+    assert wg.pick("int8", 200, 6144, 4096) == wg.WoConfig(256, 128, 64, 2, 4)
+    assert wg.pick("int8", 100, 6144, 4096) is None  # bucket 128 not measured
+    assert wg.pick("int4", 200, 6144, 4096) is None
+
+
+REPRESENTATIVE = [  # (kind, config)
+    ("int8", (256, 128, 64, 1, 4)),
+    ("int4", (256, 128, 64, 2, 4)),
+    ("int8", (128, 64, 128, 2, 4)),
+    ("int4", (64, 64, 128, 4, 4)),
+]
+
+
+def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    int4 = kind == "int4"
+    qk = cfg.block_k // 2 if int4 else cfg.block_k
+    x = torch.empty(256, k, dtype=torch.bfloat16)
+    q = torch.empty(4096, qk * (k // cfg.block_k), dtype=torch.uint8 if int4 else torch.int8)
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    q_type = gl.uint8 if int4 else gl.int8
+    q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_type)
+    descs = [
+        TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
+        TensorDescriptor.from_tensor(q, [cfg.block_n, qk], q_layout),
+    ]
+    fn = wg._wo_gemm_kernel
+    names = list(fn.arg_names)
+    types = dict(zip(("x_desc", "q_desc"), map(mangle_type, descs)))
+    types.update({n: "*bf16" for n in ("s_ptr", "o_ptr", "bias_ptr", "out_ptr")})
+    types.update({"ws_ptr": "*fp32", "lock_ptr": "*i32"})
+    types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om")})
+    signature = {n: types.get(n, "constexpr") for n in names}
+    constexprs = dict(
+        KIND=int(int4), GROUP=128 if int4 else 0, HAS_BIAS=True, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        GROUP_M=cfg.group_m,
+    )  # fmt: skip
+    aligned = ("N", "K", "stride_om")
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]]
+        for n, t in signature.items()
+        if t.startswith("*") or n in aligned
+    }
+    return triton.compile(
+        GluonASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": cfg.block_n // 16},
+    )
+
+
+def hopper_report() -> list[dict]:
+    """Compile the shipped configs and REPRESENTATIVE for sm_90 and report what ptxas and the
+    SASS say (run in a process without TRITON_INTERPRET)."""
+    from sm90_inspect import ptxas_usage, register_a_hazards, uses_register_a
+
+    cases = {(kind, tuple(cfg)) for (kind, *_), cfg in wg.WO_CONFIGS.items()}
+    cases |= set(REPRESENTATIVE)
+    report = []
+    for kind, cfg in sorted(cases):
+        kernel = _build(kind, wg.WoConfig(*cfg))
+        registers, spilled = ptxas_usage(kernel)
+        report.append({
+            "case": [kind, list(cfg)], "register_a": uses_register_a(kernel),
+            "tma": "cp.async.bulk.tensor" in kernel.asm["ptx"], "registers": registers,
+            "spilled": spilled, "hazards": register_a_hazards(kernel),
+        })  # fmt: skip
+    return report
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU script checks the shipped configs' numbers")
+def test_configs_compile_for_hopper_without_register_races() -> None:
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon")
+    here = pathlib.Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
+    )
+    code = "import json, test_wo_gemm as t; print(json.dumps(t.hopper_report()))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(report) >= len(REPRESENTATIVE)
+    for got in report:
+        assert got["register_a"] and got["tma"], got
+        assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
+        assert got["hazards"] == [], got
