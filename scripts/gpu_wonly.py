@@ -24,7 +24,9 @@ Sections (each prints and goes on after an error):
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 from functools import partial
@@ -336,20 +338,38 @@ def main() -> None:
     ap.add_argument("--steps", default="8,32,128")
     ap.add_argument("--offline", type=int, default=0, help="offline workload runs (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    parity()
+    if not args.wo_child:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     wo_ms = [int(v) for v in args.wo.split(",") if v]
+    if args.wo_child:  # the wo section alone (a kernel fault cannot take the run down)
+        tuned = wo_sweep(wo_ms, args.kinds.split(",")) or {}
+        with open(args.wo_child, "w") as f:
+            json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
+        return
+    parity()
     if wo_ms:
-        wg.WO_CONFIGS.update(wo_sweep(wo_ms, args.kinds.split(",")) or {})
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "wo_tuned.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--wo", args.wo, "--kinds", args.kinds]
+        proc = subprocess.run([*cmd, "--wo-child", path], check=False)
+        if proc.returncode == 0 and os.path.exists(path):
+            with open(path) as f:
+                got = json.load(f)
+            wg.WO_CONFIGS.update({tuple(e[:4]): tuple(e[4]) for e in got["tuned"]})
+            mma.TABLE.extend(got["table"])
+        else:
+            mma.TABLE.append(f"wo section FAILED (exit {proc.returncode})")
+        print(f"WO_CONFIGS for the engine runs: {wg.WO_CONFIGS}", flush=True)
     if args.ceiling:
         ceiling([int(v) for v in args.ceiling.split(",")])
     mma.FAMILIES.clear()
     mma.FAMILIES.update(FAMILIES)
     ms = [int(v) for v in args.m.split(",") if v]
-    tuned = (mma.sweep(ms, args.kinds.split(","), args.budget) or {}) if ms else {}
-    mma.summarize(tuned, args.out)
+    if ms:
+        mma.summarize(mma.sweep(ms, args.kinds.split(","), args.budget) or {}, args.out)
     if args.engine:
         methods = args.engine.split(",")
         steps = [int(v) for v in args.steps.split(",") if v]
