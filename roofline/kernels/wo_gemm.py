@@ -42,7 +42,8 @@ KIND_INT8, KIND_INT4 = 0, 1
 
 class WoConfig(NamedTuple):
     block_m: int  # rows of x per program (wgmma N): 64, 128 or 256
-    block_n: int  # weight rows per program: 64 per warpgroup (num_warps = block_n // 16)
+    block_n: int  # weight rows per program: 64 per warpgroup (num_warps = block_n // 16; at 16
+    # warps, 128 registers a thread: split-K's epilogue spills there)
     block_k: int  # K elements per pipeline stage: 64 or 128
     split_k: int  # K slices
     stages: int  # TMA ring depth

@@ -100,6 +100,7 @@ REPRESENTATIVE = [  # (kind, config)
     ("int4", (256, 128, 64, 2, 4)),
     ("int8", (128, 64, 128, 2, 4)),
     ("int4", (64, 64, 128, 4, 4)),
+    ("int8", (128, 256, 64, 1, 4)),  # 16 warps
 ]
 
 
@@ -162,6 +163,7 @@ def hopper_report() -> list[dict]:
             "case": [kind, list(cfg)], "register_a": uses_register_a(kernel),
             "tma": "cp.async.bulk.tensor" in kernel.asm["ptx"], "registers": registers,
             "spilled": spilled, "hazards": register_a_hazards(kernel),
+            "shared": kernel.metadata.shared,
         })  # fmt: skip
     return report
 
@@ -191,3 +193,4 @@ def test_configs_compile_for_hopper_without_register_races() -> None:
         assert got["register_a"] and got["tma"], got
         assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
         assert got["hazards"] == [], got
+        assert got["shared"] <= 227 << 10, got  # an H100 SM's shared memory per block
