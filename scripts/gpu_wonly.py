@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,6 +43,7 @@ import gpu_mixedmma as mma  # noqa: E402
 
 from roofline.kernels import mixed_gemm as mg  # noqa: E402
 from roofline.kernels import wo_gemm as wg  # noqa: E402
+from roofline.quantization import formats  # noqa: E402
 
 BF16 = torch.bfloat16
 T, W = mg.MODE_SMEM, mg.MODE_REG_WAIT
@@ -147,7 +149,38 @@ WO_WRONG: list[str] = []
 
 
 def wo_fn(kind: str, cfg: wg.WoConfig):
+    """``kind`` int8, int4 (offsets), int4s (symmetric: the kernel's bf16x2 form, no offsets)."""
+    if kind == "int4s":
+        return lambda x, qw, s, o: wg.wo_gemm("int4", x, qw, s, None, None, cfg)
     return lambda x, qw, s, o: wg.wo_gemm(kind, x, qw, s, o, None, cfg)
+
+
+def quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple:
+    """gpu_mixedgemm's random weights; int4s: symmetric int4 g128 (offsets -8 s, bf16)."""
+    if kind != "int4s":
+        return base.quantized(kind, n, k, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    return tuple(formats.quantize_int4(w, 128, True, BF16))
+
+
+def make_ring(kind: str, n: int, k: int) -> list[tuple]:
+    first = quantized(kind, n, k)
+    copies = max(2, math.ceil(base.RING_BYTES / base.nbytes(*first)))
+    return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
+
+
+def today(kind: str):
+    """What a layer runs today (``common.quantized_linear``; symmetric int4 flagged so)."""
+    from types import SimpleNamespace
+
+    from roofline.quantization import common
+
+    if kind != "int4s":
+        return base.dispatch(kind)
+    return lambda x, qw, s, o: common.quantized_linear(
+        "int4", SimpleNamespace(qweight=qw, scales=s, offsets=o, int4_symmetric=True), x, None
+    )
 
 
 @base.section("wo")
@@ -161,22 +194,22 @@ def wo_sweep(ms: list[int], kinds: list[str]) -> dict:
         for kind in kinds:
             fams = [wg.WoConfig(*c) for c in WO_FAMILIES[m]]
             n0, k0 = base.SHAPES["qkv"]
-            w0 = base.quantized(kind, n0, k0)
+            w0 = quantized(kind, n0, k0)
             x0 = torch.randn(m, k0, device="cuda", dtype=BF16)
             base.precompile([partial(wo_fn(kind, c), x0, *w0) for c in fams])
             for layer, (n, k) in base.SHAPES.items():
                 flop = 2.0 * m * n * k
-                ring = base.make_ring(kind, n, k, False)
+                ring = make_ring(kind, n, k)
                 qw, s, o = ring[0]
                 xs = [torch.randn(m - 3, k, device="cuda", dtype=BF16) for _ in "ab"]
-                refs = [base.exact_ref(kind, x, qw, s, o) for x in xs]
+                refs = [base.exact_ref(kind[:4], x, qw, s, o) for x in xs]
                 x = torch.randn(m, k, device="cuda", dtype=BF16)
                 w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
                 t16 = base.time_ring(partial(F.linear, x), w16, False)
-                t_now = base.time_ring(partial(base.dispatch(kind), x), ring, False)
+                t_now = base.time_ring(partial(today(kind), x), ring, False)
                 res = []
                 for c in fams:
-                    if not wg.supports(kind, x, qw, s, c):
+                    if not wg.supports(kind[:4], x, qw, s, c):
                         continue
                     try:
                         fn = wo_fn(kind, c)
@@ -334,7 +367,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--wo", default="256,128,64", help="wo_gemm M buckets, in order")
     ap.add_argument("--m", default="", help="mixed_gemm sweep M buckets, in order")
-    ap.add_argument("--kinds", default="int8,int4")
+    ap.add_argument("--kinds", default="int8,int4,int4s")
     ap.add_argument("--budget", type=float, default=45.0, help="seconds for the sweep")
     ap.add_argument("--ceiling", default="256", help="M values of the ceiling section")
     ap.add_argument("--engine", default="bf16,int8,int4")
@@ -372,7 +405,8 @@ def main() -> None:
     mma.FAMILIES.update(FAMILIES)
     ms = [int(v) for v in args.m.split(",") if v]
     if ms:
-        mma.summarize(mma.sweep(ms, args.kinds.split(","), args.budget) or {}, args.out)
+        mixed = [kd for kd in args.kinds.split(",") if kd != "int4s"]
+        mma.summarize(mma.sweep(ms, mixed, args.budget) or {}, args.out)
     if args.engine:
         methods = args.engine.split(",")
         steps = [int(v) for v in args.steps.split(",") if v]

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-KIND_INT8, KIND_INT4 = 0, 1
+KIND_INT8, KIND_INT4, KIND_INT4_SYM = 0, 1, 2
 
 
 class WoConfig(NamedTuple):
@@ -65,6 +65,28 @@ INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
 """Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact."""
 
 
+INT4_SYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
+    """{
+    .reg .b32 b, p, l, h, c;
+    cvt.u32.u16 b, $2;
+    prmt.b32 p, b, 0, 0x4140;
+    lop3.b32 l, p, 0x000F000F, 0x43004300, 0xEA;
+    shr.u32 h, p, 4;
+    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;
+    mov.b32 c, 0x43084308;
+    sub.rn.bf16x2 l, l, c;
+    sub.rn.bf16x2 h, h, c;
+    mul.rn.bf16x2 $0, l, $3;
+    mul.rn.bf16x2 $1, h, $3;
+    }"""
+)
+"""Two bytes of symmetric int4 (one 16-bit register, $2) and their rows' bf16 scales ($3) -> the
+bf16 weights of their low nibbles ($0) and of their high nibbles ($1): each nibble goes into the
+mantissa of bf16 128 (``128 + q``, exact), a bf16x2 subtract of 136 gives ``q - 8`` exactly and a
+bf16x2 multiply by the scale rounds ``(q - 8) s`` once, as ``formats.dequantize_int4`` does when
+the offset is ``-8 s``."""
+
+
 @gluon.jit
 def _int8_to_bf16(q):
     """int8 -> bf16, exact, two at a time (the pair a thread holds of wgmma's A operand: one
@@ -74,6 +96,16 @@ def _int8_to_bf16(q):
     return gl.inline_asm_elementwise(
         INT8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
     )
+
+
+@gluon.jit
+def _int4_sym_halves(b, s):
+    """Bytes ``b`` (uint8) and scales ``s`` (bf16, broadcast) -> (low-nibble, high-nibble) bf16
+    weights of symmetric int4 (``INT4_SYM_TO_BF16_PTX``)."""
+    return gl.inline_asm_elementwise(
+        INT4_SYM_TO_BF16_PTX, "=r,=r,h,r", [b, s], dtype=(gl.bfloat16, gl.bfloat16),
+        is_pure=True, pack=2,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -116,7 +148,7 @@ def _wo_gemm_kernel(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    QK: gl.constexpr = BLOCK_K // 2 if KIND == 1 else BLOCK_K  # bytes of a weight row per tile
+    QK: gl.constexpr = BLOCK_K if KIND == 0 else BLOCK_K // 2  # bytes of a weight row per tile
 
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -153,19 +185,30 @@ def _wo_gemm_kernel(
 
     rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))  # [BN]
     rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
+    rows_b = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
+    rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, tile_first, stride_s, KIND, GROUP, BLOCK_K)
+    span, base = _group_scales(
+        s_ptr, o_ptr, rows_n, rows_b, tile_first, stride_s, KIND, GROUP, BLOCK_K
+    )
     mbarrier.wait(ready.index(0), 0)
     w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+    last = tile_first + k_tiles - 1
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(tile_first + 1, last),
+                               stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
     for k in range(k_tiles):
         s = k % STAGES
         kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
         sn = kn % STAGES
-        span, base = _group_scales(s_ptr, o_ptr, rows_n, tile_first + gl.minimum(kn, k_tiles - 1),
-                                   stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+        # the group constants of tile k + 2, two tiles ahead of their use (load latency)
+        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
+                                     gl.minimum(tile_first + k + 2, last), stride_s, KIND, GROUP,
+                                     BLOCK_K)  # fmt: skip
         mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
         acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
         w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+        span = span2
+        base = base2
         # every MMA of tile k retires before the loop goes on: no A register is reused early
         acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
         gl.thread_barrier()  # every warpgroup is done with stage s
@@ -229,17 +272,22 @@ def _wo_gemm_kernel(
 
 
 @gluon.jit
-def _group_scales(s_ptr, o_ptr, rows_n, k_tile, stride_s, KIND: gl.constexpr,
+def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, KIND: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-    """int4: the fp32 per-row constants of a K tile's group, ``16 s`` and ``offset - 16 s``
-    ([BN] each; loaded a tile ahead of their use, their latency under the MMAs); int8: zeros
-    (row scales are applied to the accumulator)."""
+    """The per-row constants of a K tile's group ([BN] each; loaded a tile ahead of their use,
+    their latency under the MMAs): int4 fp32 ``16 s`` and ``offset - 16 s``; symmetric int4 the
+    bf16 scale (rows in the byte layout) twice; int8 zeros (row scales multiply the
+    accumulator)."""
     if KIND == 1:
         col = (k_tile * BLOCK_K) // GROUP
         sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)
         off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)
         span = 16.0 * sc
         base = off - span
+    elif KIND == 2:
+        col = (k_tile * BLOCK_K) // GROUP
+        span = gl.load(s_ptr + rows_b * stride_s + col)
+        base = span
     else:
         span = rows_n.to(gl.float32) * 0.0
         base = span
@@ -249,8 +297,8 @@ def _group_scales(s_ptr, o_ptr, rows_n, k_tile, stride_s, KIND: gl.constexpr,
 @gluon.jit
 def _widen(
     q_tile,  # shared [BLOCK_N, QK] packed weight tile
-    span,  # [BN] fp32 (int4: 16 s)
-    base,  # [BN] fp32 (int4: offset - 16 s)
+    span,  # [BN] (see _group_scales)
+    base,  # [BN]
     a_layout: gl.constexpr,
     KIND: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -259,12 +307,17 @@ def _widen(
     """The tile in bf16, in wgmma's A-operand register layout."""
     if KIND == 0:
         w = _int8_to_bf16(q_tile.load(a_layout))
-    else:
+    elif KIND == 1:
         # bytes in the A layout of a [BN, BK / 2] tile: each thread's byte holds its k pair
         b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
         lo, hi = _int4_halves(b)
         v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
         w = (v * span[:, None] + base[:, None]).to(gl.bfloat16)
+    else:
+        b = q_tile.load(a_layout_bytes(a_layout))
+        sb, b = gl.broadcast(span[:, None], b)
+        lo, hi = _int4_sym_halves(b, sb)
+        w = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)
     return w
 
 
@@ -344,15 +397,24 @@ def wo_gemm(
 ) -> torch.Tensor:  # [M, N] bf16
     """``x @ dequantize(W)^T (+ bias)`` (see the module doc); the caller checks ``supports``.
     int8 ``scales`` hold one value per row ([N] or [N, 1]); int4 ``scales`` / ``offsets`` are
-    ``[N, K // group]``."""
+    ``[N, K // group]``; int4 with ``offsets=None`` is symmetric (offset ``-8 s``, bf16 scales:
+    widened in bf16x2 arithmetic, two instructions a weight)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x.shape
     n = qweight.shape[0]
-    code = KIND_INT4 if kind == "int4" else KIND_INT8
-    qk = cfg.block_k // 2 if code == KIND_INT4 else cfg.block_k
+    if kind == "int8":
+        code = KIND_INT8
+    elif offsets is None:  # symmetric int4: offset = -8 s (bf16 scales)
+        if scales.dtype != torch.bfloat16:
+            raise ValueError("wo_gemm: symmetric int4 (no offsets) takes bf16 scales")
+        code = KIND_INT4_SYM
+    else:
+        code = KIND_INT4
+    int4 = code != KIND_INT8
+    qk = cfg.block_k // 2 if int4 else cfg.block_k
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
-    q_dtype = gl.uint8 if code == KIND_INT4 else gl.int8
+    q_dtype = gl.uint8 if int4 else gl.int8
     q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_dtype)
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
     q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
@@ -368,10 +430,10 @@ def wo_gemm(
         locks = _LOCKS.get(key)
         if locks is None:  # (kernels of one stream run in turn; each leaves its counters at 0)
             locks = _LOCKS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
-    group = k // scales.shape[1] if code == KIND_INT4 else 0  # (int8: row scales)
+    group = k // scales.shape[1] if int4 else 0  # (int8: row scales)
     if offsets is not None and offsets.stride() != scales.stride():  # (one stride for both)
         scales, offsets = scales.contiguous(), offsets.contiguous()
-    stride_s = scales.stride(0) if code == KIND_INT4 else 1
+    stride_s = scales.stride(0) if int4 else 1
     _wo_gemm_kernel[(tiles, split_k)](
         x_desc, q_desc, scales, offsets if offsets is not None else scales,
         bias if bias is not None else scales, out, ws, locks, m, n, k,

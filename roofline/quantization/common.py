@@ -202,6 +202,10 @@ def quantized_linear(
     if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4"):
         from roofline.kernels import wo_gemm
 
+        sym = getattr(layer, "int4_symmetric", False)  # offsets are -8 s (bf16 scales)
+        cfg = wo_gemm.pick("int4s", x.shape[0], n, k) if sym else None
+        if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
+            return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, None, bias, cfg)
         cfg = wo_gemm.pick(kind, x.shape[0], n, k)
         if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
             return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, offsets, bias, cfg)
@@ -331,6 +335,9 @@ class CanonicalLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         prepare_kernel_layout(self.kind, layer)
+        if self.kind == "int4" and layer.qweight.is_cuda:  # kernels.wo_gemm's symmetric form
+            s, o = layer.scales, layer.offsets
+            layer.int4_symmetric = s.dtype == torch.bfloat16 and torch.equal(o, s * -8)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """A repacked layer's decode reads its kernel copy (the same bytes as the canonical

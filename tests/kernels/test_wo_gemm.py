@@ -100,6 +100,7 @@ REPRESENTATIVE = [  # (kind, config)
     ("int4", (256, 128, 64, 2, 4)),
     ("int8", (128, 64, 128, 2, 4)),
     ("int4", (64, 64, 128, 4, 4)),
+    ("int4s", (256, 128, 64, 1, 4)),  # symmetric int4: bf16x2 widening
     ("int8", (128, 256, 64, 1, 4)),  # 16 warps
 ]
 
@@ -112,7 +113,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    int4 = kind == "int4"
+    int4 = kind != "int8"
     qk = cfg.block_k // 2 if int4 else cfg.block_k
     x = torch.empty(256, k, dtype=torch.bfloat16)
     q = torch.empty(4096, qk * (k // cfg.block_k), dtype=torch.uint8 if int4 else torch.int8)
@@ -131,7 +132,8 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om")})
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
-        KIND=int(int4), GROUP=128 if int4 else 0, HAS_BIAS=True, SPLIT_K=cfg.split_k,
+        KIND={"int8": 0, "int4": 1, "int4s": 2}[kind], GROUP=128 if int4 else 0, HAS_BIAS=True,
+        SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m,
     )  # fmt: skip
