@@ -130,22 +130,53 @@ def bf16_triton(tile):
     return run
 
 
-WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES) per M bucket
-    512: [(256, 128, 64, 1, 4), (256, 128, 64, 2, 4), (128, 256, 64, 1, 4), (128, 128, 64, 1, 4)],
+WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES, GROUP_M, WS) per M bucket
+    512: [
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (256, 128, 64, 1, 4),
+        (128, 256, 64, 1, 4), (128, 128, 64, 1, 4),
+    ],
     256: [
-        (256, 128, 64, 1, 4), (256, 128, 64, 2, 4), (256, 128, 64, 3, 4), (256, 64, 64, 1, 3),
-        (128, 256, 64, 1, 4), (128, 128, 64, 1, 4), (128, 128, 64, 2, 4), (128, 64, 128, 2, 4),
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (256, 128, 128, 1, 2, 8, 1),
+        (128, 128, 128, 1, 4, 8, 1), (256, 128, 64, 1, 4),
+        (128, 128, 64, 1, 4), (128, 64, 128, 1, 4), (128, 256, 64, 1, 4),
     ],
     128: [
-        (128, 128, 64, 1, 4), (128, 128, 64, 2, 4), (128, 64, 128, 2, 4), (128, 256, 64, 1, 4),
-        (128, 128, 128, 2, 4), (128, 64, 128, 3, 4),
+        (128, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 64, 1, 4),
+        (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 256, 64, 1, 4),
     ],
     64: [
-        (64, 128, 128, 1, 4), (64, 128, 128, 2, 4), (64, 64, 128, 4, 4), (64, 256, 128, 1, 4),
-        (64, 64, 128, 2, 4),
+        (64, 128, 128, 1, 4, 8, 1), (64, 64, 128, 2, 4), (64, 64, 128, 4, 4), (64, 128, 128, 1, 4),
+        (64, 256, 128, 1, 4),
     ],
 }  # fmt: skip
 WO_WRONG: list[str] = []
+SMOKE = [  # (kind, config): one launch each before the sweep, in a child with a time limit
+    (kind, cfg)
+    for cfg in ((128, 128, 64, 1, 4), (128, 64, 128, 2, 4), (128, 128, 64, 1, 4, 8, 1),
+                (256, 128, 64, 1, 4, 8, 1))
+    for kind in ("int8", "int4", "int4s")
+]  # fmt: skip
+
+
+def smoke(path: str) -> None:
+    """Each SMOKE config at 37 and 200 rows of a small weight, against the exact reference;
+    every step is appended to ``path`` as it happens (a hang shows which config)."""
+    n, k = 512, 1024
+    with open(path, "a") as log:
+        for kind, c in SMOKE:
+            log.write(f"start {kind} {list(c)}\n")
+            log.flush()
+            qw, s, o = quantized(kind, n, k)
+            errs = []
+            for m in (37, 200):
+                x = torch.randn(m, k, device="cuda", dtype=BF16)
+                got = wo_fn(kind, wg.WoConfig(*c))(x, qw, s, o)
+                errs.append(base.rel_err(got, base.exact_ref(kind[:4], x, qw, s, o)))
+            torch.cuda.synchronize()
+            verdict = "ok" if max(errs) < 2e-2 else "wrong"
+            log.write(f"{verdict} {kind} {list(c)} {max(errs):.1e}\n")
+            log.flush()
+            print(f"smoke {kind} {c}: {verdict} (max rel err {max(errs):.1e})", flush=True)
 
 
 def wo_fn(kind: str, cfg: wg.WoConfig):
@@ -363,9 +394,35 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
             torch.cuda.empty_cache()
 
 
+def smoke_verdict(path: str) -> list[str]:
+    """Run ``smoke`` in a child (90 s at most); the flags that keep a kernel form that hung,
+    faulted or computed wrong out of the sweep."""
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--smoke", path]
+    try:
+        code = subprocess.run(cmd, check=False, timeout=90).returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    bad_ws = bad_plain = False
+    for i, line in enumerate(lines):
+        word, _, rest = line.partition(" ")
+        done = i + 1 < len(lines) and lines[i + 1].partition(" ")[0] in ("ok", "wrong")
+        if word == "wrong" or (word == "start" and not done):
+            is_ws = rest.rstrip().endswith("8, 1]")
+            bad_ws, bad_plain = bad_ws or is_ws, bad_plain or not is_ws
+            print(f"smoke: {line} ({'no result' if word == 'start' else 'wrong'})", flush=True)
+    if code != 0 and not (bad_ws or bad_plain):
+        bad_ws = bad_plain = True
+    mma.TABLE.append(f"smoke (exit {code}): warp-specialized {'BAD' if bad_ws else 'ok'}, "
+                     f"plain {'BAD' if bad_plain else 'ok'}")  # fmt: skip
+    return (["--skip-ws"] if bad_ws else []) + (["--skip-plain"] if bad_plain else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--wo", default="256,128,64", help="wo_gemm M buckets, in order")
+    ap.add_argument("--wo", default="256,128,512,64", help="wo_gemm M buckets, in order")
     ap.add_argument("--m", default="", help="mixed_gemm sweep M buckets, in order")
     ap.add_argument("--kinds", default="int8,int4,int4s")
     ap.add_argument("--budget", type=float, default=45.0, help="seconds for the sweep")
@@ -375,12 +432,21 @@ def main() -> None:
     ap.add_argument("--offline", type=int, default=0, help="offline workload runs (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     t0 = time.perf_counter()
     if not args.wo_child:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     wo_ms = [int(v) for v in args.wo.split(",") if v]
+    if args.smoke:
+        smoke(args.smoke)
+        return
     if args.wo_child:  # the wo section alone (a kernel fault cannot take the run down)
+        if args.skip_ws or args.skip_plain:
+            for fam in WO_FAMILIES.values():
+                fam[:] = [c for c in fam if (len(c) > 6 and c[6]) != bool(args.skip_ws)]
         tuned = wo_sweep(wo_ms, args.kinds.split(",")) or {}
         with open(args.wo_child, "w") as f:
             json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
@@ -390,14 +456,21 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "wo_tuned.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--wo", args.wo, "--kinds", args.kinds]
-        proc = subprocess.run([*cmd, "--wo-child", path], check=False)
-        if proc.returncode == 0 and os.path.exists(path):
+        skip = smoke_verdict(os.path.join(args.out, "wo_smoke.txt"))
+        code: int | str = "skipped: both kernel forms failed the smoke test"
+        if len(skip) < 2:
+            try:
+                proc = subprocess.run([*cmd, *skip, "--wo-child", path], check=False, timeout=400)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        if code == 0 and os.path.exists(path):
             with open(path) as f:
                 got = json.load(f)
             wg.WO_CONFIGS.update({tuple(e[:4]): tuple(e[4]) for e in got["tuned"]})
             mma.TABLE.extend(got["table"])
         else:
-            mma.TABLE.append(f"wo section FAILED (exit {proc.returncode})")
+            mma.TABLE.append(f"wo section FAILED (exit {code})")
         print(f"WO_CONFIGS for the engine runs: {wg.WO_CONFIGS}", flush=True)
     if args.ceiling:
         ceiling([int(v) for v in args.ceiling.split(",")])

@@ -48,6 +48,7 @@ class WoConfig(NamedTuple):
     split_k: int  # K slices
     stages: int  # TMA ring depth
     group_m: int = 8  # row blocks of x that walk the same weight columns together
+    ws: int = 0  # 1: the warp-specialized form (kernels.wo_gemm_ws: split_k 1, block_n 128)
 
 
 INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
@@ -144,6 +145,7 @@ def _wo_gemm_kernel(
     GROUP_M: gl.constexpr,
 ):
     NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(STAGES >= 3, "tile k + 1 is awaited before the refill of iteration k")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -206,25 +208,27 @@ def _wo_gemm_kernel(
                                      BLOCK_K)  # fmt: skip
         mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
         acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        # under tile k's MMAs: refill the stage of tile k - 1 (its MMAs retired at the last
+        # wait, which every warp has passed at this barrier) with tile k - 1 + STAGES ...
+        gl.thread_barrier()
+        kl = k - 1 + STAGES
+        sl = kl % STAGES
+        pred = (k > 0) & (kl < k_tiles)
+        mbarrier.expect(ready.index(sl), tile_bytes, pred=pred)
+        tma.async_copy_global_to_shared(
+            x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(sl), x_smem.index(sl),
+            pred=pred,
+        )  # fmt: skip
+        tma.async_copy_global_to_shared(
+            q_desc, [off_n, (tile_first + kl) * QK], ready.index(sl), q_smem.index(sl),
+            pred=pred,
+        )  # fmt: skip
+        # ... and widen tile k + 1
         w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
         span = span2
         base = base2
         # every MMA of tile k retires before the loop goes on: no A register is reused early
         acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
-        gl.thread_barrier()  # every warpgroup is done with stage s
-        kl = k + STAGES
-        pred = kl < k_tiles
-        mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
-        tma.async_copy_global_to_shared(
-            x_desc,
-            [off_m, (tile_first + kl) * BLOCK_K],
-            ready.index(s),
-            x_smem.index(s),
-            pred=pred,
-        )
-        tma.async_copy_global_to_shared(
-            q_desc, [off_n, (tile_first + kl) * QK], ready.index(s), q_smem.index(s), pred=pred
-        )
         w = w_next
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -401,6 +405,10 @@ def wo_gemm(
     widened in bf16x2 arithmetic, two instructions a weight)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if cfg.ws:
+        from roofline.kernels.wo_gemm_ws import wo_gemm_ws
+
+        return wo_gemm_ws(kind, x, qweight, scales, offsets, bias, cfg)
     m, k = x.shape
     n = qweight.shape[0]
     if kind == "int8":

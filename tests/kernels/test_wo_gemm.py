@@ -102,6 +102,9 @@ REPRESENTATIVE = [  # (kind, config)
     ("int4", (64, 64, 128, 4, 4)),
     ("int4s", (256, 128, 64, 1, 4)),  # symmetric int4: bf16x2 widening
     ("int8", (128, 256, 64, 1, 4)),  # 16 warps
+    ("int8", (256, 128, 64, 1, 4, 8, 1)),  # warp-specialized
+    ("int4", (128, 128, 128, 1, 4, 8, 1)),
+    ("int4s", (64, 128, 128, 1, 4, 8, 1)),
 ]
 
 
@@ -124,7 +127,12 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
         TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
         TensorDescriptor.from_tensor(q, [cfg.block_n, qk], q_layout),
     ]
-    fn = wg._wo_gemm_kernel
+    if cfg.ws:
+        from roofline.kernels import wo_gemm_ws
+
+        fn = wo_gemm_ws._wo_ws_kernel
+    else:
+        fn = wg._wo_gemm_kernel
     names = list(fn.arg_names)
     types = dict(zip(("x_desc", "q_desc"), map(mangle_type, descs)))
     types.update({n: "*bf16" for n in ("s_ptr", "o_ptr", "bias_ptr", "out_ptr")})
@@ -133,10 +141,10 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
         KIND={"int8": 0, "int4": 1, "int4s": 2}[kind], GROUP=128 if int4 else 0, HAS_BIAS=True,
-        SPLIT_K=cfg.split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        GROUP_M=cfg.group_m,
+        SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        STAGES=cfg.stages, GROUP_M=cfg.group_m, CONSUMER_REGS=224,
     )  # fmt: skip
+    constexprs = {n: v for n, v in constexprs.items() if n in names}
     aligned = ("N", "K", "stride_om")
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
@@ -146,7 +154,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     return triton.compile(
         GluonASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": cfg.block_n // 16},
+        options={"num_warps": 4 if cfg.ws else cfg.block_n // 16},
     )
 
 

@@ -1,0 +1,203 @@
+"""The warp-specialized form of ``kernels.wo_gemm`` (Hopper, Gluon): one loader warp and
+``BLOCK_N // 64`` consumer warpgroups per program, each consumer on its own 64 weight rows.
+
+In ``wo_gemm`` every warpgroup of a program widens its next tile, then waits for its MMAs, then
+meets the others at a barrier before the ring is refilled: the program's warpgroups widen at the
+same time and run their MMAs at the same time, so the tensor cores idle while they widen. Here
+the loader warp alone issues the TMA copies (a stage is refilled once every consumer has
+released it on its ``empty`` mbarrier), and the consumers never meet: each waits only for its own
+stage's ``ready`` mbarrier and its own MMAs, so their K loops drift apart and one warpgroup's
+widening runs under the other's MMAs. Each consumer keeps ``wo_gemm``'s race-free order (tile k's
+MMAs in flight while tile k + 1 is widened, then ``warpgroup_mma_wait(0)`` before any A register
+is written again) and the same widening helpers. One K slice (no split-K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from roofline.kernels.wo_gemm import (
+    KIND_INT4,
+    KIND_INT4_SYM,
+    KIND_INT8,
+    WoConfig,
+    _group_scales,
+    _widen,
+    a_layout_bytes,
+)
+
+
+@gluon.jit
+def _loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles,
+            BLOCK_K: gl.constexpr, QK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warp: tile t into stage t % STAGES once the consumers released its last use."""
+    tile_bytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for t in range(k_tiles):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) + 1) & 1, pred=t >= STAGES)
+        mbarrier.expect(ready.index(s), tile_bytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, t * BLOCK_K], ready.index(s),
+                                        x_smem.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(q_desc, [off_n, t * QK], ready.index(s), q_smem.index(s))
+
+
+@gluon.jit
+def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, off_m,
+              off_n, k_tiles, stride_s, stride_om, WG: gl.constexpr, KIND: gl.constexpr,
+              GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup: weight rows ``off_n + 64 WG`` to ``+ 64`` of the program's tile."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row0 = off_n + WG * 64
+    rows_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+    rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
+    rows_b = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
+    rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
+    last = k_tiles - 1
+    acc = gl.zeros([64, BLOCK_M], gl.float32, acc_layout)
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, 0, stride_s, KIND, GROUP, BLOCK_K)
+    mbarrier.wait(ready.index(0), 0)
+    w = _widen(q_smem.index(0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K)
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(1, last), stride_s,
+                               KIND, GROUP, BLOCK_K)  # fmt: skip
+    for k in range(k_tiles):
+        s = k % STAGES
+        kn = k + 1
+        sn = kn % STAGES
+        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k + 2, last),
+                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+        mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
+        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
+                        BLOCK_K)  # fmt: skip
+        span = span2
+        base = base2
+        # tile k's MMAs retire before any A register is written again
+        acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+        mbarrier.arrive(empty.index(s))  # this warpgroup is done with stage s
+        w = w_next
+
+    out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])  # along N
+    res = gl.convert_layout(acc, out_layout)  # [64, BM]
+    offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    n_ok = offs_n < N
+    if KIND == 0:
+        res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    if HAS_BIAS:
+        res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    mask = n_ok[:, None] & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+    gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _wo_ws_kernel(
+    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, stride_s, stride_om,
+    KIND: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
+    NWG: gl.constexpr = BLOCK_N // 64
+    QK: gl.constexpr = BLOCK_K if KIND == 0 else BLOCK_K // 2
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_tiles = K // BLOCK_K
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, QK], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NWG)
+    fence_async_shared()
+
+    # (the partitions' arguments are spelled out: constexprs in a tuple variable decay)
+    gl.static_assert(NWG == 2, "two consumer warpgroups (four spill)")
+    gl.warp_specialize(
+        [
+            (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, M, N,
+                         off_m, off_n, k_tiles, stride_s, stride_om, 0, KIND, GROUP, HAS_BIAS,
+                         BLOCK_M, BLOCK_K, STAGES)),
+            (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, M, N,
+                         off_m, off_n, k_tiles, stride_s, stride_om, 1, KIND, GROUP, HAS_BIAS,
+                         BLOCK_M, BLOCK_K, STAGES)),
+            (_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles,
+                       BLOCK_K, QK, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
+def wo_gemm_ws(
+    kind: str,
+    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cfg: WoConfig,
+) -> torch.Tensor:  # [M, N] bf16
+    """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), warp-specialized;
+    ``cfg.split_k`` must be 1 and ``cfg.block_n`` 128 (two consumer warpgroups; four spill at the
+    120 registers a thread that 17 warps leave)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if cfg.split_k != 1 or cfg.block_n != 128:
+        raise ValueError(f"wo_gemm_ws: no split-K, 128 weight rows ({cfg})")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if kind == "int8":
+        code = KIND_INT8
+    elif offsets is None:
+        if scales.dtype != torch.bfloat16:
+            raise ValueError("wo_gemm_ws: symmetric int4 (no offsets) takes bf16 scales")
+        code = KIND_INT4_SYM
+    else:
+        code = KIND_INT4
+    int4 = code != KIND_INT8
+    qk = cfg.block_k // 2 if int4 else cfg.block_k
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    q_layout = gl.NVMMASharedLayout.get_default_for(
+        [cfg.block_n, qk], gl.uint8 if int4 else gl.int8
+    )
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
+    q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if offsets is not None and offsets.stride() != scales.stride():
+        scales, offsets = scales.contiguous(), offsets.contiguous()
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    regs = 224  # per consumer thread (setmaxnreg; the loader warp keeps 24)
+    _wo_ws_kernel[(tiles,)](
+        x_desc, q_desc, scales, offsets if offsets is not None else scales,
+        bias if bias is not None else scales, out, m, n, k,
+        scales.stride(0) if int4 else 1, out.stride(0),
+        KIND=code, GROUP=k // scales.shape[1] if int4 else 0, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        GROUP_M=cfg.group_m, CONSUMER_REGS=regs, num_warps=4,
+    )  # fmt: skip
+    return out
