@@ -375,12 +375,13 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
                     runs.append(res.output_tok_s)
                 dec = phases.get("decode", [])
                 med = 1e3 * sorted(dec)[len(dec) // 2] if dec else 0.0
+                rows = sorted(phases.get("decode_rows", [0]))[len(dec) // 2] if dec else 0
                 line += (
                     f"; offline 256 req: {res.output_tok_s:6.0f} out tok/s warm (runs "
                     + "/".join(f"{r:.0f}" for r in runs)
                     + f"; {res.roofline_pct:.0f}% of roofline); prefill "
                     f"{sum(phases.get('prefill', [])):.2f} s, decode steps {len(dec)} "
-                    f"{sum(dec):.2f} s (median {med:.1f} ms)"
+                    f"{sum(dec):.2f} s (median {med:.1f} ms, {rows} rows)"
                 )
                 got["out_tok_s"] = res.output_tok_s
             print(line, flush=True)
