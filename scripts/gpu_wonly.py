@@ -291,6 +291,33 @@ def wo_sweep(ms: list[int], kinds: list[str]) -> dict:
     return tuned
 
 
+@base.section("wo table")
+def wo_table() -> None:
+    """Every shipped ``WO_CONFIGS`` entry on its own shape: parity at bucket - 3 rows against
+    the exact reference ON THE GPU, then its time at the bucket's rows beside bf16 cuBLAS."""
+    wrong = 0
+    for (kind, n, k, bucket), c in sorted(wg.WO_CONFIGS.items()):
+        cfg = wg.WoConfig(*c)
+        qw, s, o = quantized(kind, n, k, seed=3)
+        x = torch.randn(bucket - 3, k, device="cuda", dtype=BF16)
+        fn = wo_fn(kind, cfg)
+        err = base.rel_err(fn(x, qw, s, o), base.exact_ref(kind[:4], x, qw, s, o))
+        wrong += not err < 2e-2
+        xb = torch.randn(bucket, k, device="cuda", dtype=BF16)
+        ring = make_ring(kind, n, k)
+        t = base.time_ring(partial(fn, xb), ring, False)
+        w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
+        t16 = base.time_ring(partial(F.linear, xb), w16, False)
+        print(
+            f"{kind:5} {n:5}x{k:5} M={bucket:3} {tuple(c)}: rel err {err:.1e}"
+            f"{'' if err < 2e-2 else ' WRONG'}; {t * 1e6:6.1f} us vs bf16 {t16 * 1e6:6.1f} "
+            f"({t16 / t:.2f}x)",
+            flush=True,
+        )
+        del ring, w16
+    mma.TABLE.append(f"shipped wo_gemm table: {len(wg.WO_CONFIGS)} configs, {wrong} wrong")
+
+
 @base.section("parity")
 def parity() -> None:
     keep = {k: v for k, v in mg.TUNED_CONFIGS.items() if k[0] in ("int8", "int4")}
@@ -434,6 +461,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -453,6 +481,8 @@ def main() -> None:
             json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
         return
     parity()
+    if args.wo_table and wg.WO_CONFIGS:
+        wo_table()
     if wo_ms:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "wo_tuned.json")
