@@ -195,10 +195,14 @@ def quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple:
     return tuple(formats.quantize_int4(w, 128, True, BF16))
 
 
-def make_ring(kind: str, n: int, k: int) -> list[tuple]:
+def make_ring(kind: str, n: int, k: int, ring_bytes: int = 0) -> list[tuple]:
+    """Copies of one random weight (at least ``ring_bytes``, default gpu_mixedgemm's 256 MiB),
+    cycled by the timed calls so each reads its weight from HBM, not L2."""
     first = quantized(kind, n, k)
-    copies = max(2, math.ceil(base.RING_BYTES / base.nbytes(*first)))
-    return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
+    copies = max(2, math.ceil((ring_bytes or base.RING_BYTES) / base.nbytes(*first)))
+    return [first] + [
+        tuple(None if t is None else t.clone() for t in first) for _ in range(copies - 1)
+    ]
 
 
 def today(kind: str):
@@ -304,7 +308,7 @@ def wo_table() -> None:
         err = base.rel_err(fn(x, qw, s, o), base.exact_ref(kind[:4], x, qw, s, o))
         wrong += not err < 2e-2
         xb = torch.randn(bucket, k, device="cuda", dtype=BF16)
-        ring = make_ring(kind, n, k)
+        ring = make_ring(kind, n, k, 128 << 20)
         t = base.time_ring(partial(fn, xb), ring, False)
         w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
         t16 = base.time_ring(partial(F.linear, xb), w16, False)

@@ -145,7 +145,7 @@ def _wo_gemm_kernel(
     GROUP_M: gl.constexpr,
 ):
     NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(STAGES >= 3, "tile k + 1 is awaited before the refill of iteration k")
+    gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -195,44 +195,39 @@ def _wo_gemm_kernel(
     )
     mbarrier.wait(ready.index(0), 0)
     w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
-    last = tile_first + k_tiles - 1
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(tile_first + 1, last),
-                               stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
     for k in range(k_tiles):
         s = k % STAGES
         kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
         sn = kn % STAGES
-        # the group constants of tile k + 2, two tiles ahead of their use (load latency)
-        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
-                                     gl.minimum(tile_first + k + 2, last), stride_s, KIND, GROUP,
-                                     BLOCK_K)  # fmt: skip
+        span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
+                                   tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
+                                   GROUP, BLOCK_K)  # fmt: skip
         mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
         acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        # under tile k's MMAs: refill the stage of tile k - 1 (its MMAs retired at the last
-        # wait, which every warp has passed at this barrier) with tile k - 1 + STAGES ...
-        gl.thread_barrier()
-        kl = k - 1 + STAGES
-        sl = kl % STAGES
-        pred = (k > 0) & (kl < k_tiles)
-        mbarrier.expect(ready.index(sl), tile_bytes, pred=pred)
-        tma.async_copy_global_to_shared(
-            x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(sl), x_smem.index(sl),
-            pred=pred,
-        )  # fmt: skip
-        tma.async_copy_global_to_shared(
-            q_desc, [off_n, (tile_first + kl) * QK], ready.index(sl), q_smem.index(sl),
-            pred=pred,
-        )  # fmt: skip
-        # ... and widen tile k + 1
         w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
-        span = span2
-        base = base2
         # every MMA of tile k retires before the loop goes on: no A register is reused early
         acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+        gl.thread_barrier()  # every warpgroup is done with stage s
+        kl = k + STAGES
+        pred = kl < k_tiles
+        mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
+        tma.async_copy_global_to_shared(
+            x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(s), x_smem.index(s),
+            pred=pred,
+        )  # fmt: skip
+        tma.async_copy_global_to_shared(
+            q_desc, [off_n, (tile_first + kl) * QK], ready.index(s), q_smem.index(s), pred=pred
+        )
         w = w_next
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
+    if SPLIT_K == 1 and HAS_BIAS:  # row scale and bias in the MMA layout (fewer live registers)
+        rows_a = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        ok_a = rows_a < N
+        if KIND == 0:
+            acc = acc * gl.load(s_ptr + rows_a, mask=ok_a, other=0.0).to(gl.float32)[:, None]
+        acc = acc + gl.load(bias_ptr + rows_a, mask=ok_a, other=0.0).to(gl.float32)[:, None]
     out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, NW], [0, 1])  # along N
     res = gl.convert_layout(acc, out_layout)  # [BN, BM]
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
@@ -240,11 +235,9 @@ def _wo_gemm_kernel(
     n_ok = offs_n < N
     mask = n_ok[:, None] & (offs_m[None, :] < M)
     if SPLIT_K == 1:
-        if KIND == 0:
+        if KIND == 0 and not HAS_BIAS:
             res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
-        if HAS_BIAS:
-            res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
     else:
         slice_size = M.to(gl.int64) * N
@@ -330,10 +323,42 @@ def a_layout_bytes(a_layout):
     return gl.DotOperandLayout(operand_index=0, parent=a_layout.parent, k_width=1)
 
 
-WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {}
-"""(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``
-where this kernel beat the mixed GEMM's pick and bf16 cuBLAS; other shapes keep
-``kernels.mixed_gemm``."""
+WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
+    # scripts/gpu_wonly.py on an H100 80GB HBM3 (2026-11-24, first check; this kernel's SASS is
+    # unchanged since: tests/kernels/test_wo_gemm.py compiles every entry): the fastest of its
+    # candidates (each checked against the exact reference on the GPU first) wherever it beat
+    # what the layer ran before (mixed_gemm's pick). bf16 cuBLAS / this, qkv / o / gate_up / down:
+    # M = 256 int8 0.59/0.89/0.90/0.90 (mixed_gemm 0.53/0.69/0.76/0.80), int4 0.59/0.75/0.88/0.70
+    # (0.48/0.61/0.60/0.62); M = 128 int8 0.97/0.86/1.30/1.21, int4 0.84/0.85/1.13/1.12; M = 64
+    # int8 1.05/1.07/-/1.42 (gate_up stays on mixed_gemm, 1.55), int4 1.05/1.05/1.53/1.36.
+    ("int8", 6144, 4096, 256): (128, 128, 64, 1, 4, 8),
+    ("int8", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
+    ("int8", 28672, 4096, 256): (256, 128, 64, 1, 4, 8),
+    ("int8", 4096, 14336, 256): (128, 64, 128, 1, 4, 8),
+    ("int4", 6144, 4096, 256): (256, 64, 64, 1, 3, 8),
+    ("int4", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
+    ("int4", 28672, 4096, 256): (256, 64, 64, 1, 3, 8),
+    ("int4", 4096, 14336, 256): (128, 64, 128, 1, 4, 8),
+    ("int8", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
+    ("int8", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
+    ("int8", 28672, 4096, 128): (128, 128, 64, 1, 4, 8),
+    ("int8", 4096, 14336, 128): (128, 64, 128, 2, 4, 8),
+    ("int4", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
+    ("int4", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
+    ("int4", 28672, 4096, 128): (128, 128, 64, 1, 4, 8),
+    ("int4", 4096, 14336, 128): (128, 64, 128, 2, 4, 8),
+    ("int8", 6144, 4096, 64): (64, 64, 128, 2, 4, 8),
+    ("int8", 4096, 4096, 64): (64, 64, 128, 4, 4, 8),
+    ("int8", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
+    ("int4", 6144, 4096, 64): (64, 64, 128, 2, 4, 8),
+    ("int4", 4096, 4096, 64): (64, 64, 128, 4, 4, 8),
+    ("int4", 28672, 4096, 64): (64, 128, 128, 1, 4, 8),
+    ("int4", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
+}
+"""(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
+other shapes and buckets keep ``kernels.mixed_gemm`` (kind ``int4s``: symmetric int4 in bf16x2
+arithmetic, and the warp-specialized form ``ws=1``, pass the GPU smoke test but are not measured
+yet: no entries)."""
 M_BUCKETS = (32, 64, 128, 256, 512)
 
 
