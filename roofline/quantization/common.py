@@ -7,8 +7,8 @@ one of the canonical layouts (``formats``) by device and number of rows:
   made after loading) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
   unpacking, tuned per shape);
 * CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 per channel and int4 at the shapes
-  and M buckets of ``kernels.wo_gemm.WO_CONFIGS``: ``kernels.wo_gemm`` (``ROOFLINE_WO_GEMM=0``:
-  off);
+  and M buckets of ``kernels.wo_gemm_configs.WO_CONFIGS``: ``kernels.wo_gemm``
+  (``ROOFLINE_WO_GEMM=0``: off);
 * CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
   widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
   or dequantize + cuBLAS where its table measured that faster (``ROOFLINE_QUANT_MIXED_GEMM=0``:

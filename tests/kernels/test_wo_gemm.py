@@ -88,7 +88,10 @@ def test_layout_checks() -> None:
 
 
 def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wg, "WO_CONFIGS", {("int8", 6144, 4096, 256): (256, 128, 64, 2, 4)})
+    from roofline.kernels import wo_gemm_configs
+
+    table = {("int8", 6144, 4096, 256): (256, 128, 64, 2, 4)}
+    monkeypatch.setattr(wo_gemm_configs, "WO_CONFIGS", table)
     assert [wg.m_bucket(m) for m in (17, 64, 65, 256, 300, 513)] == [32, 64, 128, 256, 512, 0]
     assert wg.pick("int8", 200, 6144, 4096) == wg.WoConfig(256, 128, 64, 2, 4)
     assert wg.pick("int8", 100, 6144, 4096) is None  # bucket 128 not measured

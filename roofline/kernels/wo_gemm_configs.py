@@ -1,0 +1,73 @@
+"""Configs of the Hopper weight-only GEMM (``kernels.wo_gemm``, ``kernels.wo_gemm_ws``): the tile
+shape of one launch and the table measured on an H100 per method, shape and M bucket
+(``scripts/gpu_wonly.py`` prints it); a shape or bucket without an entry keeps
+``kernels.mixed_gemm``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class WoConfig(NamedTuple):
+    block_m: int  # rows of x per program (wgmma N): 64, 128 or 256
+    block_n: int  # weight rows per program: 64 per warpgroup (num_warps = block_n // 16; at 16
+    # warps, 128 registers a thread: split-K's epilogue spills there)
+    block_k: int  # K elements per pipeline stage: 64 or 128
+    split_k: int  # K slices
+    stages: int  # TMA ring depth
+    group_m: int = 8  # row blocks of x that walk the same weight columns together
+    ws: int = 0  # 1: the warp-specialized form (kernels.wo_gemm_ws: split_k 1, block_n 128)
+
+
+WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
+    # scripts/gpu_wonly.py on an H100 80GB HBM3 (2026-11-24, first check; this kernel's SASS is
+    # unchanged since: tests/kernels/test_wo_gemm.py compiles every entry): the fastest of its
+    # candidates (each checked against the exact reference on the GPU first) wherever it beat
+    # what the layer ran before (mixed_gemm's pick). bf16 cuBLAS / this, qkv / o / gate_up / down:
+    # M = 256 int8 0.59/0.89/0.90/0.90 (mixed_gemm 0.53/0.69/0.76/0.80), int4 0.59/0.75/0.88/0.70
+    # (0.48/0.61/0.60/0.62); M = 128 int8 0.97/0.86/1.30/1.21, int4 0.84/0.85/1.13/1.12; M = 64
+    # int8 1.05/1.07/-/1.42 (gate_up stays on mixed_gemm, 1.55), int4 1.05/1.05/1.53/1.36.
+    ("int8", 6144, 4096, 256): (128, 128, 64, 1, 4, 8),
+    ("int8", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
+    ("int8", 28672, 4096, 256): (256, 128, 64, 1, 4, 8),
+    ("int8", 4096, 14336, 256): (128, 64, 128, 1, 4, 8),
+    ("int4", 6144, 4096, 256): (256, 64, 64, 1, 3, 8),
+    ("int4", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
+    ("int4", 28672, 4096, 256): (256, 64, 64, 1, 3, 8),
+    ("int4", 4096, 14336, 256): (128, 64, 128, 1, 4, 8),
+    ("int8", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
+    ("int8", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
+    ("int8", 28672, 4096, 128): (128, 128, 64, 1, 4, 8),
+    ("int8", 4096, 14336, 128): (128, 64, 128, 2, 4, 8),
+    ("int4", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
+    ("int4", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
+    ("int4", 28672, 4096, 128): (128, 128, 64, 1, 4, 8),
+    ("int4", 4096, 14336, 128): (128, 64, 128, 2, 4, 8),
+    ("int8", 6144, 4096, 64): (64, 64, 128, 2, 4, 8),
+    ("int8", 4096, 4096, 64): (64, 64, 128, 4, 4, 8),
+    ("int8", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
+    ("int4", 6144, 4096, 64): (64, 64, 128, 2, 4, 8),
+    ("int4", 4096, 4096, 64): (64, 64, 128, 4, 4, 8),
+    ("int4", 28672, 4096, 64): (64, 128, 128, 1, 4, 8),
+    ("int4", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
+}
+"""(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
+other shapes and buckets keep ``kernels.mixed_gemm`` (kind ``int4s``: symmetric int4 in bf16x2
+arithmetic, and the warp-specialized form ``ws=1``, pass the GPU smoke test but are not measured
+yet: no entries)."""
+M_BUCKETS = (32, 64, 128, 256, 512)
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket >= M (beyond the last: none)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return 0
+
+
+def pick(kind: str, m: int, n: int, k: int) -> WoConfig | None:
+    """The measured config of (kind, N, K, M's bucket), or None (not measured faster there)."""
+    cfg = WO_CONFIGS.get((kind, n, k, m_bucket(m)))
+    return None if cfg is None else WoConfig(*cfg)
