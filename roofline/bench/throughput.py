@@ -79,15 +79,16 @@ def workload_roofline_s(
                 running.append([ctx + 1, out - 1])  # the first token comes from the prefill
         if not running:
             continue
-        # the common prefix's KV is read once per step, each request's own part once each
-        unique_ctx = sum(c - shared for c, _ in running) + shared
+        # the common prefix's KV is read once per step, each request's own part once each;
+        # every query still attends its whole context (the prefix's FLOPs count per request)
         cost = step_cost(
             model_config,
             spec,
             num_decode_tokens=len(running),
-            decode_context_lens=unique_ctx,
+            decode_context_lens=sum(c for c, _ in running),
             precision=precision,
             tp=tp,
+            decode_shared_tokens=(len(running) - 1) * shared,
         )
         total += cost.time_s
         for r in running:

@@ -67,6 +67,26 @@ def test_shared_prefix_is_prefilled_and_read_once():
     assert shared_s > floor
 
 
+def test_shared_prefix_decode_step_reads_the_prefix_once_and_attends_it_per_request():
+    """A decode step of the shared-prefix roofline: the prefix's KV bytes once, but its
+    attention FLOPs for every request (each query still attends the whole prefix)."""
+    model = resolve_model("llama-3.1-8b")
+    wl = workloads.shared_prefix(3, 32, (4, 4), (2, 2), 32000)
+    slow = Ceilings("compute-poor", 3.0e12, 1.0e12, "bfloat16")  # the decode step's FLOPs bind
+    spec = slow.as_gpu_spec()
+    expect = step_cost(model, spec, num_prefill_tokens=36, precision=BF16).compute_time_s
+    expect += 2 * step_cost(model, spec, prefill_chunks=[(4, 32)], precision=BF16).compute_time_s
+    step = step_cost(model, spec, decode_context_lens=[37] * 3, precision=BF16,
+                     decode_shared_tokens=2 * 32)  # fmt: skip
+    expect += step.time_s
+    assert step.bound == "compute"
+    got = workload_roofline_s(model, slow, wl, BF16, max_num_seqs=8)
+    assert got == pytest.approx(expect, rel=1e-12)
+    per_request = step_cost(model, spec, decode_context_lens=[37] * 3, precision=BF16)
+    assert step.attention_flops == per_request.attention_flops
+    assert step.kv_read_bytes < per_request.kv_read_bytes
+
+
 def test_tensor_parallel_roofline_splits_the_step():
     model = resolve_model("llama-3.1-8b")
     wl = workloads.synthetic(8, (100, 200), (64, 64), 32000)
