@@ -9,10 +9,14 @@ printed and the next section runs):
 3. a kernel-time profile by kind of the admission steps and of 24 steady decode steps (every
    kernel's time, the GPU's busy share of the window's wall time), beside the roofline's own
    split of that decode step (weights, KV, GEMM FLOPs, attention FLOPs);
-4. the dense GEMMs at the decode step's 256 rows and a prefill step's 8,192 (cuBLAS through
-   F.linear, weights cycled out of L2), each against max(bytes / bandwidth, FLOPs / peak);
+6. no regression: the default preset (and with --full the short preset); the engine is then
+   dropped for the kernel sections:
+4. the dense GEMMs at the decode step's 256 rows and a prefill step's 8,192 (cuBLAS, weights
+   cycled out of L2), each against max(bytes / bandwidth, FLOPs / peak);
 5. the grouped cascade's prefix kernel per split count and tile (alone and paired);
-6. no regression: the default preset (and with --full the short preset).
+5b. the prefix part as dense attention through torch's attention ops (flash, cuDNN, efficient;
+   with the log-sum-exp a merge needs) on contiguous K/V, and the page gather that would feed
+   them.
 
     python scripts/gpu_prefix.py          # the first check (~2 min)
     python scripts/gpu_prefix.py --full   # everything
@@ -360,6 +364,38 @@ def dense_prefix(ceil) -> None:
             row(f"dense prefix {label} {backend.name}",
                 f"{t * 1e6:.1f} us, {flops / t / 1e12:.0f} TFLOP/s "
                 f"(MMA floor {flops / peak * 1e6:.1f} us)")  # fmt: skip
+    # the ops that also return the log-sum-exp (what a cascade merge needs)
+    aten = torch.ops.aten
+    k2, v2 = kv[0, 0].transpose(0, 1).contiguous(), kv[1, 0].transpose(0, 1).contiguous()
+    cu_k = torch.tensor([0, 2000], dtype=torch.int32, device=DEV)
+    for label, rows in (("decode 256 rows", 256), ("admission 8192 tokens", 8192)):
+        flops = 4 * rows * 32 * 2000 * 128
+        packed = torch.randn(1, 8, rows * 4, 128, device=DEV, dtype=torch.bfloat16)
+        tokens = torch.randn(rows, 32, 128, device=DEV, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, rows], dtype=torch.int32, device=DEV)
+        cands = [
+            ("flash + lse, heads packed",
+             lambda p=packed: aten._scaled_dot_product_flash_attention(p, kv[0], kv[1])[:2]),
+            ("cudnn + lse, heads packed",
+             lambda p=packed: aten._scaled_dot_product_cudnn_attention(
+                 p, kv[0], kv[1], None, True)[:2]),
+            ("efficient + lse, heads packed",
+             lambda p=packed: aten._scaled_dot_product_efficient_attention(
+                 p, kv[0], kv[1], None, True)[:2]),
+        ]  # fmt: skip
+        for splits in (None, 4, 16):
+            cands.append((f"flash varlen GQA, num_splits {splits}",
+                          lambda t=tokens, cq=cu_q, n=splits, r=rows: aten._flash_attention_forward(
+                              t, k2, v2, cq, cu_k, r, 2000, 0.0, False, False,
+                              num_splits=n)[:2]))  # fmt: skip
+        for name, fn in cands:
+            try:
+                t = graph_time(fn)
+            except Exception as e:  # noqa: BLE001 - an op may refuse the shape
+                row(f"dense prefix {label} {name}", f"{type(e).__name__}: {str(e)[:90]}")
+                continue
+            row(f"dense prefix {label} {name}",
+                f"{t * 1e6:.1f} us, {flops / t / 1e12:.0f} TFLOP/s")  # fmt: skip
     free()
 
 
@@ -386,10 +422,12 @@ def main() -> None:
     row("start-up", f"{time.perf_counter() - t0:.1f} s")
     preset_runs(llm, ceil)
     profile_steps(llm, ceil)
+    regressions(llm, ceil, args.full)
+    del llm
+    free()
     gemms(ceil)
     prefix_sweep(ceil)
     dense_prefix(ceil)
-    regressions(llm, ceil, args.full)
     print(f"\n=== gpu_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
     width = max(len(n) for n, _ in ROWS)
     for name, value in ROWS:
