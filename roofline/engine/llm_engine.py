@@ -356,8 +356,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:  # (C-level passes; the list once bad)
-            bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
             raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
