@@ -304,18 +304,30 @@ def prefix_sweep(ceil) -> None:
     base = GroupedTuning()
     t_base = graph_time(lambda: grouped(b, base))
     row("attn grouped default (both passes)", f"{t_base * 1e6:.1f} us")
-    cands = [(64, (64, 4, 2), 3), (64, (64, 4, 2), 4), (128, (64, 8, 2), 4),
-             (128, (64, 8, 2), 3)]  # fmt: skip
-    for bm, cfg, splits in cands:
-        t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits)
+    t_alone = graph_time(lambda: grouped(b, base, "prefix"))
+    t_sfx = graph_time(lambda: grouped(b, base, "suffix"))
+    row("attn grouped default prefix / suffix alone",
+        f"{t_alone * 1e6:.1f} / {t_sfx * 1e6:.1f} us")  # fmt: skip
+    # Triton's pipeliner waits for a tile's gathered K/V at the top of the very iteration that
+    # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
+    # three copies in flight): deeper stages, and more splits, against the latency
+    cands = [(64, (64, 4, 5), 1, None), (64, (64, 4, 5), 2, None), (64, (32, 4, 6), 1, None),
+             (64, (32, 4, 6), 2, None), (64, (64, 4, 2), 3, None), (64, (64, 4, 2), 4, None),
+             (64, (64, 4, 5), 1, (64, 4, 5)), (64, (64, 4, 5), 1, (32, 4, 5))]  # fmt: skip
+    for bm, cfg, splits, sfx in cands:
+        t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
+                                suffix=sfx or base.suffix)  # fmt: skip
         try:
             alone = graph_time(lambda t=t: grouped(b, t, "prefix"))
             both = graph_time(lambda t=t: grouped(b, t))
+            if sfx is not None:
+                t_sfx = graph_time(lambda t=t: grouped(b, t, "suffix"))
+                row(f"attn grouped suffix {sfx} alone", f"{t_sfx * 1e6:.1f} us")
             err = (grouped(b, t).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001 - a config may not compile
-            print(f"  bm {bm} {cfg} x{splits}: {type(e).__name__}: {str(e)[:160]}")
+            print(f"  bm {bm} {cfg} x{splits} {sfx}: {type(e).__name__}: {str(e)[:160]}")
             continue
-        row(f"attn grouped bm {bm} prefix {cfg} x{splits}",
+        row(f"attn grouped bm {bm} prefix {cfg} x{splits} suffix {t.suffix}",
             f"prefix alone {alone * 1e6:.1f} us, both {both * 1e6:.1f} us, "
             f"max|diff| {err:.1e}")  # fmt: skip
     free()
