@@ -333,6 +333,24 @@ def prefix_sweep(ceil) -> None:
     free()
 
 
+@section("5c. plain decode attention at B=256 per tile config (num_stages 5: K/V in flight)")
+def plain_decode(ceil) -> None:
+    for ctx in (128, 800):
+        b = shared_batch(256, 0, ctx)
+        args = (b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5)
+        nbytes = 256 * ctx * 8 * 128 * 2 * 2
+        for cfg in (None, (64, 4, 5), (32, 4, 5), (32, 4, 6)):
+            try:
+                t = graph_time(lambda cfg=cfg, a=args: decode_attention(*a, max_seq_len=8448,
+                                                                config=cfg))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a config may not compile
+                row(f"plain decode B=256 ctx {ctx} {cfg}", f"{type(e).__name__}: {str(e)[:90]}")
+                continue
+            row(f"plain decode B=256 ctx {ctx} {cfg or 'default (64, 4, 3)'}",
+                f"{t * 1e6:.1f} us, {nbytes / t / 1e12:.2f} TB/s")  # fmt: skip
+    free()
+
+
 @section("5b. the prefix part as dense attention (torch SDPA backends, contiguous K/V)")
 def dense_prefix(ceil) -> None:
     """What a library attention kernel does with the shared prefix's work: every member query
@@ -439,6 +457,7 @@ def main() -> None:
     free()
     gemms(ceil)
     prefix_sweep(ceil)
+    plain_decode(ceil)
     dense_prefix(ceil)
     print(f"\n=== gpu_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
     width = max(len(n) for n, _ in ROWS)
