@@ -312,8 +312,8 @@ def prefix_sweep(ceil) -> None:
     # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
     # three copies in flight): deeper stages, and more splits, against the latency
     cands = [(64, (64, 4, 5), 1, None), (64, (64, 4, 5), 2, None), (64, (32, 4, 5), 1, None),
-             (64, (64, 4, 2), 3, None), (64, (64, 4, 5), 1, (64, 4, 5)),
-             (64, (64, 4, 5), 1, (32, 4, 5))]  # fmt: skip
+             (128, (32, 8, 5), 2, None), (64, (64, 4, 5), 1, (64, 4, 5)),
+             (64, (64, 4, 5), 1, (32, 4, 5)), (64, (32, 4, 5), 1, (32, 4, 5))]  # fmt: skip
     for bm, cfg, splits, sfx in cands:
         t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
                                 suffix=sfx or base.suffix)  # fmt: skip
