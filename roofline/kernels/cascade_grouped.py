@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, num_sms
-from roofline.kernels.decode_attention import LOG2E
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.decode_attention import LOG2E, PDL_ATTENTION
 from roofline.kernels.last_program import counters
+from roofline.kernels.pdl import pdl_enabled
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,11 @@ def _grouped_suffix_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
 ):
+    if PDL:  # q and this step's K/V rows come from the RoPE + store kernel just before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -370,6 +375,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[index]
+
+
+def _pdl() -> bool:
+    """PDL for the suffix kernel (``kernels.pdl``; ``ROOFLINE_PDL_ATTENTION=0`` turns it off
+    with plain decode's)."""
+    return PDL_ATTENTION and not is_interpret() and pdl_enabled()
 
 
 def _cap(maxnreg: int | None) -> dict:
@@ -463,12 +474,16 @@ def grouped_cascade_attention(
     if passes == "prefix":
         return out
     block_n, num_warps, num_stages = t.suffix
+    # a programmatic dependent of the kernel before it on this stream (RoPE + store, or the
+    # prefix pass in turn): its launch overlaps that kernel's tail; the prefix pass (on the
+    # side stream, ordered by an event) keeps an ordinary launch
+    pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
     _grouped_suffix_kernel[(num_reqs, num_kv_heads)](
         q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
         out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs, MERGE_M=merge_m,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, **_cap(t.suffix_maxnreg), **common,
+        num_stages=num_stages, **_cap(t.suffix_maxnreg), **pdl, **common,
     )  # fmt: skip
     if main is not None:
         main.wait_stream(side)
