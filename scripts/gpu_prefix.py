@@ -110,7 +110,7 @@ class Timeline:
     """Host wall time of each schedule (the ``observe`` hook), by kind of step."""
 
     def __init__(self) -> None:
-        self.t0 = time.perf_counter()
+        self.t0 = self.added = time.perf_counter()
         self.marks: list[tuple[float, str, int]] = []
 
     def __call__(self, sched_out) -> None:
@@ -129,9 +129,11 @@ class Timeline:
         for (a, kind, _), (b, _, _) in zip(marks, marks[1:]):
             by[kind].append(b - a)
         first = self.marks[0][0] - self.t0
+        added = self.added - self.t0
         parts = ", ".join(f"{k} {len(v)} steps {sum(v):.3f} s" for k, v in sorted(by.items()))
         row(f"host timeline {label}",
-            f"generate() to first schedule {first * 1e3:.0f} ms; schedule-to-schedule wall: "
+            f"generate() to first schedule {first * 1e3:.0f} ms (requests queued after "
+            f"{added * 1e3:.0f} ms); schedule-to-schedule wall: "
             f"{parts}; prefill steps' tokens {self.prefill_tokens()}")  # fmt: skip
 
 
@@ -159,11 +161,19 @@ def preset_runs(llm: LLM, ceil) -> None:
             tl.t0 = time.perf_counter()
         return generate(prompts, *a, **k)
 
+    add = llm._add
+
+    def timed_add(*a, **k):  # when the requests are all queued (the first step follows)
+        ids = add(*a, **k)
+        tl.added = time.perf_counter()
+        return ids
+
     llm.generate = timed_generate  # type: ignore[method-assign]
+    llm._add = timed_add  # type: ignore[method-assign]
     try:
         res = throughput.run(llm, ceil, wl, use_tqdm=False, observe=observe)
     finally:
-        del llm.generate
+        del llm.generate, llm._add
     end = time.perf_counter()
     phases = clock.phases()
     row("preset shared-prefix (timeline run)",
