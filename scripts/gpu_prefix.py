@@ -351,6 +351,19 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
             f"max|diff| {err:.1e}")  # fmt: skip
         if err < 3e-2 and both < 0.97 * t_base and (best is None or both < best[0]):
             best = (both, t)
+    # the suffix pass's fixed cost per program against its streaming: alone at 64 / 256 tokens
+    for n_sfx in (64, 256):
+        b2 = shared_batch(256, 2000, n_sfx)
+        for sfx in (base.suffix, (32, 4, 5)):
+            t = dataclasses.replace(base, suffix=sfx)
+            try:
+                dt = graph_time(lambda t=t, b2=b2: grouped(b2, t, "suffix"))
+            except Exception as e:  # noqa: BLE001
+                print(f"  suffix {sfx} at {n_sfx}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            nbytes = 256 * n_sfx * 8 * 128 * 2 * 2
+            row(f"attn grouped suffix {sfx} alone, suffix {n_sfx}",
+                f"{dt * 1e6:.1f} us, {nbytes / dt / 1e12:.2f} TB/s")  # fmt: skip
     free()
     return None if best is None else best[1]
 
