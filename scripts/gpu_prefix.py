@@ -329,24 +329,26 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     # Triton's pipeliner waits for a tile's gathered K/V at the top of the very iteration that
     # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
     # three copies in flight): deeper stages, and more splits, against the latency
-    cands = [(64, (64, 4, 5), 1, None), (64, (32, 4, 5), 1, None),
-             (128, (32, 8, 5), 2, None), (64, (64, 4, 5), 1, (64, 4, 5)),
-             (64, (64, 4, 5), 1, (32, 4, 5)), (64, (32, 4, 5), 1, (32, 4, 5)),
-             (64, (64, 4, 5), 2, (32, 4, 5))]  # fmt: skip
-    for bm, cfg, splits, sfx in cands:
+    # (and suffix_heads: KV heads side by side per suffix program, fewer and longer programs)
+    cands = [(64, (64, 4, 5), 1, None, 1), (64, (32, 4, 5), 1, None, 1),
+             (128, (32, 8, 5), 2, None, 1), (64, (64, 4, 5), 1, (64, 4, 5), 1),
+             (64, (64, 4, 5), 1, (32, 4, 5), 1), (64, (32, 4, 5), 1, (32, 4, 5), 1),
+             (64, (64, 4, 5), 2, (32, 4, 5), 1), (64, (64, 4, 5), 1, (32, 4, 3), 2),
+             (64, (64, 4, 5), 1, (32, 4, 5), 2), (64, (64, 4, 5), 1, (16, 4, 4), 2)]  # fmt: skip
+    for bm, cfg, splits, sfx, heads in cands:
         t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
-                                suffix=sfx or base.suffix)  # fmt: skip
+                                suffix=sfx or base.suffix, suffix_heads=heads)  # fmt: skip
         try:
             alone = graph_time(lambda t=t: grouped(b, t, "prefix"))
             both = graph_time(lambda t=t: grouped(b, t))
             if sfx is not None:
                 t_sfx = graph_time(lambda t=t: grouped(b, t, "suffix"))
-                row(f"attn grouped suffix {sfx} alone", f"{t_sfx * 1e6:.1f} us")
+                row(f"attn grouped suffix {sfx} x{heads} heads alone", f"{t_sfx * 1e6:.1f} us")
             err = (grouped(b, t).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001 - a config may not compile
-            print(f"  bm {bm} {cfg} x{splits} {sfx}: {type(e).__name__}: {str(e)[:160]}")
+            print(f"  bm {bm} {cfg} x{splits} {sfx} x{heads}: {type(e).__name__}: {str(e)[:160]}")
             continue
-        row(f"attn grouped bm {bm} prefix {cfg} x{splits} suffix {t.suffix}",
+        row(f"attn grouped bm {bm} prefix {cfg} x{splits} suffix {t.suffix} x{heads} heads",
             f"prefix alone {alone * 1e6:.1f} us, both {both * 1e6:.1f} us, "
             f"max|diff| {err:.1e}")  # fmt: skip
         if err < 3e-2 and both < 0.97 * t_base and (best is None or both < best[0]):
@@ -354,15 +356,15 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     # the suffix pass's fixed cost per program against its streaming: alone at 64 / 256 tokens
     for n_sfx in (64, 256):
         b2 = shared_batch(256, 2000, n_sfx)
-        for sfx in (base.suffix, (32, 4, 5)):
-            t = dataclasses.replace(base, suffix=sfx)
+        for sfx, heads in ((base.suffix, 1), ((32, 4, 5), 1), ((32, 4, 3), 2)):
+            t = dataclasses.replace(base, suffix=sfx, suffix_heads=heads)
             try:
                 dt = graph_time(lambda t=t, b2=b2: grouped(b2, t, "suffix"))
             except Exception as e:  # noqa: BLE001
-                print(f"  suffix {sfx} at {n_sfx}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  suffix {sfx} x{heads} at {n_sfx}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             nbytes = 256 * n_sfx * 8 * 128 * 2 * 2
-            row(f"attn grouped suffix {sfx} alone, suffix {n_sfx}",
+            row(f"attn grouped suffix {sfx} x{heads} heads alone, suffix {n_sfx}",
                 f"{dt * 1e6:.1f} us, {nbytes / dt / 1e12:.2f} TB/s")  # fmt: skip
     free()
     return None if best is None else best[1]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.cascade_merge import _arrive
 from roofline.kernels.decode_attention import LOG2E, PDL_ATTENTION
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled
@@ -62,109 +63,21 @@ class GroupedTuning:
     suffix programs share an SM with a prefix program."""
     suffix_maxnreg: int | None = None
     """Register cap of the suffix kernel (96: five 4-warp programs per SM instead of four)."""
-
-
-@triton.jit
-def _merge_unit(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    unit_req0,
-    kv_head,
-    num_reqs,
-    NUM_SLOTS: tl.constexpr,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    GROUP_REQS: tl.constexpr,
-    MERGE_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Merge every slot of the unit's rows by log-sum-exp and store the output, ``MERGE_M``
-    rows at a time (the partials are read from L2, ``.cg``: other programs wrote them)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    for m0 in range(0, GROUP_REQS * GROUP, MERGE_M):
-        offs_m = m0 + tl.arange(0, MERGE_M)
-        req = unit_req0 + offs_m // GROUP  # [MERGE_M]
-        heads = kv_head * GROUP + offs_m % GROUP
-        ok = (offs_m < GROUP_REQS * GROUP) & (req < num_reqs)
-        mask = ok[:, None] & d_mask[None, :]
-        row0 = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS  # [MERGE_M]
-        m = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
-        den = tl.zeros([MERGE_M], dtype=tl.float32)
-        num = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(NUM_SLOTS):  # every slot's loads at once
-            lse = tl.load(
-                part_lse_ptr + row0 + j, mask=ok, other=float("-inf"), cache_modifier=".cg"
-            )
-            o = tl.load(
-                part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=mask,
-                other=0.0,
-                cache_modifier=".cg",
-            )  # [MERGE_M, BLOCK_D]
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)  # 0 while nothing was summed
-            w = tl.exp2(lse - m_safe)
-            num = num * alpha[:, None] + o * w[:, None]
-            den = den * alpha + w
-            m = m_new
-        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-        dst = out_ptr + req.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-        tl.store(dst + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _arrive(
-    counter_ptr,
-    unit,
-    prefix_programs,
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    unit_req0,
-    kv_head,
-    num_reqs,
-    NUM_SLOTS: tl.constexpr,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    GROUP_REQS: tl.constexpr,
-    MERGE_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    COUNT_SUFFIX: tl.constexpr,
-):
-    """Count this program's partials in; the unit's last program merges (last_program.py).
-    A unit expects ``prefix_programs`` and, with ``COUNT_SUFFIX``, one suffix program per
-    request (the last unit may hold fewer requests)."""
-    tl.debug_barrier()  # every thread's partial stores before the release
-    counter = counter_ptr + unit
-    expected = prefix_programs
-    if COUNT_SUFFIX:
-        expected += tl.minimum(GROUP_REQS, num_reqs - unit_req0)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == expected - 1:
-        _merge_unit(part_out_ptr, part_lse_ptr, out_ptr, unit_req0, kv_head, num_reqs,
-                    NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS,
-                    MERGE_M, BLOCK_D)  # fmt: skip
-        tl.store(counter, 0)  # ready for the next launch
+    suffix_heads: int = 1
+    """KV heads per suffix program, side by side in its tiles (1 where it does not divide the
+    KV heads)."""
 
 
 @triton.jit
 def _paged_tile(
     acc, m_i, l_i, q, k_head, v_head, pages_ptr, n0, end, stride_kp, stride_ks, stride_vp,
-    stride_vs, offs_d, d_mask, scale_log2e, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, MASKED: tl.constexpr, FULL_D: tl.constexpr,
+    stride_vs, k_cols, v_cols, d_mask, scale_log2e, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, FULL_D: tl.constexpr,
 ):  # fmt: skip
     """Fold keys ``n0 .. n0 + BLOCK_N`` (``< end`` when ``MASKED``), position ``t`` in page
     ``pages_ptr[t // PAGE_SIZE]`` (the shared pages, or a block-table row), into the softmax;
-    ``FULL_D``: head_dim fills the tile's columns (no column mask)."""
+    ``k_cols`` / ``v_cols``: each tile column's offset in a token's row (one head's ``d``, or
+    several heads side by side); ``FULL_D``: no column is masked."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     n_mask = offs_n < end
     if MASKED:
@@ -173,8 +86,8 @@ def _paged_tile(
         pages = tl.load(pages_ptr + offs_n // PAGE_SIZE)
     pages = pages.to(tl.int64)
     rows = offs_n % PAGE_SIZE
-    k_ptrs = k_head + (pages * stride_kp + rows * stride_ks)[:, None] + offs_d[None, :]
-    v_ptrs = v_head + (pages * stride_vp + rows * stride_vs)[:, None] + offs_d[None, :]
+    k_ptrs = k_head + (pages * stride_kp + rows * stride_ks)[:, None] + k_cols[None, :]
+    v_ptrs = v_head + (pages * stride_vp + rows * stride_vs)[:, None] + v_cols[None, :]
     kv_mask = n_mask[:, None] & d_mask[None, :]
     if MASKED or not FULL_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -263,14 +176,14 @@ def _grouped_prefix_kernel(
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles: no masks
     for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr, n0, end,
-                                     stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
-                                     scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, False,
+                                     stride_kp, stride_ks, stride_vp, stride_vs, offs_d, offs_d,
+                                     d_mask, scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, False,
                                      HEAD_DIM == BLOCK_D)  # fmt: skip
     if full_end < end:  # the last, partial tile
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr,
                                      full_end, end, stride_kp, stride_ks, stride_vp, stride_vs,
-                                     offs_d, d_mask, scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION,
-                                     True, HEAD_DIM == BLOCK_D)  # fmt: skip
+                                     offs_d, offs_d, d_mask, scale_log2e, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, True, HEAD_DIM == BLOCK_D)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
@@ -323,48 +236,68 @@ def _grouped_suffix_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
+    HEADS: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
 ):
+    """Program ``(request, j)``: the request's own positions for KV heads ``j x HEADS ..``.
+    With ``HEADS`` > 1 the heads sit side by side in the tile's columns (a token row's K of
+    consecutive heads is contiguous): row ``h`` of the query tile holds query head
+    ``h`` of the heads' groups in its own head's columns and zeros elsewhere, so one
+    ``[rows, HEADS x d] x [HEADS x d, BLOCK_N]`` product gives every row its own head's scores;
+    of ``p @ v`` each row keeps its own head's columns. Fewer, longer programs: each program's
+    fixed cost (its loads before the first tile, the partial and the arrival) is shared."""
     if PDL:  # q and this step's K/V rows come from the RoPE + store kernel just before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head0 = tl.program_id(1) * HEADS
     seq_len = tl.load(seq_lens_ptr + req)
     start = tl.load(suffix_start_ptr + req).to(tl.int32)  # after the shared prefix, or 0
 
-    offs_h = tl.arange(0, BLOCK_H)  # query heads of this KV head's group
+    offs_h = tl.arange(0, BLOCK_H)  # (head of this program, query head of its group)
+    offs_c = tl.arange(0, HEADS * BLOCK_D)  # (head of this program, d)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < GROUP
-    d_mask = offs_d < HEAD_DIM
-    o_mask = h_mask[:, None] & d_mask[None, :]
-    heads = kv_head * GROUP + offs_h
-    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=o_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
+    h_mask = offs_h < HEADS * GROUP
+    col_head = offs_c // BLOCK_D
+    col_d = offs_c % BLOCK_D
+    c_mask = col_d < HEAD_DIM
+    heads = kv_head0 * GROUP + offs_h
+    own_cols = (offs_h // GROUP)[:, None] == col_head[None, :]  # [BLOCK_H, HEADS x BLOCK_D]
+    q_mask = h_mask[:, None] & c_mask[None, :] & own_cols
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + col_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_H, HEADS x BLOCK_D]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEADS * BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    k_head = k_cache_ptr + kv_head0.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head0.to(tl.int64) * stride_vh
+    k_cols = col_head * stride_kh + col_d
+    v_cols = col_head * stride_vh + col_d
     for n0 in range(start, seq_len, BLOCK_N):  # (one masked loop: fewer registers than a
         # split into whole tiles and a tail, which measured 115 -> 128 at (64, 4, 3))
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n0, seq_len,
-                                    stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
-                                    scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, True,
+                                    stride_kp, stride_ks, stride_vp, stride_vs, k_cols, v_cols,
+                                    c_mask, scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, True,
                                     HEAD_DIM == BLOCK_D)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_H, HEADS x BLOCK_D]
+    if HEADS > 1:  # each row's own head's columns
+        o3 = tl.reshape(o, [BLOCK_H, HEADS, BLOCK_D])
+        own = (offs_h // GROUP)[:, None] == tl.arange(0, HEADS)[None, :]  # [BLOCK_H, HEADS]
+        o = tl.sum(tl.where(own[:, :, None], o3, 0.0), axis=1)  # [BLOCK_H, BLOCK_D]
+    o_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     row = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS + NUM_SLOTS - 1  # the last slot
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-             mask=o_mask)  # fmt: skip
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
     lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # empty suffix: weight 0
     tl.store(part_lse_ptr + row, lse, mask=h_mask)
     group_id = req // GROUP_REQS
-    _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head, prefix_programs, part_out_ptr,
-            part_lse_ptr, out_ptr, group_id * GROUP_REQS, kv_head, num_reqs, NUM_SLOTS, stride_ot,
-            stride_oh, NUM_HEADS, GROUP, HEAD_DIM, GROUP_REQS, MERGE_M, BLOCK_D,
-            COUNT_SUFFIX)  # fmt: skip
+    for j in tl.static_range(HEADS):  # one arrival per KV head's unit
+        _arrive(counter_ptr, group_id * NUM_KV_HEADS + kv_head0 + j, prefix_programs,
+                part_out_ptr, part_lse_ptr, out_ptr, group_id * GROUP_REQS, kv_head0 + j,
+                num_reqs, NUM_SLOTS, stride_ot, stride_oh, NUM_HEADS, GROUP, HEAD_DIM,
+                GROUP_REQS, MERGE_M, BLOCK_D, COUNT_SUFFIX)  # fmt: skip
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -478,12 +411,13 @@ def grouped_cascade_attention(
     # prefix pass in turn): its launch overlaps that kernel's tail; the prefix pass (on the
     # side stream, ordered by an event) keeps an ordinary launch
     pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
-    _grouped_suffix_kernel[(num_reqs, num_kv_heads)](
+    heads = t.suffix_heads if num_kv_heads % t.suffix_heads == 0 else 1
+    _grouped_suffix_kernel[(num_reqs, num_kv_heads // heads)](
         q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
         out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs, MERGE_M=merge_m,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages, **_cap(t.suffix_maxnreg), **pdl, **common,
+        BLOCK_H=max(16, triton.next_power_of_2(heads * group)), BLOCK_N=block_n, HEADS=heads,
+        num_warps=num_warps, num_stages=num_stages, **_cap(t.suffix_maxnreg), **pdl, **common,
     )  # fmt: skip
     if main is not None:
         main.wait_stream(side)
