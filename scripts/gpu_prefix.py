@@ -353,6 +353,15 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
             f"max|diff| {err:.1e}")  # fmt: skip
         if err < 3e-2 and both < 0.97 * t_base and (best is None or both < best[0]):
             best = (both, t)
+    if best is not None:  # the winner with its passes in turn (one stream)
+        t = dataclasses.replace(best[1], concurrent=False)
+        try:
+            turn = graph_time(lambda: grouped(b, t))
+            row("attn grouped best, passes in turn", f"{turn * 1e6:.1f} us")
+            if turn < best[0]:
+                best = (turn, t)
+        except Exception as e:  # noqa: BLE001
+            print(f"  best in turn: {type(e).__name__}: {str(e)[:160]}")
     # the suffix pass's fixed cost per program against its streaming: alone at 64 / 256 tokens
     for n_sfx in (64, 256):
         b2 = shared_batch(256, 2000, n_sfx)
