@@ -470,8 +470,7 @@ def winners(llm: LLM, ceil, cascade: GroupedTuning | None, decode_cfg, gqa_cfg) 
     da._pick_config = lambda head_dim: decode_cfg if head_dim == 128 else pick(head_dim)
     try:
         runner.capture_cuda_graphs()
-        for i in (1, 2):
-            run_preset(llm, ceil, "default", f"plain decode {decode_cfg} {i}")
+        run_preset(llm, ceil, "default", f"plain decode {decode_cfg}")
         run_preset(llm, ceil, "short", f"plain decode {decode_cfg}")
     finally:
         da._pick_config = pick
