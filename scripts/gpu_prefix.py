@@ -3,7 +3,8 @@
 printed and the next section runs):
 
 1. parity: greedy tokens cascade off vs on (tiny fp32 Llama, 160 x (512 + 24)); the grouped
-   cascade kernels against plain decode at the preset's decode shape (bf16);
+   cascade kernels (the default and a 5-stage, 2-heads-per-suffix-program variant) against
+   plain decode at the preset's decode shape (bf16, fp32);
 2. the preset twice (the second warm): time, % of roofline, host share, GPU time by phase, and
    the host timeline (generate() to the first step, schedule-to-schedule wall per kind);
 3. a kernel-time profile by kind of the admission steps and of 24 steady decode steps (every
@@ -92,7 +93,10 @@ def kind_of(name: str) -> str:
 @section("1. parity: greedy tokens cascade off vs on; grouped kernels vs plain decode")
 def parity() -> None:
     greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick=True)
-    for dtype in (torch.bfloat16,):
+    variants = {"default": GroupedTuning(),
+                "5 stages, 2 KV heads per suffix program": GroupedTuning(
+                    prefix=(64, 4, 5), suffix=(32, 4, 5), suffix_heads=2)}  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float32):
         b = shared_batch(256, 2000, 128)
         if dtype is torch.float32:
             for key in ("q", "kc", "vc"):
@@ -100,9 +104,10 @@ def parity() -> None:
         b["starts"][::7] = 0  # every 7th row not a member
         ref = decode_attention(b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5,
                                max_seq_len=2128).float()  # fmt: skip
-        out = grouped(b, GroupedTuning()).float()
-        row(f"kernel parity {str(dtype)[6:]} grouped default vs plain decode",
-            f"max|diff| {(out - ref).abs().max().item():.1e}")  # fmt: skip
+        for name, tuning in variants.items():  # (fp32 tiles: fewer stages, fit_stages)
+            out = grouped(b, tuning).float()
+            row(f"kernel parity {str(dtype)[6:]} grouped {name} vs plain decode",
+                f"max|diff| {(out - ref).abs().max().item():.1e}")  # fmt: skip
     free()
 
 

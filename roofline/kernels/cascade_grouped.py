@@ -320,6 +320,19 @@ def _cap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
+SMEM_BUDGET = 160 << 10
+"""Shared memory the pipelined K/V tiles (and the prefix pass's query tile) may take: the
+stages are cut to fit (an fp32 cache's tiles are twice a bf16 one's), leaving room for the
+compiler's own buffers under the H100's 227 KiB."""
+
+
+def fit_stages(num_stages: int, stage_bytes: int, fixed_bytes: int) -> int:
+    """``num_stages``, or fewer so that ``fixed_bytes + (stages - 1) x stage_bytes`` (the
+    pipeliner keeps ``stages - 1`` tiles in flight) stays within ``SMEM_BUDGET``; at least 1."""
+    room = max(SMEM_BUDGET - fixed_bytes, 0) // max(stage_bytes, 1)
+    return max(1, min(num_stages, room + 1))
+
+
 MAX_PREFIX_SPLITS = 8
 
 
@@ -384,8 +397,11 @@ def grouped_cascade_attention(
 
     merge_m = min(t.merge_rows, block_m)
 
+    size = k_cache.element_size()
+
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
+        num_stages = fit_stages(num_stages, 2 * block_n * block_d * size, block_m * block_d * size)
         _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
             q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
@@ -407,11 +423,12 @@ def grouped_cascade_attention(
     if passes == "prefix":
         return out
     block_n, num_warps, num_stages = t.suffix
+    heads = t.suffix_heads if num_kv_heads % t.suffix_heads == 0 else 1
+    num_stages = fit_stages(num_stages, 2 * block_n * heads * block_d * size, 0)
     # a programmatic dependent of the kernel before it on this stream (RoPE + store, or the
     # prefix pass in turn): its launch overlaps that kernel's tail; the prefix pass (on the
     # side stream, ordered by an event) keeps an ordinary launch
     pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
-    heads = t.suffix_heads if num_kv_heads % t.suffix_heads == 0 else 1
     _grouped_suffix_kernel[(num_reqs, num_kv_heads // heads)](
         q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),

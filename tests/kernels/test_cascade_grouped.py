@@ -119,3 +119,14 @@ def test_prefix_splits_fill_the_sms() -> None:
     assert choose_prefix_splits(128, 132) == 1  # B = 256, 64-row units, 8 KV heads
     assert choose_prefix_splits(64, 132) == 2  # 128-row units
     assert choose_prefix_splits(1, 132) == MAX_PREFIX_SPLITS
+
+
+def test_pipeline_stages_fit_the_shared_memory() -> None:
+    """fp32 tiles are twice bf16's: the stages are cut so the tiles in flight fit."""
+    from roofline.kernels.cascade_grouped import SMEM_BUDGET, fit_stages
+
+    bf16_tile, fp32_tile = 2 * 64 * 128 * 2, 2 * 64 * 128 * 4  # K + V, 64 keys, d 128
+    assert fit_stages(5, bf16_tile, 64 * 128 * 2) == 5  # 16 KiB + 4 x 32 KiB
+    assert fit_stages(5, fp32_tile, 64 * 128 * 4) == 3
+    assert fit_stages(3, fp32_tile, 0) == 3 and fit_stages(2, bf16_tile, 0) == 2
+    assert fit_stages(4, SMEM_BUDGET, SMEM_BUDGET) == 1  # never below one stage
