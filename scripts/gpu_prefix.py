@@ -335,9 +335,8 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
     # three copies in flight): deeper stages, and more splits, against the latency
     # (and suffix_heads: KV heads side by side per suffix program, fewer and longer programs)
-    cands = [(64, (64, 4, 5), 1, None, 1), (64, (32, 4, 5), 1, None, 1),
-             (128, (32, 8, 5), 2, None, 1), (64, (64, 4, 5), 1, (64, 4, 5), 1),
-             (64, (64, 4, 5), 1, (32, 4, 5), 1), (64, (32, 4, 5), 1, (32, 4, 5), 1),
+    cands = [(64, (64, 4, 5), 1, None, 1), (128, (32, 8, 5), 2, None, 1),
+             (64, (64, 4, 5), 1, (64, 4, 5), 1), (64, (64, 4, 5), 1, (32, 4, 5), 1),
              (64, (64, 4, 5), 2, (32, 4, 5), 1), (64, (64, 4, 5), 1, (32, 4, 3), 2),
              (64, (64, 4, 5), 1, (32, 4, 5), 2), (64, (64, 4, 5), 1, (16, 4, 4), 2)]  # fmt: skip
     for bm, cfg, splits, sfx, heads in cands:
@@ -367,8 +366,8 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
                 best = (turn, t)
         except Exception as e:  # noqa: BLE001
             print(f"  best in turn: {type(e).__name__}: {str(e)[:160]}")
-    # the suffix pass's fixed cost per program against its streaming: alone at 64 / 256 tokens
-    for n_sfx in (64, 256):
+    # the suffix pass's fixed cost per program against its streaming: alone at 64 tokens
+    for n_sfx in (64,):
         b2 = shared_batch(256, 2000, n_sfx)
         for sfx, heads in ((base.suffix, 1), ((32, 4, 5), 1), ((32, 4, 3), 2)):
             t = dataclasses.replace(base, suffix=sfx, suffix_heads=heads)
