@@ -22,8 +22,8 @@ printed and the next section runs):
    with the log-sum-exp a merge needs) on contiguous K/V, and the page gather that would feed
    them.
 
-    python scripts/gpu_prefix.py          # the first check (~2 min)
-    python scripts/gpu_prefix.py --full   # everything
+    python scripts/gpu_prefix.py           # everything (~3.5 min)
+    python scripts/gpu_prefix.py --final   # no sweeps: parity, preset, profile, default + short
 """
 
 from __future__ import annotations
@@ -491,7 +491,9 @@ def regressions(llm: LLM, ceil, full: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--full", action="store_true", help="the short preset too")
+    ap.add_argument("--final", action="store_true",
+                    help="parity, the preset, its profile and the regressions: no kernel sweeps")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -505,7 +507,13 @@ def main() -> None:
     row("start-up", f"{time.perf_counter() - t0:.1f} s")
     preset_runs(llm, ceil)
     profile_steps(llm, ceil)
-    regressions(llm, ceil, args.full)
+    regressions(llm, ceil, args.full or args.final)
+    if args.final:
+        del llm
+        free()
+        gemms(ceil)
+        _summary(ceil, args.out, t_start)
+        return
     cascade = prefix_sweep(ceil)
     decode_cfg = plain_decode(ceil)
     gqa_cfg = admission_prefill(ceil)
@@ -513,11 +521,15 @@ def main() -> None:
     del llm
     free()
     gemms(ceil)
+    _summary(ceil, args.out, t_start)
+
+
+def _summary(ceil, out_dir: str, t_start: float) -> None:
     print(f"\n=== gpu_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
     width = max(len(n) for n, _ in ROWS)
     for name, value in ROWS:
         print(f"{name.ljust(width)}  {value}")
-    with open(os.path.join(args.out, "prefix.json"), "w") as f:
+    with open(os.path.join(out_dir, "prefix.json"), "w") as f:
         json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
 
 
