@@ -492,8 +492,7 @@ def regressions(llm: LLM, ceil, full: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--full", action="store_true", help="the short preset too")
-    ap.add_argument("--final", action="store_true",
-                    help="parity, the preset, its profile and the regressions: no kernel sweeps")  # fmt: skip
+    ap.add_argument("--final", action="store_true", help="no kernel sweeps")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t_start = time.perf_counter()
