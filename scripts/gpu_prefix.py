@@ -334,25 +334,32 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     # Triton's pipeliner waits for a tile's gathered K/V at the top of the very iteration that
     # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
     # three copies in flight): deeper stages, and more splits, against the latency
-    # (and suffix_heads: KV heads side by side per suffix program, fewer and longer programs)
-    cands = [(64, (64, 4, 5), 1, None, 1), (128, (32, 8, 5), 2, None, 1),
-             (64, (64, 4, 5), 1, (64, 4, 5), 1), (64, (64, 4, 5), 1, (32, 4, 5), 1),
-             (64, (64, 4, 5), 2, (32, 4, 5), 1), (64, (64, 4, 5), 1, (32, 4, 3), 2),
-             (64, (64, 4, 5), 1, (32, 4, 5), 2), (64, (64, 4, 5), 1, (16, 4, 4), 2)]  # fmt: skip
-    for bm, cfg, splits, sfx, heads in cands:
-        t = dataclasses.replace(base, block_m=bm, prefix=cfg, prefix_splits=splits,
-                                suffix=sfx or base.suffix, suffix_heads=heads)  # fmt: skip
+    # (and suffix_heads: KV heads side by side per suffix program, fewer and longer programs;
+    # prefix_priority: the prefix pass's stream at high priority)
+    r = dataclasses.replace
+    five = r(base, prefix=(64, 4, 5))
+    two = dict(suffix_heads=2)
+    cands = [five, r(base, block_m=128, prefix=(32, 8, 5), prefix_splits=2),
+             r(base, prefix_priority=True), r(five, suffix=(64, 4, 5)),
+             r(five, suffix=(32, 4, 5)), r(five, suffix=(32, 4, 5), prefix_splits=2),
+             r(five, suffix=(32, 4, 3), **two), r(five, suffix=(32, 4, 5), **two),
+             r(five, suffix=(16, 4, 4), **two), r(five, suffix=(32, 4, 5), prefix_priority=True),
+             r(five, suffix=(32, 4, 3), prefix_priority=True, **two)]  # fmt: skip
+    for t in cands:
+        label = (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} suffix {t.suffix} "
+                 f"x{t.suffix_heads} heads{' prio' if t.prefix_priority else ''}")  # fmt: skip
         try:
             alone = graph_time(lambda t=t: grouped(b, t, "prefix"))
             both = graph_time(lambda t=t: grouped(b, t))
-            if sfx is not None:
+            if t.suffix != base.suffix or t.suffix_heads != 1:
                 t_sfx = graph_time(lambda t=t: grouped(b, t, "suffix"))
-                row(f"attn grouped suffix {sfx} x{heads} heads alone", f"{t_sfx * 1e6:.1f} us")
+                row(f"attn grouped suffix {t.suffix} x{t.suffix_heads} heads alone",
+                    f"{t_sfx * 1e6:.1f} us")  # fmt: skip
             err = (grouped(b, t).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001 - a config may not compile
-            print(f"  bm {bm} {cfg} x{splits} {sfx} x{heads}: {type(e).__name__}: {str(e)[:160]}")
+            print(f"  {label}: {type(e).__name__}: {str(e)[:160]}")
             continue
-        row(f"attn grouped bm {bm} prefix {cfg} x{splits} suffix {t.suffix} x{heads} heads",
+        row(f"attn grouped {label}",
             f"prefix alone {alone * 1e6:.1f} us, both {both * 1e6:.1f} us, "
             f"max|diff| {err:.1e}")  # fmt: skip
         if err < 3e-2 and both < 0.97 * t_base and (best is None or both < best[0]):
