@@ -341,9 +341,8 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     two = dict(suffix_heads=2)
     cands = [five, r(base, block_m=128, prefix=(32, 8, 5), prefix_splits=2),
              r(base, prefix_priority=True), r(five, suffix=(64, 4, 5)),
-             r(five, suffix=(32, 4, 5)), r(five, suffix=(32, 4, 5), prefix_splits=2),
-             r(five, suffix=(32, 4, 3), **two), r(five, suffix=(32, 4, 5), **two),
-             r(five, suffix=(16, 4, 4), **two), r(five, suffix=(32, 4, 5), prefix_priority=True),
+             r(five, suffix=(32, 4, 5)), r(five, suffix=(32, 4, 3), **two),
+             r(five, suffix=(32, 4, 5), **two), r(five, suffix=(32, 4, 5), prefix_priority=True),
              r(five, suffix=(32, 4, 3), prefix_priority=True, **two)]  # fmt: skip
     for t in cands:
         label = (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} suffix {t.suffix} "
