@@ -3,8 +3,8 @@
 printed and the next section runs):
 
 1. parity: greedy tokens cascade off vs on (tiny fp32 Llama, 160 x (512 + 24)); the grouped
-   cascade kernels (the default and a 5-stage, 2-heads-per-suffix-program variant) against
-   plain decode at the preset's decode shape (bf16, fp32);
+   cascade kernels (the default and the previous default) against plain decode at the
+   preset's decode shape (bf16, fp32);
 2. the preset twice (the second warm): time, % of roofline, host share, GPU time by phase, and
    the host timeline (generate() to the first step, schedule-to-schedule wall per kind);
 3. a kernel-time profile by kind of the admission steps and of 24 steady decode steps (every
@@ -63,6 +63,8 @@ from roofline.kernels.decode_attention import decode_attention  # noqa: E402
 from roofline.planner.roofline import step_cost  # noqa: E402
 
 DEV = torch.device("cuda")
+PREVIOUS = GroupedTuning(prefix=(64, 4, 2), suffix=(64, 4, 3), prefix_priority=False)
+"""The grouped cascade's launch choices before the second check of this script."""
 KINDS = [  # (kind, substrings of the lowercased kernel name), first match wins
     ("input staging", ("stage_decode", "staging")),
     ("rope + kv store", ("rotary_kv_store", "norm_rope")),
@@ -93,9 +95,7 @@ def kind_of(name: str) -> str:
 @section("1. parity: greedy tokens cascade off vs on; grouped kernels vs plain decode")
 def parity() -> None:
     greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick=True)
-    variants = {"default": GroupedTuning(),
-                "5 stages, 2 KV heads per suffix program": GroupedTuning(
-                    prefix=(64, 4, 5), suffix=(32, 4, 5), suffix_heads=2)}  # fmt: skip
+    variants = {"default": GroupedTuning(), "previous default": PREVIOUS}
     for dtype in (torch.bfloat16, torch.float32):
         b = shared_batch(256, 2000, 128)
         if dtype is torch.float32:
@@ -331,29 +331,20 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     t_sfx = graph_time(lambda: grouped(b, base, "suffix"))
     row("attn grouped default prefix / suffix alone",
         f"{t_alone * 1e6:.1f} / {t_sfx * 1e6:.1f} us")  # fmt: skip
-    # Triton's pipeliner waits for a tile's gathered K/V at the top of the very iteration that
-    # uses it when the loads hang off page-id loads, unless num_stages >= 5 (then it keeps
-    # three copies in flight): deeper stages, and more splits, against the latency
-    # (and suffix_heads: KV heads side by side per suffix program, fewer and longer programs;
-    # prefix_priority: the prefix pass's stream at high priority)
+    # the previous default (2- and 3-stage tiles: Triton keeps no gathered tile in flight below
+    # 5 stages; the prefix stream at normal priority) and the default's neighbours
     r = dataclasses.replace
-    five = r(base, prefix=(64, 4, 5))
-    two = dict(suffix_heads=2)
-    cands = [five, r(base, block_m=128, prefix=(32, 8, 5), prefix_splits=2),
-             r(base, prefix_priority=True), r(five, suffix=(64, 4, 5)),
-             r(five, suffix=(32, 4, 5)), r(five, suffix=(32, 4, 3), **two),
-             r(five, suffix=(32, 4, 5), **two), r(five, suffix=(32, 4, 5), prefix_priority=True),
-             r(five, suffix=(32, 4, 3), prefix_priority=True, **two)]  # fmt: skip
+    cands = [PREVIOUS, r(base, prefix_priority=False), r(base, prefix_splits=2),
+             r(base, suffix=(64, 4, 3))]  # fmt: skip
     for t in cands:
-        label = (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} suffix {t.suffix} "
-                 f"x{t.suffix_heads} heads{' prio' if t.prefix_priority else ''}")  # fmt: skip
+        label = (f"bm {t.block_m} prefix {t.prefix} x{t.prefix_splits} suffix {t.suffix}"
+                 f"{' prio' if t.prefix_priority else ''}")  # fmt: skip
         try:
             alone = graph_time(lambda t=t: grouped(b, t, "prefix"))
             both = graph_time(lambda t=t: grouped(b, t))
-            if t.suffix != base.suffix or t.suffix_heads != 1:
+            if t.suffix != base.suffix:
                 t_sfx = graph_time(lambda t=t: grouped(b, t, "suffix"))
-                row(f"attn grouped suffix {t.suffix} x{t.suffix_heads} heads alone",
-                    f"{t_sfx * 1e6:.1f} us")  # fmt: skip
+                row(f"attn grouped suffix {t.suffix} alone", f"{t_sfx * 1e6:.1f} us")
             err = (grouped(b, t).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001 - a config may not compile
             print(f"  {label}: {type(e).__name__}: {str(e)[:160]}")
@@ -375,15 +366,15 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     # the suffix pass's fixed cost per program against its streaming: alone at 64 tokens
     for n_sfx in (64,):
         b2 = shared_batch(256, 2000, n_sfx)
-        for sfx, heads in ((base.suffix, 1), ((32, 4, 5), 1), ((32, 4, 3), 2)):
-            t = dataclasses.replace(base, suffix=sfx, suffix_heads=heads)
+        for sfx in (base.suffix, PREVIOUS.suffix):
+            t = dataclasses.replace(base, suffix=sfx)
             try:
                 dt = graph_time(lambda t=t, b2=b2: grouped(b2, t, "suffix"))
             except Exception as e:  # noqa: BLE001
-                print(f"  suffix {sfx} x{heads} at {n_sfx}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  suffix {sfx} at {n_sfx}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             nbytes = 256 * n_sfx * 8 * 128 * 2 * 2
-            row(f"attn grouped suffix {sfx} x{heads} heads alone, suffix {n_sfx}",
+            row(f"attn grouped suffix {sfx} alone, suffix {n_sfx}",
                 f"{dt * 1e6:.1f} us, {nbytes / dt / 1e12:.2f} TB/s")  # fmt: skip
     free()
     return None if best is None else best[1]

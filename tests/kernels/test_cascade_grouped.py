@@ -39,23 +39,6 @@ def test_grouped_matches_plain_decode(dtype, group, splits) -> None:
     assert_close(_grouped(batch, scale, tuning), _plain(batch, scale), dtype)
 
 
-@pytest.mark.parametrize("dtype,group,heads", [(torch.float32, 4, 2), (torch.bfloat16, 2, 4),
-                                               (torch.float32, 3, 2)])  # fmt: skip
-def test_several_kv_heads_per_suffix_program(dtype, group, heads) -> None:
-    """``suffix_heads``: the heads side by side in one program's tiles (each row its own head's
-    columns), one arrival per head's unit; 4 KV heads, so 2 and 4 per program."""
-    n = 7
-    suffix = [1, 20, 33, 5, 16, 48, 2]
-    members = [i != 3 for i in range(n)]
-    batch = shared_batch(n, 2, suffix, members, group, dtype, num_kv_heads=4, seed=heads)
-    scale = HEAD_DIM**-0.5
-    tuning = GroupedTuning(**SMALL, prefix_splits=2, concurrent=False, suffix_heads=heads)
-    assert_close(_grouped(batch, scale, tuning), _plain(batch, scale), dtype)
-    alone = GroupedTuning(**SMALL, prefix_splits=1, concurrent=False, suffix_heads=heads)
-    _grouped(batch, scale, alone, "suffix")  # the timing mode merges its units too
-    assert_close(_grouped(batch, scale, alone), _plain(batch, scale), dtype)
-
-
 def test_second_launch_reuses_zeroed_counters() -> None:
     n = 6
     batch = shared_batch(n, 2, [4, 20, 1, 9, 30, 2], [True] * n, 4, torch.float32, seed=7)
