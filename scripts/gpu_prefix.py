@@ -10,7 +10,7 @@ printed and the next section runs):
 3. a kernel-time profile by kind of the admission steps and of 24 steady decode steps (every
    kernel's time, the GPU's busy share of the window's wall time), beside the roofline's own
    split of that decode step (weights, KV, GEMM FLOPs, attention FLOPs);
-6. no regression: the default preset (and with --full the short preset);
+6. no regression: the default preset (with --full or --final twice, and the short preset);
 5. the grouped cascade's kernels per split count, tile and pipeline depth (alone and paired),
    and (5e) the preset twice with the fastest if it beats the default; the engine is then
    dropped for the kernel sections:
@@ -23,7 +23,7 @@ printed and the next section runs):
    them.
 
     python scripts/gpu_prefix.py           # everything (~3.5 min)
-    python scripts/gpu_prefix.py --final   # no sweeps: parity, preset, profile, default + short
+    python scripts/gpu_prefix.py --final   # no sweeps: parity, preset, profile, default x2, short
 """
 
 from __future__ import annotations
@@ -93,9 +93,11 @@ def kind_of(name: str) -> str:
 
 
 @section("1. parity: greedy tokens cascade off vs on; grouped kernels vs plain decode")
-def parity() -> None:
+def parity(final: bool = False) -> None:
     greedy_parity(TINY, 160, 512, 24, 16, "tiny fp32 Llama 160 x (512 + 24)", quick=True)
-    variants = {"default": GroupedTuning(), "previous default": PREVIOUS}
+    variants = {"default": GroupedTuning()}
+    if not final:
+        variants["previous default"] = PREVIOUS
     for dtype in (torch.bfloat16, torch.float32):
         b = shared_batch(256, 2000, 128)
         if dtype is torch.float32:
@@ -481,8 +483,11 @@ def winners(llm: LLM, ceil, cascade: GroupedTuning | None, decode_cfg, gqa_cfg) 
 
 @section("6. no regression: the default preset (and short)")
 def regressions(llm: LLM, ceil, full: bool) -> None:
-    run_preset(llm, ceil, "default")
+    """The default preset (its first run compiles its long prompts' prefill kernels), with
+    ``full`` once more warm and the short preset."""
+    run_preset(llm, ceil, "default", "run 1")
     if full:
+        run_preset(llm, ceil, "default", "run 2, warm")
         run_preset(llm, ceil, "short")
 
 
@@ -496,7 +501,7 @@ def main() -> None:
     ceil = measure(DEV, torch.bfloat16)
     row("ceilings", f"copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s")  # fmt: skip
-    parity()
+    parity(args.final)
     t0 = time.perf_counter()
     kw = dict(max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192)
     llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", **kw)
