@@ -105,14 +105,20 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- prefix cache
 
-    def _chain_hashes(self, request: Request, num_pages: int) -> list[int]:
-        """The request's chain hashes for (at least) its first ``num_pages`` full pages."""
+    def _chain_hashes(
+        self, request: Request, num_pages: int, built: list[tuple[int, ...]] | None = None
+    ) -> list[int]:
+        """The request's chain hashes for (at least) its first ``num_pages`` full pages;
+        ``built`` (if given) receives the token tuples of the pages hashed by this call."""
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < num_pages:
             ps = self.page_size
             for i in range(len(hashes), num_pages):
                 parent = hashes[-1] if hashes else None
-                hashes.append(hash_page(parent, _token_slice(request, i * ps, (i + 1) * ps)))
+                tokens = _token_slice(request, i * ps, (i + 1) * ps)
+                if built is not None:
+                    built.append(tokens)
+                hashes.append(hash_page(parent, tokens))
         return hashes
 
     def lookup_prefix(self, request: Request, count: bool = True) -> PrefixHit:
@@ -127,16 +133,23 @@ class KVCacheManager:
             return PrefixHit([], 0)
         num_tokens = request.num_tokens
         max_pages = (num_tokens - 1) // self.page_size
-        hashes = self._chain_hashes(request, max_pages)
-        tokens = request.all_token_ids
+        num_hashed = len(self._hashes.get(request.request_id, ()))
+        built: list[tuple[int, ...]] = []  # pages num_hashed.. : their tuples, made once
+        hashes = self._chain_hashes(request, max_pages, built)
+        tokens = request.all_token_ids if num_hashed else None
         ps = self.page_size
+        cache_get, page_key = self._cache.get, self._page_key
         block_ids: list[int] = []
         for i in range(max_pages):
-            page = self._cache.get(hashes[i])
+            page = cache_get(hashes[i])
             if page is None:
                 break
             parent = hashes[i - 1] if i > 0 else None
-            if self._page_key[page] != (parent, tuple(tokens[i * ps : (i + 1) * ps])):
+            if i >= num_hashed:
+                page_tokens = built[i - num_hashed]
+            else:  # hashed by an earlier lookup
+                page_tokens = tuple(tokens[i * ps : (i + 1) * ps])  # type: ignore[index]
+            if page_key[page] != (parent, page_tokens):
                 break  # hash collision: same hash, different content
             block_ids.append(page)
         hit = PrefixHit(block_ids, len(block_ids) * ps)

@@ -128,6 +128,26 @@ def test_hash_collision_with_different_tokens_is_not_a_hit(make_request, monkeyp
     assert kv.lookup_prefix(c) == PrefixHit([0], 4)
 
 
+def test_a_repeated_lookup_checks_the_tokens_as_the_first(make_request, monkeypatch) -> None:
+    """A second lookup reuses the first's hashes and rebuilds each page's tokens for the
+    collision check; the first uses the tuples it hashed: both refuse a colliding page and
+    take a matching one, and one that grew since its first lookup mixes both."""
+    monkeypatch.setattr(kv_cache_manager, "hash_page", lambda parent, tokens: hash(parent) % 2)
+    kv = KVCacheManager(16, PS, enable_prefix_caching=True)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    compute(kv, a, 9)  # pages 0 and 1 cached (hashes 0 and 0: page 1's is taken, not cached)
+    b = make_request("b", [1, 2, 3, 4, 0, 0, 0, 0, 9])
+    for _ in range(2):  # first lookup, then one over the stored hashes
+        assert kv.lookup_prefix(b) == PrefixHit([0], 4)
+    c = make_request("c", [7, 7, 7, 7, 5])  # same (collided) hash as page 0, other tokens
+    for _ in range(2):
+        assert kv.lookup_prefix(c) == PrefixHit([], 0)
+    d = make_request("d", [1, 2, 3, 4, 5])
+    assert kv.lookup_prefix(d) == PrefixHit([0], 4)  # one page hashed
+    d.prompt_token_ids += [6, 7, 8, 9]  # (a test's shortcut for a longer known sequence)
+    assert kv.lookup_prefix(d) == PrefixHit([0], 4)  # page 0 rebuilt, page 1 hashed now
+
+
 def test_hit_needs_the_whole_chain(make_request) -> None:
     kv = KVCacheManager(8, PS, enable_prefix_caching=True)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
