@@ -98,7 +98,8 @@ def parity(final: bool = False) -> None:
     variants = {"default": GroupedTuning()}
     if not final:
         variants["previous default"] = PREVIOUS
-    for dtype in (torch.bfloat16, torch.float32):
+    # (fp32 runs through the greedy parity above: a tiny fp32 Llama at 160 rows)
+    for dtype in (torch.bfloat16,) if final else (torch.bfloat16, torch.float32):
         b = shared_batch(256, 2000, 128)
         if dtype is torch.float32:
             for key in ("q", "kc", "vc"):
