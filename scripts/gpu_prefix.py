@@ -11,18 +11,17 @@ printed and the next section runs):
    kernel's time, the GPU's busy share of the window's wall time), beside the roofline's own
    split of that decode step (weights, KV, GEMM FLOPs, attention FLOPs);
 6. no regression: the default preset (with --full or --final twice, and the short preset);
-5. the grouped cascade's kernels per split count, tile and pipeline depth (alone and paired),
-   and (5e) the preset twice with the fastest if it beats the default; the engine is then
-   dropped for the kernel sections:
+5. the grouped cascade's kernels against the previous default and the default's neighbours
+   (alone and paired), and (7) the preset twice with the fastest if it beats the default by
+   3%; the engine is then dropped for:
 4. the dense GEMMs at the decode step's 256 rows and a prefill step's 8,192 (cuBLAS, weights
-   cycled out of L2), each against max(bytes / bandwidth, FLOPs / peak);
-5c. plain decode attention at B = 256 per tile config; 5d. the GQA-packed prefill at the
-   admission shape per tile config;
-5b. the prefix part as dense attention through torch's attention ops (flash, cuDNN, efficient;
-   with the log-sum-exp a merge needs) on contiguous K/V, and the page gather that would feed
-   them.
+   cycled out of L2), each against max(bytes / bandwidth, FLOPs / peak).
 
-    python scripts/gpu_prefix.py           # everything (~3.5 min)
+A table last; JSON into $OUT/prefix.json. (Measured and concluded in its earlier versions:
+plain decode, the GQA-packed admission prefill and the prefix part on torch's attention ops,
+see docs/architecture.md.)
+
+    python scripts/gpu_prefix.py           # everything (~2.5 min)
     python scripts/gpu_prefix.py --final   # no sweeps: parity, preset, profile, default x2, short
 """
 
@@ -383,103 +382,19 @@ def prefix_sweep(ceil) -> GroupedTuning | None:
     return None if best is None else best[1]
 
 
-@section("5c. plain decode attention at B=256 per tile config (num_stages 5: K/V in flight)")
-def plain_decode(ceil) -> tuple[int, int, int] | None:
-    """Returns a config faster than the default by 3% at both contexts, if one is."""
-    gains: dict[tuple[int, int, int], list[float]] = defaultdict(list)
-    for ctx in (128, 800):
-        b = shared_batch(256, 0, ctx)
-        args = (b["q"], b["kc"], b["vc"], b["table"], b["seq_lens"], 128**-0.5)
-        nbytes = 256 * ctx * 8 * 128 * 2 * 2
-        t_default = None
-        for cfg in (None, (64, 4, 5), (32, 4, 5)):
-            try:
-                t = graph_time(lambda cfg=cfg, a=args: decode_attention(*a, max_seq_len=8448,
-                                                                config=cfg))  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a config may not compile
-                row(f"plain decode B=256 ctx {ctx} {cfg}", f"{type(e).__name__}: {str(e)[:90]}")
-                continue
-            row(f"plain decode B=256 ctx {ctx} {cfg or 'default (64, 4, 3)'}",
-                f"{t * 1e6:.1f} us, {nbytes / t / 1e12:.2f} TB/s")  # fmt: skip
-            if cfg is None:
-                t_default = t
-            elif t_default is not None:
-                gains[cfg].append(t_default / t)
-    free()
-    good = [(min(g), c) for c, g in gains.items() if len(g) == 2 and min(g) > 1.03]
-    return max(good)[1] if good else None
-
-
-@section("5d. GQA-packed prefill at the admission shape (128 x 64 new over 2,000 cached)")
-def admission_prefill(ceil) -> tuple[int, int, int, int] | None:
-    """The admission steps' attention kernel per tile config: its K/V tiles are gathered
-    through the block table like the cascade's (num_stages 5 keeps them in flight)."""
-    from roofline.kernels import prefill_attention_gqa as gqa
-
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    n, page, shared = 128, 16, 125
-    own = 4  # 64 tokens each
-    kc = torch.randn(shared + n * own + 1, page, 8, 128, device=DEV, generator=gen)
-    kc = kc.to(torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.zeros(n, shared + own, dtype=torch.int32, device=DEV)
-    table[:, :shared] = torch.arange(shared, device=DEV, dtype=torch.int32)
-    table[:, shared:] = shared + torch.arange(n * own, device=DEV, dtype=torch.int32).view(n, own)
-    seq = torch.full((n,), 2064, dtype=torch.int32, device=DEV)
-    qsl = torch.arange(0, 64 * n + 1, 64, dtype=torch.int32, device=DEV)
-    q = torch.randn(64 * n, 32, 128, device=DEV, generator=gen).to(torch.bfloat16)
-    args = (q, kc, vc, table, qsl, seq, 128**-0.5)
-    flops = n * 4 * 128 * 32 * (64 * 2000 + 64 * 65 // 2)
-    ref = gqa.prefill_attention_gqa(*args).float()
-    best: tuple[float, tuple[int, int, int, int] | None] | None = None
-    for cfg in (None, (64, 64, 4, 5), (128, 64, 8, 5), (64, 32, 4, 5)):
-        try:
-            t = graph_time(lambda cfg=cfg: gqa.prefill_attention_gqa(*args, config=cfg))
-            err = (gqa.prefill_attention_gqa(*args, config=cfg).float() - ref).abs().max().item()
-        except Exception as e:  # noqa: BLE001 - a config may not compile
-            row(f"admission prefill GQA {cfg}", f"{type(e).__name__}: {str(e)[:90]}")
-            continue
-        row(f"admission prefill GQA {cfg or 'default (64, 64, 4, 3)'}",
-            f"{t * 1e6:.1f} us, {flops / t / 1e12:.0f} TFLOP/s, max|diff| {err:.1e}")  # fmt: skip
-        if err < 3e-2 and (best is None or t < best[0] * (1.0 if best[1] else 0.95)):
-            best = (t, cfg)
-    free()
-    return None if best is None else best[1]
-
-
-@section("7. end to end with the kernel sections' winners")
-def winners(llm: LLM, ceil, cascade: GroupedTuning | None, decode_cfg, gqa_cfg) -> None:
-    """The shared-prefix preset with the cascade's and the admission prefill's winners (each
-    twice); the default preset warm, then with plain decode's winner (graphs captured
-    again; the winner beat the default tile at 128 and 800 tokens of context)."""
+@section("7. the shared-prefix preset with the sweep's fastest grouped tuning")
+def winner(llm: LLM, ceil, cascade: GroupedTuning) -> None:
+    """Twice, the cascade graphs captured again with it; then back to the default."""
     from roofline.kernels import cascade_attention as ca
-    from roofline.kernels import decode_attention as da
-    from roofline.kernels import prefill_attention_gqa as gqa
 
-    row("winners", f"cascade {cascade}, plain decode {decode_cfg}, GQA prefill {gqa_cfg}")
-    saved_tuning, saved_gqa = ca.TUNING, gqa.CONFIG
+    row("winner", str(cascade))
+    saved_tuning = ca.TUNING
     try:
-        if cascade is not None or gqa_cfg is not None:
-            if cascade is not None:
-                set_cascade(llm, dataclasses.replace(ca.DEFAULT_TUNING, grouped=cascade))
-            gqa.CONFIG = gqa_cfg
-            for i in (1, 2):
-                run_preset(llm, ceil, "shared-prefix", f"winners {i}", count_cascade=True)
+        set_cascade(llm, dataclasses.replace(ca.DEFAULT_TUNING, grouped=cascade))
+        for i in (1, 2):
+            run_preset(llm, ceil, "shared-prefix", f"winner {i}", count_cascade=True)
     finally:
         set_cascade(llm, saved_tuning)
-        gqa.CONFIG = saved_gqa
-    if decode_cfg is None:
-        return
-    run_preset(llm, ceil, "default", "baseline, warm")  # its kernels compiled by section 6
-    runner = llm.llm_engine.runner
-    pick = da._pick_config
-    da._pick_config = lambda head_dim: decode_cfg if head_dim == 128 else pick(head_dim)
-    try:
-        runner.capture_cuda_graphs()
-        run_preset(llm, ceil, "default", f"plain decode {decode_cfg}")
-    finally:
-        da._pick_config = pick
-        runner.capture_cuda_graphs()
 
 
 @section("6. no regression: the default preset (and short)")
@@ -517,9 +432,8 @@ def main() -> None:
         _summary(ceil, args.out, t_start)
         return
     cascade = prefix_sweep(ceil)
-    decode_cfg = plain_decode(ceil)
-    gqa_cfg = admission_prefill(ceil)
-    winners(llm, ceil, cascade, decode_cfg, gqa_cfg)
+    if cascade is not None:
+        winner(llm, ceil, cascade)
     del llm
     free()
     gemms(ceil)
