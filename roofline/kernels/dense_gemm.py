@@ -29,6 +29,19 @@ from roofline.kernels import check_device, num_sms
 from roofline.kernels.dense_gemm_configs import DenseGemmConfig
 
 
+@triton.jit
+def _tile_offsets(
+    tile, num_pid_m, per_group, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """(off_m, off_n) of output tile ``tile``: M-fastest within groups of ``GROUP_M`` row blocks
+    (``per_group`` = ``GROUP_M`` x the column blocks)."""
+    first_m = (tile // per_group) * GROUP_M
+    rows = min(num_pid_m - first_m, GROUP_M)  # row blocks in this (maybe last) group
+    pid_m = first_m + (tile % per_group) % rows
+    pid_n = (tile % per_group) // rows
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _dense_gemm_kernel(
     x_desc,  # [M, K] boxes [BLOCK_M, BLOCK_K]
@@ -53,12 +66,7 @@ def _dense_gemm_kernel(
     for tile in tl.range(
         tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPEC
     ):
-        first_m = (tile // per_group) * GROUP_M
-        rows = min(num_pid_m - first_m, GROUP_M)  # row blocks in this (maybe last) group
-        pid_m = first_m + (tile % per_group) % rows
-        pid_n = (tile % per_group) // rows
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_m, off_n = _tile_offsets(tile, num_pid_m, per_group, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
@@ -88,12 +96,7 @@ def _dense_gemm_split_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % rows
-    pid_n = (tile % per_group) // rows
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    off_m, off_n = _tile_offsets(tile, num_pid_m, per_group, GROUP_M, BLOCK_M, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_first = (part * k_tiles) // split_k  # slice s: K tiles [s kt / S, (s + 1) kt / S)
     k_last = ((part + 1) * k_tiles) // split_k

@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.activation import _expf
-from roofline.kernels.dense_gemm import dense_gemm_applies
+from roofline.kernels.dense_gemm import _tile_offsets, dense_gemm_applies
 from roofline.kernels.dense_gemm_configs import DenseGemmConfig
 
 
@@ -46,10 +46,7 @@ def _dense_gemm_silu_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * num_pid_n
     for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
-        first_m = (tile // per_group) * GROUP_M
-        rows = min(num_pid_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % rows) * BLOCK_M
-        off_n = ((tile % per_group) // rows) * BLOCK_N
+        off_m, off_n = _tile_offsets(tile, num_pid_m, per_group, GROUP_M, BLOCK_M, BLOCK_N)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
