@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -155,30 +156,36 @@ def find_band(plan: Plan, rows: int) -> Band | None:
     return None
 
 
-def choose(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
-    """The band that re-routes ``x @ weight.T``, or None (``F.linear`` as usual)."""
-    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
-        return None
-    plan = PLANS.get((weight.shape[0], weight.shape[1]))
-    if plan is None or weight.dtype != x.dtype:
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not _hopper(index):
-        return None
-    return find_band(plan, x.shape[0])
+def _chooser(
+    plans: dict[tuple[int, int], Plan], name: str, doc: str
+) -> Callable[[torch.Tensor, torch.Tensor], Band | None]:
+    """A ``(x, weight) -> Band | None`` that looks ``x`` up in ``plans`` (a closure, not a
+    wrapper: one Python call per linear, as on the hot path before)."""
+
+    def choose(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
+        if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
+            return None
+        plan = plans.get((weight.shape[0], weight.shape[1]))
+        if plan is None or weight.dtype != x.dtype:
+            return None
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if not _hopper(index):
+            return None
+        return find_band(plan, x.shape[0])
+
+    choose.__name__ = choose.__qualname__ = name
+    choose.__doc__ = doc
+    return choose
 
 
-def choose_silu(x: torch.Tensor, weight: torch.Tensor) -> Band | None:
-    """The ``SILU_PLANS`` band for ``silu_and_mul(x @ weight.T)`` in one GEMM, or None."""
-    if not (_ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
-        return None
-    plan = SILU_PLANS.get((weight.shape[0], weight.shape[1]))
-    if plan is None or weight.dtype != x.dtype:
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if not _hopper(index):
-        return None
-    return find_band(plan, x.shape[0])
+choose = _chooser(
+    PLANS, "choose", "The band that re-routes ``x @ weight.T``, or None (``F.linear`` as usual)."
+)
+choose_silu = _chooser(
+    SILU_PLANS,
+    "choose_silu",
+    "The ``SILU_PLANS`` band for ``silu_and_mul(x @ weight.T)`` in one GEMM, or None.",
+)
 
 
 def run_silu(x: torch.Tensor, weight: torch.Tensor, band: Band) -> torch.Tensor:
