@@ -349,6 +349,38 @@ def fits(
     )
 
 
+def kind_and_descriptors(
+    caller: str,
+    kind: str,
+    x: torch.Tensor,  # [M, K] bf16
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    cfg: WoConfig,
+) -> tuple[int, object, object]:
+    """The kernel's ``KIND`` code and the TMA descriptors of x and the packed weight (boxes
+    ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_N, BLOCK_K]`` bytes, halved for int4); ``caller`` names
+    the function in the error for symmetric int4 without bf16 scales."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if kind == "int8":
+        code = KIND_INT8
+    elif offsets is None:  # symmetric int4: offset = -8 s (bf16 scales)
+        if scales.dtype != torch.bfloat16:
+            raise ValueError(f"{caller}: symmetric int4 (no offsets) takes bf16 scales")
+        code = KIND_INT4_SYM
+    else:
+        code = KIND_INT4
+    int4 = code != KIND_INT8
+    qk = cfg.block_k // 2 if int4 else cfg.block_k
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    q_dtype = gl.uint8 if int4 else gl.int8
+    q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
+    q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
+    return code, x_desc, q_desc
+
+
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
@@ -366,29 +398,14 @@ def wo_gemm(
     int8 ``scales`` hold one value per row ([N] or [N, 1]); int4 ``scales`` / ``offsets`` are
     ``[N, K // group]``; int4 with ``offsets=None`` is symmetric (offset ``-8 s``, bf16 scales:
     widened in bf16x2 arithmetic, two instructions a weight)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     if cfg.ws:
         from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 
         return wo_gemm_ws(kind, x, qweight, scales, offsets, bias, cfg)
     m, k = x.shape
     n = qweight.shape[0]
-    if kind == "int8":
-        code = KIND_INT8
-    elif offsets is None:  # symmetric int4: offset = -8 s (bf16 scales)
-        if scales.dtype != torch.bfloat16:
-            raise ValueError("wo_gemm: symmetric int4 (no offsets) takes bf16 scales")
-        code = KIND_INT4_SYM
-    else:
-        code = KIND_INT4
+    code, x_desc, q_desc = kind_and_descriptors("wo_gemm", kind, x, qweight, scales, offsets, cfg)
     int4 = code != KIND_INT8
-    qk = cfg.block_k // 2 if int4 else cfg.block_k
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
-    q_dtype = gl.uint8 if int4 else gl.int8
-    q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_dtype)
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
-    q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, k // cfg.block_k))  # no empty slice

@@ -27,13 +27,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from roofline.kernels.wo_gemm import (
-    KIND_INT4,
-    KIND_INT4_SYM,
     KIND_INT8,
     WoConfig,
     _group_scales,
     _widen,
     a_layout_bytes,
+    kind_and_descriptors,
 )
 
 
@@ -165,28 +164,14 @@ def wo_gemm_ws(
     """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), warp-specialized;
     ``cfg.split_k`` must be 1 and ``cfg.block_n`` 128 (two consumer warpgroups; four spill at the
     120 registers a thread that 17 warps leave)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     if cfg.split_k != 1 or cfg.block_n != 128:
         raise ValueError(f"wo_gemm_ws: no split-K, 128 weight rows ({cfg})")
     m, k = x.shape
     n = qweight.shape[0]
-    if kind == "int8":
-        code = KIND_INT8
-    elif offsets is None:
-        if scales.dtype != torch.bfloat16:
-            raise ValueError("wo_gemm_ws: symmetric int4 (no offsets) takes bf16 scales")
-        code = KIND_INT4_SYM
-    else:
-        code = KIND_INT4
-    int4 = code != KIND_INT8
-    qk = cfg.block_k // 2 if int4 else cfg.block_k
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
-    q_layout = gl.NVMMASharedLayout.get_default_for(
-        [cfg.block_n, qk], gl.uint8 if int4 else gl.int8
+    code, x_desc, q_desc = kind_and_descriptors(
+        "wo_gemm_ws", kind, x, qweight, scales, offsets, cfg
     )
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
-    q_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_n, qk], q_layout)
+    int4 = code != KIND_INT8
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if offsets is not None and offsets.stride() != scales.stride():
         scales, offsets = scales.contiguous(), offsets.contiguous()
