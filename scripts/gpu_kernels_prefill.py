@@ -6,14 +6,13 @@ section runner and summary table."""
 from __future__ import annotations
 
 import collections
-import gc
 import importlib
 import itertools
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
+from gpu_common import sections  # scripts/ is on sys.path when run as a script
 
 from roofline.bench.ceilings import time_fn
 from roofline.kernels import prefill_attention as pa
@@ -23,24 +22,11 @@ SUMMARY: list[tuple[str, str]] = []
 DEV = torch.device("cuda")
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            except Exception:  # noqa: BLE001 - report and go on to the next section
-                traceback.print_exc()
-                SUMMARY.append((name, "FAILED"))
-            finally:
-                print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
-        return run
-
-    return wrap
+section = sections(
+    lambda name, e: SUMMARY.append((name, "FAILED")),
+    footer="--- {name}: {seconds:.1f} s",
+    free_cuda=True,
+)
 
 
 @section("parity: prefill attention (paged, chunked, GQA) vs torch reference")

@@ -37,11 +37,11 @@ import gc
 import json
 import os
 import time
-import traceback
 from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
+from gpu_common import rows_and_sections  # scripts/ is on sys.path when run as a script
 
 from roofline import LLM
 from roofline.bench import latency, throughput, workloads
@@ -92,27 +92,7 @@ RESULTS: dict[str, object] = {}
 WEIGHTS: dict[str, list[torch.Tensor]] = {}
 
 
-def row(name: str, value: str) -> None:
-    ROWS.append((name, value))
-    print(f"{name}: {value}", flush=True)
-
-
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                traceback.print_exc()
-                row(f"{name} FAILED", f"{type(e).__name__}: {e}")
-            finally:
-                print(f"({time.perf_counter() - t0:.1f} s)", flush=True)
-
-        return run
-
-    return wrap
+row, section = rows_and_sections(ROWS)
 
 
 def weights(name: str) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from gpu_common import sections  # scripts/ is on sys.path when run as a script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.e2e.hf_reference
 
@@ -51,24 +52,11 @@ MODES = {  # name -> (fused decode attention, LM head + argmax in the graph, fus
 }
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            except Exception:  # noqa: BLE001 - report and go on to the next section
-                traceback.print_exc()
-                SUMMARY.append((name, "FAILED"))
-            finally:
-                print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
-        return run
-
-    return wrap
+section = sections(
+    lambda name, e: SUMMARY.append((name, "FAILED")),
+    footer="--- {name}: {seconds:.1f} s",
+    free_cuda=True,
+)
 
 
 def set_mode(engine, mode: str) -> None:

@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import collections
 import time
-import traceback
+
+from gpu_common import sections  # scripts/ is on sys.path when run as a script
 
 SUMMARY: list[tuple[str, str]] = []
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            except Exception:  # noqa: BLE001 - report and go on
-                traceback.print_exc()
-                SUMMARY.append((name, "FAILED"))
-            finally:
-                print(f"--- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-
-        return run
-
-    return wrap
+section = sections(
+    lambda name, e: SUMMARY.append((name, "FAILED")), footer="--- {name}: {seconds:.1f} s"
+)
 
 
 def timed_generate(llm, prompts_fn, n: int = 3) -> float:  # noqa: ANN001

@@ -1,0 +1,61 @@
+"""Helpers shared by the GPU scripts (``scripts/gpu_*.py``, run as ``python scripts/X.py``, so
+this folder is on ``sys.path``): the sections that print a header, report a failure and go on to
+the next section, and the result rows the scripts print and collect for their final table.
+Importing this module needs no GPU (``free_cuda`` imports torch when a section ends).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from collections.abc import Callable
+
+
+def sections(
+    on_error: Callable[[str, Exception], None],
+    footer: str = "({seconds:.1f} s)",
+    free_cuda: bool = False,
+) -> Callable:
+    """A ``section(name)`` decorator: the wrapped call prints ``=== name``, returns what the
+    function returns, or on an ``Exception`` prints the traceback, calls ``on_error(name, e)``
+    and returns None; it then prints ``footer`` (``{name}``, ``{seconds}``) and, with
+    ``free_cuda``, collects garbage and empties the CUDA cache."""
+
+    def section(name: str):
+        def wrap(fn):
+            def run(*a, **kw):
+                print(f"\n=== {name}", flush=True)
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    traceback.print_exc()
+                    on_error(name, e)
+                finally:
+                    print(footer.format(name=name, seconds=time.perf_counter() - t0), flush=True)
+                    if free_cuda:
+                        import torch
+
+                        gc.collect()
+                        torch.cuda.empty_cache()
+
+            return run
+
+        return wrap
+
+    return section
+
+
+def rows_and_sections(rows: list[tuple[str, str]]) -> tuple[Callable[[str, str], None], Callable]:
+    """``row(name, value)``, which appends to ``rows`` and prints ``name: value``, and a
+    ``section`` decorator whose failure is the row ``"<name> FAILED"``."""
+
+    def row(name: str, value: str) -> None:
+        rows.append((name, value))
+        print(f"{name}: {value}", flush=True)
+
+    def failed(name: str, e: Exception) -> None:
+        row(f"{name} FAILED", f"{type(e).__name__}: {e}")
+
+    return row, sections(failed)
