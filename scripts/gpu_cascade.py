@@ -33,9 +33,9 @@ import json
 import os
 import random
 import time
-import traceback
 
 import torch
+from gpu_common import sections  # scripts/ is on sys.path when run as a script
 
 from roofline import LLM, SamplingParams
 from roofline.bench.ceilings import measure, time_fn
@@ -49,21 +49,11 @@ SUMMARY: dict[str, object] = {}
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **kw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                traceback.print_exc()
-                SUMMARY[f"{name} error"] = f"{type(e).__name__}: {e}"
-            print(f"({time.perf_counter() - t0:.1f} s)", flush=True)
+def _failed(name: str, e: Exception) -> None:
+    SUMMARY[f"{name} error"] = f"{type(e).__name__}: {e}"
 
-        return run
 
-    return wrap
+section = sections(_failed)
 
 
 def free() -> None:

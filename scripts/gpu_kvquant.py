@@ -23,10 +23,9 @@ import argparse
 import gc
 import json
 import os
-import time
-import traceback
 
 import torch
+from gpu_common import sections  # scripts/ is on sys.path when run as a script
 
 from roofline import LLM, SamplingParams
 from roofline.bench import latency, throughput, workloads
@@ -41,21 +40,11 @@ PAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 SUMMARY: dict[str, object] = {}
 
 
-def section(name: str):
-    def wrap(fn):
-        def run(*a, **kw):
-            print(f"\n=== {name}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                fn(*a, **kw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                traceback.print_exc()
-                SUMMARY[f"{name} error"] = f"{type(e).__name__}: {e}"
-            print(f"({time.perf_counter() - t0:.1f} s)", flush=True)
+def _failed(name: str, e: Exception) -> None:
+    SUMMARY[f"{name} error"] = f"{type(e).__name__}: {e}"
 
-        return run
 
-    return wrap
+section = sections(_failed)
 
 
 def free() -> None:
