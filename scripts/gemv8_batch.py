@@ -22,6 +22,7 @@ from gemv8_common import (
     bits_of,
     fmt_key,
     group_of,
+    print_configs,
     ring_of,
     section,
     sweep_configs,
@@ -109,10 +110,7 @@ def sweep(copy_bw: float) -> None:
         TABLE.append(line)
         del made, rings
         torch.cuda.empty_cache()
-    print("\nint4_gemv one-copy configs (measured here) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
+    print_configs("int4_gemv one-copy configs (measured here)", tuned.items())
     SUMMARY["tuned_one_copy"] = {repr(key): v for key, v in tuned.items()}
 
 
@@ -176,8 +174,5 @@ def canon_sweep(copy_bw: float) -> None:
             TABLE.append(line)
             del ring, ring_rep
             torch.cuda.empty_cache()
-    print("\nint4_gemv.TUNED_CONFIGS canonical (measured here) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
+    print_configs("int4_gemv.TUNED_CONFIGS canonical (measured here)", tuned.items())
     SUMMARY["tuned_canonical"] = {repr(k): v for k, v in tuned.items()}

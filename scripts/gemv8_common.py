@@ -8,6 +8,7 @@ every call out of L2, and the timed config sweep that drops wrong results."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from functools import partial
 
 import gpu_quant as gq  # scripts/ is on sys.path when run as a script
@@ -26,6 +27,14 @@ C = ig.Int4GemvConfig
 
 
 section = gq.section  # print, time, report a failure into SUMMARY and go on
+
+
+def print_configs(title: str, configs: Iterable[tuple[object, object]]) -> None:
+    """Print the ``(key, config)`` pairs as the dict literal ``title = {...}`` (to paste)."""
+    print(f"\n{title} = {{")
+    for key, cfg in configs:
+        print(f"    {key!r}: {cfg!r},")
+    print("}")
 
 
 def fmt_key(fmt: str) -> int | str:

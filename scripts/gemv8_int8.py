@@ -19,6 +19,7 @@ from gemv8_common import (
     TABLE,
     C,
     bits_of,
+    print_configs,
     ring_of,
     section,
     sweep_configs,
@@ -136,9 +137,6 @@ def compare(copy_bw: float) -> None:
         TABLE.append(line)
         del rings
         torch.cuda.empty_cache()
-    print("\nint4_gemv i8 configs (measured here) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
+    print_configs("int4_gemv i8 configs (measured here)", tuned.items())
     print("common.GEMV_FUSE_SILU =", common.GEMV_FUSE_SILU)
     SUMMARY["tuned_i8"] = {repr(k): v for k, v in tuned.items()}

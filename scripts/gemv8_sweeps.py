@@ -23,6 +23,7 @@ from gemv8_common import (
     fmt_key,
     group_of,
     kind_of,
+    print_configs,
     ring_of,
     section,
     sweep_configs,
@@ -109,10 +110,9 @@ def gemv_sweep(copy_bw: float) -> None:
         line = f"{layer:7} M=1: " + " | ".join(parts)
         print(line, flush=True)
         TABLE.append(line)
-    print("\nint4_gemv.TUNED_CONFIGS (measured here) = {")
-    for key, cfg in list(tuned.items()) + list(tuned_pro.items()):
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
+    print_configs(
+        "int4_gemv.TUNED_CONFIGS (measured here)", list(tuned.items()) + list(tuned_pro.items())
+    )
     print("common.GEMV_FUSE_SILU =", common.GEMV_FUSE_SILU)
     SUMMARY["tuned"] = {repr(k): v for k, v in tuned.items()}
     SUMMARY["tuned_prologue"] = {repr(k): v for k, v in tuned_pro.items()}
@@ -210,8 +210,7 @@ def row_tiles(copy_bw: float) -> None:
             TABLE.append(line)
             del ring, canon_ring
             torch.cuda.empty_cache()
-    print("\nint4_gemv row tiles, the fastest config per bucket (not installed) = {")
-    for key, cfg in tuned.items():
-        print(f"    {key!r}: {cfg!r},")
-    print("}")
+    print_configs(
+        "int4_gemv row tiles, the fastest config per bucket (not installed)", tuned.items()
+    )
     SUMMARY["tuned_row_tiles"] = {repr(k): v for k, v in tuned.items()}
