@@ -59,3 +59,11 @@ def rows_and_sections(rows: list[tuple[str, str]]) -> tuple[Callable[[str, str],
         row(f"{name} FAILED", f"{type(e).__name__}: {e}")
 
     return row, sections(failed)
+
+
+def print_rows(script: str, rows: list[tuple[str, str]], seconds: float) -> None:
+    """The final table: ``=== <script> summary (<seconds> s) ===``, then one aligned row a line."""
+    print(f"\n=== {script} summary ({seconds:.0f} s) ===")
+    width = max(len(n) for n, _ in rows)
+    for name, value in rows:
+        print(f"{name.ljust(width)}  {value}")

@@ -38,6 +38,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import print_rows  # noqa: E402
 from gpu_presets import (  # noqa: E402
     RESULTS,
     ROWS,
@@ -441,10 +442,7 @@ def main() -> None:
 
 
 def _summary(ceil, out_dir: str, t_start: float) -> None:
-    print(f"\n=== gpu_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
-    width = max(len(n) for n, _ in ROWS)
-    for name, value in ROWS:
-        print(f"{name.ljust(width)}  {value}")
+    print_rows("gpu_prefix", ROWS, time.perf_counter() - t_start)
     with open(os.path.join(out_dir, "prefix.json"), "w") as f:
         json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
 

@@ -40,7 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from gpu_common import rows_and_sections  # scripts/ is on sys.path when run as a script
+from gpu_common import print_rows, rows_and_sections  # scripts/ is on sys.path when run as a script
 
 from roofline import LLM, SamplingParams
 from roofline.bench import throughput, workloads
@@ -554,10 +554,7 @@ def main() -> None:
     steady_decode(llm, 30 if args.quick else 60)
     if not args.quick:
         profile(llm, ceil)
-    print(f"\n=== gpu_presets summary ({time.perf_counter() - t_start:.0f} s) ===")
-    width = max(len(n) for n, _ in ROWS)
-    for name, value in ROWS:
-        print(f"{name.ljust(width)}  {value}")
+    print_rows("gpu_presets", ROWS, time.perf_counter() - t_start)
     with open(os.path.join(args.out, "presets.json"), "w") as f:
         json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import print_rows  # noqa: E402
 from gpu_presets import (  # noqa: E402
     RESULTS,
     ROWS,
@@ -450,10 +451,7 @@ def main() -> None:
     regressions(llm, ceil, args.quick)
     if not args.quick:
         profile(llm, ceil, grouped_tuning or ca.DEFAULT_TUNING)
-    print(f"\n=== gpu_shared_prefix summary ({time.perf_counter() - t_start:.0f} s) ===")
-    width = max(len(n) for n, _ in ROWS)
-    for name, value in ROWS:
-        print(f"{name.ljust(width)}  {value}")
+    print_rows("gpu_shared_prefix", ROWS, time.perf_counter() - t_start)
     with open(os.path.join(args.out, "shared_prefix.json"), "w") as f:
         json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
 

@@ -41,7 +41,7 @@ from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
-from gpu_common import rows_and_sections  # scripts/ is on sys.path when run as a script
+from gpu_common import print_rows, rows_and_sections  # scripts/ is on sys.path when run as a script
 
 from roofline import LLM
 from roofline.bench import latency, throughput, workloads
@@ -611,10 +611,7 @@ def main() -> None:
             section(f"5. preset {name}, dispatch {tag}")(run_preset)(llm, ceil, name, tag)
     split(llm)
     bs1(llm, ceil)
-    print(f"\n=== gpu_short summary ({time.perf_counter() - t_start:.0f} s) ===")
-    width = max(len(n) for n, _ in ROWS)
-    for name, value in ROWS:
-        print(f"{name.ljust(width)}  {value}")
+    print_rows("gpu_short", ROWS, time.perf_counter() - t_start)
     with open(os.path.join(args.out, "short.json"), "w") as f:
         json.dump(RESULTS | {"ceilings": vars(ceil)}, f, indent=1, default=str)
 
