@@ -511,6 +511,9 @@ but fill the SMs with waiting programs several launches ahead; benchmarks compar
 DOWN_PREFETCH = True
 """Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
 they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
+GEMV_DOWN: dict[str, int] = {}
+"""Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
+over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=256, NUM_STAGES=3, num_warps=4)
 """The decode GEMV's tiles: 8 output rows x 256 K per step (4 KiB of bf16 weights), three steps
 in flight; the gemv kernel's M = 1 configs on the H100 are of this shape (``kernels.gemv``)."""
@@ -734,7 +737,7 @@ def fused_moe(
             cfg.update(GEMV_CONFIG_INT4)
         if is_interpret():  # small shapes: smaller tiles keep the interpreter quick
             cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(max(hidden, inter))))
-        cfg2 = dict(cfg, **(GEMV_DOWN_8BIT if layout.quant else {}))
+        cfg2 = dict(cfg, **(GEMV_DOWN_8BIT if layout.quant else GEMV_DOWN))
         if layout.quant == 2:  # whole int4 tiles: BLOCK_K a power of two dividing each K
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], hidden & -hidden)
             cfg2["BLOCK_K"] = min(cfg2["BLOCK_K"], inter & -inter)

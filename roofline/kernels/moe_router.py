@@ -10,6 +10,15 @@ rounded to the model dtype (the router's output), and the last program to finish
 counter, which it resets) routes them as ``fused_moe.route`` does: fp32 softmax, ``top_k``
 passes of argmax (ties to the lowest expert), renormalised when asked, weights rounded to the
 dtype. ``moe_router_ref`` is the unfused sequence in torch.
+
+Under PDL (``PRELOAD``, the default where PDL is on) the router launches as a programmatic
+dependent of the o_proj GEMM and loads its whole block of router rows (and the norm weight)
+into registers before ``griddepcontrol.wait``: after the wait only the residual row (from L2)
+is read, so the router's weight reads leave the step's critical path. Its routing takes the
+top-k in one pass (``top_k_by_rank``: each expert's rank among the probabilities, one
+``[E, E]`` comparison, the k first stored at their rank) instead of k argmax passes. It lets
+the gate/up launch start (``TRIGGER``) right after its wait or only once its logits are
+stored; ``ROUTER_TRIGGER`` picks (benchmarks compare).
 """
 
 from __future__ import annotations
@@ -24,6 +33,18 @@ from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_con
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.kernels.rmsnorm import rms_norm_ref
+
+PRELOAD = True
+"""Under PDL, the preloading router kernel (``_router_preload_kernel``) where K fits one tile
+(``PRELOAD_MAX_ELEMS`` weights a program); False: the tiled kernel below, as before."""
+FORCE_PRELOAD = False
+"""Tests: the preloading kernel without PDL (the interpreter has none)."""
+PRELOAD_MAX_ELEMS = 8192
+"""At most this many router weights a program held in registers (64 a thread at 4 warps)."""
+ROUTER_TRIGGER = 0
+"""When the preloading router lets its dependent (the gate/up GEMV, if that launches as a PDL
+dependent) start: 0 never (the dependent launches when the router completes), 1 right after
+the router's wait, 2 once its logits are stored."""
 
 
 def moe_router_ref(
@@ -134,6 +155,90 @@ def _moe_router_kernel(
         tl.store(counter_ptr, 0)  # ready for the next launch
 
 
+@triton.jit
+def top_k_by_rank(prob, offs, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr):  # fmt: skip
+    """``fused_moe.top_k_of`` in one pass: each probability's rank (how many keys exceed its
+    key; the key is the probability's bits above the reversed index, so ties go to the lowest
+    expert) from one ``[BLOCK_E, BLOCK_E]`` comparison. Returns ``(rank, weight)`` per expert
+    ``[BLOCK_E]``: rank < TOP_K marks the chosen ones, weight their (renormalised) probability;
+    the caller stores each at its rank."""
+    bits = prob.to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64)  # [BLOCK_E], all distinct
+    beats = tl.expand_dims(key, 0) > tl.expand_dims(key, 1)  # [i, j]: key j beats key i
+    rank = tl.sum(beats.to(tl.int32), axis=1)  # [BLOCK_E]
+    chosen = rank < TOP_K
+    weight = prob
+    if RENORMALIZE:
+        weight = prob / tl.sum(tl.where(chosen, prob, 0.0), axis=0)
+    return rank, weight
+
+
+@triton.jit
+def _router_preload_kernel(
+    x_ptr,  # [1, K] residual stream
+    norm_w_ptr,  # [K]
+    w_ptr,  # [E, K] router, rows stride_wn apart
+    xn_ptr,  # [1, K] out: rms_norm(x) * norm_w
+    logits_ptr,  # [E] workspace, x's dtype
+    weights_ptr,  # [TOP_K] out, x's dtype
+    ids_ptr,  # [TOP_K] out, int64
+    counter_ptr,  # [1] int32, zero between launches
+    E,
+    K,
+    stride_wn,
+    inv_k,
+    eps,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K: the whole row in one tile
+    PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,  # ROUTER_TRIGGER
+    COMPILED: tl.constexpr,
+):
+    """``_moe_router_kernel`` with the program's router rows loaded before the PDL wait (one
+    tile of the whole K) and the top-k in one pass (``top_k_by_rank``)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    rows_n = tl.minimum(offs_n, E - 1).to(tl.int64)
+    w = tl.load(w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :], mask=k_ok[None, :],
+                other=0.0)  # fmt: skip  # [BN, BK]: nothing earlier in the step writes it
+    nw = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)  # [BK]
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(_mul_rn(xf, xf, COMPILED), axis=0) * inv_k + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    xn = (normed * nw).to(x.dtype)  # rms_norm's roundings  # [BK]
+    if pid == 0:
+        tl.store(xn_ptr + offs_k, xn, mask=k_ok)
+    logits = tl.sum(w.to(tl.float32) * xn.to(tl.float32)[None, :], axis=1)  # [BN]
+    tl.store(logits_ptr + offs_n, logits.to(x_ptr.dtype.element_ty), mask=offs_n < E)
+    if PDL and TRIGGER == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.debug_barrier()  # the CTA's logits before its release (last_program.py)
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # the last program routes
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        logit = tl.load(logits_ptr + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        logit = logit.to(tl.float32)
+        prob = tl.exp(logit - tl.max(logit, axis=0))
+        prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
+        rank, weight = top_k_by_rank(prob, offs, TOP_K, RENORMALIZE, BLOCK_E)
+        chosen = rank < TOP_K
+        tl.store(ids_ptr + rank, offs.to(tl.int64), mask=chosen)
+        tl.store(weights_ptr + rank, weight.to(weights_ptr.dtype.element_ty), mask=chosen)
+        tl.store(counter_ptr, 0)  # ready for the next launch
+
+
 def moe_router(
     h: torch.Tensor,  # [1, H] residual stream, 16-bit or fp32
     norm_weight: torch.Tensor,  # [H]
@@ -155,6 +260,20 @@ def moe_router(
     ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
     cfg = pick_config(1, num_experts, hidden, h.device)
     compiled = not is_interpret()
+    block_k = triton.next_power_of_2(hidden)
+    if (compiled and pdl_enabled() and PRELOAD) or FORCE_PRELOAD:
+        block_n = max(1, min(cfg.block_n, PRELOAD_MAX_ELEMS // block_k))
+        if block_n * block_k <= PRELOAD_MAX_ELEMS:
+            pdl = compiled and pdl_enabled()
+            _router_preload_kernel[(triton.cdiv(num_experts, block_n),)](
+                h, norm_weight, router, xn, logits, weights, ids,
+                counters(h.device, 1, "moe_router"), num_experts, hidden, router.stride(0),
+                1.0 / hidden, eps, TOP_K=top_k, RENORMALIZE=renormalize,
+                BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
+                BLOCK_K=block_k, PDL=pdl, TRIGGER=ROUTER_TRIGGER, COMPILED=compiled,
+                num_warps=4, **({"launch_pdl": True} if pdl else {}),
+            )  # fmt: skip
+            return xn, weights, ids
     pdl = compiled and pdl_enabled() and fused_moe.DECODE_PDL
     line_elems = 128 // router.element_size()
     lines = min(triton.cdiv(hidden, line_elems), max(1, 16384 // (128 * cfg.block_n)))

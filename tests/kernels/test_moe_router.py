@@ -13,10 +13,16 @@ from roofline.kernels.moe_router import moe_router, moe_router_ref
 from roofline.kernels.rmsnorm import rms_norm
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("num_experts,top_k,hidden", [(16, 4, 96), (40, 8, 64)])
-def test_matches_unfused(dtype, renormalize, num_experts, top_k, hidden) -> None:
+def test_matches_unfused(
+    dtype, renormalize, num_experts, top_k, hidden, preload, monkeypatch
+) -> None:
+    from roofline.kernels import moe_router as mr
+
+    monkeypatch.setattr(mr, "FORCE_PRELOAD", preload)
     gen = torch.Generator().manual_seed(num_experts + top_k)
     h = (3 * torch.randn(1, hidden, generator=gen)).to(dtype).to(DEVICE)
     nw = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
@@ -38,6 +44,34 @@ def test_matches_unfused(dtype, renormalize, num_experts, top_k, hidden) -> None
     assert not last_program._COUNTERS[(h.device, "moe_router")].any()
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_preload_ties_go_to_the_lowest_expert(renormalize, monkeypatch) -> None:
+    """Equal logits (a zero router row block) rank by index (a stable descending sort; CPU
+    torch.topk orders ties otherwise), the weights stored at their rank; the tiled kernel's k
+    argmax passes agree."""
+    from roofline.kernels import moe_router as mr
+
+    monkeypatch.setattr(mr, "FORCE_PRELOAD", True)
+    hidden, experts, top_k = 32, 24, 6
+    gen = torch.Generator().manual_seed(3)
+    router = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+    router[4:20] = 0.0  # sixteen experts tie at logit 0
+    router[2] = router[3]  # and two more, above or below 0
+    h = torch.randn(1, hidden, generator=gen).to(DEVICE)
+    nw = torch.ones(hidden).to(DEVICE)
+    router = router.to(DEVICE)
+    xn, weights, ids = moe_router(h, nw, 1e-6, router, top_k, renormalize)
+    probs = (xn.float() @ router.float().T).softmax(-1)  # [1, E]
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert ids.tolist() == order.tolist()
+    want = probs.gather(1, order)
+    if renormalize:
+        want = want / want.sum(-1, keepdim=True)
+    torch.testing.assert_close(weights, want, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(mr, "FORCE_PRELOAD", False)
+    assert moe_router(h, nw, 1e-6, router, top_k, renormalize)[2].tolist() == order.tolist()
+
+
 def test_compiles_for_hopper() -> None:
     """sm_90 compile of the Qwen3-30B-A3B variant (128 experts, top 8, PDL)."""
     from hopper_variants import compile_for_hopper
@@ -53,6 +87,14 @@ def test_compiles_for_hopper() -> None:
                               [base, dict(base, USE_DOT=True, BLOCK_N=16, PDL=False)], pointers,
                               ("inv_k", "eps"), dict(num_warps=4))  # fmt: skip
     assert "griddepcontrol.wait" in ptxs[0] and "atom." in ptxs[0] and "mul.rn.f32" in ptxs[0]
+    pre = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_N=2, BLOCK_K=2048, PDL=True,
+               COMPILED=True)  # fmt: skip
+    ptxs = compile_for_hopper("roofline.kernels.moe_router", "_router_preload_kernel",
+                              [dict(pre, TRIGGER=t) for t in (0, 1, 2)], pointers,
+                              ("inv_k", "eps"), dict(num_warps=4))  # fmt: skip
+    assert all("griddepcontrol.wait" in p and "atom." in p for p in ptxs)
+    assert "griddepcontrol.launch_dependents" not in ptxs[0]
+    assert all("griddepcontrol.launch_dependents" in p for p in ptxs[1:])
 
 
 @pytest.mark.parametrize(
