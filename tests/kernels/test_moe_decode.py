@@ -1,0 +1,95 @@
+"""One token's experts in one launch (``kernels.moe_decode``) against the plain-torch loop over
+experts and against ``fused_moe``'s two decode GEMVs, with the residual add, ragged intermediate
+blocks, several reducers' column ranges and a not-local expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import DEVICE
+
+from roofline.kernels import last_program
+from roofline.kernels.fused_moe import fused_moe, fused_moe_ref
+from roofline.kernels.moe_decode import moe_experts
+
+
+def _experts(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    return w13.to(DEVICE), w2.to(DEVICE), gen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "num_experts,top_k,hidden,inter,config",
+    [
+        (8, 2, 64, 48, {}),  # two intermediate blocks, the second half empty
+        (16, 4, 96, 32, dict(BLOCK_I=16, BLOCK_H=32)),  # three column chunks, one ragged
+        (6, 3, 32, 80, dict(BLOCK_I=32, BLOCK_K=16, BLOCK_H=16)),
+    ],
+)
+def test_matches_reference(dtype, num_experts, top_k, hidden, inter, config) -> None:
+    w13, w2, gen = _experts(num_experts, inter, hidden, dtype, hidden + inter)
+    for _ in range(2):  # the counters are zero again for the second launch
+        x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+        h = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+        ids = torch.randperm(num_experts, generator=gen)[:top_k].view(1, top_k).to(DEVICE)
+        weights = torch.rand(1, top_k, generator=gen).to(dtype).to(DEVICE)
+        got = moe_experts(x, w13, w2, weights, ids, residual=h, config=config)
+        ref = h.float() + fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+        two_launches = fused_moe(x, w13, w2, weights, ids, residual=h)
+        torch.testing.assert_close(got, two_launches, atol=1e-2, rtol=1e-2)
+        alone = moe_experts(x, w13, w2, weights, ids, config=config)
+        torch.testing.assert_close(alone, fused_moe(x, w13, w2, weights, ids), atol=1e-2, rtol=1e-2)
+    assert not last_program._COUNTERS[(x.device, "moe_experts")][:2].any()
+
+
+def test_not_local_expert_adds_nothing() -> None:
+    """An id equal to E (another rank's expert under expert parallelism) reads nothing."""
+    w13, w2, gen = _experts(4, 32, 64, torch.bfloat16, 7)
+    x = torch.randn(1, 64, generator=gen).bfloat16().to(DEVICE)
+    weights = torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.bfloat16).to(DEVICE)
+    got = moe_experts(x, w13, w2, weights, torch.tensor([[1, 4, 2]]).to(DEVICE))
+    only_local = moe_experts(x, w13, w2, weights * torch.tensor([[1.0, 0.0, 1.0]]).bfloat16().to(
+        DEVICE), torch.tensor([[1, 0, 2]]).to(DEVICE))  # fmt: skip
+    torch.testing.assert_close(got, only_local, atol=0, rtol=0)
+
+
+def test_rejects_a_batch() -> None:
+    w13, w2, _ = _experts(4, 16, 32, torch.bfloat16, 1)
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="one token"):
+        moe_experts(x, w13, w2, torch.ones(2, 2, dtype=torch.bfloat16, device=DEVICE), ids)
+
+
+def test_compiles_for_hopper() -> None:
+    """sm_90 compile of the Qwen3-30B-A3B variant (192 programs, 16 reducers that wait)."""
+    from hopper_variants import compile_for_hopper
+
+    base = dict(TOP_K=8, NUM_IB=24, BLOCK_IB=32, REDUCERS=16, BLOCK_I=32, BLOCK_K=128,
+                BLOCK_H=128, NUM_STAGES=3, RESIDUAL=True, SPIN_LIMIT=1 << 24)  # fmt: skip
+    pointers = {n: "bf16" for n in ("x_ptr", "w13_ptr", "w2_ptr", "weights_ptr", "res_ptr",
+                                    "out_ptr")}  # fmt: skip
+    pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32")
+    ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel", [base],
+                              pointers, (), dict(num_warps=8))  # fmt: skip
+    assert "atom." in ptxs[0]
+
+
+def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
+    """``fused_moe.ONE_LAUNCH`` sends one token of 16-bit experts here, two tokens to the GEMVs."""
+    from roofline.kernels import fused_moe as fm
+
+    w13, w2, gen = _experts(8, 32, 64, torch.bfloat16, 11)
+    x = torch.randn(2, 64, generator=gen).bfloat16().to(DEVICE)
+    ids = torch.tensor([[1, 5], [2, 5]]).to(DEVICE)
+    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]]).bfloat16().to(DEVICE)
+    monkeypatch.setattr(fm, "ONE_LAUNCH", True)
+    one = fm.fused_moe(x[:1], w13, w2, weights[:1], ids[:1])
+    assert torch.equal(one, moe_experts(x[:1], w13, w2, weights[:1], ids[:1]))
+    two = fm.fused_moe(x, w13, w2, weights, ids)
+    monkeypatch.setattr(fm, "ONE_LAUNCH", False)
+    assert torch.equal(two, fm.fused_moe(x, w13, w2, weights, ids))
