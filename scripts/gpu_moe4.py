@@ -102,16 +102,27 @@ def parity() -> None:
     if counts is not None:
         bad += m2.check("one-launch counters zeroed", not counts[:2].any().item(), "")
     h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
-    xn, w, ids = mr.moe_router(h, norm_w, EPS, router, K, True)
-    eager = md.moe_experts(xn, w13, w2, w, ids, residual=h)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = md.moe_experts(xn, w13, w2, w, ids, residual=h)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    bad += m2.check("one-launch experts in a CUDA graph", torch.equal(out, eager),
-                    f"3 replays equal eager: {torch.equal(out, eager)}")  # fmt: skip
+
+    def two_blocks():  # router -> experts -> router -> experts (PDL dependents when md.PDL)
+        x = h
+        for _ in range(2):
+            xn, w, ids = mr.moe_router(x, norm_w, EPS, router, K, True)
+            x = md.moe_experts(xn, w13, w2, w, ids, residual=x)
+        return x
+
+    for use_pdl in (False, True):
+        md.PDL, mr.ROUTER_TRIGGER = use_pdl, 2 if use_pdl else 0
+        eager = two_blocks()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = two_blocks()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        same = torch.equal(out, eager)
+        bad += m2.check(f"one-launch experts, 2 blocks in a CUDA graph, PDL {use_pdl}", same,
+                        f"3 replays equal eager: {same}")  # fmt: skip
+    md.PDL, mr.ROUTER_TRIGGER = False, 0
     print(f"router: expert sets differing from the tiled kernel or the reference: {flips}/64")
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
     TABLE.append(("router id flips (near-ties) / 64", str(flips)))
@@ -409,6 +420,10 @@ def _switches() -> dict:
         ),
         "best swept GEMV tiles": (lambda: tiles(True), lambda: tiles(False)),
         "experts in one launch (best tiles)": (lambda: one(True), lambda: one(False)),
+        "experts in one launch, PDL (router trigger 2)": (
+            lambda: (one(True), setattr(md, "PDL", True), setattr(mr, "ROUTER_TRIGGER", 2)),
+            lambda: (one(False), setattr(md, "PDL", False), setattr(mr, "ROUTER_TRIGGER", 0)),
+        ),
         "attention: the fused kernel": (lambda: fused_attn(True), lambda: fused_attn(False)),
         "attention: the fused kernel, 128-token splits": (
             lambda: (fused_attn(True), attn.set_split_tokens(128)),

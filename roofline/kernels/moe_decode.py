@@ -19,7 +19,10 @@ in fp32), rounded to the dtype, times the slot's routing weight, summed over the
 order, rounded, plus the residual rounded as a separate add (``fused_moe``'s down GEMV's
 roundings; the K sum of the down projection is split, so its fp32 order differs). The last
 reducer to finish zeroes the counters for the next launch. Under the interpreter (programs run
-one after another) one reducer, the last program, does all the columns.
+one after another) one reducer, the last program, does all the columns. Under PDL (``PDL``)
+the kernel waits for the routing before its first read and lets the next launch start once its
+partials are stored: the next layer's GEMV prefetches its weights while the partials are summed
+(the reducers are resident by then, so the dependents' programs never block them).
 
 Not-local ids (``num_experts``, expert parallelism) read nothing and add zero.
 """
@@ -33,10 +36,14 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.fused_moe import _silu_mul
 from roofline.kernels.last_program import counters
+from roofline.kernels.pdl import pdl_enabled
 
 SPIN_LIMIT = 1 << 24
 """A reducer stops waiting after this many polls of the arrival counter (seconds: only a broken
 launch gets there; its output is then wrong, never a hung GPU)."""
+PDL = False
+"""Launch as a programmatic dependent (waits for the routing first) and let the next launch
+start once the partials are stored (its weight prefetch then overlaps the reduction)."""
 CONFIG = dict(BLOCK_I=32, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, num_warps=8)
 """Tiles: 32 intermediate columns a program (8 x 24 = 192 programs for Qwen3-30B-A3B; the down
 rows it reads are 64 bytes), 128 of K a gate/up step, 128 output rows a down step."""
@@ -70,9 +77,12 @@ def _moe_experts_kernel(
     NUM_STAGES: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     j = tl.program_id(0)
     ib = tl.program_id(1)
+    if PDL:  # the routing (ids, weights, x) comes from the previous launch
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + j).to(tl.int64)
     local = expert < num_experts
     expert = tl.where(local, expert, 0)
@@ -105,6 +115,8 @@ def _moe_experts_kernel(
                     eviction_policy="evict_first")  # fmt: skip
         tl.store(part_row + h0 + offs_h, tl.sum(w.to(tl.float32) * act[None, :], axis=1),
                  mask=h_ok)  # fmt: skip
+    if PDL:  # the next launch may start (and prefetch) while the partials are reduced
+        tl.extra.cuda.gdc_launch_dependents()
     tl.debug_barrier()  # the CTA's partials before its release (last_program.py)
     programs = TOP_K * NUM_IB
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
@@ -168,6 +180,7 @@ def moe_experts(
     num_ib = triton.cdiv(inter, cfg["BLOCK_I"])
     chunks = triton.cdiv(hidden, cfg["BLOCK_H"])
     reducers = 1 if is_interpret() else min(chunks, top_k * num_ib)
+    pdl = PDL and not is_interpret() and pdl_enabled()
     part = torch.empty(top_k, num_ib, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     res = out if residual is None else residual
@@ -176,6 +189,7 @@ def moe_experts(
         counters(x.device, 2, "moe_experts"), hidden, inter, num_experts, w13.stride(0),
         w13.stride(1), w2.stride(0), w2.stride(1), TOP_K=top_k, NUM_IB=num_ib,
         BLOCK_IB=triton.next_power_of_2(num_ib), REDUCERS=reducers,
-        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, **cfg,
+        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -74,9 +74,11 @@ def test_compiles_for_hopper() -> None:
     pointers = {n: "bf16" for n in ("x_ptr", "w13_ptr", "w2_ptr", "weights_ptr", "res_ptr",
                                     "out_ptr")}  # fmt: skip
     pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32")
-    ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel", [base],
-                              pointers, (), dict(num_warps=8))  # fmt: skip
-    assert "atom." in ptxs[0]
+    ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
+                              [dict(base, PDL=False), dict(base, PDL=True)], pointers, (),
+                              dict(num_warps=8))  # fmt: skip
+    assert "atom." in ptxs[0] and "griddepcontrol" not in ptxs[0]
+    assert "griddepcontrol.wait" in ptxs[1] and "griddepcontrol.launch_dependents" in ptxs[1]
 
 
 def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
