@@ -425,6 +425,10 @@ def _switches() -> dict:
             lambda: (one(False), setattr(md, "PDL", False), setattr(mr, "ROUTER_TRIGGER", 0)),
         ),
         "attention: the fused kernel": (lambda: fused_attn(True), lambda: fused_attn(False)),
+        "attention: the fused kernel, merge tile = its splits": (
+            lambda: (fused_attn(True), setattr(attn, "MERGE_TILE_FIT", True)),
+            lambda: (fused_attn(False), setattr(attn, "MERGE_TILE_FIT", False)),
+        ),
         "attention: the fused kernel, 128-token splits": (
             lambda: (fused_attn(True), attn.set_split_tokens(128)),
             lambda: (fused_attn(False), attn.set_split_tokens(SPLIT_TOKENS)),

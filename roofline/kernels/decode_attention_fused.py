@@ -59,6 +59,10 @@ MAX_ROWS = 4
 large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
+MERGE_TILE_FIT = False
+"""The merge's tile of partials: False ``MAX_NUM_SPLITS`` rows (as measured so far), True the
+grid's ``max_splits`` rounded up to a power of two (fewer registers; ``scripts/gpu_moe4.py``
+compares both at Qwen3-30B-A3B's 8 query heads per KV head)."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -444,7 +448,8 @@ def fused_decode_attention(
         BLOCK_R=max(16, triton.next_power_of_2(half)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         SPLIT_TOKENS=max(SPLIT_TOKENS, block_n), QK_NORM=qk_norm is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, BLOCK_S=MAX_NUM_SPLITS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        BLOCK_S=max(2, triton.next_power_of_2(max_splits)) if MERGE_TILE_FIT else MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
         LINE_ELEMS=line_elems, num_warps=NUM_WARPS, num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF

@@ -43,6 +43,7 @@ def _case(context_lens: list[int], dtype: torch.dtype, qk_norm: bool, seed: int 
     return batch, qkv, q, k, v, positions, norms
 
 
+@pytest.mark.parametrize("merge_tile_fit", [False, True], ids=["merge-64", "merge-fit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
 @pytest.mark.parametrize(
@@ -52,9 +53,12 @@ def _case(context_lens: list[int], dtype: torch.dtype, qk_norm: bool, seed: int 
 )
 def test_fused_matches_reference(
     dtype: torch.dtype, qk_norm: bool, context_lens: list[int], max_splits: int,
-    split_tokens: int, monkeypatch: pytest.MonkeyPatch,
+    split_tokens: int, merge_tile_fit: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
+    if merge_tile_fit and (max_splits == 1 or qk_norm):
+        pytest.skip("the merge's tile only")
     monkeypatch.setattr(fused, "SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(fused, "MERGE_TILE_FIT", merge_tile_fit)
     batch, qkv, q, k, v, positions, norms = _case(context_lens, dtype, qk_norm, seed=3)
     cos_sin = make_cos_sin_cache(HEAD_DIM, max_pos=512)
     qkv_before = qkv.clone()
