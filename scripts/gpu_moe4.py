@@ -5,7 +5,9 @@ try/except so one failure does not hide the others; a short table last).
 1. Parity on the GPU: the preloading router kernel (``moe_router.PRELOAD``: its rows in
    registers before the PDL wait, the top-k by rank) against the torch reference and the tiled
    router (same experts, weights within bf16 rounding), at Qwen3-30B-A3B shapes; the whole MoE
-   block (router + expert GEMVs, residual in the down store) against the reference.
+   block (router + expert GEMVs, residual in the down store) and the one-launch experts
+   (``kernels.moe_decode``, two configs; in a CUDA graph with and without PDL) against the
+   reference.
 2. Qwen3-30B-A3B, 48 layers, bf16, loaded once (~55 s, dummy weights drawn on the GPU): batch-1
    decode (% of the active-parameter roofline), one profiled batch-1 step grouped by kernel kind
    (router, expert gate/up, expert down, qkv/o GEMV, attention, LM head, other): critical-path
@@ -13,12 +15,13 @@ try/except so one failure does not hide the others; a short table last).
    the kind's byte floor at the measured copy rate and its % of it; decode at batch 8 / 32 /
    128 (% of the touched-experts roofline).
 3. The MoE blocks of the loaded model alone, all 48 chained in one CUDA graph (the model's
-   own weights, no L2 reuse): router, gate/up and down launches each alone and the whole
-   block, us a layer and % of copy over their bytes; the gate/up and down GEMV tiles swept.
+   own weights, no L2 reuse): the router alone (preloading / tiled), the whole block, the
+   whole block with the experts in one launch (tiles swept), the gate/up and down GEMVs alone
+   (tiles swept): us a layer and % of copy over their bytes.
 4. Batch 1 again under each switch (decode graph recaptured): the tiled router (before), the
-   preloading router's triggers, the expert GEMVs as PDL dependents (early / late triggers),
-   the best swept GEMV tiles, the fused decode attention (two split sizes); the fastest and
-   the fused attention profiled by kind.
+   expert GEMVs as PDL dependents (late triggers), the best swept GEMV tiles, the experts in
+   one launch (without / with PDL), the fused decode attention (its merge tile as before /
+   fitted); the fastest and the fused attention profiled by kind.
 
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
 """
@@ -414,10 +417,6 @@ def _switches() -> dict:
             lambda: moe_pdl(True, True, 2),
             lambda: moe_pdl(False, False, 0),
         ),
-        "router trigger 1, experts PDL early": (
-            lambda: moe_pdl(True, False, 1),
-            lambda: moe_pdl(False, False, 0),
-        ),
         "best swept GEMV tiles": (lambda: tiles(True), lambda: tiles(False)),
         "experts in one launch (best tiles)": (lambda: one(True), lambda: one(False)),
         "experts in one launch, PDL (router trigger 2)": (
@@ -429,15 +428,10 @@ def _switches() -> dict:
             lambda: (fused_attn(True), setattr(attn, "MERGE_TILE_FIT", True)),
             lambda: (fused_attn(False), setattr(attn, "MERGE_TILE_FIT", False)),
         ),
-        "attention: the fused kernel, 128-token splits": (
-            lambda: (fused_attn(True), attn.set_split_tokens(128)),
-            lambda: (fused_attn(False), attn.set_split_tokens(SPLIT_TOKENS)),
-        ),
     }
 
 
 SHIPPED_GEMV = dict(fm.GEMV_CONFIG)
-SPLIT_TOKENS = attn.SPLIT_TOKENS
 
 
 @section("Qwen3-30B-A3B, 48 layers, bf16")
@@ -475,7 +469,7 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
         try:
             on()
             recapture_batch1(runner)
-            r = latency.run(engine, ceil, [1], 128, 64)[0]
+            r = latency.run(engine, ceil, [1], 128, 48)[0]
             variants[label] = r.step_ms_p50
             print(f"48l bs=1 {label:52s}: {r.output_tok_s:6.1f} tok/s, step {r.step_ms_p50:.3f}"
                   f" ms, {r.roofline_pct:5.1f}%", flush=True)  # fmt: skip
