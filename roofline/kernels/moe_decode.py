@@ -36,7 +36,7 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.fused_moe import _silu_mul
 from roofline.kernels.last_program import counters
-from roofline.kernels.pdl import pdl_enabled
+from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 SPIN_LIMIT = 1 << 24
 """A reducer stops waiting after this many polls of the arrival counter (seconds: only a broken
@@ -44,9 +44,10 @@ launch gets there; its output is then wrong, never a hung GPU)."""
 PDL = False
 """Launch as a programmatic dependent (waits for the routing first) and let the next launch
 start once the partials are stored (its weight prefetch then overlaps the reduction)."""
-CONFIG = dict(BLOCK_I=32, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, num_warps=8)
+CONFIG = dict(BLOCK_I=32, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, PREFETCH_W2=False, num_warps=8)
 """Tiles: 32 intermediate columns a program (8 x 24 = 192 programs for Qwen3-30B-A3B; the down
-rows it reads are 64 bytes), 128 of K a gate/up step, 128 output rows a down step."""
+rows it reads are 64 bytes), 128 of K a gate/up step, 128 output rows a down step.
+``PREFETCH_W2``: each program asks for its down rows in L2 before its gate/up loop."""
 
 
 @triton.jit
@@ -78,6 +79,7 @@ def _moe_experts_kernel(
     RESIDUAL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_W2: tl.constexpr,
 ):
     j = tl.program_id(0)
     ib = tl.program_id(1)
@@ -89,6 +91,11 @@ def _moe_experts_kernel(
     offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = (offs_i < INTER) & local
     rows_i = tl.minimum(offs_i, INTER - 1).to(tl.int64)
+    if PREFETCH_W2:  # this program's down rows into L2 while gate/up streams from DRAM
+        offs_p = tl.arange(0, 256)
+        for p0 in range(0, H, 256):
+            rows_p = tl.minimum(p0 + offs_p, H - 1).to(tl.int64)
+            prefetch_l2(w2_ptr + expert * stride_e2 + rows_p * stride_n2 + ib * BLOCK_I)
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w13_ptr + expert * stride_e13 + rows_i[:, None] * stride_n13 + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * stride_n13
@@ -175,8 +182,8 @@ def moe_experts(
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("moe_experts: the last dims must be contiguous")
     cfg = dict(CONFIG, **(config or {}))
-    if is_interpret():
-        cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(hidden)))
+    if is_interpret():  # (no prefetch instruction to interpret)
+        cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(hidden)), PREFETCH_W2=False)
     num_ib = triton.cdiv(inter, cfg["BLOCK_I"])
     chunks = triton.cdiv(hidden, cfg["BLOCK_H"])
     reducers = 1 if is_interpret() else min(chunks, top_k * num_ib)

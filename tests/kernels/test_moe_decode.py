@@ -75,10 +75,12 @@ def test_compiles_for_hopper() -> None:
                                     "out_ptr")}  # fmt: skip
     pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32")
     ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
-                              [dict(base, PDL=False), dict(base, PDL=True)], pointers, (),
+                              [dict(base, PDL=False, PREFETCH_W2=False),
+                               dict(base, PDL=True, PREFETCH_W2=True)], pointers, (),
                               dict(num_warps=8))  # fmt: skip
     assert "atom." in ptxs[0] and "griddepcontrol" not in ptxs[0]
     assert "griddepcontrol.wait" in ptxs[1] and "griddepcontrol.launch_dependents" in ptxs[1]
+    assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
 
 
 def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
