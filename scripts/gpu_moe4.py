@@ -23,6 +23,9 @@ try/except so one failure does not hide the others; a short table last).
    one launch (without / with PDL), the fused decode attention (its merge tile as before /
    fitted); the fastest and the fused attention profiled by kind.
 
+5. (``--regress``) Qwen3-0.6B and Llama-3.1-8B batch-1 decode (they share the attention and
+   GEMV kernels), before the 48-layer model.
+
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
 """
 
@@ -498,10 +501,32 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
     engine.shutdown()
 
 
+@section("dense models at batch 1 (shared layers: no regression)")
+def dense(ceil: Ceilings) -> None:
+    import gc
+
+    for model, floor in (("qwen3-0.6b", 1250.0), ("llama-3.1-8b", 175.0)):
+        llm = LLM(model, load_format="dummy", device=DEVICE, max_model_len=1024, max_num_seqs=8,
+                  kv_cache_memory_bytes=2 << 30)  # fmt: skip
+        try:
+            r = latency.run(llm.llm_engine, ceil, [1], 128, 128)[0]
+            print(f"{model} bs=1: {r.output_tok_s:.1f} tok/s, {r.roofline_pct:.1f}% of roofline "
+                  f"(keep >= {floor:.0f})", flush=True)  # fmt: skip
+            SUMMARY[f"{model} bs1"] = r.output_tok_s
+            TABLE.append((f"{model} bs=1", f"{r.output_tok_s:.1f} tok/s, {r.roofline_pct:.1f}% "
+                          f"(keep >= {floor:.0f})"))  # fmt: skip
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--regress", action="store_true", help="also Qwen3-0.6B and Llama-3.1-8B bs=1")
     args = ap.parse_args()
     t0 = time.perf_counter()
     ceil = measure(torch.device(DEVICE), torch.bfloat16)
@@ -509,6 +534,8 @@ def main() -> None:
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
     SUMMARY["ceilings"] = vars(ceil)
     parity()
+    if args.regress:
+        dense(ceil)
     full_model(ceil, args.quick)
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
     width = max(len(k) for k, _ in TABLE) if TABLE else 0
