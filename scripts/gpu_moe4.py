@@ -129,6 +129,21 @@ def parity() -> None:
         bad += m2.check(f"one-launch experts, 2 blocks in a CUDA graph, PDL {use_pdl}", same,
                         f"3 replays equal eager: {same}")  # fmt: skip
     md.PDL, mr.ROUTER_TRIGGER = False, 0
+    for kind in ("int8", "fp8"):  # per-channel 8-bit experts in one launch
+        q13, q2, scales, _ = m2.experts(kind, E, H, INTER, gen)
+        sk = m2.scale_kwargs(scales)
+        o13, o2 = m2.ORIGINALS.pop(kind)
+        del o13, o2
+        h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
+        xn, w, ids = mr.moe_router(h, norm_w, EPS, router, K, True)
+        one = md.moe_experts(xn, q13, q2, w, ids, residual=h, **sk)
+        two = fm.fused_moe(xn, q13, q2, w, ids, residual=h, **sk)
+        ref = h.float() + fm.fused_moe_ref(xn.float(), q13, q2, w.float(), ids, **sk)
+        e3 = m2.rel_err(one, ref)
+        diff = (one.float() - two.float()).abs().max().item()
+        detail = f"rel err vs reference {e3:.1e}, max |one - two launches| {diff:.1e}"
+        bad += m2.check(f"one-launch experts {kind}", e3 < 2e-2, detail)
+        del q13, q2, scales, sk
     print(f"router: expert sets differing from the tiled kernel or the reference: {flips}/64")
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
     TABLE.append(("router id flips (near-ties) / 64", str(flips)))
@@ -333,7 +348,7 @@ def block_bench(engine, ceil: Ceilings) -> None:
         results[f"block, router {label}"] = us
         print(f"whole block ({label:7s}): {pct(us, gate_up_b + down_b + router_b)}", flush=True)
     mr.PRELOAD = True
-    fm.ONE_LAUNCH = True
+    fm.ONE_LAUNCH[0] = True
     rows = []
     for cfg in ONE_LAUNCH_SWEEP:
         try:
@@ -344,7 +359,7 @@ def block_bench(engine, ceil: Ceilings) -> None:
                   f"{pct(us, gate_up_b + down_b + router_b)}", flush=True)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the next config still runs
             print(f"one launch {cfg}: {type(exc).__name__} {str(exc)[:100]}")
-    fm.ONE_LAUNCH = False
+    fm.ONE_LAUNCH[0] = False
     md.CONFIG.update(ONE_LAUNCH_SWEEP[0])
     if rows:
         us, cfg = min(rows, key=lambda r: r[0])
@@ -404,7 +419,7 @@ def _switches() -> dict:
             fm.GEMV_DOWN.clear()
 
     def one(on: bool) -> None:
-        fm.ONE_LAUNCH = on
+        fm.ONE_LAUNCH[0] = on
         md.CONFIG.update(BEST.get("one launch", {}) if on else ONE_LAUNCH_SWEEP[0])
 
     def preload(on: bool) -> None:

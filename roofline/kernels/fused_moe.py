@@ -511,9 +511,10 @@ but fill the SMs with waiting programs several launches ahead; benchmarks compar
 DOWN_PREFETCH = True
 """Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
 they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
-ONE_LAUNCH = False
-"""One token, 16-bit experts: ``kernels.moe_decode`` (gate/up, down and the sums in one launch,
-split-K partials reduced by the last programs) instead of the two GEMV launches."""
+ONE_LAUNCH = {0: False, 1: False, 2: False}
+"""Per expert layout (``ExpertLayout.quant``: 16-bit, int8/fp8, int4), one token:
+``kernels.moe_decode`` (gate/up, down and the sums in one launch, split-K partials reduced by
+the last programs) instead of the two GEMV launches (int4: not built)."""
 GEMV_DOWN: dict[str, int] = {}
 """Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
 over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
@@ -730,11 +731,12 @@ def fused_moe(
     sn13, sn2 = (s13.stride(1), s2.stride(1)) if layout.quant == 2 else (1, 1)
     small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
     path = force_path or ("gemv" if small else "grouped")
-    if path == "gemv" and ONE_LAUNCH and layout.quant == 0:
+    if path == "gemv" and ONE_LAUNCH[layout.quant]:
         from roofline.kernels import moe_decode
 
         if moe_decode.takes(x, w13, num_tokens):
-            return moe_decode.moe_experts(x, w13, w2, weights, ids, residual)
+            return moe_decode.moe_experts(x, w13, w2, weights, ids, residual,
+                                          w13_scale=w13_scale, w2_scale=w2_scale)  # fmt: skip
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)

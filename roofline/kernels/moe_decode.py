@@ -24,7 +24,10 @@ the kernel waits for the routing before its first read and lets the next launch 
 partials are stored: the next layer's GEMV prefetches its weights while the partials are summed
 (the reducers are resident by then, so the dependents' programs never block them).
 
-Not-local ids (``num_experts``, expert parallelism) read nothing and add zero.
+Not-local ids (``num_experts``, expert parallelism) read nothing and add zero. int8 / fp8 e4m3
+experts with per-channel scales (``quantization/moe.py``'s ``PerChannelMoEMethod``) load their
+1-byte tiles, widen them exactly in registers and apply each output channel's scale after its
+K sum (gate/up: before the SiLU; down: in the reduction, after the split sum), as the GEMVs do.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 SPIN_LIMIT = 1 << 24
 """A reducer stops waiting after this many polls of the arrival counter (seconds: only a broken
 launch gets there; its output is then wrong, never a hung GPU)."""
+QUANT_CONFIG: dict = dict(BLOCK_K=256)
+"""Overrides for int8 / fp8 experts (1-byte weights: twice the K a step for the same bytes)."""
 PDL = False
 """Launch as a programmatic dependent (waits for the routing first) and let the next launch
 start once the partials are stored (its weight prefetch then overlaps the reduction)."""
@@ -55,6 +60,8 @@ def _moe_experts_kernel(
     x_ptr,  # [1, H] the normalised row
     w13_ptr,  # [E, 2I, H]
     w2_ptr,  # [E, H, I]
+    s13_ptr,  # [E, 2I] per-channel scales (QUANT), else unread
+    s2_ptr,  # [E, H]
     ids_ptr,  # [TOP_K] int64
     weights_ptr,  # [TOP_K]
     res_ptr,  # [1, H] (read if RESIDUAL)
@@ -80,6 +87,7 @@ def _moe_experts_kernel(
     SPIN_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_W2: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 / fp8 e4m3 weights, w = q * s per output channel
 ):
     j = tl.program_id(0)
     ib = tl.program_id(1)
@@ -110,7 +118,13 @@ def _moe_experts_kernel(
         acc_g += wg.to(tl.float32) * a
         acc_u += wu.to(tl.float32) * a
     out_ty = out_ptr.dtype.element_ty
-    act = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), out_ty)
+    gate = tl.sum(acc_g, axis=1)  # [BI]
+    up = tl.sum(acc_u, axis=1)
+    if QUANT:  # the scales factor out of the K sums
+        s_rows = s13_ptr + expert * (2 * INTER) + rows_i
+        gate *= tl.load(s_rows, mask=i_ok, other=0.0).to(tl.float32)
+        up *= tl.load(s_rows + INTER, mask=i_ok, other=0.0).to(tl.float32)
+    act = _silu_mul(gate, up, out_ty)
     act = tl.where(i_ok, act.to(out_ty).to(tl.float32), 0.0)  # [BI] as the gate/up launch stores
     offs_h = tl.arange(0, BLOCK_H)
     w2_cols = w2_ptr + expert * stride_e2 + rows_i[None, :]  # [1, BI]
@@ -144,7 +158,13 @@ def _moe_experts_kernel(
                 tile_ptrs = part_ptr + (jj * NUM_IB + offs_ib)[:, None] * H + cols[None, :]
                 tile = tl.load(tile_ptrs, mask=ib_ok[:, None] & c_ok[None, :], other=0.0,
                                cache_modifier=".cg")  # fmt: skip  # [BLOCK_IB, BH]
-                down = tl.sum(tile, axis=0).to(out_ty).to(tl.float32)  # expert jj's output
+                down = tl.sum(tile, axis=0)  # expert jj's output (before its scales)
+                if QUANT:  # each output row's scale, after the split K sum
+                    e_jj = tl.load(ids_ptr + jj).to(tl.int64)
+                    s_ok = c_ok & (e_jj < num_experts)
+                    e_jj = tl.where(e_jj < num_experts, e_jj, 0)
+                    down *= tl.load(s2_ptr + e_jj * H + cols, mask=s_ok, other=0.0).to(tl.float32)
+                down = down.to(out_ty).to(tl.float32)
                 total += down * tl.load(weights_ptr + jj).to(tl.float32)
             result = total.to(out_ty)
             if RESIDUAL:
@@ -157,9 +177,17 @@ def _moe_experts_kernel(
             tl.store(counter_ptr + 1, 0)
 
 
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
 def takes(x: torch.Tensor, w13: torch.Tensor, num_tokens: int) -> bool:
-    """Whether ``moe_experts`` serves this call: one token, 16-bit experts in x's dtype."""
-    return num_tokens == 1 and w13.dtype == x.dtype and x.dtype != torch.float32
+    """Whether ``moe_experts`` serves this call: one token, 16-bit activations, experts in x's
+    dtype or int8 / fp8 with per-channel scales."""
+    return (
+        num_tokens == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and (w13.dtype == x.dtype or w13.dtype in QUANT_DTYPES)
+    )
 
 
 def moe_experts(
@@ -170,9 +198,11 @@ def moe_experts(
     topk_ids: torch.Tensor,  # [1, k] int64
     residual: torch.Tensor | None = None,  # [1, H]
     config: dict | None = None,
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] (int8 / fp8 experts)
+    w2_scale: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:  # [1, H]
     """``fused_moe`` (plus ``residual``) for one token in one launch (see the module
-    docstring)."""
+    docstring); int8 / fp8 experts with their per-channel scales."""
     check_device(x, w13, w2, topk_weights, topk_ids)
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -181,7 +211,18 @@ def moe_experts(
         raise ValueError("moe_experts: one token, w13 [E, 2I, H] and w2 [E, H, I]")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("moe_experts: the last dims must be contiguous")
-    cfg = dict(CONFIG, **(config or {}))
+    quant = w13.dtype in QUANT_DTYPES
+    if quant and (w13_scale is None or w2_scale is None):
+        raise ValueError("moe_experts: int8 / fp8 experts need w13_scale and w2_scale")
+    if quant and (
+        w13_scale.shape != (num_experts, two_inter) or w2_scale.shape != (num_experts, hidden)
+    ):
+        raise ValueError("moe_experts: per-channel scales [E, 2I] and [E, H]")
+    if not quant and w13.dtype != x.dtype:
+        raise ValueError(f"moe_experts: 16-bit experts must be in x's dtype {x.dtype}")
+    s13 = w13_scale.contiguous() if quant else w13
+    s2 = w2_scale.contiguous() if quant else w2
+    cfg = dict(CONFIG, **(QUANT_CONFIG if quant else {}), **(config or {}))
     if is_interpret():  # (no prefetch instruction to interpret)
         cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(hidden)), PREFETCH_W2=False)
     num_ib = triton.cdiv(inter, cfg["BLOCK_I"])
@@ -192,11 +233,11 @@ def moe_experts(
     out = torch.empty_like(x)
     res = out if residual is None else residual
     _moe_experts_kernel[(top_k, num_ib)](
-        x, w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), res, out, part,
+        x, w13, w2, s13, s2, topk_ids.contiguous(), topk_weights.contiguous(), res, out, part,
         counters(x.device, 2, "moe_experts"), hidden, inter, num_experts, w13.stride(0),
         w13.stride(1), w2.stride(0), w2.stride(1), TOP_K=top_k, NUM_IB=num_ib,
         BLOCK_IB=triton.next_power_of_2(num_ib), REDUCERS=reducers,
-        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, **cfg,
+        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, QUANT=quant, **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -57,6 +57,40 @@ def test_not_local_expert_adds_nothing() -> None:
     torch.testing.assert_close(got, only_local, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_per_channel_8bit_experts(kind, monkeypatch) -> None:
+    """int8 / fp8 experts with per-channel scales (as ``PerChannelMoEMethod`` stores them)
+    against the dequantize-then-reference loop and the two GEMV launches, and through
+    ``fused_moe.ONE_LAUNCH[1]``."""
+    from roofline.kernels import fused_moe as fm
+    from roofline.quantization.moe import PerChannelMoEMethod
+
+    num_experts, inter, hidden = 8, 48, 64
+    w13, w2, gen = _experts(num_experts, inter, hidden, torch.float32, 5)
+    layer = torch.nn.Module()
+    method = PerChannelMoEMethod(kind)
+    method.create_weights(layer, num_experts, inter, hidden, torch.bfloat16)
+    method.load(layer, "w13", slice(None), slice(None), w13.cpu())
+    method.load(layer, "w2", slice(None), slice(None), w2.cpu())
+    layer = layer.to(DEVICE)
+    sk = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+    x = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
+    h = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
+    ids = torch.tensor([[6, 1, 3]]).to(DEVICE)
+    weights = torch.tensor([[0.5, 0.3, 0.2]]).bfloat16().to(DEVICE)
+    got = moe_experts(x, layer.w13_weight, layer.w2_weight, weights, ids, residual=h, **sk)
+    ref = h.float() + fused_moe_ref(x.float(), layer.w13_weight, layer.w2_weight,
+                                    weights.float(), ids, **sk)  # fmt: skip
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    two = fm.fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, residual=h, **sk)
+    torch.testing.assert_close(got, two, atol=1e-2, rtol=1e-2)
+    monkeypatch.setitem(fm.ONE_LAUNCH, 1, True)
+    via = fm.fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, residual=h, **sk)
+    assert torch.equal(via, got)
+    with pytest.raises(ValueError, match="w13_scale"):
+        moe_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
+
+
 def test_rejects_a_batch() -> None:
     w13, w2, _ = _experts(4, 16, 32, torch.bfloat16, 1)
     x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -70,10 +104,12 @@ def test_compiles_for_hopper() -> None:
     from hopper_variants import compile_for_hopper
 
     base = dict(TOP_K=8, NUM_IB=24, BLOCK_IB=32, REDUCERS=16, BLOCK_I=32, BLOCK_K=128,
-                BLOCK_H=128, NUM_STAGES=3, RESIDUAL=True, SPIN_LIMIT=1 << 24)  # fmt: skip
+                BLOCK_H=128, NUM_STAGES=3, RESIDUAL=True, SPIN_LIMIT=1 << 24,
+                QUANT=False)  # fmt: skip
     pointers = {n: "bf16" for n in ("x_ptr", "w13_ptr", "w2_ptr", "weights_ptr", "res_ptr",
                                     "out_ptr")}  # fmt: skip
-    pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32")
+    pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32", s13_ptr="fp32",
+                    s2_ptr="fp32")  # fmt: skip
     ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
                               [dict(base, PDL=False, PREFETCH_W2=False),
                                dict(base, PDL=True, PREFETCH_W2=True)], pointers, (),
@@ -81,6 +117,13 @@ def test_compiles_for_hopper() -> None:
     assert "atom." in ptxs[0] and "griddepcontrol" not in ptxs[0]
     assert "griddepcontrol.wait" in ptxs[1] and "griddepcontrol.launch_dependents" in ptxs[1]
     assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
+    for wtype in ("i8", "fp8e4nv"):  # per-channel 8-bit experts
+        q8 = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
+                                [dict(base, PDL=False, PREFETCH_W2=False, QUANT=True,
+                                      BLOCK_K=256)],
+                                dict(pointers, w13_ptr=wtype, w2_ptr=wtype), (),
+                                dict(num_warps=8))  # fmt: skip
+        assert "atom." in q8[0]
 
 
 def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
@@ -91,9 +134,9 @@ def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
     x = torch.randn(2, 64, generator=gen).bfloat16().to(DEVICE)
     ids = torch.tensor([[1, 5], [2, 5]]).to(DEVICE)
     weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]]).bfloat16().to(DEVICE)
-    monkeypatch.setattr(fm, "ONE_LAUNCH", True)
+    monkeypatch.setitem(fm.ONE_LAUNCH, 0, True)
     one = fm.fused_moe(x[:1], w13, w2, weights[:1], ids[:1])
     assert torch.equal(one, moe_experts(x[:1], w13, w2, weights[:1], ids[:1]))
     two = fm.fused_moe(x, w13, w2, weights, ids)
-    monkeypatch.setattr(fm, "ONE_LAUNCH", False)
+    monkeypatch.setitem(fm.ONE_LAUNCH, 0, False)
     assert torch.equal(two, fm.fused_moe(x, w13, w2, weights, ids))
