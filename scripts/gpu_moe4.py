@@ -129,7 +129,7 @@ def parity() -> None:
         bad += m2.check(f"one-launch experts, 2 blocks in a CUDA graph, PDL {use_pdl}", same,
                         f"3 replays equal eager: {same}")  # fmt: skip
     md.PDL, mr.ROUTER_TRIGGER = False, 0
-    for kind in ("int8", "fp8"):  # per-channel 8-bit experts in one launch
+    for kind in ("int8",):  # per-channel 8-bit experts in one launch (fp8: the CPU tests)
         q13, q2, scales, _ = m2.experts(kind, E, H, INTER, gen)
         sk = m2.scale_kwargs(scales)
         o13, o2 = m2.ORIGINALS.pop(kind)
