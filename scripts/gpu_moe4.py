@@ -25,6 +25,8 @@ try/except so one failure does not hide the others; a short table last).
 
 5. (``--regress``) Qwen3-0.6B and Llama-3.1-8B batch-1 decode (they share the attention and
    GEMV kernels), before the 48-layer model.
+6. (``--quant8 int8,fp8``) 8 of the 48 layers with 8-bit experts (quantized on the fly):
+   batch-1 decode with the two expert GEMVs and with the one-launch experts, twice each.
 
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
 """
@@ -537,11 +539,39 @@ def dense(ceil: Ceilings) -> None:
             torch.cuda.empty_cache()
 
 
+@section("8 layers, 8-bit experts at batch 1: two GEMV launches vs one launch")
+def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
+    import gc
+
+    model = m2.config_with_layers("qwen3-30b-a3b", 8)
+    for kind in kinds:
+        llm = LLM(model, load_format="dummy", device=DEVICE, quantization=kind,
+                  max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=2 << 30)  # fmt: skip
+        engine = llm.llm_engine
+        try:
+            for one in (False, True, False, True):
+                fm.ONE_LAUNCH[1] = one
+                recapture_batch1(engine.runner)
+                r = latency.run(engine, ceil, [1], 128, 64)[0]
+                tag = "one launch" if one else "two GEMVs"
+                line = f"{r.output_tok_s:7.1f} tok/s, step {r.step_ms_p50:.3f} ms"
+                print(f"8l {kind} bs=1 {tag:10s}: {line}, {r.roofline_pct:5.1f}% of roofline")
+                TABLE.append((f"8l {kind} bs=1 {tag}", f"{r.output_tok_s:.0f} tok/s, "
+                              f"{r.roofline_pct:.1f}%"))  # fmt: skip
+        finally:
+            fm.ONE_LAUNCH[1] = False
+            engine.shutdown()
+            del llm, engine
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--regress", action="store_true", help="also Qwen3-0.6B and Llama-3.1-8B bs=1")
+    ap.add_argument("--quant8", default="", help="comma-separated int8,fp8: 8-layer bs=1 runs")
     args = ap.parse_args()
     t0 = time.perf_counter()
     ceil = measure(torch.device(DEVICE), torch.bfloat16)
@@ -552,6 +582,8 @@ def main() -> None:
     if args.regress:
         dense(ceil)
     full_model(ceil, args.quick)
+    if args.quant8:
+        quant8(ceil, tuple(args.quant8.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
     width = max(len(k) for k, _ in TABLE) if TABLE else 0
     for k, v in TABLE:
