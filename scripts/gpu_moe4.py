@@ -25,7 +25,7 @@ try/except so one failure does not hide the others; a short table last).
 
 5. (``--regress``) Qwen3-0.6B and Llama-3.1-8B batch-1 decode (they share the attention and
    GEMV kernels), before the 48-layer model.
-6. (``--quant8 int8,fp8``) 8 of the 48 layers with 8-bit experts (quantized on the fly):
+6. (``--quant int8,fp8,int4``) 8 of the 48 layers with quantized experts (on the fly):
    batch-1 decode with the two expert GEMVs and with the one-launch experts, twice each.
 
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
@@ -131,11 +131,10 @@ def parity() -> None:
         bad += m2.check(f"one-launch experts, 2 blocks in a CUDA graph, PDL {use_pdl}", same,
                         f"3 replays equal eager: {same}")  # fmt: skip
     md.PDL, mr.ROUTER_TRIGGER = False, 0
-    for kind in ("int8",):  # per-channel 8-bit experts in one launch (fp8: the CPU tests)
+    for kind in ("int8", "int4"):  # quantized experts in one launch (fp8: the CPU tests)
         q13, q2, scales, _ = m2.experts(kind, E, H, INTER, gen)
         sk = m2.scale_kwargs(scales)
-        o13, o2 = m2.ORIGINALS.pop(kind)
-        del o13, o2
+        m2.ORIGINALS.pop(kind, None)
         h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
         xn, w, ids = mr.moe_router(h, norm_w, EPS, router, K, True)
         one = md.moe_experts(xn, q13, q2, w, ids, residual=h, **sk)
@@ -539,7 +538,7 @@ def dense(ceil: Ceilings) -> None:
             torch.cuda.empty_cache()
 
 
-@section("8 layers, 8-bit experts at batch 1: two GEMV launches vs one launch")
+@section("8 layers, quantized experts at batch 1: two GEMV launches vs one launch")
 def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
     import gc
 
@@ -549,8 +548,9 @@ def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
                   max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=2 << 30)  # fmt: skip
         engine = llm.llm_engine
         try:
+            layout = 2 if kind.startswith("int4") else 1
             for one in (False, True, False, True):
-                fm.ONE_LAUNCH[1] = one
+                fm.ONE_LAUNCH[layout] = one
                 recapture_batch1(engine.runner)
                 r = latency.run(engine, ceil, [1], 128, 64)[0]
                 tag = "one launch" if one else "two GEMVs"
@@ -559,7 +559,7 @@ def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
                 TABLE.append((f"8l {kind} bs=1 {tag}", f"{r.output_tok_s:.0f} tok/s, "
                               f"{r.roofline_pct:.1f}%"))  # fmt: skip
         finally:
-            fm.ONE_LAUNCH[1] = False
+            fm.ONE_LAUNCH.update({1: False, 2: False})
             engine.shutdown()
             del llm, engine
             gc.collect()
@@ -571,7 +571,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--regress", action="store_true", help="also Qwen3-0.6B and Llama-3.1-8B bs=1")
-    ap.add_argument("--quant8", default="", help="comma-separated int8,fp8: 8-layer bs=1 runs")
+    ap.add_argument("--quant", default="", help="comma-separated int8,fp8,int4: 8-layer bs=1")
     args = ap.parse_args()
     t0 = time.perf_counter()
     ceil = measure(torch.device(DEVICE), torch.bfloat16)
@@ -582,8 +582,8 @@ def main() -> None:
     if args.regress:
         dense(ceil)
     full_model(ceil, args.quick)
-    if args.quant8:
-        quant8(ceil, tuple(args.quant8.split(",")))
+    if args.quant:
+        quant8(ceil, tuple(args.quant.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
     width = max(len(k) for k, _ in TABLE) if TABLE else 0
     for k, v in TABLE:

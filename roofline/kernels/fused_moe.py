@@ -514,7 +514,7 @@ they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
 ONE_LAUNCH = {0: False, 1: False, 2: False}
 """Per expert layout (``ExpertLayout.quant``: 16-bit, int8/fp8, int4), one token:
 ``kernels.moe_decode`` (gate/up, down and the sums in one launch, split-K partials reduced by
-the last programs) instead of the two GEMV launches (int4: not built)."""
+the last programs) instead of the two GEMV launches."""
 GEMV_DOWN: dict[str, int] = {}
 """Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
 over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
@@ -736,7 +736,8 @@ def fused_moe(
 
         if moe_decode.takes(x, w13, num_tokens):
             return moe_decode.moe_experts(x, w13, w2, weights, ids, residual,
-                                          w13_scale=w13_scale, w2_scale=w2_scale)  # fmt: skip
+                                          w13_scale=w13_scale, w2_scale=w2_scale,
+                                          w13_offset=w13_offset, w2_offset=w2_offset)  # fmt: skip
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)

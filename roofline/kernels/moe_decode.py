@@ -27,7 +27,10 @@ partials are stored: the next layer's GEMV prefetches its weights while the part
 Not-local ids (``num_experts``, expert parallelism) read nothing and add zero. int8 / fp8 e4m3
 experts with per-channel scales (``quantization/moe.py``'s ``PerChannelMoEMethod``) load their
 1-byte tiles, widen them exactly in registers and apply each output channel's scale after its
-K sum (gate/up: before the SiLU; down: in the reduction, after the split sum), as the GEMVs do.
+K sum (gate/up: before the SiLU; down: in the reduction, after the split sum), as the GEMVs do;
+int4 experts (two a byte, group scales and offsets) dequantize each tile in fp32 through
+``mixed_gemm._grouped_tile`` (K steps and intermediate blocks within one group), as the int4
+GEMV does.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.fused_moe import _silu_mul
 from roofline.kernels.last_program import counters
+from roofline.kernels.mixed_gemm import _grouped_tile
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 SPIN_LIMIT = 1 << 24
@@ -46,6 +50,9 @@ SPIN_LIMIT = 1 << 24
 launch gets there; its output is then wrong, never a hung GPU)."""
 QUANT_CONFIG: dict = dict(BLOCK_K=256)
 """Overrides for int8 / fp8 experts (1-byte weights: twice the K a step for the same bytes)."""
+INT4_CONFIG: dict = dict(BLOCK_I=64, BLOCK_K=128, BLOCK_H=64)
+"""Overrides for int4 experts: 64 intermediate columns a program (a down row's block is 32
+bytes, one sector), K steps of 128 (64 bytes a row, within a group of 128)."""
 PDL = False
 """Launch as a programmatic dependent (waits for the routing first) and let the next launch
 start once the partials are stored (its weight prefetch then overlaps the reduction)."""
@@ -60,8 +67,10 @@ def _moe_experts_kernel(
     x_ptr,  # [1, H] the normalised row
     w13_ptr,  # [E, 2I, H]
     w2_ptr,  # [E, H, I]
-    s13_ptr,  # [E, 2I] per-channel scales (QUANT), else unread
-    s2_ptr,  # [E, H]
+    s13_ptr,  # [E, 2I] per-channel scales (QUANT 1) / [E, 2I, H // GROUP13] (QUANT 2)
+    s2_ptr,  # [E, H] / [E, H, I // GROUP2]
+    o13_ptr,  # int4 offsets, as the scales (QUANT 2), else unread
+    o2_ptr,
     ids_ptr,  # [TOP_K] int64
     weights_ptr,  # [TOP_K]
     res_ptr,  # [1, H] (read if RESIDUAL)
@@ -75,6 +84,10 @@ def _moe_experts_kernel(
     stride_n13,
     stride_e2,
     stride_n2,
+    stride_se13,  # the scales' expert and row strides
+    stride_sn13,
+    stride_se2,
+    stride_sn2,
     TOP_K: tl.constexpr,
     NUM_IB: tl.constexpr,
     BLOCK_IB: tl.constexpr,  # next power of two >= NUM_IB
@@ -87,7 +100,9 @@ def _moe_experts_kernel(
     SPIN_LIMIT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_W2: tl.constexpr,
-    QUANT: tl.constexpr,  # int8 / fp8 e4m3 weights, w = q * s per output channel
+    QUANT: tl.constexpr,  # 1: int8 / fp8 e4m3, w = q s per output channel; 2: int4 groups
+    GROUP13: tl.constexpr,  # int4 group sizes along H (w13) and I (w2)
+    GROUP2: tl.constexpr,
 ):
     j = tl.program_id(0)
     ib = tl.program_id(1)
@@ -103,25 +118,37 @@ def _moe_experts_kernel(
         offs_p = tl.arange(0, 256)
         for p0 in range(0, H, 256):
             rows_p = tl.minimum(p0 + offs_p, H - 1).to(tl.int64)
-            prefetch_l2(w2_ptr + expert * stride_e2 + rows_p * stride_n2 + ib * BLOCK_I)
+            col = ib * BLOCK_I // 2 if QUANT == 2 else ib * BLOCK_I  # (int4: two a byte)
+            prefetch_l2(w2_ptr + expert * stride_e2 + rows_p * stride_n2 + col)
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w13_ptr + expert * stride_e13 + rows_i[:, None] * stride_n13 + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * stride_n13
     acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes a row
+    q_rows = w13_ptr + expert * stride_e13 + rows_i[:, None] * stride_n13  # [BI, 1]
+    s13_e = s13_ptr + expert * stride_se13
+    o13_e = o13_ptr + expert * stride_se13
     for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = offs_k < H - k0
         a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = i_ok[:, None] & k_ok[None, :]
-        wg = tl.load(g_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(u_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first")
+        if QUANT == 2:  # whole tiles (BLOCK_K divides H), dequantized in fp32 (the GEMV's)
+            q_ptrs = q_rows + (k0 // 2 + offs_u)[None, :]
+            wg = _grouped_tile(q_ptrs, s13_e, o13_e, rows_i, k0, stride_sn13, tl.float32, 1,
+                               GROUP13, BLOCK_I, BLOCK_K)  # fmt: skip
+            wu = _grouped_tile(q_ptrs + INTER * stride_n13, s13_e, o13_e, rows_i + INTER, k0,
+                               stride_sn13, tl.float32, 1, GROUP13, BLOCK_I, BLOCK_K)  # fmt: skip
+        else:
+            m = i_ok[:, None] & k_ok[None, :]
+            wg = tl.load(g_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first")
+            wu = tl.load(u_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first")
         acc_g += wg.to(tl.float32) * a
         acc_u += wu.to(tl.float32) * a
     out_ty = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1)  # [BI]
     up = tl.sum(acc_u, axis=1)
-    if QUANT:  # the scales factor out of the K sums
-        s_rows = s13_ptr + expert * (2 * INTER) + rows_i
+    if QUANT == 1:  # the scales factor out of the K sums
+        s_rows = s13_e + rows_i
         gate *= tl.load(s_rows, mask=i_ok, other=0.0).to(tl.float32)
         up *= tl.load(s_rows + INTER, mask=i_ok, other=0.0).to(tl.float32)
     act = _silu_mul(gate, up, out_ty)
@@ -129,11 +156,19 @@ def _moe_experts_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     w2_cols = w2_ptr + expert * stride_e2 + rows_i[None, :]  # [1, BI]
     part_row = part_ptr + (j * NUM_IB + ib) * H
+    offs_ub = ib * BLOCK_I // 2 + tl.arange(0, BLOCK_I // 2)  # int4: the block's bytes a row
     for h0 in tl.range(0, H, BLOCK_H, num_stages=NUM_STAGES):
         h_ok = offs_h < H - h0
-        w_ptrs = w2_cols + (h0 + offs_h).to(tl.int64)[:, None] * stride_n2  # [BH, BI]
-        w = tl.load(w_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
+        if QUANT == 2:  # rows clamped (never stored), I whole blocks within a group
+            rows_h = tl.minimum(h0 + offs_h, H - 1).to(tl.int64)
+            q_ptrs = w2_ptr + expert * stride_e2 + rows_h[:, None] * stride_n2 + offs_ub[None, :]
+            w = _grouped_tile(q_ptrs, s2_ptr + expert * stride_se2, o2_ptr + expert * stride_se2,
+                              rows_h, ib * BLOCK_I, stride_sn2, tl.float32, 1, GROUP2, BLOCK_H,
+                              BLOCK_I)  # fmt: skip  # [BH, BI]
+        else:
+            w_ptrs = w2_cols + (h0 + offs_h).to(tl.int64)[:, None] * stride_n2  # [BH, BI]
+            w = tl.load(w_ptrs, mask=h_ok[:, None] & i_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
         tl.store(part_row + h0 + offs_h, tl.sum(w.to(tl.float32) * act[None, :], axis=1),
                  mask=h_ok)  # fmt: skip
     if PDL:  # the next launch may start (and prefetch) while the partials are reduced
@@ -159,11 +194,12 @@ def _moe_experts_kernel(
                 tile = tl.load(tile_ptrs, mask=ib_ok[:, None] & c_ok[None, :], other=0.0,
                                cache_modifier=".cg")  # fmt: skip  # [BLOCK_IB, BH]
                 down = tl.sum(tile, axis=0)  # expert jj's output (before its scales)
-                if QUANT:  # each output row's scale, after the split K sum
+                if QUANT == 1:  # each output row's scale, after the split K sum
                     e_jj = tl.load(ids_ptr + jj).to(tl.int64)
                     s_ok = c_ok & (e_jj < num_experts)
                     e_jj = tl.where(e_jj < num_experts, e_jj, 0)
-                    down *= tl.load(s2_ptr + e_jj * H + cols, mask=s_ok, other=0.0).to(tl.float32)
+                    s_jj = s2_ptr + e_jj * stride_se2 + cols
+                    down *= tl.load(s_jj, mask=s_ok, other=0.0).to(tl.float32)
                 down = down.to(out_ty).to(tl.float32)
                 total += down * tl.load(weights_ptr + jj).to(tl.float32)
             result = total.to(out_ty)
@@ -182,49 +218,83 @@ QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 def takes(x: torch.Tensor, w13: torch.Tensor, num_tokens: int) -> bool:
     """Whether ``moe_experts`` serves this call: one token, 16-bit activations, experts in x's
-    dtype or int8 / fp8 with per-channel scales."""
+    dtype, int8 / fp8 with per-channel scales or int4 (uint8 stacks) with groups."""
     return (
         num_tokens == 1
         and x.dtype in (torch.bfloat16, torch.float16)
-        and (w13.dtype == x.dtype or w13.dtype in QUANT_DTYPES)
+        and (w13.dtype == x.dtype or w13.dtype in QUANT_DTYPES or w13.dtype == torch.uint8)
     )
+
+
+def _scales(
+    quant: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scales: tuple[torch.Tensor | None, ...],
+    hidden: int,
+    inter: int,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[int, int]]:
+    """(s13, s2, o13, o2) pointers, (expert, row) strides of both scales, int4 group sizes."""
+    w13_scale, w2_scale, w13_offset, w2_offset = scales
+    num_experts, two_inter = w13.shape[:2]
+    if quant == 0:
+        return (w13, w2, w13, w2), (0, 0, 0, 0), (0, 0)
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("moe_experts: quantized experts need w13_scale and w2_scale")
+    if quant == 1:
+        if w13_scale.shape != (num_experts, two_inter) or w2_scale.shape != (num_experts, hidden):
+            raise ValueError("moe_experts: per-channel scales [E, 2I] and [E, H]")
+        s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
+        return (s13, s2, s13, s2), (s13.stride(0), 1, s2.stride(0), 1), (0, 0)
+    if w13_offset is None or w2_offset is None:
+        raise ValueError("moe_experts: int4 experts need w13_offset and w2_offset")
+    for t in (w13_scale, w2_scale, w13_offset, w2_offset):
+        if t.dim() != 3 or not t.is_contiguous():
+            raise ValueError("moe_experts: int4 scales and offsets [E, N, K // group], contiguous")
+    group13, group2 = hidden // w13_scale.shape[2], inter // w2_scale.shape[2]
+    strides = (w13_scale.stride(0), w13_scale.stride(1), w2_scale.stride(0), w2_scale.stride(1))
+    return (w13_scale, w2_scale, w13_offset, w2_offset), strides, (group13, group2)
 
 
 def moe_experts(
     x: torch.Tensor,  # [1, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor,  # [E, 2I, H] (int4: uint8 [E, 2I, H // 2])
+    w2: torch.Tensor,  # [E, H, I] (int4: uint8 [E, H, I // 2])
     topk_weights: torch.Tensor,  # [1, k]
     topk_ids: torch.Tensor,  # [1, k] int64
     residual: torch.Tensor | None = None,  # [1, H]
     config: dict | None = None,
-    w13_scale: torch.Tensor | None = None,  # [E, 2I] (int8 / fp8 experts)
-    w2_scale: torch.Tensor | None = None,  # [E, H]
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] (8-bit) / [E, 2I, H // group] (int4)
+    w2_scale: torch.Tensor | None = None,  # [E, H] / [E, H, I // group]
+    w13_offset: torch.Tensor | None = None,  # int4: as the scales
+    w2_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [1, H]
     """``fused_moe`` (plus ``residual``) for one token in one launch (see the module
-    docstring); int8 / fp8 experts with their per-channel scales."""
+    docstring); int8 / fp8 experts with per-channel scales, int4 with group scales and
+    offsets."""
     check_device(x, w13, w2, topk_weights, topk_ids)
-    num_experts, two_inter, hidden = w13.shape
+    quant = 2 if w13.dtype == torch.uint8 else 1 if w13.dtype in QUANT_DTYPES else 0
+    packed = 2 if quant == 2 else 1
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * packed
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    if x.shape != (1, hidden) or topk_ids.shape[0] != 1 or w2.shape != (num_experts, hidden, inter):
+    if x.shape != (1, hidden) or topk_ids.shape[0] != 1 or w2.shape != (
+        num_experts, hidden, inter // packed
+    ):  # fmt: skip
         raise ValueError("moe_experts: one token, w13 [E, 2I, H] and w2 [E, H, I]")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("moe_experts: the last dims must be contiguous")
-    quant = w13.dtype in QUANT_DTYPES
-    if quant and (w13_scale is None or w2_scale is None):
-        raise ValueError("moe_experts: int8 / fp8 experts need w13_scale and w2_scale")
-    if quant and (
-        w13_scale.shape != (num_experts, two_inter) or w2_scale.shape != (num_experts, hidden)
-    ):
-        raise ValueError("moe_experts: per-channel scales [E, 2I] and [E, H]")
-    if not quant and w13.dtype != x.dtype:
+    if quant == 0 and w13.dtype != x.dtype:
         raise ValueError(f"moe_experts: 16-bit experts must be in x's dtype {x.dtype}")
-    s13 = w13_scale.contiguous() if quant else w13
-    s2 = w2_scale.contiguous() if quant else w2
-    cfg = dict(CONFIG, **(QUANT_CONFIG if quant else {}), **(config or {}))
+    ptrs, strides, (group13, group2) = _scales(
+        quant, w13, w2, (w13_scale, w2_scale, w13_offset, w2_offset), hidden, inter
+    )
+    cfg = dict(CONFIG) | {0: {}, 1: QUANT_CONFIG, 2: INT4_CONFIG}[quant] | (config or {})
     if is_interpret():  # (no prefetch instruction to interpret)
         cfg.update(BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(hidden)), PREFETCH_W2=False)
+    if quant == 2:  # whole tiles within one group: K steps dividing H, I blocks dividing I
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], hidden & -hidden, group13)
+        cfg["BLOCK_I"] = min(cfg["BLOCK_I"], inter & -inter, group2)
     num_ib = triton.cdiv(inter, cfg["BLOCK_I"])
     chunks = triton.cdiv(hidden, cfg["BLOCK_H"])
     reducers = 1 if is_interpret() else min(chunks, top_k * num_ib)
@@ -233,11 +303,11 @@ def moe_experts(
     out = torch.empty_like(x)
     res = out if residual is None else residual
     _moe_experts_kernel[(top_k, num_ib)](
-        x, w13, w2, s13, s2, topk_ids.contiguous(), topk_weights.contiguous(), res, out, part,
+        x, w13, w2, *ptrs, topk_ids.contiguous(), topk_weights.contiguous(), res, out, part,
         counters(x.device, 2, "moe_experts"), hidden, inter, num_experts, w13.stride(0),
-        w13.stride(1), w2.stride(0), w2.stride(1), TOP_K=top_k, NUM_IB=num_ib,
+        w13.stride(1), w2.stride(0), w2.stride(1), *strides, TOP_K=top_k, NUM_IB=num_ib,
         BLOCK_IB=triton.next_power_of_2(num_ib), REDUCERS=reducers,
-        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, QUANT=quant, **cfg,
-        **({"launch_pdl": True} if pdl else {}),
+        RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, QUANT=quant,
+        GROUP13=group13, GROUP2=group2, **cfg, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -91,6 +91,39 @@ def test_per_channel_8bit_experts(kind, monkeypatch) -> None:
         moe_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_experts(symmetric, monkeypatch) -> None:
+    """int4 experts (groups of 32, symmetric or with zero points) against the dequantize-then-
+    reference loop and the two int4 GEMV launches; two intermediate blocks, two K steps."""
+    from roofline.kernels import fused_moe as fm
+    from roofline.quantization.moe import GroupInt4MoEMethod
+
+    num_experts, inter, hidden = 6, 64, 64
+    w13, w2, gen = _experts(num_experts, inter, hidden, torch.float32, 9)
+    layer = torch.nn.Module()
+    method = GroupInt4MoEMethod(32, symmetric=symmetric)
+    method.create_weights(layer, num_experts, inter, hidden, torch.bfloat16)
+    method.load(layer, "w13", slice(None), slice(None), w13.cpu())
+    method.load(layer, "w2", slice(None), slice(None), w2.cpu())
+    layer = layer.to(DEVICE)
+    sk = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, w13_offset=layer.w13_offset,
+              w2_offset=layer.w2_offset)  # fmt: skip
+    x = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
+    h = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
+    ids = torch.tensor([[4, 0]]).to(DEVICE)
+    weights = torch.tensor([[0.6, 0.4]]).bfloat16().to(DEVICE)
+    q13, q2 = layer.w13_weight, layer.w2_weight
+    got = moe_experts(x, q13, q2, weights, ids, residual=h, config=dict(BLOCK_H=32), **sk)
+    ref = h.float() + fused_moe_ref(x.float(), q13, q2, weights.float(), ids, **sk)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    two = fm.fused_moe(x, q13, q2, weights, ids, residual=h, **sk)
+    torch.testing.assert_close(got, two, atol=1e-2, rtol=1e-2)
+    monkeypatch.setitem(fm.ONE_LAUNCH, 2, True)
+    via = fm.fused_moe(x, q13, q2, weights, ids, residual=h, **sk)
+    torch.testing.assert_close(via, moe_experts(x, q13, q2, weights, ids, residual=h, **sk),
+                               atol=0, rtol=0)  # fmt: skip
+
+
 def test_rejects_a_batch() -> None:
     w13, w2, _ = _experts(4, 16, 32, torch.bfloat16, 1)
     x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -105,11 +138,11 @@ def test_compiles_for_hopper() -> None:
 
     base = dict(TOP_K=8, NUM_IB=24, BLOCK_IB=32, REDUCERS=16, BLOCK_I=32, BLOCK_K=128,
                 BLOCK_H=128, NUM_STAGES=3, RESIDUAL=True, SPIN_LIMIT=1 << 24,
-                QUANT=False)  # fmt: skip
+                QUANT=0, GROUP13=0, GROUP2=0)  # fmt: skip
     pointers = {n: "bf16" for n in ("x_ptr", "w13_ptr", "w2_ptr", "weights_ptr", "res_ptr",
                                     "out_ptr")}  # fmt: skip
     pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32", s13_ptr="fp32",
-                    s2_ptr="fp32")  # fmt: skip
+                    s2_ptr="fp32", o13_ptr="fp32", o2_ptr="fp32")  # fmt: skip
     ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
                               [dict(base, PDL=False, PREFETCH_W2=False),
                                dict(base, PDL=True, PREFETCH_W2=True)], pointers, (),
@@ -119,11 +152,19 @@ def test_compiles_for_hopper() -> None:
     assert "prefetch.global.L2" in ptxs[1] and "prefetch.global.L2" not in ptxs[0]
     for wtype in ("i8", "fp8e4nv"):  # per-channel 8-bit experts
         q8 = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
-                                [dict(base, PDL=False, PREFETCH_W2=False, QUANT=True,
+                                [dict(base, PDL=False, PREFETCH_W2=False, QUANT=1,
                                       BLOCK_K=256)],
                                 dict(pointers, w13_ptr=wtype, w2_ptr=wtype), (),
                                 dict(num_warps=8))  # fmt: skip
         assert "atom." in q8[0]
+    q4 = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
+                            [dict(base, PDL=True, PREFETCH_W2=False, QUANT=2, BLOCK_I=64,
+                                  NUM_IB=12, BLOCK_IB=16, BLOCK_H=64, GROUP13=128,
+                                  GROUP2=128)],
+                            dict(pointers, w13_ptr="u8", w2_ptr="u8", s13_ptr="bf16",
+                                 s2_ptr="bf16", o13_ptr="bf16", o2_ptr="bf16"), (),
+                            dict(num_warps=8))  # fmt: skip
+    assert "atom." in q4[0] and "griddepcontrol.wait" in q4[0]
 
 
 def test_fused_moe_takes_it_at_one_token(monkeypatch) -> None:
