@@ -301,6 +301,7 @@ DOWN_SWEEP = [dict(BLOCK_N=4, BLOCK_K=256, NUM_STAGES=3, num_warps=4),
 ONE_LAUNCH_SWEEP = [
     dict(md.CONFIG),
     dict(md.CONFIG, PREFETCH_W2=True),
+    dict(md.CONFIG, BLOCK_H=64),
     dict(BLOCK_I=32, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=4, num_warps=4),
     dict(BLOCK_I=16, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, num_warps=4),
     dict(BLOCK_I=64, BLOCK_K=64, BLOCK_H=64, NUM_STAGES=3, num_warps=8),
