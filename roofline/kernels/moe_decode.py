@@ -214,6 +214,9 @@ def _moe_experts_kernel(
 
 
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+MAX_INTER = 2048
+"""Widest expert (intermediate columns) taken: the workspace holds ``k * I / BLOCK_I`` partial
+rows and each reducer sums ``I / BLOCK_I`` of them a slot (Mixtral's 14336 keeps the GEMVs)."""
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, num_tokens: int) -> bool:
@@ -223,6 +226,7 @@ def takes(x: torch.Tensor, w13: torch.Tensor, num_tokens: int) -> bool:
         num_tokens == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and (w13.dtype == x.dtype or w13.dtype in QUANT_DTYPES or w13.dtype == torch.uint8)
+        and w13.shape[1] // 2 <= MAX_INTER
     )
 
 

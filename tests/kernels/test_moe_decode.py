@@ -124,6 +124,16 @@ def test_int4_experts(symmetric, monkeypatch) -> None:
                                atol=0, rtol=0)  # fmt: skip
 
 
+def test_takes_one_token_of_narrow_experts() -> None:
+    from roofline.kernels.moe_decode import takes
+
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    assert takes(x, torch.zeros(4, 2 * 768, 32, dtype=torch.bfloat16), 1)
+    assert not takes(x, torch.zeros(4, 2 * 768, 32, dtype=torch.bfloat16), 2)
+    assert not takes(x, torch.zeros(2, 2 * 14336, 32, dtype=torch.bfloat16), 1)  # Mixtral's
+    assert not takes(x.float(), torch.zeros(4, 64, 32), 1)  # fp32: the GEMVs
+
+
 def test_rejects_a_batch() -> None:
     w13, w2, _ = _experts(4, 16, 32, torch.bfloat16, 1)
     x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
