@@ -29,6 +29,7 @@ try/except so one failure does not hide the others; a short table last).
    batch-1 decode with the two expert GEMVs and with the one-launch experts, twice each.
 
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
+    python scripts/gpu_moe4.py --final     # figures on merged main: 5, 2 and the offline run
 """
 
 from __future__ import annotations
@@ -456,7 +457,7 @@ SHIPPED_GEMV = dict(fm.GEMV_CONFIG)
 
 
 @section("Qwen3-30B-A3B, 48 layers, bf16")
-def full_model(ceil: Ceilings, quick: bool) -> None:
+def full_model(ceil: Ceilings, quick: bool, final: bool = False) -> None:
     t0 = time.perf_counter()
     llm = LLM("qwen3-30b-a3b", load_format="dummy", device=DEVICE, max_model_len=2048,
               max_num_seqs=128, gpu_memory_utilization=0.92)  # fmt: skip
@@ -481,6 +482,13 @@ def full_model(ceil: Ceilings, quick: bool) -> None:
     for r in rows:
         TABLE.append((f"48l bs={r.batch_size} step", f"{r.step_ms_p50:.2f} ms, "
                       f"{r.roofline_pct:.1f}% of touched-experts roofline"))  # fmt: skip
+    if final:  # the figures only: the offline workload instead of the benches and switches
+        import gpu_moe3 as m3
+
+        m3.SUMMARY = SUMMARY
+        m3.offline(llm, ceil)
+        engine.shutdown()
+        return
     block_bench(engine, ceil)
     runner = engine.runner  # the variants recapture the batch-1 graph only
     variants = {}
@@ -571,6 +579,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--final", action="store_true", help="figures only: bs 1/8/32/128, offline")
     ap.add_argument("--regress", action="store_true", help="also Qwen3-0.6B and Llama-3.1-8B bs=1")
     ap.add_argument("--quant", default="", help="comma-separated int8,fp8,int4: 8-layer bs=1")
     args = ap.parse_args()
@@ -579,10 +588,11 @@ def main() -> None:
     print(f"ceilings ({ceil.device_name}): copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
     SUMMARY["ceilings"] = vars(ceil)
-    parity()
-    if args.regress:
+    if not args.final:
+        parity()
+    if args.regress or args.final:
         dense(ceil)
-    full_model(ceil, args.quick)
+    full_model(ceil, args.quick, args.final)
     if args.quant:
         quant8(ceil, tuple(args.quant.split(",")))
     print(f"\n=== summary ({time.perf_counter() - t0:.0f}s)")
