@@ -446,6 +446,22 @@ def _switches() -> dict:
             lambda: (one(False), setattr(md, "PDL", False), setattr(mr, "ROUTER_TRIGGER", 0)),
         ),
         "attention: the fused kernel": (lambda: fused_attn(True), lambda: fused_attn(False)),
+        "attention: the fused kernel, 8 warps": (
+            lambda: (fused_attn(True), attn.WIDE_GROUP_WARPS.update({8: 8})),
+            lambda: (fused_attn(False), attn.WIDE_GROUP_WARPS.clear()),
+        ),
+        "attention: the fused kernel, 8 warps, merge tile = its splits": (
+            lambda: (
+                fused_attn(True),
+                attn.WIDE_GROUP_WARPS.update({8: 8}),
+                setattr(attn, "MERGE_TILE_FIT", True),
+            ),
+            lambda: (
+                fused_attn(False),
+                attn.WIDE_GROUP_WARPS.clear(),
+                setattr(attn, "MERGE_TILE_FIT", False),
+            ),
+        ),
         "attention: the fused kernel, merge tile = its splits": (
             lambda: (fused_attn(True), setattr(attn, "MERGE_TILE_FIT", True)),
             lambda: (fused_attn(False), setattr(attn, "MERGE_TILE_FIT", False)),

@@ -59,6 +59,11 @@ MAX_ROWS = 4
 large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
+WIDE_GROUP_WARPS: dict[int, int] = {}
+"""Warps per program by GQA group size, where it differs from NUM_WARPS. sm_90 ptxas at
+Qwen3-30B-A3B's group of 8 query heads per KV head (q/k norm): 255 registers and 220 bytes of
+spill stores a thread at 4 warps, 231 registers and none at 8 (``scripts/gpu_moe4.py``
+measures both)."""
 MERGE_TILE_FIT = False
 """The merge's tile of partials: False ``MAX_NUM_SPLITS`` rows (as measured so far), True the
 grid's ``max_splits`` rounded up to a power of two (fewer registers; ``scripts/gpu_moe4.py``
@@ -451,7 +456,7 @@ def fused_decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         BLOCK_S=max(2, triton.next_power_of_2(max_splits)) if MERGE_TILE_FIT else MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
-        LINE_ELEMS=line_elems, num_warps=NUM_WARPS, num_stages=3,
+        LINE_ELEMS=line_elems, num_warps=WIDE_GROUP_WARPS.get(group, NUM_WARPS), num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF
         **meta,
     )  # fmt: skip
