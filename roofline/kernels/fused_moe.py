@@ -515,6 +515,12 @@ ONE_LAUNCH = {0: False, 1: False, 2: False}
 """Per expert layout (``ExpertLayout.quant``: 16-bit, int8/fp8, int4), one token:
 ``kernels.moe_decode`` (gate/up, down and the sums in one launch, split-K partials reduced by
 the last programs) instead of the two GEMV launches."""
+SPLIT_DOWN = {0: False, 1: False}
+"""Per expert layout (16-bit, int8/fp8), one token: the down projection by
+``kernels.moe_down`` (the experts split over programs, the last of a column block sums) instead
+of the down GEMV (one program per column block looping over the experts); same bits."""
+SPLIT_DOWN_CONFIG: dict[str, int] = {}
+"""Overrides of the split down's tiles (default: the down GEMV's, whose sums it repeats)."""
 GEMV_DOWN: dict[str, int] = {}
 """Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
 over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
@@ -765,6 +771,12 @@ def fused_moe(
             MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
             PREFETCH_LINES=1, **cfg, **meta,
         )  # fmt: skip
+        if num_tokens == 1 and layout.quant < 2 and SPLIT_DOWN[layout.quant]:
+            from roofline.kernels.moe_down import moe_down_split
+
+            tiles = {k: cfg2[k] for k in ("BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps")}
+            return moe_down_split(act, w2, weights, ids, out, residual, w2_scale,
+                                  tiles | SPLIT_DOWN_CONFIG)  # fmt: skip
         row_bytes = w2.shape[2] * w2.element_size()
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg2["BLOCK_N"]))](
             act, w2, s2, o2, out, ids, weights, res, hidden, inter, num_experts,
