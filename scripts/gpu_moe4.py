@@ -57,6 +57,7 @@ from roofline.kernels import decode_attention_fused as attn  # noqa: E402
 from roofline.kernels import fused_moe as fm  # noqa: E402
 from roofline.kernels import last_program  # noqa: E402
 from roofline.kernels import moe_decode as md  # noqa: E402
+from roofline.kernels import moe_down as md_down  # noqa: E402
 from roofline.kernels import moe_router as mr  # noqa: E402
 
 SUMMARY: dict[str, object] = {}
@@ -98,6 +99,12 @@ def parity() -> None:
                                                ids_r)  # fmt: skip
             e2 = m2.rel_err(out, ref)
             bad += m2.check(f"MoE block seed {seed}", e2 < 2e-2, f"rel err vs reference {e2:.1e}")
+        if seed < 3:  # the split down: the down GEMV's bits
+            fm.SPLIT_DOWN[0] = True
+            split = fm.fused_moe(xn, w13, w2, w, ids, residual=h)
+            fm.SPLIT_DOWN[0] = False
+            same = torch.equal(split, out)
+            bad += m2.check(f"split down seed {seed}", same, f"equal to the down GEMV: {same}")
         if seed < 3:  # one launch for the experts (16 reducers waiting on the GPU)
             for cfg in ONE_LAUNCH_SWEEP[:2]:
                 one = md.moe_experts(xn, w13, w2, w, ids, residual=h, config=cfg)
@@ -307,6 +314,8 @@ ONE_LAUNCH_SWEEP = [
     dict(BLOCK_I=16, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, num_warps=4),
     dict(BLOCK_I=64, BLOCK_K=64, BLOCK_H=64, NUM_STAGES=3, num_warps=8),
 ]
+SPLIT_SWEEP = [{}, dict(BLOCK_N=16), dict(BLOCK_N=4), dict(BLOCK_N=16, num_warps=8)]
+"""Split-down tiles ({}: the down GEMV's, same bits)."""
 BEST: dict[str, dict] = {}
 
 
@@ -351,6 +360,26 @@ def block_bench(engine, ceil: Ceilings) -> None:
         results[f"block, router {label}"] = us
         print(f"whole block ({label:7s}): {pct(us, gate_up_b + down_b + router_b)}", flush=True)
     mr.PRELOAD = True
+    fm.SPLIT_DOWN[0] = True
+    for cfg in SPLIT_SWEEP:
+        try:
+            fm.SPLIT_DOWN_CONFIG.clear()
+            fm.SPLIT_DOWN_CONFIG.update(cfg)
+            us = graph_us(chain_block, n)
+            results[f"block, split down {cfg}"] = us
+            print(f"whole block, split down {cfg}: {pct(us, gate_up_b + down_b + router_b)}",
+                  flush=True)  # fmt: skip
+            fn = lambda c=cfg: [md_down.moe_down_split(act, moe.w2_weight, w, ids[i], out, h,  # noqa: E731
+                                                       config=dict(md_down.CONFIG, **c))
+                                for i, (_, moe) in enumerate(layers)]  # fmt: skip
+            us = graph_us(fn, n)
+            results[f"split down alone {cfg}"] = us
+            print(f"split down alone {cfg}: {pct(us, down_b)}", flush=True)
+            TABLE.append((f"split down alone {cfg}", pct(us, down_b)))
+        except Exception as exc:  # noqa: BLE001 - the next config still runs
+            print(f"split down {cfg}: {type(exc).__name__} {str(exc)[:100]}")
+    fm.SPLIT_DOWN[0] = False
+    fm.SPLIT_DOWN_CONFIG.clear()
     fm.ONE_LAUNCH[0] = True
     rows = []
     for cfg in ONE_LAUNCH_SWEEP:
@@ -440,6 +469,10 @@ def _switches() -> dict:
             lambda: moe_pdl(False, False, 0),
         ),
         "best swept GEMV tiles": (lambda: tiles(True), lambda: tiles(False)),
+        "split down (the GEMV's tiles)": (
+            lambda: fm.SPLIT_DOWN.update({0: True}),
+            lambda: fm.SPLIT_DOWN.update({0: False}),
+        ),
         "experts in one launch (best tiles)": (lambda: one(True), lambda: one(False)),
         "experts in one launch, PDL (router trigger 2)": (
             lambda: (one(True), setattr(md, "PDL", True), setattr(mr, "ROUTER_TRIGGER", 2)),
