@@ -43,6 +43,7 @@ from roofline.kernels import check_device, is_interpret
 from roofline.kernels.fused_moe import _silu_mul
 from roofline.kernels.last_program import counters
 from roofline.kernels.mixed_gemm import _grouped_tile
+from roofline.kernels.moe_router import route_logits
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 SPIN_LIMIT = 1 << 24
@@ -53,6 +54,11 @@ QUANT_CONFIG: dict = dict(BLOCK_K=256)
 INT4_CONFIG: dict = dict(BLOCK_I=64, BLOCK_K=128, BLOCK_H=64)
 """Overrides for int4 experts: 64 intermediate columns a program (a down row's block is 32
 bytes, one sector), K steps of 128 (64 bytes a row, within a group of 128)."""
+ROUTE = False
+"""With ``fused_moe.ONE_LAUNCH`` at one token: the router kernel stores only its logits
+(``moe_router.moe_router_logits``: no atomic, no routing program) and every program of the
+experts' launch routes them itself (``moe_router.route_logits``: the same softmax and top-k,
+so the same experts and weights); ``layers.fused_decode.moe_norm_add`` takes it."""
 PDL = False
 """Launch as a programmatic dependent (waits for the routing first) and let the next launch
 start once the partials are stored (its weight prefetch then overlaps the reduction)."""
@@ -71,8 +77,9 @@ def _moe_experts_kernel(
     s2_ptr,  # [E, H] / [E, H, I // GROUP2]
     o13_ptr,  # int4 offsets, as the scales (QUANT 2), else unread
     o2_ptr,
-    ids_ptr,  # [TOP_K] int64
-    weights_ptr,  # [TOP_K]
+    ids_ptr,  # [TOP_K] int64 (unread if ROUTE)
+    weights_ptr,  # [TOP_K] (unread if ROUTE)
+    logits_ptr,  # [E] the router's logits (ROUTE), else unread
     res_ptr,  # [1, H] (read if RESIDUAL)
     out_ptr,  # [1, H]
     part_ptr,  # [TOP_K, NUM_IB, H] fp32 workspace
@@ -103,12 +110,19 @@ def _moe_experts_kernel(
     QUANT: tl.constexpr,  # 1: int8 / fp8 e4m3, w = q s per output channel; 2: int4 groups
     GROUP13: tl.constexpr,  # int4 group sizes along H (w13) and I (w2)
     GROUP2: tl.constexpr,
+    ROUTE: tl.constexpr,  # route the logits here (every program alike) instead of reading ids
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     j = tl.program_id(0)
     ib = tl.program_id(1)
     if PDL:  # the routing (ids, weights, x) comes from the previous launch
         tl.extra.cuda.gdc_wait()
-    expert = tl.load(ids_ptr + j).to(tl.int64)
+    if ROUTE:
+        offs_e, rank, route_w = route_logits(logits_ptr, num_experts, TOP_K, RENORMALIZE, BLOCK_E)
+        expert = tl.sum(tl.where(rank == j, offs_e, 0), axis=0).to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + j).to(tl.int64)
     local = expert < num_experts
     expert = tl.where(local, expert, 0)
     offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -194,14 +208,21 @@ def _moe_experts_kernel(
                 tile = tl.load(tile_ptrs, mask=ib_ok[:, None] & c_ok[None, :], other=0.0,
                                cache_modifier=".cg")  # fmt: skip  # [BLOCK_IB, BH]
                 down = tl.sum(tile, axis=0)  # expert jj's output (before its scales)
+                if ROUTE:
+                    w_jj = tl.sum(tl.where(rank == jj, route_w, 0.0), axis=0).to(out_ty)
+                else:
+                    w_jj = tl.load(weights_ptr + jj)
                 if QUANT == 1:  # each output row's scale, after the split K sum
-                    e_jj = tl.load(ids_ptr + jj).to(tl.int64)
+                    if ROUTE:
+                        e_jj = tl.sum(tl.where(rank == jj, offs_e, 0), axis=0).to(tl.int64)
+                    else:
+                        e_jj = tl.load(ids_ptr + jj).to(tl.int64)
                     s_ok = c_ok & (e_jj < num_experts)
                     e_jj = tl.where(e_jj < num_experts, e_jj, 0)
                     s_jj = s2_ptr + e_jj * stride_se2 + cols
                     down *= tl.load(s_jj, mask=s_ok, other=0.0).to(tl.float32)
                 down = down.to(out_ty).to(tl.float32)
-                total += down * tl.load(weights_ptr + jj).to(tl.float32)
+                total += down * w_jj.to(tl.float32)
             result = total.to(out_ty)
             if RESIDUAL:
                 r = tl.load(res_ptr + cols, mask=c_ok, other=0.0)
@@ -217,6 +238,11 @@ QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 MAX_INTER = 2048
 """Widest expert (intermediate columns) taken: the workspace holds ``k * I / BLOCK_I`` partial
 rows and each reducer sums ``I / BLOCK_I`` of them a slot (Mixtral's 14336 keeps the GEMVs)."""
+
+
+def layout_of(w13: torch.Tensor) -> int:
+    """``fused_moe.ExpertLayout.quant`` of a stack: 0 16-bit, 1 int8 / fp8, 2 int4 (uint8)."""
+    return 2 if w13.dtype == torch.uint8 else 1 if w13.dtype in QUANT_DTYPES else 0
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, num_tokens: int) -> bool:
@@ -264,18 +290,29 @@ def moe_experts(
     x: torch.Tensor,  # [1, H]
     w13: torch.Tensor,  # [E, 2I, H] (int4: uint8 [E, 2I, H // 2])
     w2: torch.Tensor,  # [E, H, I] (int4: uint8 [E, H, I // 2])
-    topk_weights: torch.Tensor,  # [1, k]
-    topk_ids: torch.Tensor,  # [1, k] int64
+    topk_weights: torch.Tensor | None,  # [1, k] (None with ``logits``)
+    topk_ids: torch.Tensor | None,  # [1, k] int64
     residual: torch.Tensor | None = None,  # [1, H]
     config: dict | None = None,
     w13_scale: torch.Tensor | None = None,  # [E, 2I] (8-bit) / [E, 2I, H // group] (int4)
     w2_scale: torch.Tensor | None = None,  # [E, H] / [E, H, I // group]
     w13_offset: torch.Tensor | None = None,  # int4: as the scales
     w2_offset: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,  # [E]: route here (``top_k``, ``renormalize``)
+    top_k: int = 0,
+    renormalize: bool = True,
 ) -> torch.Tensor:  # [1, H]
     """``fused_moe`` (plus ``residual``) for one token in one launch (see the module
     docstring); int8 / fp8 experts with per-channel scales, int4 with group scales and
-    offsets."""
+    offsets. With ``logits`` (``moe_router.moe_router_logits``) every program routes them itself
+    (softmax, top ``top_k``), so the router needs no routing program of its own."""
+    route = logits is not None
+    if route:
+        if logits.shape != (w13.shape[0],) or not 0 < top_k <= w13.shape[0]:
+            raise ValueError("moe_experts: logits [E] and 0 < top_k <= E")
+        topk_weights = torch.empty(1, top_k, dtype=x.dtype, device=x.device)  # (unread)
+        topk_ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
+    assert topk_weights is not None and topk_ids is not None
     check_device(x, w13, w2, topk_weights, topk_ids)
     quant = 2 if w13.dtype == torch.uint8 else 1 if w13.dtype in QUANT_DTYPES else 0
     packed = 2 if quant == 2 else 1
@@ -307,11 +344,14 @@ def moe_experts(
     out = torch.empty_like(x)
     res = out if residual is None else residual
     _moe_experts_kernel[(top_k, num_ib)](
-        x, w13, w2, *ptrs, topk_ids.contiguous(), topk_weights.contiguous(), res, out, part,
+        x, w13, w2, *ptrs, topk_ids.contiguous(), topk_weights.contiguous(),
+        logits if route else topk_weights, res, out, part,
         counters(x.device, 2, "moe_experts"), hidden, inter, num_experts, w13.stride(0),
         w13.stride(1), w2.stride(0), w2.stride(1), *strides, TOP_K=top_k, NUM_IB=num_ib,
         BLOCK_IB=triton.next_power_of_2(num_ib), REDUCERS=reducers,
         RESIDUAL=residual is not None, SPIN_LIMIT=SPIN_LIMIT, PDL=pdl, QUANT=quant,
-        GROUP13=group13, GROUP2=group2, **cfg, **({"launch_pdl": True} if pdl else {}),
+        GROUP13=group13, GROUP2=group2, ROUTE=route, RENORMALIZE=renormalize,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

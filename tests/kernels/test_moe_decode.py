@@ -134,6 +134,40 @@ def test_takes_one_token_of_narrow_experts() -> None:
     assert not takes(x.float(), torch.zeros(4, 64, 32), 1)  # fp32: the GEMVs
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_in_the_experts_launch(kind, renormalize, monkeypatch) -> None:
+    """``logits`` (the router without its routing program): every program routes them itself
+    and the result is the ids/weights path's, bit for bit."""
+    from roofline.kernels import moe_router as mr
+    from roofline.quantization.moe import PerChannelMoEMethod
+
+    monkeypatch.setattr(mr, "FORCE_PRELOAD", True)
+    num_experts, inter, hidden, top_k = 24, 32, 64, 4
+    w13, w2, gen = _experts(num_experts, inter, hidden, torch.bfloat16, 13)
+    sk: dict = {}
+    if kind == "int8":
+        layer = torch.nn.Module()
+        method = PerChannelMoEMethod("int8")
+        method.create_weights(layer, num_experts, inter, hidden, torch.bfloat16)
+        method.load(layer, "w13", slice(None), slice(None), w13.float().cpu())
+        method.load(layer, "w2", slice(None), slice(None), w2.float().cpu())
+        layer = layer.to(DEVICE)
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        sk = dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+    router = (torch.randn(num_experts, hidden, generator=gen) / hidden**0.5).bfloat16().to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16().to(DEVICE)
+    for _ in range(2):
+        h = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
+        xn, logits = mr.moe_router_logits(h, nw, 1e-6, router)
+        xn2, weights, ids = mr.moe_router(h, nw, 1e-6, router, top_k, renormalize)
+        assert torch.equal(xn, xn2)
+        got = moe_experts(xn, w13, w2, None, None, residual=h, logits=logits, top_k=top_k,
+                          renormalize=renormalize, **sk)  # fmt: skip
+        want = moe_experts(xn2, w13, w2, weights, ids, residual=h, **sk)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_rejects_a_batch() -> None:
     w13, w2, _ = _experts(4, 16, 32, torch.bfloat16, 1)
     x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -148,14 +182,16 @@ def test_compiles_for_hopper() -> None:
 
     base = dict(TOP_K=8, NUM_IB=24, BLOCK_IB=32, REDUCERS=16, BLOCK_I=32, BLOCK_K=128,
                 BLOCK_H=128, NUM_STAGES=3, RESIDUAL=True, SPIN_LIMIT=1 << 24,
-                QUANT=0, GROUP13=0, GROUP2=0)  # fmt: skip
+                QUANT=0, GROUP13=0, GROUP2=0, ROUTE=False, RENORMALIZE=True,
+                BLOCK_E=128)  # fmt: skip
     pointers = {n: "bf16" for n in ("x_ptr", "w13_ptr", "w2_ptr", "weights_ptr", "res_ptr",
                                     "out_ptr")}  # fmt: skip
     pointers.update(ids_ptr="i64", part_ptr="fp32", counter_ptr="i32", s13_ptr="fp32",
-                    s2_ptr="fp32", o13_ptr="fp32", o2_ptr="fp32")  # fmt: skip
+                    s2_ptr="fp32", o13_ptr="fp32", o2_ptr="fp32", logits_ptr="bf16")  # fmt: skip
     ptxs = compile_for_hopper("roofline.kernels.moe_decode", "_moe_experts_kernel",
                               [dict(base, PDL=False, PREFETCH_W2=False),
-                               dict(base, PDL=True, PREFETCH_W2=True)], pointers, (),
+                               dict(base, PDL=True, PREFETCH_W2=True, ROUTE=True)],
+                              pointers, (),
                               dict(num_warps=8))  # fmt: skip
     assert "atom." in ptxs[0] and "griddepcontrol" not in ptxs[0]
     assert "griddepcontrol.wait" in ptxs[1] and "griddepcontrol.launch_dependents" in ptxs[1]
