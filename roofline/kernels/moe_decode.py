@@ -46,7 +46,7 @@ from roofline.kernels.mixed_gemm import _grouped_tile
 from roofline.kernels.moe_router import route_logits
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
-SPIN_LIMIT = 1 << 24
+SPIN_LIMIT = 1 << 22
 """A reducer stops waiting after this many polls of the arrival counter (seconds: only a broken
 launch gets there; its output is then wrong, never a hung GPU)."""
 QUANT_CONFIG: dict = dict(BLOCK_K=256)
