@@ -182,12 +182,15 @@ KINDS = [
     ("decode_merge", "attention"),
     ("decode_attention", "attention"),
 ]
-"""(kernel name part, kind) of the batch-1 step's kernels; the expert GEMVs alternate."""
+"""(kernel name part, kind) of the batch-1 step's other kernels."""
 
 
-def kind_of(name: str, moe_index: int) -> str:
+def kind_of(name: str, after_gate_up: bool) -> str:
+    """The kind of a kernel; an expert GEMV right after a gate/up GEMV is the down one."""
     if "_moe_gemv" in name:
-        return "expert gate/up" if moe_index % 2 == 0 else "expert down"
+        return "expert down" if after_gate_up else "expert gate/up"
+    if "_moe_down_split" in name:
+        return "expert down"
     for key, kind in KINDS:
         if key in name:
             return kind
@@ -236,10 +239,11 @@ def profile_kinds(engine, ceil: Ceilings, steps: int, label: str) -> dict[str, f
     own: dict[str, float] = collections.defaultdict(float)
     count: dict[str, int] = collections.Counter()
     last_end = kernels[0][0] if kernels else 0
-    idle, moe_index = 0.0, 0
+    idle, after_gate_up = 0.0, False
     for start, end, name in kernels:
-        kind = kind_of(name, moe_index)
-        moe_index += "_moe_gemv" in name
+        kind = kind_of(name, after_gate_up)
+        if "_moe" in name:
+            after_gate_up = kind == "expert gate/up"
         share[kind] += max(0.0, end - max(last_end, start))
         own[kind] += end - start
         idle += max(0.0, start - last_end)
