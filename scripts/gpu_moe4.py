@@ -5,31 +5,30 @@ try/except so one failure does not hide the others; a short table last).
 1. Parity on the GPU: the preloading router kernel (``moe_router.PRELOAD``: its rows in
    registers before the PDL wait, the top-k by rank) against the torch reference and the tiled
    router (same experts, weights within bf16 rounding), at Qwen3-30B-A3B shapes; the whole MoE
-   block (router + expert GEMVs, residual in the down store) and the one-launch experts
-   (``kernels.moe_decode``, two configs; in a CUDA graph with and without PDL) against the
-   reference.
-2. Qwen3-30B-A3B, 48 layers, bf16, loaded once (~55 s, dummy weights drawn on the GPU): batch-1
-   decode (% of the active-parameter roofline), one profiled batch-1 step grouped by kernel kind
-   (router, expert gate/up, expert down, qkv/o GEMV, attention, LM head, other): critical-path
-   us a step (a kernel's end minus the previous end, meaningful under PDL's overlap), launches,
-   the kind's byte floor at the measured copy rate and its % of it; decode at batch 8 / 32 /
-   128 (% of the touched-experts roofline).
+   block against the reference; the split down (``kernels.moe_down``, shipped) bit-equal to
+   the down GEMV.
+2. Qwen3-30B-A3B, 48 layers, bf16, loaded once (~45-65 s, dummy weights drawn on the GPU):
+   batch-1 decode (% of the active-parameter roofline), one profiled batch-1 step grouped by
+   kernel kind (router, expert gate/up, expert down, qkv/o GEMV, attention, LM head, other):
+   critical-path us a step (a kernel's end minus the previous end, meaningful under PDL's
+   overlap), launches, the kind's byte floor at the measured copy rate and its % of it; decode
+   at batch 8 / 32 / 128 (% of the touched-experts roofline); with ``--final`` then the
+   256-request offline workload, and nothing of 3-4.
 3. The MoE blocks of the loaded model alone, all 48 chained in one CUDA graph (the model's
-   own weights, no L2 reuse): the router alone, the whole block (two GEMVs; the down split over
-   the experts, ``kernels.moe_down``, tiles swept, and that down alone; the experts in one
-   launch, ``kernels.moe_decode``, tiles swept), the gate/up and down GEMVs alone: us a layer
+   own weights, no L2 reuse): the router alone, the whole block with the down GEMV and with the
+   split down (tiles swept, and that down alone), the gate/up and down GEMVs alone: us a layer
    and % of copy over their bytes.
-4. Batch 1 again under each switch (decode graph recaptured): the split down, the one-launch
-   experts (without / with PDL), the down GEMV's narrower tiles, the fused decode attention at
-   8 warps (its merge tile as before / fitted); then the best MoE switch with the best
-   attention switch (each only if it beat the shipped path) measured together and profiled.
+4. Batch 1 again under each switch (decode graph recaptured): the down GEMV and the tiled
+   router (before), the split down's swept tiles, the fused decode attention at 8 warps (its
+   merge tile as before / fitted); the best MoE and attention switches (each only if it beat
+   the shipped path) measured together and profiled.
 5. (``--regress``) Qwen3-0.6B and Llama-3.1-8B batch-1 decode (they share the attention and
    GEMV kernels), before the 48-layer model.
-6. (``--quant int8,fp8,int4``) 8 of the 48 layers with quantized experts (on the fly):
-   batch-1 decode with the two expert GEMVs and with the one-launch experts.
+6. (``--quant int8,fp8``) 8 of the 48 layers with 8-bit experts (quantized on the fly):
+   batch-1 decode with the down GEMV and with the split down.
 
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
-    python scripts/gpu_moe4.py --final     # figures on merged main: 5, 2 and the offline run
+    python scripts/gpu_moe4.py --final     # the figures on merged main (~2 min): 2 + offline
 """
 
 from __future__ import annotations
@@ -55,15 +54,10 @@ from roofline.bench import latency  # noqa: E402
 from roofline.bench.ceilings import Ceilings, measure, time_fn  # noqa: E402
 from roofline.kernels import decode_attention_fused as attn  # noqa: E402
 from roofline.kernels import fused_moe as fm  # noqa: E402
-from roofline.kernels import last_program  # noqa: E402
-from roofline.kernels import moe_decode as md  # noqa: E402
 from roofline.kernels import moe_down as md_down  # noqa: E402
 from roofline.kernels import moe_router as mr  # noqa: E402
 
 SUMMARY: dict[str, object] = {}
-ONE_LAUNCH_OK = [True]
-"""False once a one-launch parity check failed: its benchmarks are skipped (a reducer that
-never sees every program arrive would poll until its watchdog, in every launch)."""
 TABLE = m2.TABLE
 DEVICE = "cuda"
 E, K, H, INTER = m2.SHAPES["qwen3-30b-a3b"]
@@ -102,77 +96,18 @@ def parity() -> None:
                                                ids_r)  # fmt: skip
             e2 = m2.rel_err(out, ref)
             bad += m2.check(f"MoE block seed {seed}", e2 < 2e-2, f"rel err vs reference {e2:.1e}")
-        if seed < 3:  # the split down: the down GEMV's bits
-            fm.SPLIT_DOWN[0] = True
-            split = fm.fused_moe(xn, w13, w2, w, ids, residual=h)
+        if seed < 3:  # the split down (shipped): the down GEMV's bits
             fm.SPLIT_DOWN[0] = False
-            same = torch.equal(split, out)
+            gemv = fm.fused_moe(xn, w13, w2, w, ids, residual=h)
+            fm.SPLIT_DOWN[0] = True
+            same = torch.equal(gemv, out)
             bad += m2.check(f"split down seed {seed}", same, f"equal to the down GEMV: {same}")
-        if seed < 3:  # one launch for the experts (16 reducers waiting on the GPU)
-            for cfg in ONE_LAUNCH_SWEEP[:2]:
-                one = md.moe_experts(xn, w13, w2, w, ids, residual=h, config=cfg)
-                two = fm.fused_moe(xn, w13, w2, w, ids, residual=h)
-                e3 = m2.rel_err(one, ref)
-                diff = (one.float() - two.float()).abs().max().item()
-                ONE_LAUNCH_OK[0] &= e3 < 2e-2
-                bad += m2.check(f"one-launch experts seed {seed} {cfg}", e3 < 2e-2,
-                                f"rel err vs reference {e3:.1e}, max |one - two launches| "
-                                f"{diff:.1e}")  # fmt: skip
-    counts = last_program._COUNTERS.get((torch.device(DEVICE, 0), "moe_experts"))
-    if counts is not None:
-        bad += m2.check("one-launch counters zeroed", not counts[:2].any().item(), "")
-    h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
-
-    def two_blocks(route: bool = False):  # router -> experts, twice (PDL when md.PDL)
-        x = h
-        for _ in range(2):
-            if route:
-                xn, logits = mr.moe_router_logits(x, norm_w, EPS, router)
-                x = md.moe_experts(xn, w13, w2, None, None, residual=x, logits=logits, top_k=K)
-            else:
-                xn, w, ids = mr.moe_router(x, norm_w, EPS, router, K, True)
-                x = md.moe_experts(xn, w13, w2, w, ids, residual=x)
-        return x
-
-    routed, by_ids = two_blocks(True), two_blocks(False)
-    same = torch.equal(routed, by_ids)
-    bad += m2.check("one-launch experts routing the logits", same, f"equal to ids: {same}")
-
-    for use_pdl, route in ((False, False), (True, False), (True, True)):
-        md.PDL, mr.ROUTER_TRIGGER = use_pdl, 2 if use_pdl else 0
-        eager = two_blocks(route)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = two_blocks(route)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        same = torch.equal(out, eager)
-        ONE_LAUNCH_OK[0] &= same
-        bad += m2.check(f"one-launch experts, 2 blocks in a CUDA graph, PDL {use_pdl}, routed "
-                        f"inside {route}", same, f"3 replays equal eager: {same}")  # fmt: skip
-    md.PDL, mr.ROUTER_TRIGGER = False, 0
-    for kind in ("int8", "int4"):  # quantized experts in one launch (fp8: the CPU tests)
-        q13, q2, scales, _ = m2.experts(kind, E, H, INTER, gen)
-        sk = m2.scale_kwargs(scales)
-        m2.ORIGINALS.pop(kind, None)
-        h = torch.randn(1, H, device=DEVICE, generator=gen).bfloat16()
-        xn, w, ids = mr.moe_router(h, norm_w, EPS, router, K, True)
-        one = md.moe_experts(xn, q13, q2, w, ids, residual=h, **sk)
-        two = fm.fused_moe(xn, q13, q2, w, ids, residual=h, **sk)
-        ref = h.float() + fm.fused_moe_ref(xn.float(), q13, q2, w.float(), ids, **sk)
-        e3 = m2.rel_err(one, ref)
-        diff = (one.float() - two.float()).abs().max().item()
-        detail = f"rel err vs reference {e3:.1e}, max |one - two launches| {diff:.1e}"
-        bad += m2.check(f"one-launch experts {kind}", e3 < 2e-2, detail)
-        del q13, q2, scales, sk
     print(f"router: expert sets differing from the tiled kernel or the reference: {flips}/64")
     TABLE.append(("parity", "ok" if not bad else f"{bad} BAD (listed)"))
     TABLE.append(("router id flips (near-ties) / 64", str(flips)))
 
 
 KINDS = [
-    ("_moe_experts", "experts (one launch)"),
     ("router", "router"),
     ("skinny_gemm", "qkv/o GEMV"),
     ("gemv_preload", "qkv/o GEMV"),
@@ -206,7 +141,6 @@ def floors_bytes(cfg, context: int) -> dict[str, float]:
     return {
         "expert gate/up": layers * k * 2 * inter * hidden * 2,
         "expert down": layers * k * inter * hidden * 2,
-        "experts (one launch)": layers * k * 3 * inter * hidden * 2,
         "router": layers * cfg.num_experts * hidden * 2,
         "qkv/o GEMV": layers * (hidden * (q + 2 * kv) + q * hidden) * 2,
         "attention": layers * context * 2 * kv * 2,
@@ -319,15 +253,9 @@ def graph_us(fn, n: int) -> float:
 
 GATE_UP_SWEEP: list[dict] = []  # first check: the shipped tiles were the best (87.9% of copy)
 DOWN_SWEEP = [dict(BLOCK_N=4, BLOCK_K=256, NUM_STAGES=3, num_warps=4)]  # 58.3% vs 54.7%
-ONE_LAUNCH_SWEEP = [
-    dict(md.CONFIG),
-    dict(md.CONFIG, PREFETCH_W2=True),
-    dict(md.CONFIG, BLOCK_H=64),
-    dict(BLOCK_I=16, BLOCK_K=128, BLOCK_H=128, NUM_STAGES=3, num_warps=4),
-    dict(BLOCK_I=64, BLOCK_K=64, BLOCK_H=64, NUM_STAGES=3, num_warps=8),
-]
-SPLIT_SWEEP = [{}, dict(BLOCK_N=16), dict(BLOCK_N=4)]
-"""Split-down tiles ({}: the down GEMV's, same bits)."""
+SPLIT_SWEEP = [{}, dict(BLOCK_N=16)]
+"""Split-down tiles ({}: the down GEMV's, same bits; second check: 13.37 / 13.21 / 15.29 us at
+BLOCK_N 8 / 16 / 4)."""
 BEST: dict[str, dict] = {}
 
 
@@ -368,11 +296,12 @@ def block_bench(engine, ceil: Ceilings) -> None:
         us = graph_us(chain_router, n)
         results[f"router {label}"] = us
         print(f"router ({label:7s})    : {pct(us, router_b)}", flush=True)
+        fm.SPLIT_DOWN[0] = False
         us = graph_us(chain_block, n)
+        fm.SPLIT_DOWN[0] = True
         results[f"block, router {label}"] = us
-        print(f"whole block ({label:7s}): {pct(us, gate_up_b + down_b + router_b)}", flush=True)
+        print(f"whole block, down GEMV: {pct(us, gate_up_b + down_b + router_b)}", flush=True)
     mr.PRELOAD = True
-    fm.SPLIT_DOWN[0] = True
     split_rows = []
     for cfg in SPLIT_SWEEP:
         try:
@@ -392,47 +321,11 @@ def block_bench(engine, ceil: Ceilings) -> None:
             TABLE.append((f"split down alone {cfg}", pct(us, down_b)))
         except Exception as exc:  # noqa: BLE001 - the next config still runs
             print(f"split down {cfg}: {type(exc).__name__} {str(exc)[:100]}")
-    fm.SPLIT_DOWN[0] = False
     fm.SPLIT_DOWN_CONFIG.clear()
     if split_rows:
         us, cfg = min(split_rows, key=lambda r: r[0])
         BEST["split down"] = cfg
         TABLE.append(("MoE block, split down (best)",
-                      f"{pct(us, gate_up_b + down_b + router_b)} {cfg}"))  # fmt: skip
-    fm.ONE_LAUNCH[0] = True
-    rows = []
-    for cfg in ONE_LAUNCH_SWEEP if ONE_LAUNCH_OK[0] else []:
-        try:
-            md.CONFIG.update(cfg)
-            us = graph_us(chain_block, n)
-            rows.append((us, cfg))
-            print(f"whole block, experts in one launch {cfg}: "
-                  f"{pct(us, gate_up_b + down_b + router_b)}", flush=True)  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - the next config still runs
-            print(f"one launch {cfg}: {type(exc).__name__} {str(exc)[:100]}")
-    if rows:  # the best tiles again, the logits routed inside the experts' launch
-        try:
-            md.CONFIG.update(min(rows, key=lambda r: r[0])[1])
-            md.ROUTE = True
-            us = graph_us(chain_block, n)
-            results["block, one launch routed inside"] = us
-            print(
-                f"whole block, one launch, routed inside: {pct(us, gate_up_b + down_b + router_b)}"
-            )
-            TABLE.append(
-                ("MoE block, one launch routed inside", pct(us, gate_up_b + down_b + router_b))
-            )
-        except Exception as exc:  # noqa: BLE001
-            print(f"one launch routed inside: {type(exc).__name__} {str(exc)[:100]}")
-        finally:
-            md.ROUTE = False
-    fm.ONE_LAUNCH[0] = False
-    md.CONFIG.update(ONE_LAUNCH_SWEEP[0])
-    if rows:
-        us, cfg = min(rows, key=lambda r: r[0])
-        BEST["one launch"] = cfg
-        results["block, experts in one launch"] = us
-        TABLE.append(("MoE block, experts in one launch (best)",
                       f"{pct(us, gate_up_b + down_b + router_b)} {cfg}"))  # fmt: skip
     base_up = {k: fm.GEMV_CONFIG[k] for k in ("BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps")}
     best = {}
@@ -462,7 +355,7 @@ def block_bench(engine, ceil: Ceilings) -> None:
                           f"{pct(us, nbytes)} {cfg}"))  # fmt: skip
     BEST.update(best)
     SUMMARY["block_bench"] = results
-    for label in ("router preload", "block, router preload"):
+    for label in ("router preload", "block, router preload"):  # (the block: down GEMV)
         nbytes = router_b if label.startswith("router") else gate_up_b + down_b + router_b
         TABLE.append((f"MoE {label}", pct(results[label], nbytes)))
 
@@ -474,45 +367,23 @@ def recapture_batch1(runner) -> None:
 
 
 def _switches() -> dict:
-    def one(on: bool) -> None:
-        fm.ONE_LAUNCH[0] = on
-        md.CONFIG.update(BEST.get("one launch", {}) if on else ONE_LAUNCH_SWEEP[0])
-
     def fused_attn(on: bool) -> None:
         import gpu_moe3 as m3
 
         m3._fused_attention(on)
 
-    return {  # label: (setter, restorer); MOE_SIDE and ATTENTION_SIDE name them
-        "split down, best swept tiles": (
-            lambda: (
-                fm.SPLIT_DOWN.update({0: True}),
-                fm.SPLIT_DOWN_CONFIG.update(BEST.get("split down", {})),
-            ),
-            lambda: (fm.SPLIT_DOWN.update({0: False}), fm.SPLIT_DOWN_CONFIG.clear()),
-        ),  # fmt: skip
-        "experts in one launch (best tiles)": (lambda: one(True), lambda: one(False)),
-        "experts in one launch, routed inside": (
-            lambda: (one(True), setattr(md, "ROUTE", True)),
-            lambda: (one(False), setattr(md, "ROUTE", False)),
+    return {  # label: (setter, restorer); ATTENTION_SIDE names the attention's
+        "down GEMV (before the split down)": (
+            lambda: fm.SPLIT_DOWN.update({0: False}),
+            lambda: fm.SPLIT_DOWN.update({0: True}),
         ),
-        "experts in one launch, routed inside, PDL (router trigger 2)": (
-            lambda: (
-                one(True),
-                setattr(md, "ROUTE", True),
-                setattr(md, "PDL", True),
-                setattr(mr, "ROUTER_TRIGGER", 2),
-            ),
-            lambda: (
-                one(False),
-                setattr(md, "ROUTE", False),
-                setattr(md, "PDL", False),
-                setattr(mr, "ROUTER_TRIGGER", 0),
-            ),
-        ),  # fmt: skip
-        "experts in one launch, PDL (router trigger 2)": (
-            lambda: (one(True), setattr(md, "PDL", True), setattr(mr, "ROUTER_TRIGGER", 2)),
-            lambda: (one(False), setattr(md, "PDL", False), setattr(mr, "ROUTER_TRIGGER", 0)),
+        "split down, best swept tiles": (
+            lambda: fm.SPLIT_DOWN_CONFIG.update(BEST.get("split down", {})),
+            lambda: fm.SPLIT_DOWN_CONFIG.clear(),
+        ),
+        "router tiled (before the preloading router)": (
+            lambda: setattr(mr, "PRELOAD", False),
+            lambda: setattr(mr, "PRELOAD", True),
         ),
         "attention: the fused kernel, 8 warps": (
             lambda: (fused_attn(True), attn.WIDE_GROUP_WARPS.update({8: 8})),
@@ -578,9 +449,6 @@ def full_model(ceil: Ceilings, quick: bool, final: bool = False) -> None:
     for label, (on, off) in [("shipped (recaptured)", (lambda: None, lambda: None))] + list(
         _switches().items()
     ):
-        if "one launch" in label and not ONE_LAUNCH_OK[0]:
-            print(f"48l bs=1 {label}: skipped (its parity failed)")
-            continue
         try:
             on()
             recapture_batch1(runner)
@@ -644,7 +512,7 @@ def dense(ceil: Ceilings) -> None:
             torch.cuda.empty_cache()
 
 
-@section("8 layers, quantized experts at batch 1: two GEMV launches vs one launch")
+@section("8 layers, 8-bit experts at batch 1: down GEMV vs split down")
 def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
     import gc
 
@@ -654,18 +522,17 @@ def quant8(ceil: Ceilings, kinds: tuple[str, ...]) -> None:
                   max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=2 << 30)  # fmt: skip
         engine = llm.llm_engine
         try:
-            layout = 2 if kind.startswith("int4") else 1
-            for one in (False, True) if ONE_LAUNCH_OK[0] else (False,):
-                fm.ONE_LAUNCH[layout] = one
+            for split in (False, True):
+                fm.SPLIT_DOWN[1] = split
                 recapture_batch1(engine.runner)
                 r = latency.run(engine, ceil, [1], 128, 64)[0]
-                tag = "one launch" if one else "two GEMVs"
+                tag = "split down" if split else "down GEMV"
                 line = f"{r.output_tok_s:7.1f} tok/s, step {r.step_ms_p50:.3f} ms"
                 print(f"8l {kind} bs=1 {tag:10s}: {line}, {r.roofline_pct:5.1f}% of roofline")
                 TABLE.append((f"8l {kind} bs=1 {tag}", f"{r.output_tok_s:.0f} tok/s, "
                               f"{r.roofline_pct:.1f}%"))  # fmt: skip
         finally:
-            fm.ONE_LAUNCH.update({1: False, 2: False})
+            fm.SPLIT_DOWN[1] = False
             engine.shutdown()
             del llm, engine
             gc.collect()
@@ -687,7 +554,7 @@ def main() -> None:
     SUMMARY["ceilings"] = vars(ceil)
     if not args.final:
         parity()
-    if args.regress or args.final:
+    if args.regress:
         dense(ceil)
     full_model(ceil, args.quick, args.final)
     if args.quant:

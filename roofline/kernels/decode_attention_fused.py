@@ -62,12 +62,14 @@ NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
 WIDE_GROUP_WARPS: dict[int, int] = {}
 """Warps per program by GQA group size, where it differs from NUM_WARPS. sm_90 ptxas at
 Qwen3-30B-A3B's group of 8 query heads per KV head (q/k norm): 255 registers and 220 bytes of
-spill stores a thread at 4 warps, 231 registers and none at 8 (``scripts/gpu_moe4.py``
-measures both)."""
+spill stores a thread at 4 warps, 231 registers and none at 8. H100, 48 layers at batch 1
+(``scripts/gpu_moe4.py``): this kernel at 4 warps 4.17 ms a step, at 8 warps 3.93 (3.84 with
+``MERGE_TILE_FIT``), the three unfused kernels 3.45: so (32, 4, 128) stays in UNFUSED_FASTER
+and this stays empty."""
 MERGE_TILE_FIT = False
 """The merge's tile of partials: False ``MAX_NUM_SPLITS`` rows (as measured so far), True the
-grid's ``max_splits`` rounded up to a power of two (fewer registers; ``scripts/gpu_moe4.py``
-compares both at Qwen3-30B-A3B's 8 query heads per KV head)."""
+grid's ``max_splits`` rounded up to a power of two (fewer registers; H100, Qwen3-30B-A3B at 8
+warps: 3.93 -> 3.84 ms a step, see WIDE_GROUP_WARPS; not measured at other shapes)."""
 
 
 def set_enabled(enabled: bool) -> None:

@@ -197,7 +197,6 @@ def _router_preload_kernel(
     PDL: tl.constexpr,
     TRIGGER: tl.constexpr,  # ROUTER_TRIGGER
     COMPILED: tl.constexpr,
-    ROUTE: tl.constexpr,  # False: logits and xn only (the consumer routes)
 ):
     """``_moe_router_kernel`` with the program's router rows loaded before the PDL wait (one
     tile of the whole K) and the top-k in one pass (``top_k_by_rank``)."""
@@ -224,9 +223,7 @@ def _router_preload_kernel(
     tl.store(logits_ptr + offs_n, logits.to(x_ptr.dtype.element_ty), mask=offs_n < E)
     if PDL and TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    if ROUTE:
-        _route_last(logits_ptr, weights_ptr, ids_ptr, counter_ptr, E, TOP_K, RENORMALIZE,
-                    BLOCK_E)  # fmt: skip
+    _route_last(logits_ptr, weights_ptr, ids_ptr, counter_ptr, E, TOP_K, RENORMALIZE, BLOCK_E)
 
 
 @triton.jit
@@ -256,53 +253,6 @@ def route_logits(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
     rank, weight = top_k_by_rank(prob, offs, TOP_K, RENORMALIZE, BLOCK_E)
     return offs, rank, weight
-
-
-def moe_router_logits(
-    h: torch.Tensor,  # [1, H] residual stream, 16-bit
-    norm_weight: torch.Tensor,  # [H]
-    eps: float,
-    router: torch.Tensor,  # [E, H]
-) -> tuple[torch.Tensor, torch.Tensor]:  # xn [1, H], logits [E] in h's dtype
-    """The preloading router without its routing: the normalised row and the logits, for a
-    consumer that routes itself (``kernels.moe_decode``'s ``ROUTE``). Requires
-    ``logits_fit``."""
-    check_device(h, norm_weight, router)
-    num_experts, hidden = router.shape
-    if h.shape != (1, hidden) or h.stride(1) != 1 or router.stride(1) != 1:
-        raise ValueError(f"moe_router: h must be [1, {hidden}] contiguous, got {tuple(h.shape)}")
-    if router.dtype != h.dtype or norm_weight.dtype != h.dtype:
-        raise ValueError("moe_router: h, norm weight and router must share a dtype")
-    block_n = _preload_rows(num_experts, hidden, h.device)
-    if block_n is None:
-        raise ValueError("moe_router_logits: the router's rows do not fit one register tile")
-    xn = torch.empty_like(h)
-    logits = torch.empty(num_experts, dtype=h.dtype, device=h.device)
-    compiled = not is_interpret()
-    pdl = compiled and pdl_enabled()
-    _router_preload_kernel[(triton.cdiv(num_experts, block_n),)](
-        h, norm_weight, router, xn, logits, logits, logits, logits, num_experts, hidden,
-        router.stride(0), 1.0 / hidden, eps, TOP_K=1, RENORMALIZE=False,
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(hidden), PDL=pdl, TRIGGER=ROUTER_TRIGGER,
-        COMPILED=compiled, ROUTE=False, num_warps=4, **({"launch_pdl": True} if pdl else {}),
-    )  # fmt: skip
-    return xn, logits
-
-
-def _preload_rows(num_experts: int, hidden: int, device: torch.device) -> int | None:
-    """Router rows a program of the preloading kernel holds (None: K too long for it)."""
-    block_k = triton.next_power_of_2(hidden)
-    block_n = max(1, min(pick_config(1, num_experts, hidden, device).block_n,
-                         PRELOAD_MAX_ELEMS // block_k))  # fmt: skip
-    return block_n if block_n * block_k <= PRELOAD_MAX_ELEMS else None
-
-
-def logits_fit(router: torch.Tensor) -> bool:
-    """Whether ``moe_router_logits`` takes this router (16-bit, K within one register tile)."""
-    num_experts, hidden = router.shape
-    rows = _preload_rows(num_experts, hidden, router.device)
-    return router.dtype != torch.float32 and rows is not None
 
 
 def moe_router(
@@ -337,7 +287,7 @@ def moe_router(
                 1.0 / hidden, eps, TOP_K=top_k, RENORMALIZE=renormalize,
                 BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
                 BLOCK_K=block_k, PDL=pdl, TRIGGER=ROUTER_TRIGGER, COMPILED=compiled,
-                ROUTE=True, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+                num_warps=4, **({"launch_pdl": True} if pdl else {}),
             )  # fmt: skip
             return xn, weights, ids
     pdl = compiled and pdl_enabled() and fused_moe.DECODE_PDL

@@ -246,31 +246,9 @@ def moe_norm_add(moe: FusedMoE, norm: nn.Module, h: torch.Tensor) -> torch.Tenso
     if not moe._warmed:  # the first (eager) forward compiles every variant, as FusedMoE's
         warm_up(h, moe.w13_weight, moe.w2_weight, moe.top_k, quant)
         moe._warmed = True
-    if MOE_FUSE_RESIDUAL and _routes_in_experts(moe, h):  # router logits, then one launch
-        from roofline.kernels.moe_decode import moe_experts
-        from roofline.kernels.moe_router import moe_router_logits
-
-        xn, logits = moe_router_logits(h, norm.weight, norm.eps, moe.gate.weight)
-        return moe_experts(xn, moe.w13_weight, moe.w2_weight, None, None, residual=h,
-                           logits=logits, top_k=moe.top_k, renormalize=moe.renormalize,
-                           **quant)  # fmt: skip  # [1, hidden]
     xn, weights, ids = moe_router(h, norm.weight, norm.eps, moe.gate.weight, moe.top_k,
                                   moe.renormalize)  # fmt: skip
     if not MOE_FUSE_RESIDUAL:
         return h + fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, **quant)
     return fused_moe(xn, moe.w13_weight, moe.w2_weight, weights, ids, residual=h,
                      **quant)  # fmt: skip  # [1, hidden]
-
-
-def _routes_in_experts(moe: FusedMoE, h: torch.Tensor) -> bool:
-    """``kernels.moe_decode.ROUTE`` applies: one-launch experts for this layout, a router whose
-    rows fit the preloading kernel, CUDA (or the interpreter)."""
-    from roofline.kernels import fused_moe, moe_decode
-    from roofline.kernels.moe_router import logits_fit
-
-    return (
-        moe_decode.ROUTE
-        and fused_moe.ONE_LAUNCH[moe_decode.layout_of(moe.w13_weight)]
-        and moe_decode.takes(h, moe.w13_weight, h.shape[0])
-        and logits_fit(moe.gate.weight)
-    )

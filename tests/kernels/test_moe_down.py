@@ -17,8 +17,9 @@ from roofline.quantization.moe import PerChannelMoEMethod
 def _layer(kind: str, num_experts: int, inter: int, hidden: int, gen: torch.Generator):
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
-    if kind == "bf16":
-        return w13.bfloat16().to(DEVICE), w2.bfloat16().to(DEVICE), {}
+    if kind in ("bf16", "fp32"):
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+        return w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE), {}
     layer = torch.nn.Module()
     method = PerChannelMoEMethod(kind)
     method.create_weights(layer, num_experts, inter, hidden, torch.bfloat16)
@@ -29,20 +30,22 @@ def _layer(kind: str, num_experts: int, inter: int, hidden: int, gen: torch.Gene
     return layer.w13_weight, layer.w2_weight, scales
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp32", "int8", "fp8"])
 @pytest.mark.parametrize("residual", [True, False])
 def test_same_bits_as_the_down_gemv(kind, residual, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(4)
     num_experts, inter, hidden = 8, 48, 40  # a ragged column block and K step
     w13, w2, scales = _layer(kind, num_experts, inter, hidden, gen)
-    x = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE)
-    h = torch.randn(1, hidden, generator=gen).bfloat16().to(DEVICE) if residual else None
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    h = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE) if residual else None
     for ids in ([[5, 2, 7]], [[1, num_experts, 3]]):  # the second: another rank's expert
         ids_t = torch.tensor(ids).to(DEVICE)
-        weights = torch.tensor([[0.5, 0.3, 0.2]]).bfloat16().to(DEVICE)
-        monkeypatch.setitem(fm.SPLIT_DOWN, 0 if kind == "bf16" else 1, False)
+        weights = torch.tensor([[0.5, 0.3, 0.2]]).to(dtype).to(DEVICE)
+        layout = 0 if kind in ("bf16", "fp32") else 1
+        monkeypatch.setitem(fm.SPLIT_DOWN, layout, False)
         want = fm.fused_moe(x, w13, w2, weights, ids_t, residual=h, **scales)
-        monkeypatch.setitem(fm.SPLIT_DOWN, 0 if kind == "bf16" else 1, True)
+        monkeypatch.setitem(fm.SPLIT_DOWN, layout, True)
         got = fm.fused_moe(x, w13, w2, weights, ids_t, residual=h, **scales)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert not last_program._COUNTERS[(x.device, "moe_down")].any()

@@ -88,29 +88,25 @@ def test_compiles_for_hopper() -> None:
                               ("inv_k", "eps"), dict(num_warps=4))  # fmt: skip
     assert "griddepcontrol.wait" in ptxs[0] and "atom." in ptxs[0] and "mul.rn.f32" in ptxs[0]
     pre = dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_N=2, BLOCK_K=2048, PDL=True,
-               COMPILED=True, ROUTE=True)  # fmt: skip
+               COMPILED=True)  # fmt: skip
     ptxs = compile_for_hopper("roofline.kernels.moe_router", "_router_preload_kernel",
-                              [dict(pre, TRIGGER=t) for t in (0, 1, 2)]
-                              + [dict(pre, TRIGGER=2, ROUTE=False)], pointers,
+                              [dict(pre, TRIGGER=t) for t in (0, 1, 2)], pointers,
                               ("inv_k", "eps"), dict(num_warps=4))  # fmt: skip
-    assert all("griddepcontrol.wait" in p and "atom." in p for p in ptxs[:3])
+    assert all("griddepcontrol.wait" in p and "atom." in p for p in ptxs)
     assert "griddepcontrol.launch_dependents" not in ptxs[0]
     assert all("griddepcontrol.launch_dependents" in p for p in ptxs[1:])
-    assert "atom." not in ptxs[3]  # logits only: no routing program
 
 
 @pytest.mark.parametrize(
-    "dtype,quant,one_launch",
+    "dtype,quant",
     [
-        (torch.float32, None, False),
-        (torch.bfloat16, None, False),
-        (torch.bfloat16, "int8", False),
-        (torch.bfloat16, "int4", False),
-        (torch.bfloat16, None, True),
-        (torch.bfloat16, "int8", True),
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.bfloat16, "int8"),
+        (torch.bfloat16, "int4"),
     ],
 )
-def test_fused_moe_layer_matches_unfused(dtype, quant, one_launch, monkeypatch) -> None:
+def test_fused_moe_layer_matches_unfused(dtype, quant) -> None:
     """``fused_decode.moe_norm_add`` (router kernel + expert GEMVs with the residual add in the
     down store) against the block's own forward on the normalised row plus the residual, with
     16-bit and quantized experts."""
@@ -133,11 +129,6 @@ def test_fused_moe_layer_matches_unfused(dtype, quant, one_launch, monkeypatch) 
     norm.weight.data = 1 + 0.2 * torch.randn(hidden)
     moe, norm = moe.to(DEVICE, dtype), norm.to(DEVICE, dtype)
     moe._warmed = True  # warm_up compiles every grouped variant: not needed for one token
-    if one_launch:  # the experts in one launch, routing the router's logits themselves
-        from roofline.kernels import fused_moe, moe_decode
-
-        monkeypatch.setattr(moe_decode, "ROUTE", True)
-        monkeypatch.setitem(fused_moe.ONE_LAUNCH, 0 if quant is None else 1, True)
     for seed in range(3):
         h = (2 * torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))).to(dtype)
         h = h.to(DEVICE)
