@@ -25,6 +25,7 @@ from roofline.core.outputs import (
     SchedulerOutput,
     VerifiedTokens,
 )
+from roofline.core.steady import SteadyDecode, is_steady_step, schedule_steady
 from roofline.request import Request, RequestStatus
 
 
@@ -120,6 +121,10 @@ class Scheduler:
     element is the most recently admitted request (the preemption victim).
     """
 
+    steady_decode = True
+    """Take steady decode steps in O(changes) (``core/steady.py``); False: always the general
+    loop (the tests' reference)."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, page_size: int) -> None:
         if page_size != kv.page_size:
             raise ValueError(f"page_size {page_size} differs from the KV manager's {kv.page_size}")
@@ -134,6 +139,11 @@ class Scheduler:
         self.num_unreported_tokens = 0
         """Tokens ``update`` appended to quiet requests without reporting them (the engine
         adds them to its counters and resets this)."""
+        self._running_version = 0
+        """Bumped whenever ``running`` changes (a steady decode run ends with it)."""
+        self._steady: SteadyDecode | None = None
+        self._decode_version: int | None = None
+        """``_running_version`` after the last step, if that step was a steady-shaped decode."""
 
     # ----------------------------------------------------------------- introspection
 
@@ -187,6 +197,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first, then (if nobody was preempted and there
         is room under ``max_num_seqs``) waiting requests in policy order."""
+        steady = self._steady
+        if steady is not None:
+            self._steady = None
+            if steady.version == self._running_version and (
+                not self.waiting or len(self.running) >= self.config.max_num_seqs
+            ):
+                out = schedule_steady(
+                    steady, self.kv, self.config.max_num_batched_tokens, self._finished_ids
+                )
+                if out is not None:
+                    self._steady = steady
+                    self._finished_ids = []
+                    return out
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted_ids:
@@ -203,7 +226,21 @@ class Scheduler:
             rows=step.rows,
         )
         self._finished_ids = []
+        if self.steady_decode:
+            self._note_decode(out)
         return out
+
+    def _note_decode(self, out: SchedulerOutput) -> None:
+        """Start a steady decode run after two steady-shaped decode steps in a row over the
+        same running requests (one alone may be a transition: no O(n) set-up for it)."""
+        if not is_steady_step(out, self.running):
+            self._decode_version = None
+            return
+        version = self._running_version
+        if self._decode_version == version:
+            steady = SteadyDecode(out, version, self.page_size, self.config.max_model_len)
+            self._steady = steady if steady.max_steps > 1 else None
+        self._decode_version = version
 
     def _schedule_running(self, step: _Step) -> None:
         # The body runs once per running request per step: attribute lookups are hoisted and
@@ -295,6 +332,7 @@ class Scheduler:
         step.unschedule(victim)
         self.kv.free(victim)  # before resetting num_computed_tokens: free() reads it
         self.running.remove(victim)
+        self._running_version += 1
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -400,6 +438,7 @@ class Scheduler:
     ) -> None:
         self.waiting.remove(request)
         self.running.append(request)
+        self._running_version += 1
         request.status = RequestStatus.RUNNING
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
@@ -508,6 +547,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._running_version += 1
         else:
             self.waiting.remove(request)
         self.kv.free(request)

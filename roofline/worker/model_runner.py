@@ -136,6 +136,8 @@ class ModelRunner:
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
         self._prev_ids: list[str] = []
         """The request id of each row of ``_prev_sampled``."""
+        self._last_built: tuple[SchedulerOutput | None, HostBatch | None] = (None, None)
+        """The last step launched and its host batch (a steady decode step advances it)."""
         self.cascade: SharedPrefixDetector | None = None
         """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
         if cascade_attention and getattr(self.backend, "supports_cascade", False):
@@ -348,7 +350,14 @@ class ModelRunner:
             sched_out = self.mixed.decode_first(sched_out)
             if self.cascade is not None:  # decode-only, or an eager mixed step's decode rows
                 cascade = self.mixed.cascade_plan(sched_out, self.cascade)
-        batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        batch = None
+        last_out, last_batch = self._last_built
+        if sched_out.advances is not None and sched_out.advances is last_out:
+            if sched_out.inputs_pending:  # a steady decode step (core/steady.py)
+                batch = last_batch.advanced(sched_out, self.block_tables)
+        if batch is None:
+            batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        self._last_built = (sched_out, batch)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
         handle.waiter, handle.num_tokens = self.device_waiter, batch.num_tokens
