@@ -46,6 +46,7 @@ import gpu_hostpath as hp  # noqa: E402
 from roofline import LLM, SamplingParams  # noqa: E402
 from roofline.bench import throughput, workloads  # noqa: E402
 from roofline.bench.ceilings import measure  # noqa: E402
+from roofline.core.scheduler import Scheduler  # noqa: E402
 from roofline.engine.heap import frozen_heap  # noqa: E402
 from roofline.worker.host_batch import HostBatch  # noqa: E402
 
@@ -82,7 +83,7 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
     window of ``steps`` steps each over the same running batch."""
     engine = llm.llm_engine
     runner, sched = engine.runner, engine.scheduler
-    waiter, staging = runner.device_waiter, runner.staging
+    waiter = runner.device_waiter
     num_windows = 2 if stream else 4  # the variants below, each 4 + ``steps`` steps
     ids = _add_steady(engine, num_reqs, num_windows * (steps + 8) + 64, stream, seed=11 + num_reqs)
     pieces: dict[str, float] = defaultdict(float)
@@ -102,8 +103,6 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
         patched.append((obj, attr))
 
     graphs = runner.graphs
-    top = graphs.buckets[-1] if graphs is not None else 0
-    head = graphs.heads.get(top) if graphs is not None else None
     build = HostBatch.__dict__["build"]
     try:
         timed(sched, "schedule", "schedule")
@@ -116,19 +115,19 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
                 timed(graphs, "replay", "  replay")
         timed(runner.model, "compute_logits", "  LM head")
         timed(runner, "_sample", "  sample")
+        timed(runner, "_advance_staged", "  advance")
         timed(engine, "_fold", "fold-in")
         timed(sched, "update", "  update")
         timed(engine, "_emit", "outputs")
         variants = [
-            ("default wait", waiter, staging, head),
-            ("default wait, a fresh pinned tensor per upload", waiter, None, head),
-            ("default wait, eager LM head and sampler", waiter, staging, None),
-            ("spin", None, staging, head),
+            ("default wait", waiter, True),
+            ("default wait, steady decode off (general loops every step)", waiter, False),
+            ("spin", None, True),
         ]
-        for name, wait, stage, top_head in variants if not stream else variants[::3]:
-            runner.device_waiter, runner.staging = wait, stage
-            if graphs is not None:
-                graphs.heads[top] = top_head
+        for name, wait, steady_on in variants if not stream else variants[::2]:
+            runner.device_waiter = wait
+            Scheduler.steady_decode = steady_on
+            sched._steady = None
             for _ in range(4):
                 engine.step()
             pieces.clear()
@@ -147,18 +146,22 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
                 f"{1e3 * (timing.total_s - timing.wait_s) / timing.steps:.2f} ms/step, "
                 f"CPU {100 * cpu / elapsed:.0f}% of a core",
             )
+            inner = ("  build", "  upload", "  stage", "  replay", "  LM head", "  sample",
+                     "  advance")  # fmt: skip
+            pieces["  launch own"] = pieces.get("launch", 0.0) - sum(
+                pieces.get(k, 0.0) for k in inner
+            )
             row(
                 "  host ms/step",
                 ", ".join(f"{k.strip()} {1e3 * v / steps:.3f}" for k, v in pieces.items()),
             )
     finally:
+        Scheduler.steady_decode = True
         HostBatch.build = build  # type: ignore[method-assign]
         for obj, attr in patched:
             if obj is not HostBatch:
                 obj.__dict__.pop(attr, None)
-        runner.device_waiter, runner.staging = waiter, staging
-        if graphs is not None:
-            graphs.heads[top] = head
+        runner.device_waiter = waiter
         _drain(engine, ids)
 
 
@@ -220,6 +223,67 @@ def full_head_parity(llm: LLM) -> None:
     )
 
 
+def steady_parity(llm: LLM, num_reqs: int = 256) -> None:
+    """Steady decode (``core/steady.py``, ``worker/steady_inputs.py``) on and off: the same
+    greedy tokens for ``num_reqs`` requests (in 100-300, out 48: the largest bucket, its graph
+    head), each from an empty prefix cache; and, mid-run, the decode graphs' buffers after a
+    steady step against the step's host lists (positions, slots, context lengths, block-table
+    rows, padding rows)."""
+    engine = llm.llm_engine
+    runner = engine.runner
+    wl = workloads.synthetic(num_reqs, (100, 300), (48, 48), engine.model_config.vocab_size, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    runs, checks = [], []
+    advance = runner._advance_staged
+    counts = {"steady": 0}
+
+    def checked(batch, staged):
+        out = advance(batch, staged)
+        counts["steady"] += 1
+        if counts["steady"] % 7 == 3:  # compare the buffers with the host lists now and then
+            checks.append(_buffers_match(runner, batch, staged[1]))
+        return out
+
+    try:
+        for steady_on in (True, False):
+            Scheduler.steady_decode = steady_on
+            runner._advance_staged = checked
+            engine.kv_manager.reset_prefix_cache()
+            res = llm.generate(wl.prompts, params, use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in res])
+            if steady_on:
+                num_steady = counts["steady"]
+    finally:
+        Scheduler.steady_decode = True
+        runner.__dict__.pop("_advance_staged", None)
+    same = sum(a == b for a, b in zip(*runs))
+    row(
+        f"parity steady decode on vs off ({num_reqs} greedy)",
+        f"{same}/{num_reqs} identical; {num_steady} steady device steps (off: "
+        f"{counts['steady'] - num_steady}); buffers match host lists in "
+        f"{sum(checks)}/{len(checks)} checked steps",
+    )
+
+
+def _buffers_match(runner, batch, bucket: int) -> bool:
+    """The decode graphs' static buffers after a steady step against the step's host lists."""
+    g, n = runner.graphs, batch.num_reqs
+    dev = g.positions.device
+    rows = torch.tensor(batch.table_rows, device=dev)
+    want_table = runner.block_tables.table.index_select(0, rows)
+    ok = (
+        g.positions[:n].tolist() == batch.positions
+        and g.slot_mapping[:n].tolist() == batch.slots
+        and g.seq_lens[:n].tolist() == batch.seq_lens
+        and torch.equal(g.block_table[:n], want_table)
+        and bool((g.slot_mapping[n:bucket] == -1).all())
+        and bool((g.seq_lens[n:bucket] == 1).all())
+    )
+    if not ok:
+        print(f"steady buffers differ at n={n} bucket={bucket}", flush=True)
+    return ok
+
+
 def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
     """cProfile of ``steps`` steady decode steps (default wait): own time by function."""
     engine = llm.llm_engine
@@ -238,15 +302,21 @@ def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
     stats.sort_stats("tottime").print_stats(40)
     print(f"cProfile, {steps} steps at {num_reqs} decoding (own time; divide by {steps}):")
     print("\n".join(buf.getvalue().splitlines()[4:52]), flush=True)
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_callees("launch_batch|model_runner.py.*launch\\)")
+    print("callees of the runner's launch (cumulative):")
+    print("\n".join(buf.getvalue().splitlines()[:60]), flush=True)
 
 
-def default_preset(llm: LLM, ceil) -> None:
+def default_preset(llm: LLM, ceil, run: int = 1) -> None:
     engine = llm.llm_engine
     engine.kv_manager.reset_prefix_cache()
     wl = workloads.preset("default", engine.model_config.vocab_size)
     res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    jit = sorted(set(res.jit_compiles))
     row(
-        "preset default",
+        f"preset default (run {run}{', JIT ' + ','.join(jit) if jit else ''})",
         f"{res.elapsed_s:.3f} s, {res.output_tok_s:,.0f} out tok/s, {res.roofline_pct:.1f}% of "
         f"roofline ({res.roofline_s:.3f} s), host {100 * res.host_fraction:.1f}%, max running "
         f"{res.max_running}, {res.num_preemptions} preemptions",
@@ -301,15 +371,16 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
     sections = [
         ("parity staging", staging_parity),
         ("parity 8B", lambda: hp.parity(llm, 32)),
-        ("parity full head", lambda: full_head_parity(llm)),
+        ("parity steady", lambda: steady_parity(llm)),
         ("steady 256", lambda: steady(llm, 256, 40 if args.quick else 80)),
         ("steady 64 streamed", lambda: steady(llm, 64, 60, stream=True)),
         ("profile", lambda: profile_steady(llm, 256, 40)),
         ("batch-1", lambda: hp.batch1(llm, 64 if args.quick else 128)),
         ("preset default", lambda: default_preset(llm, ceil)),
+        ("preset default, warm", lambda: default_preset(llm, ceil, 2)),
     ]
     if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
-        sections = sections[1:-1]
+        sections = sections[1:-2]
     for name, fn in sections:
         try:
             t1 = time.perf_counter()

@@ -54,6 +54,7 @@ from roofline.worker.prompt_logprobs import (
     prompt_logprob_rows,
 )
 from roofline.worker.staging import HostIdBuffers, PinnedStaging
+from roofline.worker.steady_inputs import SteadyInputs
 from roofline.worker.warmup import warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,14 @@ class ModelRunner:
         """The request id of each row of ``_prev_sampled``."""
         self._last_built: tuple[SchedulerOutput | None, HostBatch | None] = (None, None)
         """The last step launched and its host batch (a steady decode step advances it)."""
+        self.steady_inputs: SteadyInputs | None = None
+        """Advance graphs over the decode graphs' buffers (``worker/steady_inputs.py``)."""
+        self._staged: tuple | None = None
+        """(batch, bucket, its block-table rows on the device or None, whether a steady run
+        already started): what the decode graphs' static buffers hold, when a steady step
+        may advance them."""
+        self._advancing: HostBatch | None = None
+        """Set by ``launch`` for ``launch_batch``: the batch this step's was advanced from."""
         self.cascade: SharedPrefixDetector | None = None
         """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
         if cascade_attention and getattr(self.backend, "supports_cascade", False):
@@ -282,6 +291,9 @@ class ModelRunner:
             heads=True,
         )
         self.graphs.capture()
+        if self.graphs.graphs:
+            self.steady_inputs = SteadyInputs(self.graphs, self.block_tables, self.page_size)
+            self.steady_inputs.capture(next(iter(self.graphs.graphs.values())).pool())
         if self.cascade is not None and self.graphs.graphs:
             from roofline.worker.cascade_graphs import CascadeDecodeGraphs
 
@@ -355,6 +367,7 @@ class ModelRunner:
         if sched_out.advances is not None and sched_out.advances is last_out:
             if sched_out.inputs_pending:  # a steady decode step (core/steady.py)
                 batch = last_batch.advanced(sched_out, self.block_tables)
+            self._advancing = last_batch if batch is not None else None
         if batch is None:
             batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
         self._last_built = (sched_out, batch)
@@ -393,49 +406,25 @@ class ModelRunner:
             extra = cascade.lists() if cascade is not None else plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
-        dev = self._upload(batch, gather, src, dst, *extra)
-        sample_rows, src_t, dst_t, *extra_t = dev.extra
-        pending = self._pending_inputs(batch, src_t, dst_t)
-        graphs = self.graphs
-        cgraphs = self.cascade_graphs
-        head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
-        if grid:  # 2..1+k rows per request: the padded multi-query graphs
-            bucket = vgraphs.stage(  # type: ignore[union-attr]
-                dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
-                self.block_tables, dev.table_rows, pending,
-            )  # fmt: skip
-            hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
-        elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
-            hidden = self.mixed.forward(
-                plan, extra_t, batch, dev, self.block_tables, pending, cascade
-            )
-        elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
-            pages_t, len_t, starts_t = extra_t
-            bucket = cgraphs.stage_cascade(
-                cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
-                dev.seq_lens, self.block_tables, dev.table_rows, pending,
-            )  # fmt: skip
-            hidden = cgraphs.replay(bucket, batch.num_reqs)
-        elif graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
-            bucket = graphs.stage_inputs(
-                dev.input_ids,
-                dev.positions,
-                dev.slots,
-                dev.seq_lens,
-                self.block_tables,
-                dev.table_rows,
-                pending,
-            )
-            hidden = graphs.replay(bucket, batch.num_reqs)
-            head = None if gather else graphs.head(bucket, batch.num_reqs)
+        staged, self._staged = self._staged, None
+        source, self._advancing = self._advancing, None
+        if (
+            source is not None
+            and staged is not None
+            and staged[0] is source
+            and self.steady_inputs.usable(staged[1])  # type: ignore[union-attr]
+            and self._prev_sampled is not None
+            and not (src or gather or grid or prompt_logprobs_of)
+            and plan is None
+            and cascade is None
+            and len(batch.pending_rows) == batch.num_reqs
+        ):
+            hidden, head = self._advance_staged(batch, staged)
+            sample_rows = None
         else:
-            if pending is not None:
-                fill_pending(dev.input_ids, pending)
-            meta = self._metadata(batch, dev)
-            if cascade is not None:
-                meta.cascade = eager_metadata(cascade, extra_t)
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
+            hidden, head, sample_rows = self._forward(
+                batch, gather, src, dst, extra, grid, plan, cascade
+            )
         prompt_lps = (
             compute_prompt_logprobs(self.model, hidden, prompt_logprobs_of)
             if prompt_logprobs_of
@@ -474,6 +463,85 @@ class ModelRunner:
             ids = [r.request_id for r in requests]
         self._prev_ids = ids
         return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids, self._id_buffers)
+
+    def _forward(
+        self,
+        batch: HostBatch,
+        gather: list[int],
+        src: list[int],
+        dst: list[int],
+        extra: list[list[int]],
+        grid: tuple,
+        plan,
+        cascade: CascadePlan | None,
+    ) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """Upload a step's inputs and queue its forward: (hidden states, the decode graph's
+        head outputs or None, the sampled rows' indices on the device)."""
+        dev = self._upload(batch, gather, src, dst, *extra)
+        sample_rows, src_t, dst_t, *extra_t = dev.extra
+        pending = self._pending_inputs(batch, src_t, dst_t)
+        graphs, vgraphs = self.graphs, self.verify_graphs
+        cgraphs = self.cascade_graphs
+        head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
+        if grid:  # 2..1+k rows per request: the padded multi-query graphs
+            bucket = vgraphs.stage(  # type: ignore[union-attr]
+                dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
+                self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
+        elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
+            hidden = self.mixed.forward(
+                plan, extra_t, batch, dev, self.block_tables, pending, cascade
+            )
+        elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
+            pages_t, len_t, starts_t = extra_t
+            bucket = cgraphs.stage_cascade(
+                cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
+                dev.seq_lens, self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = cgraphs.replay(bucket, batch.num_reqs)
+        elif graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
+            bucket = graphs.stage_inputs(
+                dev.input_ids,
+                dev.positions,
+                dev.slots,
+                dev.seq_lens,
+                self.block_tables,
+                dev.table_rows,
+                pending,
+            )
+            hidden = graphs.replay(bucket, batch.num_reqs)
+            head = None if gather else graphs.head(bucket, batch.num_reqs)
+            steady = self.steady_inputs
+            if steady is not None and steady.usable(bucket):  # a steady run may start here
+                self._staged = (batch, bucket, dev.table_rows, False)
+        else:
+            if pending is not None:
+                fill_pending(dev.input_ids, pending)
+            meta = self._metadata(batch, dev)
+            if cascade is not None:
+                meta.cascade = eager_metadata(cascade, extra_t)
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
+        return hidden, head, sample_rows
+
+    def _advance_staged(self, batch: HostBatch, staged: tuple) -> tuple[torch.Tensor, object]:
+        """A steady decode step (``worker/steady_inputs.py``): the decode graphs' buffers hold
+        the step ``batch`` advances; move them on a token and replay the same bucket. Only the
+        block-table updates are uploaded."""
+        _, bucket, table_rows, started = staged
+        steady, graphs = self.steady_inputs, self.graphs
+        n = batch.num_reqs
+        updates = batch.table_updates
+        if updates.flat_index:
+            flat, pages = upload([updates.flat_index, updates.page_ids], self.device, self.staging)
+            self.block_tables.apply(flat, pages)
+        if not started:
+            steady.start(n, table_rows)
+        prev = self._prev_sampled
+        steady.advance(bucket, prev if prev.shape[0] == n else prev[:n])
+        self._staged = (batch, bucket, None, True)
+        return graphs.replay(bucket, n), graphs.head(bucket, n)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
