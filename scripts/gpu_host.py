@@ -356,6 +356,19 @@ def serve(quick: bool) -> None:
         f"{_f(s['offline_step_ms_at_in_flight'])} ms at "
         f"{_f(s['server_mean_in_flight_at_rate'], 1)} in flight)",
     )
+    for name, key in (("server", "trace_saturation_server"), ("offline", "trace_offline")):
+        t = s.get(key) or {}
+        if not t.get("steps"):
+            row(f"saturation trace, {name}", "n/a")
+            continue
+        row(
+            f"saturation trace, {name}",
+            f"{t['window_s']:.3f} s: lead-in {t['lead_in_s']:.3f}, {t['steps']} steps, decode "
+            f"{t['decode_steps']} x {_f(t['decode_ms_per_step'], 2)} ms (mean rows "
+            f"{_f(t['mean_decode_rows'], 1)}), mixed {t['mixed_steps']} = {t['mixed_s']:.3f} s "
+            f"({t['mixed_tokens']} tokens), waiting {t['wait_s']:.3f} s, gaps "
+            f"{t['gaps_s']:.3f} s, tail {t['tail_s']:.3f} s",
+        )
     row(
         "server engine-core CPU at rate",
         f"{_f(core)} of a core (goal < 0.70; API process {_f(api)}; at saturation core "

@@ -23,6 +23,7 @@ engine built there (``roofline serve --engine-in-process``, and code that wraps 
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -75,10 +76,17 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve until told to stop or the client goes away; a failing step is reported as
-        :class:`CoreFailed` and re-raised."""
+        :class:`CoreFailed` and re-raised. ``ROOFLINE_STEP_TRACE=path``: the engine's step
+        trace (``LLMEngine.step_trace``) is written there as JSON when the loop ends."""
+        trace_path = os.environ.get("ROOFLINE_STEP_TRACE")
+        if trace_path:
+            self.engine.step_trace = []
         try:
             self._loop()
             self._log_timing()
+            if trace_path:
+                with open(trace_path, "w") as f:
+                    json.dump(self.engine.step_trace, f)
         except BaseException as e:
             logger.exception("engine core died")
             try:

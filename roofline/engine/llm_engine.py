@@ -248,6 +248,9 @@ class LLMEngine:
         self._deferred: list[RequestUpdate] | None = None
         """A speculative step's folded updates whose outputs the next step builds (while the
         device runs it)."""
+        self.step_trace: list[tuple[float, float, float, int, int]] | None = None
+        """If a list: one entry per ``step()``, (start, end (``time.perf_counter``), the
+        cumulative wait for the device, scheduled tokens, scheduled requests) (benchmarks)."""
         self._num_sync_groups = 0
         """Unfinished user requests whose sampling needs host-side history (no overlap)."""
         self._num_prompt_logprob_groups = 0
@@ -459,7 +462,12 @@ class LLMEngine:
             outputs += self._finish_step(sched_out, handle)
         timing = self.step_timing
         timing.steps += 1
-        timing.total_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        timing.total_s += t1 - t0
+        if self.step_trace is not None:
+            self.step_trace.append(
+                (t0, t1, timing.wait_s, sched_out.num_batched_tokens, sched_out.num_reqs)
+            )
         if spec is not None:  # the switch's online step cost (prefill chunks or a drained
             steady = decode_only and not drained  # step would blur it)
             spec.observe(speculate, num_running, time.perf_counter() - t0 if steady else None)
