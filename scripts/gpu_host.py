@@ -25,6 +25,7 @@ with random bf16 weights and the engine's default settings. Prints a short table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import gc
@@ -133,7 +134,9 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
             pieces.clear()
             t0 = dataclasses.replace(engine.step_timing)
             step = engine.step_rows if stream else engine.step  # streamed: as the server core
-            with frozen_heap():
+            cuda = runner.device.type == "cuda"
+            gaps = DeviceGaps(runner) if cuda else None
+            with frozen_heap(), gaps if gaps is not None else contextlib.nullcontext():
                 start, cpu0 = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     step()
@@ -155,6 +158,8 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
                 "  host ms/step",
                 ", ".join(f"{k.strip()} {1e3 * v / steps:.3f}" for k, v in pieces.items()),
             )
+            if gaps is not None:
+                row("  device", gaps.summary())
     finally:
         Scheduler.steady_decode = True
         HostBatch.build = build  # type: ignore[method-assign]
@@ -309,11 +314,60 @@ def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
     print("\n".join(buf.getvalue().splitlines()[:60]), flush=True)
 
 
+class DeviceGaps:
+    """The device's idle time between steps: a CUDA event recorded as each ``runner.launch``
+    begins and another as it ends; the time from one step's end event to the next step's
+    begin event is time the device had nothing queued (the host was late), split by whether
+    the next step is decode-only. Installed on the runner while in a ``with`` block."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+
+    def __enter__(self) -> DeviceGaps:
+        self._own = self.runner.__dict__.get("launch")  # a wrapper already installed
+        launch = self.runner.launch
+
+        def marked(sched_out, *a, **k):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                return launch(sched_out, *a, **k)
+            finally:
+                end.record()
+                decode = sched_out.num_batched_tokens == len(sched_out.requests)
+                self.marks.append((begin, end, decode))
+
+        self.runner.launch = marked
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._own is None:
+            self.runner.__dict__.pop("launch", None)
+        else:
+            self.runner.launch = self._own
+
+    def summary(self) -> str:
+        torch.cuda.synchronize()
+        gaps = {True: [], False: []}
+        for (_, end, _), (begin, _, decode) in zip(self.marks, self.marks[1:]):
+            gaps[decode].append(end.elapsed_time(begin))
+        parts = []
+        for decode, name in ((True, "before decode steps"), (False, "before other steps")):
+            g = gaps[decode]
+            if g:
+                parts.append(f"{name} {sum(g):.1f} ms over {len(g)} (max {max(g):.2f} ms)")
+        return "device idle between steps: " + ("; ".join(parts) or "no steps")
+
+
 def default_preset(llm: LLM, ceil, run: int = 1) -> None:
     engine = llm.llm_engine
     engine.kv_manager.reset_prefix_cache()
     wl = workloads.preset("default", engine.model_config.vocab_size)
-    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    cuda = engine.runner.device.type == "cuda"
+    gaps = DeviceGaps(engine.runner) if cuda else None
+    with gaps if gaps is not None else contextlib.nullcontext():
+        res = throughput.run(llm, ceil, wl, use_tqdm=False)
     jit = sorted(set(res.jit_compiles))
     row(
         f"preset default (run {run}{', JIT ' + ','.join(jit) if jit else ''})",
@@ -321,6 +375,8 @@ def default_preset(llm: LLM, ceil, run: int = 1) -> None:
         f"roofline ({res.roofline_s:.3f} s), host {100 * res.host_fraction:.1f}%, max running "
         f"{res.max_running}, {res.num_preemptions} preemptions",
     )
+    if gaps is not None:
+        row(f"  preset default (run {run})", gaps.summary())
 
 
 def serve(quick: bool) -> None:
