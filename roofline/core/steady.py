@@ -9,12 +9,14 @@ further. What can still differ for a request is decided by its start position al
 
 * a new page, needed when the start reaches the end of its pages (start % page_size == 0);
 * prefix-cache registration of a newly filled page, which happens when its known tokens
-  (start + 1 - pending, pending 0 or 1) reach a page multiple (start % page_size in -1, 0, 1);
+  (start + 1 - pending, pending 0 or 1) reach a page multiple (start % page_size is
+  pending - 1; any of -1, 0, 1 on the step after the pending count changed);
 * the length limit (``max_tokens`` or ``max_model_len``) near, where the general loop skips a
   request whose pending token ends it.
 
 :class:`SteadyDecode` keeps the requests grouped by start residue modulo the page size, so a step
-visits only the rows at one of those residues (3 of every ``page_size`` steps per request),
+visits only the rows at one of those residues (1 of every ``page_size`` steps per request
+under async scheduling),
 through the general loop's own calls (``KVCacheManager.covered``/``allocate``) in running order,
 and hands back the steps whose plan it cannot vouch for (a length limit near, pages run out,
 proposals, a waiting request that could be admitted) to the general loop. The plan it makes is
@@ -37,7 +39,7 @@ _SPEC = attrgetter("spec_token_ids")
 class SteadyDecode:
     """The running requests of a steady decode run, grouped for the residue checks."""
 
-    __slots__ = ("version", "prev", "page_size", "num_steps", "max_steps", "by_residue")
+    __slots__ = ("version", "prev", "page_size", "num_steps", "max_steps", "by_residue", "pending")
 
     def __init__(self, out: SchedulerOutput, version: int, page_size: int, max_model_len: int):
         self.version = version
@@ -57,15 +59,27 @@ class SteadyDecode:
             if limit - start < max_steps:
                 max_steps = limit - start
         self.by_residue = by_residue
+        self.pending: int | None = None
+        """The pending tokens each request had when the last steady step was scheduled (all
+        alike: they were all in the same steps); None before the first."""
         self.max_steps = max_steps
         """Steady steps allowed: at ``max_steps`` some request's start reaches its limit."""
 
-    def rows_to_check(self, num_steps: int) -> list[int]:
-        """Rows (in running order) whose start after ``num_steps`` steps is at residue -1, 0
-        or 1 modulo the page size: the only ones a page or a cache registration can concern."""
+    def rows_to_check(self, num_steps: int, pending: int) -> list[int]:
+        """Rows (in running order) whose start after ``num_steps`` steps is at a residue
+        modulo the page size where a page or a cache registration can concern them: 0 (a new
+        page) and ``pending - 1`` (known tokens, ``start + 1 - pending``, reach a page
+        multiple), or -1, 0 and 1 when the pending count just changed (a drained step: the
+        known count moved by 0 or 2)."""
         page, groups = self.page_size, self.by_residue
         if page <= 3:
             return list(range(len(self.prev.requests)))
+        if pending == self.pending and pending in (0, 1):
+            rows = groups[-num_steps % page]  # residue 0 (shared list: not modified below)
+            if pending == 0:
+                rows = rows + groups[(-1 - num_steps) % page]
+                rows.sort()
+            return rows
         rows = groups[(-1 - num_steps) % page] + groups[-num_steps % page]
         rows += groups[(1 - num_steps) % page]
         rows.sort()
@@ -102,7 +116,8 @@ def schedule_steady(
         return None
     starts = [s + 1 for s in prev.start_positions]
     block_ids = prev.block_ids
-    changed = state.rows_to_check(num_steps)
+    pending = requests[0].num_pending_tokens
+    changed = state.rows_to_check(num_steps, pending)
     if changed:
         block_ids = block_ids[:]
         covered, allocate = kv.covered, kv.allocate
@@ -116,7 +131,6 @@ def schedule_steady(
                 if blocks is None:  # pages ran out: preemption is the general loop's
                     return None
             block_ids[i] = blocks
-    pending = requests[0].num_pending_tokens > 0
     for request in requests:
         request.num_computed_tokens += 1
         request.num_pending_tokens += 1
@@ -129,8 +143,9 @@ def schedule_steady(
     )
     out.advances = prev
     out.changed_rows = changed
-    out.inputs_pending = pending
+    out.inputs_pending = pending > 0
     prev.advances = None  # one link only: a long run must not chain every step it took
     state.prev = out
     state.num_steps = num_steps
+    state.pending = pending
     return out
