@@ -109,8 +109,9 @@ class SchedulerOutput:
         """Set by a steady decode step (``core/steady.py``): the step this one moves on by one
         token per request (the same requests in the same order, each start one further), so
         the runner may advance its per-row state instead of rebuilding it."""
-        self.changed_rows: list[int] = []
-        """With ``advances``: the only rows whose ``block_ids`` may have changed since it."""
+        self.changed_rows: list[int] | None = None
+        """A steady decode step's rows whose ``block_ids`` may have changed since the step it
+        advances (None: not a steady step; kept after ``advances`` is cleared)."""
         self.inputs_pending = False
         """With ``advances``: every row's input token is pending (sampled by the step before,
         not folded in yet: async scheduling)."""

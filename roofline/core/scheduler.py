@@ -457,11 +457,14 @@ class Scheduler:
         when it finishes); requests finished or aborted since ``schedule()`` are skipped. A
         request preempted since (async scheduling) still gets its token: it was computed from
         the right prefix."""
+        all_logprobs, verified = runner_out.logprobs, runner_out.verified
+        token_ids = runner_out.token_ids  # in the step's order, or None: by request id
+        if sched_out.changed_rows is not None and token_ids is not None:
+            if not (all_logprobs or verified):  # a steady decode step: every row samples
+                return self._update_steady(sched_out.requests, token_ids)
         updates: list[RequestUpdate] = []
         add_update = updates.append
         now = time.monotonic()
-        all_logprobs, verified = runner_out.logprobs, runner_out.verified
-        token_ids = runner_out.token_ids  # in the step's order, or None: by request id
         sampled = runner_out.sampled_token_ids if token_ids is None else None
         index = -1  # of the sampling entry, in token_ids
         max_model_len = self.config.max_model_len
@@ -502,6 +505,41 @@ class Scheduler:
                 continue
             logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
             add_update(RequestUpdate(request, [token], logprobs, False))
+        self.num_unreported_tokens += num_unreported
+        return updates
+
+    def _update_steady(self, requests: list[Request], token_ids: list[int]) -> list[RequestUpdate]:
+        """``update`` for a steady decode step (``core/steady.py``): one sampled token per row,
+        in order, no logprobs or proposals; the same rules, fewer checks per row."""
+        updates: list[RequestUpdate] = []
+        add_update = updates.append
+        now = time.monotonic()
+        max_model_len = self.config.max_model_len
+        num_unreported = 0
+        for request, token in zip(requests, token_ids):
+            if request.status.finished:
+                continue  # finished/aborted mid-step: stay so
+            request.num_pending_tokens -= 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            output = request.output_token_ids
+            output.append(token)
+            num_output = len(output)
+            if (
+                token in request.stop_check_ids
+                or num_output >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    add_update(RequestUpdate(request, [token], [], True))
+                    continue
+            if request.quiet and num_output > 1:
+                num_unreported += 1
+                continue
+            add_update(RequestUpdate(request, [token], [], False))
         self.num_unreported_tokens += num_unreported
         return updates
 
