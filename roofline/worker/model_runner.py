@@ -292,8 +292,12 @@ class ModelRunner:
         )
         self.graphs.capture()
         if self.graphs.graphs:
-            self.steady_inputs = SteadyInputs(self.graphs, self.block_tables, self.page_size)
-            self.steady_inputs.capture(next(iter(self.graphs.graphs.values())).pool())
+            steady = SteadyInputs(self.graphs, self.block_tables, self.page_size)
+            try:
+                steady.capture(next(iter(self.graphs.graphs.values())).pool())
+                self.steady_inputs = steady
+            except Exception:  # noqa: BLE001 - steady steps then take the general path
+                logger.exception("steady decode graphs could not be captured")
         if self.cascade is not None and self.graphs.graphs:
             from roofline.worker.cascade_graphs import CascadeDecodeGraphs
 
@@ -408,18 +412,26 @@ class ModelRunner:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
         staged, self._staged = self._staged, None
         source, self._advancing = self._advancing, None
+        advanced = None
         if (
             source is not None
             and staged is not None
             and staged[0] is source
-            and self.steady_inputs.usable(staged[1])  # type: ignore[union-attr]
+            and self.steady_inputs is not None
+            and self.steady_inputs.usable(staged[1])
             and self._prev_sampled is not None
             and not (src or gather or grid or prompt_logprobs_of)
             and plan is None
             and cascade is None
             and len(batch.pending_rows) == batch.num_reqs
         ):
-            hidden, head = self._advance_staged(batch, staged)
+            try:
+                advanced = self._advance_staged(batch, staged)
+            except Exception:  # noqa: BLE001 - the general path stages the step from scratch
+                logger.exception("a steady decode step failed: steady steps are off from now")
+                self.steady_inputs = None
+        if advanced is not None:
+            hidden, head = advanced
             sample_rows = None
         else:
             hidden, head, sample_rows = self._forward(
