@@ -291,6 +291,7 @@ class ModelRunner:
             heads=True,
         )
         self.graphs.capture()
+        self.steady_inputs = None  # (a dry run's stand-in graphs must never replay)
         if self.graphs.graphs:
             steady = SteadyInputs(self.graphs, self.block_tables, self.page_size)
             try:
