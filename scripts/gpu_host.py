@@ -360,23 +360,38 @@ class DeviceGaps:
         return "device idle between steps: " + ("; ".join(parts) or "no steps")
 
 
-def default_preset(llm: LLM, ceil, run: int = 1) -> None:
+def default_preset(llm: LLM, ceil, run: int = 1, name: str = "default", top: int = 0) -> None:
+    """A ``bench throughput`` preset: % of its roofline, host share, the device's idle time
+    between steps; ``top``: also a cProfile of the run (the functions with the most own
+    time)."""
     engine = llm.llm_engine
     engine.kv_manager.reset_prefix_cache()
-    wl = workloads.preset("default", engine.model_config.vocab_size)
+    wl = workloads.preset(name, engine.model_config.vocab_size)
     cuda = engine.runner.device.type == "cuda"
     gaps = DeviceGaps(engine.runner) if cuda else None
+    prof = cProfile.Profile() if top else None
     with gaps if gaps is not None else contextlib.nullcontext():
-        res = throughput.run(llm, ceil, wl, use_tqdm=False)
+        if prof is not None:
+            prof.enable()
+        try:
+            res = throughput.run(llm, ceil, wl, use_tqdm=False)
+        finally:
+            if prof is not None:
+                prof.disable()
+    if prof is not None:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        print(f"cProfile of preset {name} (own time, whole run):")
+        print("\n".join(buf.getvalue().splitlines()[4 : top + 10]), flush=True)
     jit = sorted(set(res.jit_compiles))
     row(
-        f"preset default (run {run}{', JIT ' + ','.join(jit) if jit else ''})",
+        f"preset {name} (run {run}{', JIT ' + ','.join(jit) if jit else ''})",
         f"{res.elapsed_s:.3f} s, {res.output_tok_s:,.0f} out tok/s, {res.roofline_pct:.1f}% of "
         f"roofline ({res.roofline_s:.3f} s), host {100 * res.host_fraction:.1f}%, max running "
         f"{res.max_running}, {res.num_preemptions} preemptions",
     )
     if gaps is not None:
-        row(f"  preset default (run {run})", gaps.summary())
+        row(f"  preset {name} (run {run})", gaps.summary())
 
 
 def serve(quick: bool) -> None:
@@ -448,6 +463,8 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
         ("preset default", lambda: default_preset(llm, ceil)),
         ("preset default, warm", lambda: default_preset(llm, ceil, 2)),
     ]
+    if args.short:  # the many-short-requests preset: its host work, profiled (~25 s)
+        sections.append(("preset short", lambda: default_preset(llm, ceil, 1, "short", 30)))
     if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
         sections = sections[1:-2]
     for name, fn in sections:
@@ -465,6 +482,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--serve", action="store_true", help="also run serve_compare on the 8B")
     ap.add_argument("--serve-quick", action="store_true", help="serve_compare with out 128")
+    ap.add_argument("--short", action="store_true", help="also the short preset, profiled")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
