@@ -200,8 +200,10 @@ class Scheduler:
         steady = self._steady
         if steady is not None:
             self._steady = None
-            if steady.version == self._running_version and (
-                not self.waiting or len(self.running) >= self.config.max_num_seqs
+            if (
+                self.steady_decode
+                and steady.version == self._running_version
+                and (not self.waiting or len(self.running) >= self.config.max_num_seqs)
             ):
                 out = schedule_steady(
                     steady, self.kv, self.config.max_num_batched_tokens, self._finished_ids
