@@ -434,7 +434,8 @@ def serve(quick: bool) -> None:
             continue
         row(
             f"saturation trace, {name}",
-            f"{t['window_s']:.3f} s: lead-in {t['lead_in_s']:.3f}, {t['steps']} steps, decode "
+            f"{t['window_s']:.3f} s: requests taken {_f(t.get('first_add_s'))}-"
+            f"{_f(t.get('last_add_s'))}, lead-in {t['lead_in_s']:.3f}, {t['steps']} steps, decode "
             f"{t['decode_steps']} x {_f(t['decode_ms_per_step'], 2)} ms (mean rows "
             f"{_f(t['mean_decode_rows'], 1)}), mixed {t['mixed_steps']} = {t['mixed_s']:.3f} s "
             f"({t['mixed_tokens']} tokens), waiting {t['wait_s']:.3f} s, gaps "

@@ -115,7 +115,7 @@ def _step_ms(before: tuple[float, float], after: tuple[float, float]) -> float |
     return 1000.0 * (after[0] - before[0]) / count if count else None
 
 
-def trace_summary(steps: list, start: float, end: float) -> dict:
+def trace_summary(steps: list, start: float, end: float, adds: list | None = None) -> dict:
     """Where a window of wall time went, from an engine's step trace (``LLMEngine.step_trace``:
     (start, end, cumulative device wait, tokens, requests) per step, ``time.perf_counter``):
     the steps inside it, their time in ``step()`` (of it waiting for the device) split into
@@ -135,7 +135,11 @@ def trace_summary(steps: list, start: float, end: float) -> dict:
         return sum(s[1] - s[0] for s in rows)
 
     gaps = sum(b[0] - a[1] for a, b in zip(inside, inside[1:]))
+    adds = [t for t in adds or [] if start <= t <= end]
     return {
+        # when the engine took the first and the last request, from the window's start
+        "first_add_s": adds[0] - start if adds else None,
+        "last_add_s": adds[-1] - start if adds else None,
         "window_s": total,
         "steps": len(inside),
         "decode_steps": len(decode),
@@ -292,7 +296,8 @@ def main() -> None:
         if os.path.exists(trace_path):
             try:
                 with open(trace_path) as f:
-                    server_trace = trace_summary(json.load(f), sat_t0, sat_t1)
+                    trace = json.load(f)
+                server_trace = trace_summary(trace["steps"], sat_t0, sat_t1, trace["adds"])
                 break
             except ValueError:  # still being written
                 pass

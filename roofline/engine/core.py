@@ -73,6 +73,8 @@ class EngineCore:
         """Seconds spent turning step outputs into messages."""
         self.send_s = 0.0
         """Seconds spent handing messages to the channel (a pipe blocks while it is full)."""
+        self.add_times: list[float] | None = None
+        """With a step trace: when each request was added (``time.perf_counter``)."""
 
     def run(self) -> None:
         """Serve until told to stop or the client goes away; a failing step is reported as
@@ -81,12 +83,13 @@ class EngineCore:
         trace_path = os.environ.get("ROOFLINE_STEP_TRACE")
         if trace_path:
             self.engine.step_trace = []
+            self.add_times = []
         try:
             self._loop()
             self._log_timing()
             if trace_path:
                 with open(trace_path, "w") as f:
-                    json.dump(self.engine.step_trace, f)
+                    json.dump({"steps": self.engine.step_trace, "adds": self.add_times}, f)
         except BaseException as e:
             logger.exception("engine core died")
             try:
@@ -112,6 +115,8 @@ class EngineCore:
                 elif isinstance(command, Shutdown):
                     return
             if added:
+                if self.add_times is not None:
+                    self.add_times += [time.perf_counter()] * len(added)
                 self.channel.send(CoreOutputs(engine.get_stats(), time.monotonic(), added))
             if engine.has_unfinished_requests():
                 step_rows = engine.step_rows()  # the outputs in wire form (pack_outputs')
