@@ -545,14 +545,16 @@ class ModelRunner:
         _, bucket, table_rows, started = staged
         steady, graphs = self.steady_inputs, self.graphs
         n = batch.num_reqs
-        updates = batch.table_updates
-        if updates.flat_index:
-            flat, pages = upload([updates.flat_index, updates.page_ids], self.device, self.staging)
-            self.block_tables.apply(flat, pages)
+        flat, pages = batch.table_updates.flat_index, batch.table_updates.page_ids
+        if len(flat) > steady.capacity:  # (a steady step adds at most a page per row)
+            self.block_tables.apply(*upload([flat, pages], self.device, self.staging))
+            flat = []
+        if not flat:  # the graph writes one update at least: a page id as it is
+            flat, pages = self.block_tables.unchanged_entry()
         if not started:
             steady.start(n, table_rows)
         prev = self._prev_sampled
-        steady.advance(bucket, prev if prev.shape[0] == n else prev[:n])
+        steady.advance(bucket, prev if prev.shape[0] == n else prev[:n], flat, pages)
         self._staged = (batch, bucket, None, True)
         return graphs.replay(bucket, n), graphs.head(bucket, n)
 

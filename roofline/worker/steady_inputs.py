@@ -10,17 +10,40 @@ page ids of the rows that reached a new page travel, as block-table updates.
 
 :class:`SteadyInputs` captures, per decode bucket, a small CUDA graph that does it over the
 bucket's rows (rows past the real ones keep their padding: slot -1, context length 1): it
-gathers the block-table rows again (the new pages), adds one to positions and context lengths
-and recomputes slots. A steady step is then an input-id copy and two graph replays (this one
-and the decode graph). ``advance_inputs`` is the same in eager torch ops (the CPU tests compare
-it with staging the next step from scratch).
+writes the block-table updates, gathers the block-table rows again (the new pages), adds one
+to positions and context lengths and recomputes slots. A steady step is then one small copy
+(the page ids of the rows that reached a new page, into a fixed buffer the graph reads:
+``write_updates``), an input-id copy and two graph replays (this one and the decode graph).
+``advance_inputs`` and ``write_updates`` are plain torch ops (the CPU tests compare them with
+staging the next step from scratch and with a direct write).
 """
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from roofline.worker.block_table import BlockTables
+from roofline.worker.staging import PinnedStaging
+
+
+def write_updates(
+    table: torch.Tensor,  # [rows, max_blocks] int32: the device block tables
+    updates: torch.Tensor,  # [1 + 2 * capacity] int64: k, k flat indices, k page ids, stale rest
+    update_index: torch.Tensor,  # [capacity] int64: 0..capacity-1
+) -> None:
+    """``table.view(-1)[flat[:k]] = pages[:k]`` for the ``k >= 1`` updates packed in
+    ``updates`` as ``[k, flat..., pages...]``, in fixed-shape ops (a CUDA graph's): the slots
+    past ``k`` repeat the first update (the same value to the same place)."""
+    capacity = update_index.shape[0]
+    k = updates[:1]
+    valid = update_index < k  # [capacity]
+    flat = updates[1 : 1 + capacity]
+    pages = updates.gather(0, (update_index + 1 + k).clamp_(max=updates.shape[0] - 1))
+    flat = torch.where(valid, flat, flat[:1])
+    pages = torch.where(valid, pages, pages[:1])
+    table.view(-1).index_copy_(0, flat, pages.to(table.dtype))
 
 
 def advance_inputs(
@@ -55,11 +78,18 @@ class SteadyInputs:
         """Each static row's row in the block tables (written when a steady run starts)."""
         self.num_rows = torch.zeros(1, dtype=torch.int64, device=device)
         self.row_index = torch.arange(max_batch, device=device)
+        self.capacity = max_batch
+        """Most block-table updates one steady step writes in its graph (one page per row)."""
+        self.updates = torch.zeros(1 + 2 * max_batch, dtype=torch.int64, device=device)
+        """``[k, flat indices (k), page ids (k)]`` of a step's block-table updates, uploaded
+        into this fixed buffer (``write_updates``)."""
+        self._ring = PinnedStaging(device) if device.type == "cuda" else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._table_ptr = 0
         """The block table's address at capture (a grown table makes the graphs stale)."""
 
     def _advance(self, bucket: int) -> None:
+        write_updates(self.block_tables.table, self.updates, self.row_index)
         g = self.graphs
         static = (g.positions[:bucket], g.slot_mapping[:bucket], g.seq_lens[:bucket],
                   g.block_table[:bucket])  # fmt: skip
@@ -80,6 +110,9 @@ class SteadyInputs:
         saved = [t.clone() for t in (g.positions, g.slot_mapping, g.seq_lens, g.block_table)]
         self.table_rows.zero_()
         self.num_rows.zero_()
+        self.updates.zero_()  # the warm-ups write one update: table[0, 0] as it is
+        self.updates[0] = 1
+        self.updates[2] = self.block_tables.table[0, 0]
         for bucket in reversed(g.buckets):
             self._advance(bucket)  # warm up (allocator, kernels) outside the capture
             torch.cuda.synchronize()
@@ -102,8 +135,18 @@ class SteadyInputs:
         self.table_rows[:num_rows].copy_(table_rows)
         self.num_rows.fill_(num_rows)
 
-    def advance(self, bucket: int, sampled: torch.Tensor) -> None:
+    def advance(
+        self, bucket: int, sampled: torch.Tensor, flat_index: list[int], page_ids: list[int]
+    ) -> None:
         """Move the staged rows one token on: input ids from ``sampled`` (the previous step's
-        ids, one per row in order), then the bucket's graph (block-table updates applied)."""
+        ids, one per row in order), then the bucket's graph, which first writes the block-table
+        updates ``table.view(-1)[flat_index] = page_ids`` (1 to ``capacity`` of them: a step
+        with none passes one that rewrites a page id as it is)."""
+        k = len(flat_index)
+        assert 0 < k <= self.capacity and len(page_ids) == k
+        packed = array("q", [k])
+        packed += array("q", flat_index)
+        packed += array("q", page_ids)
+        self._ring.copy_into(packed, self.updates)  # type: ignore[union-attr]
         self.graphs.input_ids[: sampled.shape[0]].copy_(sampled)
         self._graphs[bucket].replay()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from roofline.kernels.stage_decode import stage_decode_ref
-from roofline.worker.steady_inputs import advance_inputs
+from roofline.worker.steady_inputs import advance_inputs, write_updates
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -53,3 +53,23 @@ def test_advance_matches_staging_the_next_step(seed: int) -> None:
         assert torch.equal(slots, want[2])
         assert torch.equal(lens, want[3])
         assert torch.equal(block_table[:n], want[4][:n])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_write_updates_matches_a_direct_write(seed: int) -> None:
+    """Packed ``[k, flat..., pages...]`` updates (stale values past them) written in fixed-shape
+    ops: the same table as writing them one by one; k from 1 to the capacity."""
+    rng = random.Random(seed)
+    rows, max_blocks, capacity = 9, 7, 8
+    index = torch.arange(capacity)
+    for k in [1, capacity, *(rng.randint(1, capacity) for _ in range(4))]:
+        table = torch.randint(0, 1000, (rows, max_blocks), dtype=torch.int32)
+        want = table.clone()
+        flat = rng.sample(range(rows * max_blocks), k)
+        pages = [rng.randrange(1000) for _ in range(k)]
+        for f, p in zip(flat, pages):
+            want.view(-1)[f] = p
+        updates = torch.randint(0, rows * max_blocks, (1 + 2 * capacity,))  # stale
+        updates[: 1 + 2 * k] = torch.tensor([k, *flat, *pages])
+        write_updates(table, updates, index)
+        assert torch.equal(table, want)

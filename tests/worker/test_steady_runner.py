@@ -43,7 +43,9 @@ class EagerSteady(SteadyInputs):
         self._graphs = dict.fromkeys(self.graphs.buckets)  # type: ignore[arg-type]
         self._table_ptr = self.block_tables.table.data_ptr()
 
-    def advance(self, bucket: int, sampled: torch.Tensor) -> None:
+    def advance(self, bucket: int, sampled: torch.Tensor, flat: list[int], pages: list[int]):
+        packed = torch.tensor([len(flat), *flat, *pages])
+        self.updates[: packed.shape[0]].copy_(packed)
         self.graphs.input_ids[: sampled.shape[0]].copy_(sampled)
         self._advance(bucket)
 
