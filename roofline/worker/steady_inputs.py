@@ -85,12 +85,18 @@ class SteadyInputs:
         into this fixed buffer (``write_updates``)."""
         self._ring = PinnedStaging(device) if device.type == "cuda" else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._head_graphs: dict[int, tuple[torch.cuda.CUDAGraph, int]] = {}
+        """Per bucket whose decode graph computes greedy ids (``graph_head``): the advance that
+        also copies them into the input ids, and their address (a step sampled by that head
+        needs no copy of its own)."""
         self._table_ptr = 0
         """The block table's address at capture (a grown table makes the graphs stale)."""
 
-    def _advance(self, bucket: int) -> None:
-        write_updates(self.block_tables.table, self.updates, self.row_index)
+    def _advance(self, bucket: int, ids_from: torch.Tensor | None = None) -> None:
         g = self.graphs
+        if ids_from is not None:  # the bucket's graph head's greedy ids: static, so copied here
+            g.input_ids[:bucket].copy_(ids_from)
+        write_updates(self.block_tables.table, self.updates, self.row_index)
         static = (g.positions[:bucket], g.slot_mapping[:bucket], g.seq_lens[:bucket],
                   g.block_table[:bucket])  # fmt: skip
         advance_inputs(
@@ -107,21 +113,28 @@ class SteadyInputs:
         """One graph per decode bucket. The buffers it touches are saved and put back, so a
         capture leaves the decode graphs' inputs as they were."""
         g = self.graphs
-        saved = [t.clone() for t in (g.positions, g.slot_mapping, g.seq_lens, g.block_table)]
+        buffers = (g.input_ids, g.positions, g.slot_mapping, g.seq_lens, g.block_table)
+        saved = [t.clone() for t in buffers]
         self.table_rows.zero_()
         self.num_rows.zero_()
         self.updates.zero_()  # the warm-ups write one update: table[0, 0] as it is
         self.updates[0] = 1
         self.updates[2] = self.block_tables.table[0, 0]
         for bucket in reversed(g.buckets):
-            self._advance(bucket)  # warm up (allocator, kernels) outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._advance(bucket)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
-        for t, s in zip((g.positions, g.slot_mapping, g.seq_lens, g.block_table), saved):
+            head = g.heads.get(bucket)
+            ids = head.token_ids if head is not None else None
+            for ids_from in (None, ids) if ids is not None else (None,):
+                self._advance(bucket, ids_from)  # warm up (allocator, kernels) outside
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._advance(bucket, ids_from)
+                pool = graph.pool()
+                if ids_from is None:
+                    self._graphs[bucket] = graph
+                else:
+                    self._head_graphs[bucket] = (graph, ids_from.data_ptr())
+        for t, s in zip(buffers, saved):
             t.copy_(s)
         torch.cuda.synchronize()
         self._table_ptr = self.block_tables.table.data_ptr()
@@ -148,5 +161,9 @@ class SteadyInputs:
         packed += array("q", flat_index)
         packed += array("q", page_ids)
         self._ring.copy_into(packed, self.updates)  # type: ignore[union-attr]
+        head = self._head_graphs.get(bucket)
+        if head is not None and head[1] == sampled.data_ptr():
+            head[0].replay()  # the ids come from the head's buffer inside the graph
+            return
         self.graphs.input_ids[: sampled.shape[0]].copy_(sampled)
         self._graphs[bucket].replay()
