@@ -313,7 +313,9 @@ def profile_steady(llm: LLM, num_reqs: int, steps: int) -> None:
     print("\n".join(buf.getvalue().splitlines()[4:52]), flush=True)
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("cumulative").print_callees("launch_batch|model_runner.py.*launch\\)")
+    stats.sort_stats("cumulative").print_callees(
+        r"model_runner.py:\d+\((launch|launch_batch|_advance_staged)\)"
+    )
     print("callees of the runner's launch (cumulative):")
     print("\n".join(buf.getvalue().splitlines()[:60]), flush=True)
 
