@@ -14,8 +14,9 @@ writes the block-table updates, gathers the block-table rows again (the new page
 to positions and context lengths and recomputes slots. A steady step is then one small copy
 (the page ids of the rows that reached a new page, into a fixed buffer the graph reads:
 ``write_updates``), an input-id copy and two graph replays (this one and the decode graph).
-``advance_inputs`` and ``write_updates`` are plain torch ops (the CPU tests compare them with
-staging the next step from scratch and with a direct write).
+On CUDA the graph is one launch (``kernels/steady_advance.py``); ``advance_inputs`` and
+``write_updates`` are the same in plain torch ops (the CPU tests compare them with staging the
+next step from scratch and with a direct write, and the kernel with them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from array import array
 
 import torch
 
+from roofline.kernels import steady_advance
 from roofline.worker.block_table import BlockTables
 from roofline.worker.staging import PinnedStaging
 
@@ -93,20 +95,23 @@ class SteadyInputs:
         """The block table's address at capture (a grown table makes the graphs stale)."""
 
     def _advance(self, bucket: int, ids_from: torch.Tensor | None = None) -> None:
+        """The graph's body: one launch on CUDA (``kernels/steady_advance.py``), else the same
+        in torch ops. ``ids_from``: the bucket's graph head's greedy ids (a static buffer),
+        copied into the input ids here."""
         g = self.graphs
-        if ids_from is not None:  # the bucket's graph head's greedy ids: static, so copied here
-            g.input_ids[:bucket].copy_(ids_from)
-        write_updates(self.block_tables.table, self.updates, self.row_index)
         static = (g.positions[:bucket], g.slot_mapping[:bucket], g.seq_lens[:bucket],
                   g.block_table[:bucket])  # fmt: skip
-        advance_inputs(
-            static,
-            self.table_rows[:bucket],
-            self.num_rows,
-            self.row_index[:bucket],
-            self.block_tables.table,
-            self.page_size,
-        )
+        table, rows = self.block_tables.table, self.table_rows[:bucket]
+        if steady_advance.applies(table.device):
+            ids = None if ids_from is None else (g.input_ids[:bucket], ids_from)
+            steady_advance.steady_advance(
+                static, rows, self.num_rows, self.updates, table, self.page_size, ids
+            )
+            return
+        if ids_from is not None:
+            g.input_ids[:bucket].copy_(ids_from)
+        write_updates(table, self.updates, self.row_index)
+        advance_inputs(static, rows, self.num_rows, self.row_index[:bucket], table, self.page_size)
 
     @torch.inference_mode()
     def capture(self, pool: tuple | None = None) -> None:
