@@ -366,6 +366,12 @@ class DeviceGaps:
         return "device idle between steps: " + ("; ".join(parts) or "no steps")
 
 
+def _alloc_counters() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    return {k: int(stats.get(k, 0)) for k in keys}
+
+
 def default_preset(llm: LLM, ceil, run: int = 1, name: str = "default", top: int = 0) -> None:
     """A ``bench throughput`` preset: % of its roofline, host share, the device's idle time
     between steps; ``top``: also a cProfile of the run (the functions with the most own
@@ -376,6 +382,7 @@ def default_preset(llm: LLM, ceil, run: int = 1, name: str = "default", top: int
     cuda = engine.runner.device.type == "cuda"
     gaps = DeviceGaps(engine.runner) if cuda else None
     prof = cProfile.Profile() if top else None
+    mem0 = _alloc_counters() if cuda else {}
     with gaps if gaps is not None else contextlib.nullcontext():
         if prof is not None:
             prof.enable()
@@ -397,7 +404,13 @@ def default_preset(llm: LLM, ceil, run: int = 1, name: str = "default", top: int
         f"{res.max_running}, {res.num_preemptions} preemptions",
     )
     if gaps is not None:
-        row(f"  preset {name} (run {run})", gaps.summary())
+        mem = {k: v - mem0[k] for k, v in _alloc_counters().items()}
+        row(
+            f"  preset {name} (run {run})",
+            f"{gaps.summary()}; allocator: {mem['num_alloc_retries']} retries (each frees the "
+            f"cache: a device sync), {mem['num_device_alloc']} cudaMalloc, "
+            f"{mem['num_device_free']} cudaFree",
+        )
 
 
 def serve(quick: bool) -> None:
