@@ -366,6 +366,51 @@ class DeviceGaps:
         return "device idle between steps: " + ("; ".join(parts) or "no steps")
 
 
+def sync_points(llm: LLM) -> None:
+    """Where the host waits for the device, besides the step's one read of its sampled ids:
+    prefill-sized steps (16 prompts of 900-1000 tokens, two chunks of 8192) and a few decode
+    steps under ``torch.cuda.set_sync_debug_mode("warn")``, each warning's roofline call site
+    counted (the waiter's own wait excluded), and the allocator's retries (a retry frees the
+    cache: a device sync the debug mode does not see)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    engine = llm.llm_engine
+    if engine.runner.device.type != "cuda":
+        row("sync points, prefill-sized steps", "n/a (not CUDA)")
+        return
+    wl = workloads.synthetic(16, (900, 1000), (4, 4), engine.model_config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sites: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack() if "/roofline/" in f.filename]
+        key = " <- ".join(f"{f.filename.split('/roofline/')[-1]}:{f.lineno}({f.name})"
+                          for f in frames[::-1][:3])  # fmt: skip
+        sites[key or f"{filename}:{lineno}"] += 1
+
+    engine.kv_manager.reset_prefix_cache()
+    mem0 = _alloc_counters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(wl.prompts, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    retries = _alloc_counters()["num_alloc_retries"] - mem0["num_alloc_retries"]
+    waits = [k for k in sites if "device_wait.py" in k or "model_runner.py" in k and "_wait" in k]
+    for key in waits:
+        sites.pop(key)
+    print("host syncs by call site (16 prompts of ~1k tokens, 4 tokens each):", flush=True)
+    for key, count in sites.most_common(12):
+        print(f"  {count:4d}  {key}", flush=True)
+    row("sync points, prefill-sized steps", f"{sum(sites.values())} syncs at {len(sites)} sites "
+        f"besides the waiter's; allocator retries {retries}")  # fmt: skip
+
+
 def _alloc_counters() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
@@ -476,6 +521,7 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
         ("parity staging", staging_parity),
         ("parity 8B", lambda: hp.parity(llm, 32)),
         ("parity steady", lambda: steady_parity(llm)),
+        ("sync points", lambda: sync_points(llm)),
         ("steady 256", lambda: steady(llm, 256, 40 if args.quick else 80)),
         ("steady 64 streamed", lambda: steady(llm, 64, 60, stream=True)),
         ("profile", lambda: profile_steady(llm, 256, 40)),
