@@ -120,14 +120,14 @@ def schedule_steady(
     changed = state.rows_to_check(num_steps, pending)
     if changed:
         block_ids = block_ids[:]
-        covered, allocate = kv.covered, kv.allocate
+        covered, append_page = kv.covered, kv.append_page
         for i in changed:  # the general loop's page calls, in its order
             request = requests[i]
             start = starts[i]
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
             blocks = covered(request, start + 1, known)
-            if blocks is None:
-                blocks = allocate(request, 1)
+            if blocks is None:  # its pages end at ``start``: ``allocate(request, 1)``'s case
+                blocks = append_page(request, start + 1, known)
                 if blocks is None:  # pages ran out: preemption is the general loop's
                     return None
             block_ids[i] = blocks
