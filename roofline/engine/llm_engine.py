@@ -281,11 +281,12 @@ class LLMEngine:
         prompt_text: str | None = None,
         stream: bool = True,
         delta: bool = False,
-    ) -> None:
+    ) -> int:
         """Queue a request; ``prompt_text`` labels a token-id prompt in the outputs; with
         ``stream=False`` step() reports the request only once, when it has finished; with
         ``delta=True`` each output holds only what is new since the request's previous one
-        (what a streaming server sends), instead of everything so far."""
+        (what a streaming server sends), instead of everything so far. Returns the prompt's
+        length in tokens."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -342,6 +343,7 @@ class LLMEngine:
             self._num_prompt_logprob_groups += 1
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (group, i)
+        return len(token_ids)
 
     def _schedule_group(self, group: _Group) -> None:
         added: list[str] = []
