@@ -1,25 +1,32 @@
 """Host work per step on the H100 (issue 13, "Host work per step"): the Llama-3.1-8B config
 with random bf16 weights and the engine's default settings. Prints a short table last.
 
-    python scripts/gpu_host.py [--serve] [--quick]
+    python scripts/gpu_host.py [--serve] [--quick] [--short] [--final]
 
 1. Parity: a tiny fp32 Llama, async (CUDA graphs) vs sync vs async over cached prefixes on the
-   GPU, and vs the CPU (``gpu_hostpath.tiny_parity``); then 32 greedy requests of the 8B with
-   async scheduling on and off (identical tokens expected).
+   GPU, and vs the CPU (``gpu_hostpath.tiny_parity``); 32 greedy requests of the 8B with async
+   scheduling on and off; 256 greedy requests with steady decode (``core/steady.py``,
+   ``worker/steady_inputs.py``) on and off, the decode graphs' buffers and input ids checked
+   against the step's host lists after steady steps. Then the host's syncs by call site in
+   prefill-sized steps (sync debug mode) and the allocator's retries.
 2. Steady decode at 256 running (prompts 100-1024, ``stream=False`` as ``LLM.generate``, heap
    frozen): ms per step, the engine's host share (``StepTiming``; goal < 15%) with the default
-   DeviceWaiter and spinning, host ms per step by piece, and the process's CPU use; A/B: a fresh
-   pinned tensor per upload, the eager LM head and sampler instead of the largest bucket's
-   graph head; then streamed at 64 running, outputs as the server's core takes them
-   (``step_rows``). Then a cProfile of 40 steady steps (the
-   default wait): the functions and torch calls with the most own time, so that the next
-   change aims at what the profile says.
-3. Batch-1 decode of the 8B (512-token prompt): tok/s, spinning and sleeping (>= 169 tok/s).
-4. The default preset (256 x in 100-1024, out 512): % of its roofline, host share.
+   DeviceWaiter, with steady decode off (the general loops every step) and spinning, host ms per
+   step by piece ("launch own": launch minus the pieces inside it) and the device's idle time
+   between steps (CUDA events around each launch); then streamed at 64 running, outputs as the
+   server's core takes them (``step_rows``); then a cProfile of 40 steady steps and the callees
+   of the runner's launch.
+3. Batch-1 decode of the 8B (512-token prompt): tok/s, spinning and sleeping.
+4. The default preset (256 x in 100-1024, out 512) twice (cold, warm): % of its roofline, host
+   share, device idle between steps, allocator retries; ``--short``: the short preset too,
+   profiled.
 5. ``--serve``: ``scripts/serve_compare.py`` on the 8B at 64 requests in flight (256 prompts,
-   in 100-1024, out 256; ``--serve-quick``: out 128): server vs offline throughput (goal >=
-   0.95), TPOT p50 vs the offline step (goal <= 1.1) and the engine core's CPU use at that rate
-   (goal < 0.70 of a core).
+   in 100-1024, out 256; ``--serve-quick``: out 128): server vs offline throughput at saturation
+   (goal >= 0.95) with where each run's wall time went (step traces), TPOT p50 vs the offline
+   step (goal <= 1.1) and the engine core's CPU use at the rate phase (goal < 0.70 of a core).
+
+``--final`` (the run on merged main, ~2 min with ``--serve``): the parities, steady decode at
+256 (default wait, steady on and off), batch-1, the default preset cold and warm, and serve.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ def _drain(engine, ids: list[str]) -> None:
         engine.step()
 
 
-def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
+def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False, spin: bool = True) -> None:
     """Host share and host pieces at ``num_reqs`` decoding, default wait then spinning, one
     window of ``steps`` steps each over the same running batch."""
     engine = llm.llm_engine
@@ -125,7 +132,11 @@ def steady(llm: LLM, num_reqs: int, steps: int, stream: bool = False) -> None:
             ("default wait, steady decode off (general loops every step)", waiter, False),
             ("spin", None, True),
         ]
-        for name, wait, steady_on in variants if not stream else variants[::2]:
+        if stream:
+            variants = variants[::2]
+        elif not spin:
+            variants = variants[:2]
+        for name, wait, steady_on in variants:
             runner.device_waiter = wait
             Scheduler.steady_decode = steady_on
             sched._steady = None
@@ -529,6 +540,10 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
         ("preset default", lambda: default_preset(llm, ceil)),
         ("preset default, warm", lambda: default_preset(llm, ceil, 2)),
     ]
+    if args.final:  # the final run on merged main (~2 min with --serve): the issue's figures
+        keep = ("parity 8B", "parity steady", "batch-1", "preset default", "preset default, warm")
+        sections = [(n, f) for n, f in sections if n in keep]
+        sections.insert(2, ("steady 256", lambda: steady(llm, 256, 40, spin=False)))
     if args.short:  # the many-short-requests preset: its host work, profiled (~25 s)
         sections.append(("preset short", lambda: default_preset(llm, ceil, 1, "short", 30)))
     if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
@@ -549,6 +564,7 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="also run serve_compare on the 8B")
     ap.add_argument("--serve-quick", action="store_true", help="serve_compare with out 128")
     ap.add_argument("--short", action="store_true", help="also the short preset, profiled")
+    ap.add_argument("--final", action="store_true", help="only the issue's figures (~2 min)")
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = ap.parse_args()
