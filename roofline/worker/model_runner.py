@@ -411,33 +411,56 @@ class ModelRunner:
             extra = cascade.lists() if cascade is not None else plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
-        staged, self._staged = self._staged, None
-        source, self._advancing = self._advancing, None
-        advanced = None
-        if (
-            source is not None
-            and staged is not None
-            and staged[0] is source
-            and self.steady_inputs is not None
-            and self.steady_inputs.usable(staged[1])
-            and self._prev_sampled is not None
-            and not (src or gather or grid or prompt_logprobs_of)
-            and plan is None
-            and cascade is None
-            and len(batch.pending_rows) == batch.num_reqs
-        ):
-            try:
-                advanced = self._advance_staged(batch, staged)
-            except Exception:  # noqa: BLE001 - the general path stages the step from scratch
-                logger.exception("a steady decode step failed: steady steps are off from now")
-                self.steady_inputs = None
+        other = bool(src or gather or grid or prompt_logprobs_of)
+        other = other or plan is not None or cascade is not None
+        # a steady decode step moves the decode graphs' buffers on: nothing to upload
+        advanced = self._advance_if_staged(batch, other)
+        dev = self._upload(batch, gather, src, dst, *extra) if advanced is None else _NO_INPUTS
+        sample_rows, src_t, dst_t, *extra_t = dev.extra
+        pending = self._pending_inputs(batch, src_t, dst_t) if advanced is None else None
+        graphs = self.graphs
+        cgraphs = self.cascade_graphs
+        head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
         if advanced is not None:
             hidden, head = advanced
-            sample_rows = None
-        else:
-            hidden, head, sample_rows = self._forward(
-                batch, gather, src, dst, extra, grid, plan, cascade
+        elif grid:  # 2..1+k rows per request: the padded multi-query graphs
+            bucket = vgraphs.stage(  # type: ignore[union-attr]
+                dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
+                self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
+        elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
+            hidden = self.mixed.forward(
+                plan, extra_t, batch, dev, self.block_tables, pending, cascade
             )
+        elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
+            pages_t, len_t, starts_t = extra_t
+            bucket = cgraphs.stage_cascade(
+                cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
+                dev.seq_lens, self.block_tables, dev.table_rows, pending,
+            )  # fmt: skip
+            hidden = cgraphs.replay(bucket, batch.num_reqs)
+        elif graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
+            bucket = graphs.stage_inputs(
+                dev.input_ids,
+                dev.positions,
+                dev.slots,
+                dev.seq_lens,
+                self.block_tables,
+                dev.table_rows,
+                pending,
+            )
+            hidden = graphs.replay(bucket, batch.num_reqs)
+            head = None if gather else graphs.head(bucket, batch.num_reqs)
+            self._note_staged(batch, bucket, dev.table_rows)
+        else:
+            if pending is not None:
+                fill_pending(dev.input_ids, pending)
+            meta = self._metadata(batch, dev)
+            if cascade is not None:
+                meta.cascade = eager_metadata(cascade, extra_t)
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
         prompt_lps = (
             compute_prompt_logprobs(self.model, hidden, prompt_logprobs_of)
             if prompt_logprobs_of
@@ -477,66 +500,38 @@ class ModelRunner:
         self._prev_ids = ids
         return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids, self._id_buffers)
 
-    def _forward(
-        self,
-        batch: HostBatch,
-        gather: list[int],
-        src: list[int],
-        dst: list[int],
-        extra: list[list[int]],
-        grid: tuple,
-        plan,
-        cascade: CascadePlan | None,
-    ) -> tuple[torch.Tensor, object, torch.Tensor]:
-        """Upload a step's inputs and queue its forward: (hidden states, the decode graph's
-        head outputs or None, the sampled rows' indices on the device)."""
-        dev = self._upload(batch, gather, src, dst, *extra)
-        sample_rows, src_t, dst_t, *extra_t = dev.extra
-        pending = self._pending_inputs(batch, src_t, dst_t)
-        graphs, vgraphs = self.graphs, self.verify_graphs
-        cgraphs = self.cascade_graphs
-        head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
-        if grid:  # 2..1+k rows per request: the padded multi-query graphs
-            bucket = vgraphs.stage(  # type: ignore[union-attr]
-                dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
-                self.block_tables, dev.table_rows, pending,
-            )  # fmt: skip
-            hidden = vgraphs.replay(bucket)  # type: ignore[union-attr]
-        elif plan is not None:  # a mixed step: its bucket's graph, else eager split attention
-            hidden = self.mixed.forward(
-                plan, extra_t, batch, dev, self.block_tables, pending, cascade
-            )
-        elif cascade is not None and cgraphs is not None and cgraphs.fits(batch.num_reqs):
-            pages_t, len_t, starts_t = extra_t
-            bucket = cgraphs.stage_cascade(
-                cascade, pages_t, starts_t, len_t, dev.input_ids, dev.positions, dev.slots,
-                dev.seq_lens, self.block_tables, dev.table_rows, pending,
-            )  # fmt: skip
-            hidden = cgraphs.replay(bucket, batch.num_reqs)
-        elif graphs is not None and batch.max_query_len == 1 and graphs.fits(batch.num_reqs):
-            bucket = graphs.stage_inputs(
-                dev.input_ids,
-                dev.positions,
-                dev.slots,
-                dev.seq_lens,
-                self.block_tables,
-                dev.table_rows,
-                pending,
-            )
-            hidden = graphs.replay(bucket, batch.num_reqs)
-            head = None if gather else graphs.head(bucket, batch.num_reqs)
-            steady = self.steady_inputs
-            if steady is not None and steady.usable(bucket):  # a steady run may start here
-                self._staged = (batch, bucket, dev.table_rows, False)
-        else:
-            if pending is not None:
-                fill_pending(dev.input_ids, pending)
-            meta = self._metadata(batch, dev)
-            if cascade is not None:
-                meta.cascade = eager_metadata(cascade, extra_t)
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            hidden = self.model(dev.input_ids, dev.positions, ctx)  # [num_tokens, hidden]
-        return hidden, head, sample_rows
+    def _advance_if_staged(
+        self, batch: HostBatch, other: bool
+    ) -> tuple[torch.Tensor, object] | None:
+        """A steady decode step's forward (hidden states, head outputs) when the decode graphs'
+        buffers hold the step ``batch`` was advanced from (``launch``), else None; ``other``:
+        the step needs anything else (a gather, a grid, prompt logprobs, a mixed or cascade
+        plan, pending rows out of order)."""
+        staged, self._staged = self._staged, None
+        source, self._advancing = self._advancing, None
+        if (
+            source is None
+            or other
+            or staged is None
+            or staged[0] is not source
+            or self.steady_inputs is None
+            or not self.steady_inputs.usable(staged[1])
+            or self._prev_sampled is None
+            or len(batch.pending_rows) != batch.num_reqs
+        ):
+            return None
+        try:
+            return self._advance_staged(batch, staged)
+        except Exception:  # noqa: BLE001 - the general path stages the step from scratch
+            logger.exception("a steady decode step failed: steady steps are off from now")
+            self.steady_inputs = None
+            return None
+
+    def _note_staged(self, batch: HostBatch, bucket: int, table_rows: torch.Tensor) -> None:
+        """The decode graphs' buffers now hold ``batch`` (a steady run may start from it)."""
+        steady = self.steady_inputs
+        if steady is not None and steady.usable(bucket):
+            self._staged = (batch, bucket, table_rows, False)
 
     def _advance_staged(self, batch: HostBatch, staged: tuple) -> tuple[torch.Tensor, object]:
         """A steady decode step (``worker/steady_inputs.py``): the decode graphs' buffers hold
@@ -663,6 +658,10 @@ class _DeviceInputs(NamedTuple):
     table_rows: torch.Tensor  # [num_reqs]
     extra: list[torch.Tensor]
     """One tensor per extra list given to ``ModelRunner._upload``."""
+
+
+_NO_INPUTS = _DeviceInputs(*[None] * 6, [None, None, None])  # type: ignore[arg-type]
+"""A steady decode step's stand-in: nothing uploaded (no sampled-row, pending index tensors)."""
 
 
 class StepHandle:
