@@ -527,6 +527,18 @@ def _f(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def batch1_steady_off(llm: LLM, num_out: int) -> None:
+    """Batch-1 decode with steady decode off (the general path every step): the A/B of what
+    the steady path costs or saves at batch 1, in the same run."""
+    start = len(hp.ROWS)
+    Scheduler.steady_decode = False
+    try:
+        hp.batch1(llm, num_out)
+    finally:
+        Scheduler.steady_decode = True
+    hp.ROWS[start:] = [(f"{name}, steady decode off", v) for name, v in hp.ROWS[start:]]
+
+
 def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -> None:
     sections = [
         ("parity staging", staging_parity),
@@ -544,6 +556,7 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
         keep = ("parity 8B", "parity steady", "batch-1", "preset default", "preset default, warm")
         sections = [(n, f) for n, f in sections if n in keep]
         sections.insert(2, ("steady 256", lambda: steady(llm, 256, 40, spin=False)))
+        sections.insert(4, ("batch-1 steady off", lambda: batch1_steady_off(llm, 64)))
     if args.short:  # the many-short-requests preset: its host work, profiled (~25 s)
         sections.append(("preset short", lambda: default_preset(llm, ceil, 1, "short", 30)))
     if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
