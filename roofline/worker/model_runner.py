@@ -293,8 +293,8 @@ class ModelRunner:
         self.graphs.capture()
         self.steady_inputs = None  # (a dry run's stand-in graphs must never replay)
         if self.graphs.graphs:
-            steady = SteadyInputs(self.graphs, self.block_tables, self.page_size)
             try:
+                steady = SteadyInputs(self.graphs, self.block_tables, self.page_size)
                 steady.capture(next(iter(self.graphs.graphs.values())).pool())
                 self.steady_inputs = steady
             except Exception:  # noqa: BLE001 - steady steps then take the general path

@@ -70,7 +70,15 @@ def advance_inputs(
 class SteadyInputs:
     """Per-bucket advance graphs over a ``DecodeGraphs``' static buffers (CUDA)."""
 
+    MOVED = frozenset(
+        ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "query_start_loc")
+    )
+    """The decode graphs' input buffers this advance keeps right (query starts never change)."""
+
     def __init__(self, graphs, block_tables: BlockTables, page_size: int) -> None:
+        inputs = {name for name, value in vars(graphs).items() if isinstance(value, torch.Tensor)}
+        if inputs != self.MOVED:  # a buffer added to the decode graphs would go stale here
+            raise RuntimeError(f"decode graph inputs {sorted(inputs ^ self.MOVED)} not advanced")
         self.graphs = graphs
         self.block_tables = block_tables
         self.page_size = page_size

@@ -73,3 +73,19 @@ def test_write_updates_matches_a_direct_write(seed: int) -> None:
         updates[: 1 + 2 * k] = torch.tensor([k, *flat, *pages])
         write_updates(table, updates, index)
         assert torch.equal(table, want)
+
+
+def test_refuses_decode_graphs_with_an_input_it_does_not_move() -> None:
+    """A buffer added to the decode graphs would go stale across steady steps: refused (the
+    runner then keeps the general path)."""
+    from roofline.worker.block_table import BlockTables
+    from roofline.worker.cuda_graph import DecodeGraphs
+    from roofline.worker.steady_inputs import SteadyInputs
+
+    cpu = torch.device("cpu")
+    graphs = DecodeGraphs(None, [], None, 8, 64, 16, cpu)  # type: ignore[arg-type]
+    tables = BlockTables(8, 4, cpu)
+    SteadyInputs(graphs, tables, 16)  # the buffers it knows
+    graphs.rope_cache_index = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="rope_cache_index"):
+        SteadyInputs(graphs, tables, 16)
