@@ -25,8 +25,9 @@ with random bf16 weights and the engine's default settings. Prints a short table
    (goal >= 0.95) with where each run's wall time went (step traces), TPOT p50 vs the offline
    step (goal <= 1.1) and the engine core's CPU use at the rate phase (goal < 0.70 of a core).
 
-``--final`` (the run on merged main, ~2 min with ``--serve``): the parities, steady decode at
-256 (default wait, steady on and off), batch-1, the default preset cold and warm, and serve.
+``--final`` (the run on merged main, ~2 min with ``--serve``): the parities, the host syncs,
+steady decode at 256 (default wait, steady on and off), batch-1 (steady decode on and off), the
+default preset cold and warm, and serve.
 """
 
 from __future__ import annotations
@@ -553,10 +554,11 @@ def _run_sections(llm: LLM, ceil, args: argparse.Namespace, dev: torch.device) -
         ("preset default, warm", lambda: default_preset(llm, ceil, 2)),
     ]
     if args.final:  # the final run on merged main (~2 min with --serve): the issue's figures
-        keep = ("parity 8B", "parity steady", "batch-1", "preset default", "preset default, warm")
+        keep = ("parity 8B", "parity steady", "sync points", "batch-1", "preset default",
+                "preset default, warm")  # fmt: skip
         sections = [(n, f) for n, f in sections if n in keep]
-        sections.insert(2, ("steady 256", lambda: steady(llm, 256, 40, spin=False)))
-        sections.insert(4, ("batch-1 steady off", lambda: batch1_steady_off(llm, 64)))
+        sections.insert(3, ("steady 256", lambda: steady(llm, 256, 40, spin=False)))
+        sections.insert(5, ("batch-1 steady off", lambda: batch1_steady_off(llm, 64)))
     if args.short:  # the many-short-requests preset: its host work, profiled (~25 s)
         sections.append(("preset short", lambda: default_preset(llm, ceil, 1, "short", 30)))
     if dev.type == "cpu":  # the smoke run: the preset alone takes minutes there
