@@ -115,6 +115,47 @@ def _step_ms(before: tuple[float, float], after: tuple[float, float]) -> float |
     return 1000.0 * (after[0] - before[0]) / count if count else None
 
 
+def trace_summary(steps: list, start: float, end: float, adds: list | None = None) -> dict:
+    """Where a window of wall time went, from an engine's step trace (``LLMEngine.step_trace``:
+    (start, end, cumulative device wait, tokens, requests) per step, ``time.perf_counter``):
+    the steps inside it, their time in ``step()`` (of it waiting for the device) split into
+    decode-only and mixed steps, the gaps between steps (the loop around ``step()``), and the
+    lead-in before the first step and the tail after the last (arrivals, the last outputs'
+    way to the client)."""
+    inside = [s for s in steps if s[0] >= start and s[1] <= end and s[4] > 0]
+    if not inside:
+        return {"steps": 0}
+    total = end - start
+    decode = [s for s in inside if s[3] == s[4]]
+    mixed = [s for s in inside if s[3] != s[4]]
+    first = steps.index(inside[0])
+    wait_before = steps[first - 1][2] if first else 0.0
+
+    def busy(rows: list) -> float:
+        return sum(s[1] - s[0] for s in rows)
+
+    gaps = sum(b[0] - a[1] for a, b in zip(inside, inside[1:]))
+    adds = [t for t in adds or [] if start <= t <= end]
+    return {
+        # when the engine took the first and the last request, from the window's start
+        "first_add_s": adds[0] - start if adds else None,
+        "last_add_s": adds[-1] - start if adds else None,
+        "window_s": total,
+        "steps": len(inside),
+        "decode_steps": len(decode),
+        "decode_s": busy(decode),
+        "decode_ms_per_step": 1e3 * busy(decode) / len(decode) if decode else None,
+        "mean_decode_rows": sum(s[4] for s in decode) / len(decode) if decode else None,
+        "mixed_steps": len(mixed),
+        "mixed_s": busy(mixed),
+        "mixed_tokens": sum(s[3] for s in mixed),
+        "wait_s": inside[-1][2] - wait_before,
+        "gaps_s": gaps,
+        "lead_in_s": inside[0][0] - start,
+        "tail_s": end - inside[-1][1],
+    }
+
+
 def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> dict:
     llm = LLM(model, **kwargs)
     engine = llm.llm_engine
@@ -122,7 +163,18 @@ def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> 
     wl = workloads.synthetic(
         num_prompts, input_len, (output_len,) * 2, engine.model_config.vocab_size, seed=1
     )
-    res = throughput.run(llm, ceil, wl, use_tqdm=False)
+    engine.step_trace = []
+    first: list[float] = []  # when the first step of the measured run was scheduled
+
+    def observe(_out) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    res = throughput.run(llm, ceil, wl, use_tqdm=False, observe=observe)
+    steps = engine.step_trace
+    start = next((s[0] for s in steps if s[0] <= first[0] <= s[1]), first[0]) if first else 0.0
+    trace = trace_summary(steps, start, start + res.elapsed_s)
+    engine.step_trace = None
     sizes = sorted({max(1, concurrency // 4), max(1, concurrency // 2), concurrency})
     step_ms = {
         b: latency.run_batch(engine, ceil, b, sum(input_len) // 2, output_len).step_ms_p50
@@ -134,6 +186,7 @@ def _offline(model, kwargs, num_prompts, input_len, output_len, concurrency) -> 
         "max_running": res.max_running,
         "host_fraction": res.host_fraction,
         "jit_compiles": sorted(set(res.jit_compiles)),
+        "trace": trace,
         "step_ms": step_ms,
         "prompts": wl.prompts,
         "output_lens": wl.output_lens,
@@ -197,9 +250,11 @@ def main() -> None:
         *args.engine_args.split(),
     ]
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), "serve_compare_server.log"), "w")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ROOFLINE_NO_PROGRESS": "1"}
-    )
+    trace_path = os.path.join(os.environ.get("OUT", "/tmp"), "serve_compare_steps.json")
+    if os.path.exists(trace_path):
+        os.remove(trace_path)
+    env = {**os.environ, "ROOFLINE_NO_PROGRESS": "1", "ROOFLINE_STEP_TRACE": trace_path}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(base, proc)
         model = served_model(base, None)
@@ -207,7 +262,9 @@ def main() -> None:
         asyncio.run(run_requests(base, model, reqs[:4], ignore_eos=True))  # warm-up
         itl0, cpu0 = engine_itl(base), cpu_seconds(proc.pid)
         client0 = time.process_time()
+        sat_t0 = time.perf_counter()
         results, dur = asyncio.run(run_requests(base, model, reqs, ignore_eos=True))
+        sat_t1 = time.perf_counter()
         client_sat = (time.process_time() - client0) / dur
         sat = serve.summarize(results, dur)
         itl1, cpu1 = engine_itl(base), cpu_seconds(proc.pid)
@@ -234,6 +291,17 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+    server_trace = None
+    for _ in range(50):  # the core writes its trace as it exits
+        if os.path.exists(trace_path):
+            try:
+                with open(trace_path) as f:
+                    trace = json.load(f)
+                server_trace = trace_summary(trace["steps"], sat_t0, sat_t1, trace["adds"])
+                break
+            except ValueError:  # still being written
+                pass
+        time.sleep(0.2)
     tpot = at_rate["tpot_ms"]["p50"]
     step_at = None if in_flight is None else interpolate(off["step_ms"], in_flight)
     engine_step_at_rate = _step_ms(itl1, itl2)
@@ -265,6 +333,9 @@ def main() -> None:
         "cpu_cores_api_core_at_rate": cpu_share(cpu1, cpu2, at_rate["duration_s"], proc.pid),
         "cpu_cores_client_saturation": client_sat,
         "failed": sat["failed"] + at_rate["failed"],
+        # where the saturation run's wall time went, server vs offline (trace_summary)
+        "trace_saturation_server": server_trace,
+        "trace_offline": off["trace"],
     }
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -265,6 +265,25 @@ class KVCacheManager:
                 self._register_full_pages(request, num_known_ids)
         return blocks
 
+    def append_page(
+        self, request: Request, num_tokens: int, num_known_ids: int
+    ) -> list[int] | None:
+        """``allocate(request, 1)`` where its pages end exactly at its computed tokens (a
+        decode step reaching a page boundary; ``covered`` said no): one free page appended, the
+        full pages among its first ``min(num_tokens, num_known_ids)`` tokens registered as
+        ``allocate`` does; the block table (a copy), or None with nothing changed when no page
+        is free. (Steady decode calls it for a few rows every step: ``core/steady.py``.)"""
+        if not self._free:
+            return None
+        blocks = self._blocks[request.request_id]
+        page, _ = self._free.popitem(last=False)
+        self._uncache(page)  # evict whatever this page held
+        self._ref[page] = 1
+        blocks.append(page)
+        if self.enable_prefix_caching:
+            self._register_full_pages(request, min(num_tokens, num_known_ids))
+        return list(blocks)
+
     def share_prefix(
         self, src_request: Request, dst_request: Request, num_tokens: int
     ) -> list[int]:

@@ -70,6 +70,9 @@ class SchedulerOutput:
         "preempted_request_ids",
         "finished_request_ids",
         "_scheduled",
+        "advances",
+        "changed_rows",
+        "inputs_pending",
     )
 
     def __init__(
@@ -102,6 +105,16 @@ class SchedulerOutput:
         """Requests whose pages were taken in this ``schedule()`` call (they will recompute)."""
         self.finished_request_ids = finished_request_ids if finished_request_ids else []
         """Requests finished or aborted since the previous step: the runner drops their state."""
+        self.advances: SchedulerOutput | None = None
+        """Set by a steady decode step (``core/steady.py``): the step this one moves on by one
+        token per request (the same requests in the same order, each start one further), so
+        the runner may advance its per-row state instead of rebuilding it."""
+        self.changed_rows: list[int] | None = None
+        """A steady decode step's rows whose ``block_ids`` may have changed since the step it
+        advances (None: not a steady step; kept after ``advances`` is cleared)."""
+        self.inputs_pending = False
+        """With ``advances``: every row's input token is pending (sampled by the step before,
+        not folded in yet: async scheduling)."""
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -25,6 +25,7 @@ from roofline.core.outputs import (
     SchedulerOutput,
     VerifiedTokens,
 )
+from roofline.core.steady import SteadyDecode, is_steady_step, schedule_steady
 from roofline.request import Request, RequestStatus
 
 
@@ -120,6 +121,10 @@ class Scheduler:
     element is the most recently admitted request (the preemption victim).
     """
 
+    steady_decode = True
+    """Take steady decode steps in O(changes) (``core/steady.py``); False: always the general
+    loop (the tests' reference)."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, page_size: int) -> None:
         if page_size != kv.page_size:
             raise ValueError(f"page_size {page_size} differs from the KV manager's {kv.page_size}")
@@ -134,6 +139,11 @@ class Scheduler:
         self.num_unreported_tokens = 0
         """Tokens ``update`` appended to quiet requests without reporting them (the engine
         adds them to its counters and resets this)."""
+        self._running_version = 0
+        """Bumped whenever ``running`` changes (a steady decode run ends with it)."""
+        self._steady: SteadyDecode | None = None
+        self._decode_version: int | None = None
+        """``_running_version`` after the last step, if that step was a steady-shaped decode."""
 
     # ----------------------------------------------------------------- introspection
 
@@ -187,6 +197,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first, then (if nobody was preempted and there
         is room under ``max_num_seqs``) waiting requests in policy order."""
+        steady = self._steady
+        if steady is not None:
+            self._steady = None
+            if (
+                self.steady_decode
+                and steady.version == self._running_version
+                and (not self.waiting or len(self.running) >= self.config.max_num_seqs)
+            ):
+                out = schedule_steady(
+                    steady, self.kv, self.config.max_num_batched_tokens, self._finished_ids
+                )
+                if out is not None:
+                    self._steady = steady
+                    self._finished_ids = []
+                    return out
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted_ids:
@@ -203,7 +228,21 @@ class Scheduler:
             rows=step.rows,
         )
         self._finished_ids = []
+        if self.steady_decode:
+            self._note_decode(out)
         return out
+
+    def _note_decode(self, out: SchedulerOutput) -> None:
+        """Start a steady decode run after two steady-shaped decode steps in a row over the
+        same running requests (one alone may be a transition: no O(n) set-up for it)."""
+        if not is_steady_step(out, self.running):
+            self._decode_version = None
+            return
+        version = self._running_version
+        if self._decode_version == version:
+            steady = SteadyDecode(out, version, self.page_size, self.config.max_model_len)
+            self._steady = steady if steady.max_steps > 1 else None
+        self._decode_version = version
 
     def _schedule_running(self, step: _Step) -> None:
         # The body runs once per running request per step: attribute lookups are hoisted and
@@ -295,6 +334,7 @@ class Scheduler:
         step.unschedule(victim)
         self.kv.free(victim)  # before resetting num_computed_tokens: free() reads it
         self.running.remove(victim)
+        self._running_version += 1
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -400,6 +440,7 @@ class Scheduler:
     ) -> None:
         self.waiting.remove(request)
         self.running.append(request)
+        self._running_version += 1
         request.status = RequestStatus.RUNNING
         request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
@@ -418,11 +459,14 @@ class Scheduler:
         when it finishes); requests finished or aborted since ``schedule()`` are skipped. A
         request preempted since (async scheduling) still gets its token: it was computed from
         the right prefix."""
+        all_logprobs, verified = runner_out.logprobs, runner_out.verified
+        token_ids = runner_out.token_ids  # in the step's order, or None: by request id
+        if sched_out.changed_rows is not None and token_ids is not None:
+            if not (all_logprobs or verified):  # a steady decode step: every row samples
+                return self._update_steady(sched_out.requests, token_ids)
         updates: list[RequestUpdate] = []
         add_update = updates.append
         now = time.monotonic()
-        all_logprobs, verified = runner_out.logprobs, runner_out.verified
-        token_ids = runner_out.token_ids  # in the step's order, or None: by request id
         sampled = runner_out.sampled_token_ids if token_ids is None else None
         index = -1  # of the sampling entry, in token_ids
         max_model_len = self.config.max_model_len
@@ -463,6 +507,41 @@ class Scheduler:
                 continue
             logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
             add_update(RequestUpdate(request, [token], logprobs, False))
+        self.num_unreported_tokens += num_unreported
+        return updates
+
+    def _update_steady(self, requests: list[Request], token_ids: list[int]) -> list[RequestUpdate]:
+        """``update`` for a steady decode step (``core/steady.py``): one sampled token per row,
+        in order, no logprobs or proposals; the same rules, fewer checks per row."""
+        updates: list[RequestUpdate] = []
+        add_update = updates.append
+        now = time.monotonic()
+        max_model_len = self.config.max_model_len
+        num_unreported = 0
+        for request, token in zip(requests, token_ids):
+            if request.status.finished:
+                continue  # finished/aborted mid-step: stay so
+            request.num_pending_tokens -= 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            output = request.output_token_ids
+            output.append(token)
+            num_output = len(output)
+            if (
+                token in request.stop_check_ids
+                or num_output >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    add_update(RequestUpdate(request, [token], [], True))
+                    continue
+            if request.quiet and num_output > 1:
+                num_unreported += 1
+                continue
+            add_update(RequestUpdate(request, [token], [], False))
         self.num_unreported_tokens += num_unreported
         return updates
 
@@ -508,6 +587,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._running_version += 1
         else:
             self.waiting.remove(request)
         self.kv.free(request)

@@ -23,6 +23,7 @@ engine built there (``roofline serve --engine-in-process``, and code that wraps 
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -72,13 +73,23 @@ class EngineCore:
         """Seconds spent turning step outputs into messages."""
         self.send_s = 0.0
         """Seconds spent handing messages to the channel (a pipe blocks while it is full)."""
+        self.add_times: list[float] | None = None
+        """With a step trace: when each request was added (``time.perf_counter``)."""
 
     def run(self) -> None:
         """Serve until told to stop or the client goes away; a failing step is reported as
-        :class:`CoreFailed` and re-raised."""
+        :class:`CoreFailed` and re-raised. ``ROOFLINE_STEP_TRACE=path``: the engine's step
+        trace (``LLMEngine.step_trace``) is written there as JSON when the loop ends."""
+        trace_path = os.environ.get("ROOFLINE_STEP_TRACE")
+        if trace_path:
+            self.engine.step_trace = []
+            self.add_times = []
         try:
             self._loop()
             self._log_timing()
+            if trace_path:
+                with open(trace_path, "w") as f:
+                    json.dump({"steps": self.engine.step_trace, "adds": self.add_times}, f)
         except BaseException as e:
             logger.exception("engine core died")
             try:
@@ -104,6 +115,8 @@ class EngineCore:
                 elif isinstance(command, Shutdown):
                     return
             if added:
+                if self.add_times is not None:
+                    self.add_times += [time.perf_counter()] * len(added)
                 self.channel.send(CoreOutputs(engine.get_stats(), time.monotonic(), added))
             if engine.has_unfinished_requests():
                 step_rows = engine.step_rows()  # the outputs in wire form (pack_outputs')

@@ -47,8 +47,8 @@ class LLM:
         params = _broadcast_params(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")
-        ids = self._add(prompt_list, params, priority)
-        return self._run(ids, use_tqdm)
+        ids, early = self._add(prompt_list, params, priority)
+        return self._run(ids, use_tqdm, early)
 
     def chat(
         self,
@@ -113,13 +113,23 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams],
         priority: Sequence[int] | None,
-    ) -> list[str]:
+    ) -> tuple[list[str], list[RequestOutput]]:
+        """Add the prompts; the ids and the outputs of a step taken meanwhile. With async
+        scheduling (FCFS, no priorities) the first step is launched as soon as the prompts
+        added fill a step's token budget, so the device computes it while the rest are added
+        (adding 1,000 short prompts left the H100 idle ~0.3 s before its first step)."""
+        engine = self.llm_engine
         ids: list[str] = []
+        early: list[RequestOutput] = []
+        start_at = None
+        if engine.async_scheduling and priority is None:
+            config = engine.scheduler.config
+            start_at = config.max_num_batched_tokens if config.policy == "fcfs" else None
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 text, token_ids = _unpack(prompt)
-                self.llm_engine.add_request(
+                num_tokens = engine.add_request(
                     rid,
                     token_ids if token_ids is not None else text,
                     p,
@@ -128,12 +138,20 @@ class LLM:
                     stream=False,
                 )
                 ids.append(rid)
+                if start_at is not None:
+                    start_at -= num_tokens
+                    if start_at <= 0 and i + 1 < len(prompts):  # the first step's prompts
+                        early, start_at = engine.step(), None
         except Exception:
-            self.llm_engine.abort_request(ids)  # a bad prompt leaves nothing half-queued
+            engine.abort_request(ids)  # a bad prompt leaves nothing half-queued
             raise
-        return ids
+        return ids, early
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, ids: list[str], use_tqdm: bool, early: list[RequestOutput] | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request in ``ids`` has finished (``early``: outputs of a step
+        taken while they were added)."""
         engine = self.llm_engine
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
@@ -148,8 +166,9 @@ class LLM:
         start, out_tokens = time.perf_counter(), 0
         try:
             with frozen_heap():  # no full-heap GC pauses between steps
+                outputs = early or []
                 while pending:
-                    for out in engine.step():
+                    for out in outputs:
                         if out.finished and out.request_id in pending:
                             pending.discard(out.request_id)
                             finished[out.request_id] = out
@@ -158,6 +177,8 @@ class LLM:
                             bar.set_postfix_str(
                                 f"out {out_tokens / (time.perf_counter() - start):.1f} tok/s"
                             )
+                    if pending:
+                        outputs = engine.step()
         except BaseException:
             engine.abort_request(list(pending))
             raise

@@ -116,6 +116,14 @@ class BlockTables:
         row.num_pages, row.last_page = num_pages, block_ids[-1] if num_pages else -1
         return row.index
 
+    def unchanged_entry(self) -> tuple[list[int], list[int]]:
+        """One table entry as it is (a row's last written page): ``([flat index], [page id])``,
+        a write that changes nothing (a fixed-shape graph writes one update at least)."""
+        for row in self._rows.values():
+            if row.num_pages:
+                return [row.index * self.max_blocks + row.num_pages - 1], [row.last_page]
+        raise RuntimeError("no row holds a page")
+
     def _take_row(self) -> int:
         if not self._free:  # more requests in flight than rows: grow (rows are cheap)
             old = self.table.shape[0]

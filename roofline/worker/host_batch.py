@@ -196,6 +196,48 @@ class HostBatch:
             i += 1
         return b
 
+    def advanced(self, sched_out: SchedulerOutput, tables: BlockTables) -> HostBatch | None:
+        """This batch moved on by one token per row for ``sched_out``, a steady decode step
+        that advances the step this batch was built for (``SchedulerOutput.advances``) with
+        every input pending: positions, slots and context lengths one further, and only the
+        rows in ``sched_out.changed_rows`` (a new page, maybe) laid out again. None where this
+        batch is not a decode batch whose rows all sample a pending input."""
+        n = len(self.seq_lens)
+        if (
+            not self.one_row_each
+            or self.verifies
+            or len(self.pending_rows) != n
+            or len(self.sample_rows) != n
+            or len(sched_out.requests) != n
+        ):
+            return None
+        page = self.page_size
+        positions = sched_out.start_positions[:]
+        b = HostBatch(
+            page,
+            input_ids=self.input_ids,  # all pending: zeros, filled on the device
+            positions=positions,
+            slots=[s + 1 for s in self.slots],  # the same page unless the row changed
+            query_start=self.query_start,
+            seq_lens=[s + 1 for s in positions],
+            table_rows=self.table_rows,
+            sample_rows=self.sample_rows,
+            sample_requests=self.sample_requests,
+            pending_rows=self.pending_rows,
+            pending_requests=self.pending_requests,
+            one_row_each=True,
+        )
+        changed = sched_out.changed_rows
+        if changed:
+            slots, block_ids, requests = b.slots, sched_out.block_ids, sched_out.requests
+            table_rows = b.table_rows = self.table_rows[:]
+            row_of, updates = tables.row_of, b.table_updates
+            for i in changed:
+                bt, start = block_ids[i], positions[i]
+                slots[i] = bt[start // page] * page + start % page
+                table_rows[i] = row_of(requests[i], bt, updates)
+        return b
+
 
 def _known_ids(request: Request, start: int, end: int, num_spec: int) -> list[int]:
     """``ScheduledRequest.token_ids`` of a row (positions ``[start, end)``): the ids the host

@@ -54,6 +54,7 @@ from roofline.worker.prompt_logprobs import (
     prompt_logprob_rows,
 )
 from roofline.worker.staging import HostIdBuffers, PinnedStaging
+from roofline.worker.steady_inputs import SteadyInputs
 from roofline.worker.warmup import warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,16 @@ class ModelRunner:
         """The previous launch's sampled ids on the device ([num_sampled] int64)."""
         self._prev_ids: list[str] = []
         """The request id of each row of ``_prev_sampled``."""
+        self._last_built: tuple[SchedulerOutput | None, HostBatch | None] = (None, None)
+        """The last step launched and its host batch (a steady decode step advances it)."""
+        self.steady_inputs: SteadyInputs | None = None
+        """Advance graphs over the decode graphs' buffers (``worker/steady_inputs.py``)."""
+        self._staged: tuple | None = None
+        """(batch, bucket, its block-table rows on the device or None, whether a steady run
+        already started): what the decode graphs' static buffers hold, when a steady step
+        may advance them."""
+        self._advancing: HostBatch | None = None
+        """Set by ``launch`` for ``launch_batch``: the batch this step's was advanced from."""
         self.cascade: SharedPrefixDetector | None = None
         """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
         if cascade_attention and getattr(self.backend, "supports_cascade", False):
@@ -280,6 +291,14 @@ class ModelRunner:
             heads=True,
         )
         self.graphs.capture()
+        self.steady_inputs = None  # (a dry run's stand-in graphs must never replay)
+        if self.graphs.graphs:
+            try:
+                steady = SteadyInputs(self.graphs, self.block_tables, self.page_size)
+                steady.capture(next(iter(self.graphs.graphs.values())).pool())
+                self.steady_inputs = steady
+            except Exception:  # noqa: BLE001 - steady steps then take the general path
+                logger.exception("steady decode graphs could not be captured")
         if self.cascade is not None and self.graphs.graphs:
             from roofline.worker.cascade_graphs import CascadeDecodeGraphs
 
@@ -348,7 +367,15 @@ class ModelRunner:
             sched_out = self.mixed.decode_first(sched_out)
             if self.cascade is not None:  # decode-only, or an eager mixed step's decode rows
                 cascade = self.mixed.cascade_plan(sched_out, self.cascade)
-        batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        batch = None
+        last_out, last_batch = self._last_built
+        if sched_out.advances is not None and sched_out.advances is last_out:
+            if sched_out.inputs_pending:  # a steady decode step (core/steady.py)
+                batch = last_batch.advanced(sched_out, self.block_tables)
+            self._advancing = last_batch if batch is not None else None
+        if batch is None:
+            batch = HostBatch.build(sched_out, self.page_size, self.block_tables)
+        self._last_built = (sched_out, batch)
         rows = prompt_logprob_rows(sched_out) if prompt_logprobs else None
         handle = self.launch_batch(batch, rows, mask_logits, cascade=cascade)
         handle.waiter, handle.num_tokens = self.device_waiter, batch.num_tokens
@@ -384,13 +411,19 @@ class ModelRunner:
             extra = cascade.lists() if cascade is not None else plan.lists
         else:
             extra = cascade.lists() if cascade else []  # a decode-only step's shared prefix
-        dev = self._upload(batch, gather, src, dst, *extra)
+        other = bool(src or gather or grid or prompt_logprobs_of)
+        other = other or plan is not None or cascade is not None
+        # a steady decode step moves the decode graphs' buffers on: nothing to upload
+        advanced = self._advance_if_staged(batch, other)
+        dev = self._upload(batch, gather, src, dst, *extra) if advanced is None else _NO_INPUTS
         sample_rows, src_t, dst_t, *extra_t = dev.extra
-        pending = self._pending_inputs(batch, src_t, dst_t)
+        pending = self._pending_inputs(batch, src_t, dst_t) if advanced is None else None
         graphs = self.graphs
         cgraphs = self.cascade_graphs
         head = None  # the decode graph's own logits and greedy ids (worker/graph_head.py)
-        if grid:  # 2..1+k rows per request: the padded multi-query graphs
+        if advanced is not None:
+            hidden, head = advanced
+        elif grid:  # 2..1+k rows per request: the padded multi-query graphs
             bucket = vgraphs.stage(  # type: ignore[union-attr]
                 dev.input_ids, dev.positions, dev.slots, extra_t[0], extra_t[1],
                 self.block_tables, dev.table_rows, pending,
@@ -419,6 +452,7 @@ class ModelRunner:
             )
             hidden = graphs.replay(bucket, batch.num_reqs)
             head = None if gather else graphs.head(bucket, batch.num_reqs)
+            self._note_staged(batch, bucket, dev.table_rows)
         else:
             if pending is not None:
                 fill_pending(dev.input_ids, pending)
@@ -465,6 +499,59 @@ class ModelRunner:
             ids = [r.request_id for r in requests]
         self._prev_ids = ids
         return StepHandle(requests, out.token_ids, out.logprobs, prompt_lps, ids, self._id_buffers)
+
+    def _advance_if_staged(
+        self, batch: HostBatch, other: bool
+    ) -> tuple[torch.Tensor, object] | None:
+        """A steady decode step's forward (hidden states, head outputs) when the decode graphs'
+        buffers hold the step ``batch`` was advanced from (``launch``), else None; ``other``:
+        the step needs anything else (a gather, a grid, prompt logprobs, a mixed or cascade
+        plan, pending rows out of order)."""
+        staged, self._staged = self._staged, None
+        source, self._advancing = self._advancing, None
+        if (
+            source is None
+            or other
+            or staged is None
+            or staged[0] is not source
+            or self.steady_inputs is None
+            or not self.steady_inputs.usable(staged[1])
+            or self._prev_sampled is None
+            or len(batch.pending_rows) != batch.num_reqs
+        ):
+            return None
+        try:
+            return self._advance_staged(batch, staged)
+        except Exception:  # noqa: BLE001 - the general path stages the step from scratch
+            logger.exception("a steady decode step failed: steady steps are off from now")
+            self.steady_inputs = None
+            return None
+
+    def _note_staged(self, batch: HostBatch, bucket: int, table_rows: torch.Tensor) -> None:
+        """The decode graphs' buffers now hold ``batch`` (a steady run may start from it)."""
+        steady = self.steady_inputs
+        if steady is not None and steady.usable(bucket):
+            self._staged = (batch, bucket, table_rows, False)
+
+    def _advance_staged(self, batch: HostBatch, staged: tuple) -> tuple[torch.Tensor, object]:
+        """A steady decode step (``worker/steady_inputs.py``): the decode graphs' buffers hold
+        the step ``batch`` advances; move them on a token and replay the same bucket. Only the
+        block-table updates are uploaded."""
+        _, bucket, table_rows, started = staged
+        steady, graphs = self.steady_inputs, self.graphs
+        n = batch.num_reqs
+        flat, pages = batch.table_updates.flat_index, batch.table_updates.page_ids
+        if len(flat) > steady.capacity:  # (a steady step adds at most a page per row)
+            self.block_tables.apply(*upload([flat, pages], self.device, self.staging))
+            flat = []
+        if not flat:  # the graph writes one update at least: a page id as it is
+            flat, pages = self.block_tables.unchanged_entry()
+        if not started:
+            steady.start(n, table_rows)
+        prev = self._prev_sampled
+        steady.advance(bucket, prev if prev.shape[0] == n else prev[:n], flat, pages)
+        self._staged = (batch, bucket, None, True)
+        return graphs.replay(bucket, n), graphs.head(bucket, n)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Rank 0 samples; under tensor parallelism the other ranks receive its ids (they feed
@@ -571,6 +658,10 @@ class _DeviceInputs(NamedTuple):
     table_rows: torch.Tensor  # [num_reqs]
     extra: list[torch.Tensor]
     """One tensor per extra list given to ``ModelRunner._upload``."""
+
+
+_NO_INPUTS = _DeviceInputs(*[None] * 6, [None, None, None])  # type: ignore[arg-type]
+"""A steady decode step's stand-in: nothing uploaded (no sampled-row, pending index tensors)."""
 
 
 class StepHandle:

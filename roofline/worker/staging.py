@@ -37,6 +37,14 @@ class PinnedStaging:
     def to_device(self, flat: array) -> torch.Tensor:
         """``flat`` (an ``array('q')``) as an int64 tensor on the device; the copy is queued on
         the current stream and ``flat`` may be reused as soon as this returns."""
+        return self._send(flat, None)
+
+    def copy_into(self, flat: array, dst: torch.Tensor) -> None:
+        """``to_device`` into the first ``len(flat)`` elements of ``dst`` (int64, on the
+        device): no allocation (a static buffer that a CUDA graph reads)."""
+        self._send(flat, dst)
+
+    def _send(self, flat: array, dst: torch.Tensor | None) -> torch.Tensor:
         if flat.typecode != "q":
             raise ValueError(f"staging takes array('q'), got typecode {flat.typecode!r}")
         n = len(flat)
@@ -51,7 +59,11 @@ class PinnedStaging:
             buf = self._buffers[i] = self._new_buffer(size)
         if n:
             ctypes.memmove(buf.data_ptr(), flat.buffer_info()[0], n * flat.itemsize)
-        out = buf[:n].to(self.device, non_blocking=True)
+        if dst is None:
+            out = buf[:n].to(self.device, non_blocking=True)
+        else:
+            out = dst[:n]
+            out.copy_(buf[:n], non_blocking=True)
         if event is None:
             event = self._events[i] = self._new_event()
         event.record()

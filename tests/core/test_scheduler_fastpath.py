@@ -35,6 +35,8 @@ MAX_MODEL_LEN = 48
 
 
 class ReferenceScheduler(Scheduler):
+    steady_decode = False  # the general loop every step (core/steady.py is tested apart)
+
     def _schedule_running(self, step: _Step) -> None:
         for request in list(self.running):
             if step.budget == 0:

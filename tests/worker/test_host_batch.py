@@ -91,3 +91,49 @@ def test_decode_fast_path_matches_the_general_loop(seed: int) -> None:
             sched.update(prev, ModelRunnerOutput(sampled))
         in_flight = out if out.requests else None
     assert num_decode_steps >= 10 and num_pending and num_updates and num_known
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_step_advances_the_last_batch(seed: int) -> None:
+    """``HostBatch.advanced`` (a steady decode step: ``core/steady.py``) against ``build`` on
+    the same step, over long async decode runs with bursts of arrivals and page crossings."""
+    rng = random.Random(seed)
+    page = (4, 16, 2, 8)[seed]
+    sched = Scheduler(SchedulerConfig(8, 64, 96), KVCacheManager(200, page, True), page)
+    tables = BlockTables(8, 96 // page, torch.device("cpu"))
+    in_flight, last = None, (None, None)
+    num_advanced = num_changed = 0
+    for step in range(400):
+        if step % 60 == 0:
+            for i in range(rng.randint(1, 8)):
+                prompt = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+                params = SamplingParams(temperature=0.0, max_tokens=rng.randint(20, 60))
+                rid = f"r{step}-{i}"
+                sched.add_request(Request(rid, prompt, params, max_tokens=params.max_tokens))
+        out = sched.schedule()
+        tables.drop(out.finished_request_ids + out.preempted_request_ids)
+        batch = None
+        if out.advances is not None and out.advances is last[0] and out.inputs_pending:
+            other = _clone(tables)
+            batch = last[1].advanced(out, tables)
+            assert batch is not None
+            want = HostBatch.build(out, page, other)
+            got_d, want_d = dataclasses.asdict(batch), dataclasses.asdict(want)
+            for key in ("table_updates", "sample_requests"):
+                got_d.pop(key), want_d.pop(key)
+            assert got_d == want_d
+            assert batch.sample_requests == want.sample_requests
+            assert batch.table_updates.flat_index == want.table_updates.flat_index
+            assert batch.table_updates.page_ids == want.table_updates.page_ids
+            num_advanced += 1
+            num_changed += bool(batch.table_updates.flat_index)
+        if batch is None:
+            batch = HostBatch.build(out, page, tables)
+        last = (out, batch)
+        if in_flight is not None:
+            prev = in_flight
+            ids = [r.request_id for r, s in zip(prev.requests, prev.samples) if s]
+            tokens = [rng.randrange(50) for _ in ids]
+            sched.update(prev, ModelRunnerOutput(None, token_ids=tokens, request_ids=ids))
+        in_flight = out if out.requests else None
+    assert num_advanced > 100 and num_changed > 5
