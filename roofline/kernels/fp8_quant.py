@@ -16,11 +16,13 @@ activation.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret
+from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.activation import _expf
 from roofline.quantization.formats import FP8_DTYPE, FP8_MAX
 
@@ -84,6 +86,83 @@ def _store_quantized(q_ptrs, x, scale, mask, FP8_MAX_: tl.constexpr, OUT_FP8: tl
 
 
 @triton.jit
+def _load_part(x_row, offs, mask, K, SILU_MUL: tl.constexpr):
+    """The raw 16-bit values of one part of a row: (gate, up) with SILU_MUL, else (x, x)."""
+    g = tl.load(x_row + offs, mask=mask, other=0.0)
+    if SILU_MUL:
+        u = tl.load(x_row + K + offs, mask=mask, other=0.0)
+    else:
+        u = g
+    return g, u
+
+
+@triton.jit
+def _part_values(g, u, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """fp32 values of one part (SILU_MUL: silu(gate) * up, rounded as ``silu_and_mul``)."""
+    if SILU_MUL:
+        gf = g.to(tl.float32)
+        act = tl.math.div_rn(gf, 1.0 + _expf(-gf, LIBDEVICE)).to(g.dtype).to(tl.float32)
+        return (act * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    return g.to(tl.float32)
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    x_ptr,  # [M, K] ([M, 2K] gate | up with SILU_MUL)
+    q_ptr,  # [M, K] fp8
+    s_ptr,  # [M] fp32
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    FP8_MAX_: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    PART_A: tl.constexpr,  # a row is three parts (powers of two, PART_A + PART_B + PART_C >= K)
+    PART_B: tl.constexpr,
+    PART_C: tl.constexpr,
+):
+    """Persistent: program p quantizes rows p, p + P, p + 2P, ... (P programs), each row held
+    in registers as three parts (no lanes wasted on a power-of-two pad: 14336 = 8192 + 4096 +
+    2048), and the next row's loads issued before this row is computed, so its HBM reads
+    overlap this row's arithmetic."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    oa = tl.arange(0, PART_A)
+    ob = PART_A + tl.arange(0, PART_B)
+    oc = PART_A + PART_B + tl.arange(0, PART_C)
+    ma, mb, mc = oa < K, ob < K, oc < K
+    row = pid.to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    ga, ua = _load_part(x_row, oa, ma, K, SILU_MUL)  # (pid < M: the grid is at most M)
+    gb, ub = _load_part(x_row, ob, mb, K, SILU_MUL)
+    gc, uc = _load_part(x_row, oc, mc, K, SILU_MUL)
+    for _ in range(pid, M, nprog):  # row = pid, pid + nprog, ...
+        cga, cua, cgb, cub, cgc, cuc = ga, ua, gb, ub, gc, uc
+        nxt = row + nprog
+        has_next = nxt < M
+        x_next = x_ptr + nxt * stride_xm
+        ga, ua = _load_part(x_next, oa, ma & has_next, K, SILU_MUL)
+        gb, ub = _load_part(x_next, ob, mb & has_next, K, SILU_MUL)
+        gc, uc = _load_part(x_next, oc, mc & has_next, K, SILU_MUL)
+        a = _part_values(cga, cua, SILU_MUL, LIBDEVICE)
+        b = _part_values(cgb, cub, SILU_MUL, LIBDEVICE)
+        c = _part_values(cgc, cuc, SILU_MUL, LIBDEVICE)
+        amax = tl.maximum(
+            tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0)),
+            tl.max(tl.abs(c), axis=0),
+        )
+        scale = tl.maximum(tl.div_rn(amax, FP8_MAX_), 1e-12)
+        tl.store(s_ptr + row, scale)
+        q_row = q_ptr + row * stride_qm
+        _store_quantized(q_row + oa, a, scale, ma, FP8_MAX_, OUT_FP8)
+        _store_quantized(q_row + ob, b, scale, mb, FP8_MAX_, OUT_FP8)
+        _store_quantized(q_row + oc, c, scale, mc, FP8_MAX_, OUT_FP8)
+        row = nxt
+
+
+@triton.jit
 def _rms_norm_fp8_kernel(
     x_ptr,  # [M, H]
     residual_ptr,  # [M, H] (HAS_RESIDUAL)
@@ -130,7 +209,41 @@ the two-pass fused SiLU kernel was slower than SiLU-and-mul + quantization (11.5
 rows, 410 vs 383 us at 8192 x 14336): it computed the SiLU twice."""
 
 
-def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool):
+def row_parts(k: int) -> tuple[int, int, int]:
+    """Three powers of two covering K with little padding (a row's registers in
+    ``_fp8_rows_kernel``): the two largest binary digits of K, then the rest rounded up
+    (14336 -> 8192 + 4096 + 2048; 4096 -> 2048 + 1024 + 1024; 11008 -> 8192 + 2048 + 1024)."""
+    unit = 16
+    k = max(triton.cdiv(k, unit) * unit, 3 * unit)
+    parts: list[int] = []
+    rest = k
+    for _ in range(2):
+        if rest <= 0:
+            break
+        p = 1 << (rest.bit_length() - 1)
+        parts.append(max(p, unit))
+        rest -= p
+    if rest > 0:
+        parts.append(max(unit, triton.next_power_of_2(rest)))
+    while len(parts) < 3:  # K had fewer digits: halve the largest part
+        parts.sort(reverse=True)
+        half = parts.pop(0) // 2
+        parts[:0] = [half, half]
+    return tuple(sorted(parts, reverse=True))  # type: ignore[return-value]
+
+
+KERNEL = os.environ.get("ROOFLINE_FP8_QUANT", "rows")
+"""``rows``: ``_fp8_rows_kernel`` (persistent, the next row prefetched); ``row``: one program
+per row (``_fp8_per_token_kernel``, what shipped before; kept for measurements)."""
+ROWS_WARPS_MAX = 16
+"""Warps of a ``_fp8_rows_kernel`` program (fewer for short rows: 8 elements per thread at
+least); about 90 registers per thread at 16 warps and 14336 SiLU columns: one program per SM."""
+ROWS_PROGRAMS_PER_SM = int(os.environ.get("ROOFLINE_FP8_QUANT_PER_SM", "0"))
+"""Resident programs per SM the persistent grid counts on (0: 2048 threads' worth for short
+rows, one program for 16-warp ones)."""
+
+
+def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, kernel: str = ""):
     check_device(x)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"fp8 per-token quantization: x must be 2-D, rows contiguous: {x.shape}")
@@ -139,12 +252,24 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool):
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scales
+    out_fp8 = out_dtype == FP8_DTYPE
+    if (kernel or KERNEL) == "rows" and k <= ONE_CHUNK_MAX:
+        pa, pb, pc = row_parts(k)
+        num_warps = max(1, min(ROWS_WARPS_MAX, (pa + pb + pc) // (8 * 32)))
+        per_sm = ROWS_PROGRAMS_PER_SM or max(1, 64 // num_warps // (2 if num_warps >= 8 else 1))
+        grid = min(m, per_sm * num_sms(x.device))
+        _fp8_rows_kernel[(grid,)](
+            x, q, scales, m, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX, OUT_FP8=out_fp8,
+            SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(), PART_A=pa, PART_B=pb, PART_C=pc,
+            num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+        )  # fmt: skip
+        return q, scales
     block_k = min(ONE_CHUNK_MAX, triton.next_power_of_2(max(k, 16)))
     num_warps = 4 if block_k <= 1024 else (8 if block_k <= 4096 else 16)  # <= 32 fp32 / thread
     _fp8_per_token_kernel[(m,)](
-        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX,
-        OUT_FP8=out_dtype == FP8_DTYPE, SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(),
-        BLOCK_K=block_k, ONE_CHUNK=block_k >= k, num_warps=num_warps, enable_fp_fusion=False,
+        x, q, scales, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX, OUT_FP8=out_fp8,
+        SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(), BLOCK_K=block_k,
+        ONE_CHUNK=block_k >= k, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q, scales
 
@@ -152,20 +277,23 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool):
 def quantize_fp8_per_token(
     x: torch.Tensor,  # [M, K], rows contiguous
     out_dtype: torch.dtype = FP8_DTYPE,
+    kernel: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fp8 [M, K], fp32 scales [M, 1]
     """``out_dtype=torch.float32`` stores the clamped quotients before rounding to e4m3 (the
-    tests use it under the interpreter, whose fp8 rounding differs from the hardware's)."""
-    return _launch(x, x.shape[-1], out_dtype, False)
+    tests use it under the interpreter, whose fp8 rounding differs from the hardware's);
+    ``kernel`` overrides ``KERNEL``."""
+    return _launch(x, x.shape[-1], out_dtype, False, kernel)
 
 
 def silu_mul_quantize_fp8_per_token(
     gate_up: torch.Tensor,  # [M, 2I] (gate | up), rows contiguous
     out_dtype: torch.dtype = FP8_DTYPE,
+    kernel: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fp8 [M, I], fp32 scales [M, 1]
     """``quantize_fp8_per_token(silu_and_mul(gate_up))`` in one launch."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must hold gate and up halves: {tuple(gate_up.shape)}")
-    return _launch(gate_up, gate_up.shape[-1] // 2, out_dtype, True)
+    return _launch(gate_up, gate_up.shape[-1] // 2, out_dtype, True, kernel)
 
 
 def rms_norm_quantize_fp8_per_token(
