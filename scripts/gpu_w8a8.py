@@ -204,13 +204,21 @@ def gemm_floor(m: int, n: int, k: int, w_bytes: int, x_bytes: int, bw: float, ra
     return max((n * k * w_bytes + m * k * x_bytes + m * n * 2) / bw, 2 * m * n * k / rate)
 
 
-def scaled_mm(xq, xs, qw, s):
-    return torch._scaled_mm(xq, qw.T, scale_a=xs, scale_b=s[None, :], out_dtype=BF16)
+def scaled_mm(xq, xs, qw, s, fast: bool = False):
+    return torch._scaled_mm(
+        xq, qw.T, scale_a=xs, scale_b=s[None, :], out_dtype=BF16, use_fast_accum=fast
+    )
 
 
 @base.section("gemm")
-def gemm(copy_bw: float, bf16_rate: float, f8_rate: float) -> None:
+def gemm(copy_bw: float, bf16_rate: float, f8_rate: float, install: bool) -> None:
+    """Per shape and M: the fastest correct W8A8 GEMM (Triton config, ``_scaled_mm``, or
+    ``_scaled_mm`` with fast accumulation) goes into ``fp8.W8A8_GEMMS`` for the engine runs
+    (``install``) and is printed as that table's literal."""
+    from roofline.quantization import fp8
     from roofline.quantization.fp8 import fp8_gemm
+
+    picks: dict[tuple[int, int, int], object] = {}
 
     for m, fams in FAMILIES.items():
         cands = []
@@ -238,6 +246,19 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float) -> None:
                 lambda q, sc, o, a=xq, b=xs: fp8_gemm(a, b, q, sc, None, BF16), ring, heavy
             )
             t_lib = base.time_ring(lambda q, sc, o, a=xq, b=xs: scaled_mm(a, b, q, sc), ring, heavy)
+            fast_err = base.rel_err(scaled_mm(xq, xs, qw, s, True), ref)
+            t_fast = base.time_ring(
+                lambda q, sc, o, a=xq, b=xs: scaled_mm(a, b, q, sc, True), ring, heavy
+            )
+            if m % 16:  # the same GEMM with M padded to a multiple of 16 rows
+                pad = 16 - m % 16
+                xq_p = torch.cat([xq, xq[:pad]])
+                xs_p = torch.cat([xs, xs[:pad]])
+                t_pad = base.time_ring(
+                    lambda q, sc, o, a=xq_p, b=xs_p: scaled_mm(a, b, q, sc), ring, heavy
+                )
+            else:
+                t_pad = t_lib
             w16 = [(rand_rows(n, k)[0],) for _ in range(2 if heavy else 4)]
             t16 = base.time_ring(partial(F.linear, x), w16, heavy)
             res = []
@@ -261,7 +282,9 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float) -> None:
             line = (
                 f"{name:7} M={m:5}: bf16 {floor_note(t16, f16)} | w8a8 dispatch "
                 f"{'triton' if picked else '_scaled_mm'} {floor_note(t_pick, f8)} | _scaled_mm "
-                f"{us(t_lib)} | best triton " + "; ".join(f"{tuple(c)} {us(t)}" for t, c in res[:3])
+                f"{us(t_lib)} (M padded {us(t_pad)}; fast accum {us(t_fast)}, err "
+                f"{fast_err:.1e}) | best triton "
+                + "; ".join(f"{tuple(c)} {us(t)}" for t, c in res[:3])
             )
             print(line, flush=True)
             SUMMARY[f"gemm_{name}_{m}"] = {
@@ -269,13 +292,21 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float) -> None:
                 "floor_fp8": f8 * 1e6, "floor_bf16": f16 * 1e6,
                 "top": [(tuple(c), t * 1e6) for t, c in res[:6]],
             }  # fmt: skip
-            best = min([t_lib] + [t for t, _ in res[:1]])
+            options = [(t_lib, "lib")] + [(t, tuple(c)) for t, c in res[:1]]
+            if fast_err < 2e-2:
+                options.append((t_fast, "lib-fast"))
+            best, winner = min(options, key=lambda o: o[0])
+            picks[(n, k, mg.m_bucket(m))] = winner
             TABLE.append(
                 f"gemm {name:7} M={m:5}: bf16 {us(t16)} | w8a8 dispatch {us(t_pick)} | best "
-                f"{us(best)} ({'_scaled_mm' if best == t_lib else tuple(res[0][1])}) | fp8 floor "
-                f"{f8 * 1e6:.1f}"
+                f"{us(best)} ({winner}) | fp8 floor {f8 * 1e6:.1f}"
             )
             del ring, w16
+    print("W8A8_GEMMS = {\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in picks.items()) + "}")
+    SUMMARY["w8a8_gemms"] = {str(k): v for k, v in picks.items()}
+    if install:
+        fp8.W8A8_GEMMS.update(picks)
+        TABLE.append("(the engine runs below use these picks: fp8.W8A8_GEMMS)")
 
 
 KINDS = (
@@ -477,6 +508,7 @@ def main() -> None:
     ap.add_argument("--methods", default="bf16,fp8-w8a8,fp8", help="engine runs")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", default="1,8,32,128")
+    ap.add_argument("--no-install", action="store_true", help="engine: the shipped W8A8 GEMMs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -497,7 +529,7 @@ def main() -> None:
     if "quant" in sections:
         quant(ceil.bandwidth_bytes_per_s)
     if "gemm" in sections:
-        gemm(ceil.bandwidth_bytes_per_s, ceil.matmul_flops_per_s, f8)
+        gemm(ceil.bandwidth_bytes_per_s, ceil.matmul_flops_per_s, f8, not args.no_install)
     if "engine" in sections:
         batches = [int(v) for v in args.steps.split(",") if v]
         engine(ceil, f8, args.methods.split(","), args.requests, batches)

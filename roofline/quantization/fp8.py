@@ -211,6 +211,13 @@ def w8a8_linear(
     return fp8_gemm(xq, x_scales, qweight, scales, bias, x.dtype)
 
 
+W8A8_GEMMS: dict[tuple[int, int, int], tuple[int, ...] | str] = {}
+"""(N, K, M bucket of ``mixed_gemm_configs.m_bucket``) -> the W8A8 GEMM measured fastest there:
+a ``MixedGemmConfig`` tuple (the Triton fp8 kernel), ``"lib"`` (``torch._scaled_mm``) or
+``"lib-fast"`` (``torch._scaled_mm`` with fast fp8 accumulation, as the Triton kernel's
+``tl.dot`` accumulates). Shapes and buckets it lacks take ``mixed_gemm``'s table."""
+
+
 def fp8_gemm(
     xq: torch.Tensor,  # fp8 [M, K]
     x_scales: torch.Tensor,  # fp32 [M, 1]
@@ -222,14 +229,25 @@ def fp8_gemm(
     from roofline.kernels import mixed_gemm
 
     n, k = qweight.shape
-    if k % 64 == 0 and out_dtype in (torch.bfloat16, torch.float16):
-        cfg = mixed_gemm.pick_config("w8a8", xq.shape[0], n, k, xq.device)
+    m = xq.shape[0]
+    pick = W8A8_GEMMS.get((n, k, mixed_gemm.m_bucket(m)))
+    triton_ok = k % 64 == 0 and out_dtype in (torch.bfloat16, torch.float16)
+    if isinstance(pick, tuple) and triton_ok:
+        cfg = mixed_gemm.MixedGemmConfig(*pick)
+        return mixed_gemm.fp8_scaled_gemm(
+            xq, x_scales, qweight, scales, bias, out_dtype, config=cfg
+        )
+    if pick is None and triton_ok:
+        cfg = mixed_gemm.pick_config("w8a8", m, n, k, xq.device)
         if cfg is not None:
             return mixed_gemm.fp8_scaled_gemm(
                 xq, x_scales, qweight, scales, bias, out_dtype, config=cfg
             )
     scale_b = scales.float().expand(n).contiguous()[None, :]  # [1, N] (per-tensor: repeated)
-    out = torch._scaled_mm(xq, qweight.T, scale_a=x_scales, scale_b=scale_b, out_dtype=out_dtype)
+    out = torch._scaled_mm(
+        xq, qweight.T, scale_a=x_scales, scale_b=scale_b, out_dtype=out_dtype,
+        use_fast_accum=pick == "lib-fast",
+    )  # fmt: skip
     return out if bias is None else out + bias
 
 
