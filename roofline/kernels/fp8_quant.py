@@ -97,13 +97,31 @@ def _load_part(x_row, offs, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _part_values(g, u, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """fp32 values of one part (SILU_MUL: silu(gate) * up, rounded as ``silu_and_mul``)."""
+def _part_values(g, u, SILU_MUL: tl.constexpr, LIBDEVICE: tl.constexpr, FAST: tl.constexpr):
+    """fp32 values of one part (SILU_MUL: silu(gate) * up, rounded as ``silu_and_mul``; FAST:
+    the SiLU's division approximate, within 2 ulp of fp32 before the bf16 rounding)."""
     if SILU_MUL:
         gf = g.to(tl.float32)
-        act = tl.math.div_rn(gf, 1.0 + _expf(-gf, LIBDEVICE)).to(g.dtype).to(tl.float32)
+        if FAST:
+            act = tl.fdiv(gf, 1.0 + _expf(-gf, LIBDEVICE), ieee_rounding=False)
+        else:
+            act = tl.math.div_rn(gf, 1.0 + _expf(-gf, LIBDEVICE))
+        act = act.to(g.dtype).to(tl.float32)
         return (act * u.to(tl.float32)).to(g.dtype).to(tl.float32)
     return g.to(tl.float32)
+
+
+@triton.jit
+def _store_part(q_ptrs, x, scale, inv_scale, mask, FP8_MAX_: tl.constexpr, OUT_FP8: tl.constexpr,
+                FAST: tl.constexpr):  # fmt: skip
+    """``_store_quantized``; FAST: x times the row's reciprocal scale instead of x / scale."""
+    if FAST:
+        q = tl.minimum(tl.maximum(x * inv_scale, -FP8_MAX_), FP8_MAX_)
+        if OUT_FP8:
+            q = q.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptrs, q, mask=mask)
+    else:
+        _store_quantized(q_ptrs, x, scale, mask, FP8_MAX_, OUT_FP8)
 
 
 @triton.jit
@@ -122,6 +140,7 @@ def _fp8_rows_kernel(
     PART_A: tl.constexpr,  # a row is three parts (powers of two, PART_A + PART_B + PART_C >= K)
     PART_B: tl.constexpr,
     PART_C: tl.constexpr,
+    FAST: tl.constexpr,  # approximate divisions (measurements only: not what torch computes)
 ):
     """Persistent: program p quantizes rows p, p + P, p + 2P, ... (P programs), each row held
     in registers as three parts (no lanes wasted on a power-of-two pad: 14336 = 8192 + 4096 +
@@ -146,19 +165,20 @@ def _fp8_rows_kernel(
         ga, ua = _load_part(x_next, oa, ma & has_next, K, SILU_MUL)
         gb, ub = _load_part(x_next, ob, mb & has_next, K, SILU_MUL)
         gc, uc = _load_part(x_next, oc, mc & has_next, K, SILU_MUL)
-        a = _part_values(cga, cua, SILU_MUL, LIBDEVICE)
-        b = _part_values(cgb, cub, SILU_MUL, LIBDEVICE)
-        c = _part_values(cgc, cuc, SILU_MUL, LIBDEVICE)
+        a = _part_values(cga, cua, SILU_MUL, LIBDEVICE, FAST)
+        b = _part_values(cgb, cub, SILU_MUL, LIBDEVICE, FAST)
+        c = _part_values(cgc, cuc, SILU_MUL, LIBDEVICE, FAST)
         amax = tl.maximum(
             tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0)),
             tl.max(tl.abs(c), axis=0),
         )
         scale = tl.maximum(tl.div_rn(amax, FP8_MAX_), 1e-12)
         tl.store(s_ptr + row, scale)
+        inv_scale = tl.div_rn(1.0, scale)
         q_row = q_ptr + row * stride_qm
-        _store_quantized(q_row + oa, a, scale, ma, FP8_MAX_, OUT_FP8)
-        _store_quantized(q_row + ob, b, scale, mb, FP8_MAX_, OUT_FP8)
-        _store_quantized(q_row + oc, c, scale, mc, FP8_MAX_, OUT_FP8)
+        _store_part(q_row + oa, a, scale, inv_scale, ma, FP8_MAX_, OUT_FP8, FAST)
+        _store_part(q_row + ob, b, scale, inv_scale, mb, FP8_MAX_, OUT_FP8, FAST)
+        _store_part(q_row + oc, c, scale, inv_scale, mc, FP8_MAX_, OUT_FP8, FAST)
         row = nxt
 
 
@@ -234,7 +254,9 @@ def row_parts(k: int) -> tuple[int, int, int]:
 
 KERNEL = os.environ.get("ROOFLINE_FP8_QUANT", "rows")
 """``rows``: ``_fp8_rows_kernel`` (persistent, the next row prefetched); ``row``: one program
-per row (``_fp8_per_token_kernel``, what shipped before; kept for measurements)."""
+per row (``_fp8_per_token_kernel``, what shipped before; kept for measurements); ``rows-fast``:
+``rows`` with approximate divisions (measurements only: the quotients may differ from torch's
+in the last fp32 bit, so an fp8 value by one step, rarely)."""
 ROWS_WARPS_MAX = 16
 """Warps of a ``_fp8_rows_kernel`` program (fewer for short rows: 8 elements per thread at
 least); about 90 registers per thread at 16 warps and 14336 SiLU columns: one program per SM."""
@@ -253,7 +275,8 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, ker
     if m == 0:
         return q, scales
     out_fp8 = out_dtype == FP8_DTYPE
-    if (kernel or KERNEL) == "rows" and k <= ONE_CHUNK_MAX:
+    kernel = kernel or KERNEL
+    if kernel in ("rows", "rows-fast") and k <= ONE_CHUNK_MAX:
         pa, pb, pc = row_parts(k)
         num_warps = max(1, min(ROWS_WARPS_MAX, (pa + pb + pc) // (8 * 32)))
         per_sm = ROWS_PROGRAMS_PER_SM or max(1, 64 // num_warps // (2 if num_warps >= 8 else 1))
@@ -261,7 +284,7 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, ker
         _fp8_rows_kernel[(grid,)](
             x, q, scales, m, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX, OUT_FP8=out_fp8,
             SILU_MUL=silu_mul, LIBDEVICE=not is_interpret(), PART_A=pa, PART_B=pb, PART_C=pc,
-            num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
+            FAST=kernel == "rows-fast", num_warps=num_warps, num_stages=1, enable_fp_fusion=False,
         )  # fmt: skip
         return q, scales
     block_k = min(ONE_CHUNK_MAX, triton.next_power_of_2(max(k, 16)))
