@@ -56,13 +56,12 @@ OUTPUT_LEN = 512
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, mode) tried per M
 FAMILIES = {
     251: [
-        (128, 128, 128, 8, 3, 0), (128, 128, 128, 8, 4, 0), (256, 128, 128, 8, 3, 0),
-        (128, 256, 128, 8, 3, 1), (256, 128, 64, 8, 4, 1), (128, 128, 256, 8, 2, 0),
-        (64, 128, 128, 4, 4, 0), (128, 64, 256, 4, 3, 0),
+        (128, 128, 128, 8, 4, 0), (256, 128, 128, 8, 3, 0), (128, 256, 128, 8, 3, 1),
+        (256, 128, 64, 8, 4, 1), (128, 128, 256, 8, 2, 0), (64, 128, 128, 4, 4, 0),
     ],
     8192: [
         (128, 256, 64, 8, 4, 1), (256, 128, 64, 8, 4, 1), (128, 256, 128, 8, 3, 1),
-        (256, 128, 128, 8, 3, 0), (128, 128, 128, 8, 4, 0),
+        (256, 128, 128, 8, 3, 0),
     ],
 }  # fmt: skip
 
@@ -80,9 +79,8 @@ def parity() -> None:
     gen = torch.Generator(device="cuda").manual_seed(3)
     bad = []
     for silu, m, k in [
-        (True, 1, INTER), (True, 17, INTER), (True, 251, INTER), (True, 1000, INTER),
-        (True, 40, 11008), (False, 251, HIDDEN), (False, 3000, HIDDEN), (False, 7, 200),
-        (False, 300, 5120),
+        (True, 1, INTER), (True, 251, INTER), (True, 40, 11008), (False, 251, HIDDEN),
+        (False, 7, 200),
     ]:  # fmt: skip
         cols = 2 * k if silu else k
         x = (torch.randn(m, cols, device="cuda", generator=gen) * 3).to(BF16)
