@@ -39,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_mixedgemm as base  # noqa: E402  (section runner, CUDA-graph timing, rings)
 
+from roofline.kernels import fp8_gemm as tg  # noqa: E402
 from roofline.kernels import fp8_quant as fq  # noqa: E402
 from roofline.kernels import mixed_gemm as mg  # noqa: E402
 from roofline.kernels.activation import silu_and_mul  # noqa: E402
@@ -62,6 +63,18 @@ FAMILIES = {
     8192: [
         (128, 256, 64, 8, 4, 1), (256, 128, 64, 8, 4, 1), (128, 256, 128, 8, 3, 1),
         (256, 128, 128, 8, 3, 0),
+    ],
+}  # fmt: skip
+# kernels.fp8_gemm (descriptor GEMM): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
+# persistent) tried per M, split-K added where the tiles are few
+TMA_FAMILIES = {
+    251: [
+        (128, 128, 128, 8, 4, 0), (128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1),
+        (256, 128, 128, 8, 3, 0), (64, 128, 128, 4, 4, 0), (128, 64, 128, 4, 4, 0),
+    ],
+    8192: [
+        (128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 3, 2), (128, 128, 128, 8, 4, 1),
+        (256, 128, 128, 8, 3, 1), (128, 256, 64, 8, 4, 0),
     ],
 }  # fmt: skip
 
@@ -227,11 +240,22 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float, install: bool) -> Non
                     if 1 <= sk <= min(8, k // bk):
                         cands.append(MixedGemmConfig(bm, bn, bk, 8, sk, warps, stages, mode))
         cands = sorted(set(cands))
+        tma_cands = []
+        for bm, bn, bk, warps, stages, persistent in TMA_FAMILIES[m]:
+            for n, k in SHAPES.values():
+                tiles = math.ceil(m / bm) * math.ceil(n / bn)
+                for sk in sorted({1, round(132 / tiles), round(264 / tiles)}):
+                    if 1 <= sk <= min(8, k // bk) and (sk == 1 or not persistent):
+                        tma_cands.append(tg.Fp8GemmConfig(bm, bn, bk, 8, sk, warps, stages,
+                                                          persistent))  # fmt: skip
+        tma_cands = sorted(set(tma_cands))
         qw0, s0, _ = base.quantized("fp8", *SHAPES["qkv"])
         x0q, x0s = formats.quantize_fp8_per_token(torch.randn(m, 4096, device="cuda", dtype=BF16))
         base.precompile(
             [partial(mg.fp8_scaled_gemm, x0q, x0s, qw0, s0, None, BF16, config=c._replace(
                 split_k=min(c.split_k, 2)), warmup=True) for c in cands]
+            + [partial(tg.fp8_gemm, x0q, x0s, qw0, s0, None, BF16, c._replace(
+                split_k=min(c.split_k, 2)), warmup=True) for c in tma_cands]
         )  # fmt: skip
         for name, (n, k) in SHAPES.items():
             heavy = m >= 2048
@@ -273,7 +297,23 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float, install: bool) -> Non
                     res.append((base.time_ring(lambda q, sc, o, fn=fn: fn(q, sc), ring, heavy), c))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name} M={m} {tuple(c)}: {type(e).__name__}: {str(e)[:120]}")
-            res.sort()
+            for c in tma_cands:
+                tiles = math.ceil(m / c.block_m) * math.ceil(n / c.block_n)
+                if c.split_k > 1 and c.split_k not in {round(132 / tiles), round(264 / tiles)}:
+                    continue
+                try:
+                    fn = partial(tg.fp8_gemm, xq, xs, out_dtype=BF16, bias=None, config=c)
+                    err = base.rel_err(fn(qweight=qw, w_scales=s), ref)
+                    if not err < 2e-2:
+                        print(f"  WRONG tma {name} M={m} {tuple(c)}: {err:.1e}", flush=True)
+                        continue
+                    t = base.time_ring(
+                        lambda q, sc, o, fn=fn: fn(qweight=q, w_scales=sc), ring, heavy
+                    )
+                    res.append((t, ("tma", *c)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  tma {name} M={m} {tuple(c)}: {type(e).__name__}: {str(e)[:160]}")
+            res.sort(key=lambda r: r[0])
             f8 = gemm_floor(m, n, k, 1, 1, copy_bw, f8_rate)
             f16 = gemm_floor(m, n, k, 2, 2, copy_bw, bf16_rate)
             picked = mg.pick_config("w8a8", m, n, k, x.device)

@@ -211,11 +211,12 @@ def w8a8_linear(
     return fp8_gemm(xq, x_scales, qweight, scales, bias, x.dtype)
 
 
-W8A8_GEMMS: dict[tuple[int, int, int], tuple[int, ...] | str] = {}
+W8A8_GEMMS: dict[tuple[int, int, int], tuple | str] = {}
 """(N, K, M bucket of ``mixed_gemm_configs.m_bucket``) -> the W8A8 GEMM measured fastest there:
-a ``MixedGemmConfig`` tuple (the Triton fp8 kernel), ``"lib"`` (``torch._scaled_mm``) or
-``"lib-fast"`` (``torch._scaled_mm`` with fast fp8 accumulation, as the Triton kernel's
-``tl.dot`` accumulates). Shapes and buckets it lacks take ``mixed_gemm``'s table."""
+``("tma", *Fp8GemmConfig)`` (``kernels.fp8_gemm``, the descriptor GEMM), a ``MixedGemmConfig``
+tuple (``kernels.mixed_gemm``'s fp8 path), ``"lib"`` (``torch._scaled_mm``) or ``"lib-fast"``
+(``torch._scaled_mm`` with fast fp8 accumulation, as the Triton kernels' ``tl.dot``
+accumulates). Shapes and buckets it lacks take ``mixed_gemm``'s table."""
 
 
 def fp8_gemm(
@@ -232,7 +233,13 @@ def fp8_gemm(
     m = xq.shape[0]
     pick = W8A8_GEMMS.get((n, k, mixed_gemm.m_bucket(m)))
     triton_ok = k % 64 == 0 and out_dtype in (torch.bfloat16, torch.float16)
-    if isinstance(pick, tuple) and triton_ok:
+    if isinstance(pick, tuple) and pick[0] == "tma":
+        from roofline.kernels import fp8_gemm as tma
+
+        if tma.applies(xq, qweight, out_dtype):
+            cfg = tma.Fp8GemmConfig(*pick[1:])
+            return tma.fp8_gemm(xq, x_scales, qweight, scales, bias, out_dtype, cfg)
+    elif isinstance(pick, tuple) and triton_ok:
         cfg = mixed_gemm.MixedGemmConfig(*pick)
         return mixed_gemm.fp8_scaled_gemm(
             xq, x_scales, qweight, scales, bias, out_dtype, config=cfg

@@ -31,7 +31,7 @@ def test_rows_kernel_equals_torch_for_any_program_count(monkeypatch, programs, m
     monkeypatch.setattr(fq, "num_sms", lambda device: 1)
     monkeypatch.setattr(fq, "ROWS_PROGRAMS_PER_SM", programs)
     gen = torch.Generator().manual_seed(programs * 100 + k)
-    x = (torch.randn(m, k, generator=gen) * torch.tensor([1.0, 1e-3, 30.0, 2.0, 0.5])[:m, None])
+    x = torch.randn(m, k, generator=gen) * torch.tensor([1.0, 1e-3, 30.0, 2.0, 0.5])[:m, None]
     x = x.to(torch.bfloat16).to(DEVICE)
     x[-1, 3] = 900.0  # an outlier sets its row's scale
     x[0] = 0  # an all-zero row: the scale's floor

@@ -1,0 +1,260 @@
+"""fp8 W8A8 GEMM through tensor descriptors (TMA on Hopper): ``out[M, N] = (xq[M, K] *
+x_scales[M]) @ (qweight[N, K] * w_scales[N])^T (+ bias)``, both operands e4m3, an fp32
+accumulator scaled once in the epilogue by the per-token and per-channel scales (what
+``torch._scaled_mm`` with row-wise scales computes), rounded once to the output dtype.
+
+Each ``BLOCK_K`` box of x and of the weight arrives by TMA (no address arithmetic per thread;
+rows past M or N read as zeros, the store clips them) and meets the other in the fp8 tensor
+cores. Tiles go M-fastest within groups of ``GROUP_M`` row blocks, so the row blocks that share
+a weight tile run side by side and the weight is read from HBM about once.
+``Fp8GemmConfig.persistent``: 0 launches one program per tile; 1 one program per SM walking the
+tiles in a flattened loop (the next tile's loads overlap this one's epilogue); 2 the same loop
+warp-specialized (a producer warp issues the TMA loads). ``split_k > 1`` (decode-sized row
+counts: too few output tiles to fill the SMs) gives each program one slice of K; the fp32
+partial tiles go to a workspace and the tile's last slice to arrive (an acq_rel atomic counts
+arrivals) sums them in slice order, scales, stores and resets its counter: one launch,
+deterministic, replayable in CUDA graphs. ``fp8_gemm_ref`` is the reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from roofline.kernels import check_device, num_sms
+from roofline.quantization.formats import FP8_DTYPE
+
+
+class Fp8GemmConfig(NamedTuple):
+    block_m: int  # rows of x per tile
+    block_n: int  # weight rows (output columns) per tile
+    block_k: int
+    group_m: int  # row blocks walking the same weight columns together (L2 reuse)
+    split_k: int  # K slices, each its own program (1: none)
+    num_warps: int
+    num_stages: int
+    persistent: int = 0  # 0 a program per tile, 1 per SM (flattened), 2 per SM warp-specialized
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = min(num_pid_m - first_m, GROUP_M)  # row blocks in this (maybe last) group
+    pid_m = first_m + (tile % per_group) % rows
+    pid_n = (tile % per_group) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _scaled(acc, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] times the rows' and columns' scales (plus the bias), in fp32."""
+    xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)  # [BM]
+    ws = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)  # [BN]
+    acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _fp8_gemm_kernel(
+    x_desc,  # fp8 [M, K], boxes [BLOCK_M, BLOCK_K]
+    w_desc,  # fp8 [N, K], boxes [BLOCK_N, BLOCK_K]
+    out_desc,  # [M, N], boxes [BLOCK_M, BLOCK_N]
+    xs_ptr,  # fp32 [M]
+    ws_ptr,  # fp32 [N]
+    bias_ptr,  # [N] (HAS_BIAS)
+    M,
+    N,
+    K,
+    num_programs,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(
+        tl.program_id(0), num_pid_m * num_pid_n, num_programs, flatten=FLATTEN,
+        warp_specialize=WARP_SPEC,
+    ):  # fmt: skip
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK] e4m3
+            b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK] e4m3
+            acc = tl.dot(a, b.T, acc)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _fp8_gemm_split_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    part_ptr,  # fp32 [split_k, M, N] partial tiles
+    lock_ptr,  # int32 [tiles] arrival counters, zero between launches
+    M,
+    N,
+    K,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    part = tl.program_id(1)
+    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range((part * k_tiles) // split_k, ((part + 1) * k_tiles) // split_k):
+        a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK]
+        b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK]
+        acc = tl.dot(a, b.T, acc)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BM, BN]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    slice_size = M.to(tl.int64) * N
+    tl.store(part_ptr + part * slice_size + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial sums are written
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == split_k - 1:  # the last slice to finish sums them all, in slice order
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(split_k):  # .cg: from L2, never a stale L1 line
+            total += tl.load(part_ptr + s * slice_size + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
+        out_desc.store([off_m, off_n], total.to(out_desc.dtype))
+        tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
+
+
+MAX_SPLIT_TILES = 1 << 14
+_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """Split-K arrival counters for ``device``'s current stream (its launches run in order and
+    each leaves the counters at zero)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    locks = _LOCKS.get((device, stream))
+    if locks is None:
+        locks = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        _LOCKS[(device, stream)] = locks
+    return locks
+
+
+def applies(xq: torch.Tensor, qweight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the kernel takes these tensors: contiguous 2-D e4m3 operands whose rows and bases
+    are 16-byte aligned (TMA), a 16-bit output whose rows are too (N a multiple of 8)."""
+    return (
+        xq.dtype == FP8_DTYPE
+        and qweight.dtype == FP8_DTYPE
+        and xq.dim() == 2
+        and qweight.dim() == 2
+        and xq.shape[1] == qweight.shape[1]
+        and xq.is_contiguous()
+        and qweight.is_contiguous()
+        and xq.shape[1] % 16 == 0
+        and qweight.shape[0] % 8 == 0
+        and xq.data_ptr() % 16 == 0
+        and qweight.data_ptr() % 16 == 0
+        and out_dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def fp8_gemm(
+    xq: torch.Tensor,  # fp8 [M, K]
+    x_scales: torch.Tensor,  # fp32 [M, 1] or [M]
+    qweight: torch.Tensor,  # fp8 [N, K]
+    w_scales: torch.Tensor,  # fp32 [N] (a per-tensor scale spread over the rows)
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8GemmConfig,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """``warmup=True`` compiles without launching (in parallel under
+    ``triton.AsyncCompileMode``)."""
+    check_device(xq, qweight)
+    if not applies(xq, qweight, out_dtype):
+        raise ValueError(
+            f"fp8_gemm: x {tuple(xq.shape)} {xq.dtype}, weight {tuple(qweight.shape)} "
+            f"{qweight.dtype} (contiguous e4m3, K a multiple of 16, N of 8), out {out_dtype}"
+        )
+    m, k = xq.shape
+    n = qweight.shape[0]
+    if w_scales.numel() != n:
+        w_scales = w_scales.float().expand(n)
+    w_scales = w_scales.float().contiguous()
+    x_scales = x_scales.reshape(m).float().contiguous()
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    c = config
+    x_desc = TensorDescriptor.from_tensor(xq, [c.block_m, c.block_k])
+    w_desc = TensorDescriptor.from_tensor(qweight, [c.block_n, c.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
+    b = bias if bias is not None else w_scales
+    num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    if c.split_k > 1:
+        if num_tiles > MAX_SPLIT_TILES:
+            raise ValueError(
+                f"fp8_gemm: split-K over {num_tiles} tiles (at most {MAX_SPLIT_TILES})"
+            )
+        parts = torch.empty(c.split_k, m, n, dtype=torch.float32, device=xq.device)
+        grid = (num_tiles, c.split_k)
+        launch = _fp8_gemm_split_kernel.warmup if warmup else _fp8_gemm_split_kernel[grid]
+        launch(
+            x_desc, w_desc, out_desc, x_scales, w_scales, b, parts, _locks(xq.device), m, n, k,
+            c.split_k, HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages,
+            **({"grid": grid} if warmup else {}),
+        )  # fmt: skip
+        return out
+    programs = min(num_tiles, num_sms(xq.device)) if c.persistent else num_tiles
+    launch = _fp8_gemm_kernel.warmup if warmup else _fp8_gemm_kernel[(programs,)]
+    launch(
+        x_desc, w_desc, out_desc, x_scales, w_scales, b, m, n, k, programs,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, FLATTEN=c.persistent >= 1, WARP_SPEC=c.persistent == 2,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+        **({"grid": (programs,)} if warmup else {}),
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm_ref(
+    xq: torch.Tensor,  # fp8 [M, K]
+    x_scales: torch.Tensor,  # fp32 [M, 1]
+    qweight: torch.Tensor,  # fp8 [N, K]
+    w_scales: torch.Tensor,  # fp32 [N] or [1]
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    """fp32 products and sums, both scales on the sum, the bias, one rounding."""
+    out = (xq.float() @ qweight.float().T) * x_scales.reshape(-1, 1) * w_scales.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
