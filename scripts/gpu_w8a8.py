@@ -18,7 +18,8 @@ time goes and how far each part is from its floor, in one process.
    100-1024, output 512) after a warm-up of the same shapes (so no JIT compile lands in the
    timed run: their count is printed), prefill and decode steps apart.
 
-    python scripts/gpu_w8a8.py            # about 2 min
+    python scripts/gpu_w8a8.py --methods bf16,fp8-w8a8   # first check, about 2.5 min
+    python scripts/gpu_w8a8.py                           # + fp8 weight-only batch 1
 """
 
 from __future__ import annotations
