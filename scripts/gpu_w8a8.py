@@ -151,10 +151,12 @@ def quant(copy_bw: float) -> None:
         gu = ring_of(partial(rand_rows, m, 2 * INTER), 256 << 20, m * INTER * 4)
         floor = m * INTER * 5 / copy_bw
         cells = {}
-        for kernel in ("rows", "row", "rows-fast"):
-            cells[kernel] = time_cycle(
+        for kernel, per_sm in (("rows", 0), ("rows", 2), ("row", 0), ("rows-fast", 0)):
+            fq.ROWS_PROGRAMS_PER_SM = per_sm
+            cells[f"{kernel}/{per_sm}"] = time_cycle(
                 partial(fq.silu_mul_quantize_fp8_per_token, kernel=kernel), gu
             )
+        fq.ROWS_PROGRAMS_PER_SM = 0
         cells["apart"] = time_cycle(lambda x: fq.quantize_fp8_per_token(silu_and_mul(x)), gu)
         t_silu = time_cycle(silu_and_mul, gu)
         print(
@@ -167,8 +169,8 @@ def quant(copy_bw: float) -> None:
             "floor": floor * 1e6,
             "bf16_silu": t_silu * 1e6,
         }
-        TABLE.append(f"silu+quant M={m}: rows {floor_note(cells['rows'], floor)}, row (before) "
-                     f"{us(cells['row'])}")  # fmt: skip
+        TABLE.append(f"silu+quant M={m}: rows {floor_note(cells['rows/0'], floor)}, row "
+                     f"(before) {us(cells['row/0'])}")  # fmt: skip
         del gu
         # plain quantization (o_proj's input): reads K bf16, writes K fp8 + scale
         xs = ring_of(partial(rand_rows, m, HIDDEN), 256 << 20, m * HIDDEN * 2)

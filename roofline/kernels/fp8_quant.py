@@ -261,8 +261,8 @@ ROWS_WARPS_MAX = 16
 """Warps of a ``_fp8_rows_kernel`` program (fewer for short rows: 8 elements per thread at
 least); about 90 registers per thread at 16 warps and 14336 SiLU columns: one program per SM."""
 ROWS_PROGRAMS_PER_SM = int(os.environ.get("ROOFLINE_FP8_QUANT_PER_SM", "0"))
-"""Resident programs per SM the persistent grid counts on (0: 2048 threads' worth for short
-rows, one program for 16-warp ones)."""
+"""Programs per SM of the persistent grid (0: one for SiLU rows, whose registers fill an SM,
+else 1024 threads' worth)."""
 
 
 def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, kernel: str = ""):
@@ -279,7 +279,8 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, ker
     if kernel in ("rows", "rows-fast") and k <= ONE_CHUNK_MAX:
         pa, pb, pc = row_parts(k)
         num_warps = max(1, min(ROWS_WARPS_MAX, (pa + pb + pc) // (8 * 32)))
-        per_sm = ROWS_PROGRAMS_PER_SM or max(1, 64 // num_warps // (2 if num_warps >= 8 else 1))
+        # (a SiLU row of 14336 takes ~126 registers a thread at 16 warps: one program an SM)
+        per_sm = ROWS_PROGRAMS_PER_SM or (1 if silu_mul else max(1, 32 // num_warps))
         grid = min(m, per_sm * num_sms(x.device))
         _fp8_rows_kernel[(grid,)](
             x, q, scales, m, k, x.stride(0), q.stride(0), FP8_MAX_=FP8_MAX, OUT_FP8=out_fp8,
