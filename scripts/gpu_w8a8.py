@@ -58,13 +58,10 @@ OUTPUT_LEN = 512
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, mode) tried per M
 FAMILIES = {
     251: [
-        (128, 128, 128, 8, 4, 0), (256, 128, 128, 8, 3, 0), (128, 256, 128, 8, 3, 1),
-        (256, 128, 64, 8, 4, 1), (128, 128, 256, 8, 2, 0), (64, 128, 128, 4, 4, 0),
+        (128, 128, 128, 8, 4, 0), (128, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 0),
     ],
-    8192: [
-        (128, 256, 64, 8, 4, 1), (256, 128, 64, 8, 4, 1), (128, 256, 128, 8, 3, 1),
-        (256, 128, 128, 8, 3, 0),
-    ],
+    8192: [(128, 256, 128, 8, 3, 1), (256, 128, 128, 8, 3, 0)],
+    2048: [(128, 256, 64, 8, 4, 1)],
 }  # fmt: skip
 # kernels.fp8_gemm (descriptor GEMM): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # persistent) tried per M, split-K added where the tiles are few
@@ -77,6 +74,7 @@ TMA_FAMILIES = {
         (128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 3, 2), (128, 128, 128, 8, 4, 1),
         (256, 128, 128, 8, 3, 1), (128, 256, 64, 8, 4, 0),
     ],
+    2048: [(128, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (128, 128, 128, 8, 4, 0)],
 }  # fmt: skip
 
 
@@ -100,15 +98,20 @@ def parity() -> None:
         x = (torch.randn(m, cols, device="cuda", generator=gen) * 3).to(BF16)
         x[0, 1] = 40.0  # an outlier sets a scale
         ref_in = silu_and_mul(x) if silu else x
-        q_ref, s_ref = formats.quantize_fp8_per_token(ref_in)
+        # torch on the CPU: IEEE divisions (on CUDA it multiplies by a scalar's reciprocal)
+        q_ref, s_ref = formats.quantize_fp8_per_token(ref_in.cpu())
         fn = fq.silu_mul_quantize_fp8_per_token if silu else fq.quantize_fp8_per_token
         cells = []
         for kernel in ("rows", "row", "rows-fast"):
             q, s = fn(x, kernel=kernel)
+            q, s = q.cpu(), s.cpu()
             diff = int((q.float() != q_ref.float()).sum())
-            same_s = torch.equal(s, s_ref)
-            cells.append(f"{kernel} {diff} fp8 differ, scales equal {same_s}")
-            if kernel != "rows-fast" and (diff or not same_s):
+            same_s = int((s != s_ref).sum())
+            steps = (q.float() - q_ref.float()).abs() / q_ref.float().abs().clamp_min(2**-9)
+            cells.append(f"{kernel} {diff} fp8 differ (worst {steps.max():.2f} rel), "
+                         f"{same_s} scales differ")  # fmt: skip
+            exact = kernel != "rows-fast"
+            if (exact and (diff or same_s)) or steps.max() > 0.15 or diff > q.numel() // 1000:
                 bad.append(f"{kernel} silu={silu} M={m} K={k}")
         print(f"quant silu={silu!s:5} M={m:5} K={k:5}: " + "; ".join(cells), flush=True)
     from roofline.quantization.fp8 import fp8_gemm
@@ -151,12 +154,15 @@ def quant(copy_bw: float) -> None:
         gu = ring_of(partial(rand_rows, m, 2 * INTER), 256 << 20, m * INTER * 4)
         floor = m * INTER * 5 / copy_bw
         cells = {}
-        for kernel, per_sm in (("rows", 0), ("rows", 2), ("row", 0), ("rows-fast", 0)):
-            fq.ROWS_PROGRAMS_PER_SM = per_sm
-            cells[f"{kernel}/{per_sm}"] = time_cycle(
-                partial(fq.silu_mul_quantize_fp8_per_token, kernel=kernel), gu
-            )
-        fq.ROWS_PROGRAMS_PER_SM = 0
+        for kernel, warps in (("rows-fast", 16), ("rows", 16), ("row", 0), ("rows-fast", 32)):
+            fq.ROWS_WARPS_MAX = warps or 16
+            try:
+                cells[f"{kernel}/{warps}"] = time_cycle(
+                    partial(fq.silu_mul_quantize_fp8_per_token, kernel=kernel), gu
+                )
+            except Exception as e:  # noqa: BLE001 - (32 warps may not fit)
+                print(f"  {kernel}/{warps}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        fq.ROWS_WARPS_MAX = 16
         cells["apart"] = time_cycle(lambda x: fq.quantize_fp8_per_token(silu_and_mul(x)), gu)
         t_silu = time_cycle(silu_and_mul, gu)
         print(
@@ -169,19 +175,17 @@ def quant(copy_bw: float) -> None:
             "floor": floor * 1e6,
             "bf16_silu": t_silu * 1e6,
         }
-        TABLE.append(f"silu+quant M={m}: rows {floor_note(cells['rows/0'], floor)}, row "
-                     f"(before) {us(cells['row/0'])}")  # fmt: skip
+        TABLE.append(
+            f"silu+quant M={m} (floor {floor * 1e6:.1f} us): "
+            + ", ".join(f"{a} {us(t)}" for a, t in cells.items())
+        )
         del gu
         # plain quantization (o_proj's input): reads K bf16, writes K fp8 + scale
         xs = ring_of(partial(rand_rows, m, HIDDEN), 256 << 20, m * HIDDEN * 2)
         floor = m * HIDDEN * 3 / copy_bw
         cells = {}
-        for kernel, per_sm in (("rows", 0), ("rows", 1), ("rows", 4), ("row", 0), ("rows-fast", 0)):
-            fq.ROWS_PROGRAMS_PER_SM = per_sm
-            cells[f"{kernel}/{per_sm}"] = time_cycle(
-                partial(fq.quantize_fp8_per_token, kernel=kernel), xs
-            )
-        fq.ROWS_PROGRAMS_PER_SM = 0
+        for kernel in ("row", "rows"):
+            cells[kernel] = time_cycle(partial(fq.quantize_fp8_per_token, kernel=kernel), xs)
         res = torch.randn(m, HIDDEN, device="cuda", dtype=BF16)
         w = torch.rand(HIDDEN, device="cuda", dtype=BF16) + 0.5
         t_norm8 = time_cycle(
@@ -272,6 +276,12 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float, install: bool) -> Non
             )
             t_lib = base.time_ring(lambda q, sc, o, a=xq, b=xs: scaled_mm(a, b, q, sc), ring, heavy)
             fast_err = base.rel_err(scaled_mm(xq, xs, qw, s, True), ref)
+            # against x in 16 bits (the weight's own quantization left out): activation
+            # quantization alone, and with each accumulation
+            ref16 = x.float() @ (qw.float() * s[:, None]).T
+            errs16 = [base.rel_err(ref, ref16)] + [
+                base.rel_err(scaled_mm(xq, xs, qw, s, f), ref16) for f in (False, True)
+            ]
             t_fast = base.time_ring(
                 lambda q, sc, o, a=xq, b=xs: scaled_mm(a, b, q, sc, True), ring, heavy
             )
@@ -319,23 +329,26 @@ def gemm(copy_bw: float, bf16_rate: float, f8_rate: float, install: bool) -> Non
             res.sort(key=lambda r: r[0])
             f8 = gemm_floor(m, n, k, 1, 1, copy_bw, f8_rate)
             f16 = gemm_floor(m, n, k, 2, 2, copy_bw, bf16_rate)
-            picked = mg.pick_config("w8a8", m, n, k, x.device)
+            picked = fp8.W8A8_GEMMS.get((n, k, mg.m_bucket(m))) or (
+                "triton" if mg.pick_config("w8a8", m, n, k, x.device) else "lib"
+            )
             line = (
                 f"{name:7} M={m:5}: bf16 {floor_note(t16, f16)} | w8a8 dispatch "
-                f"{'triton' if picked else '_scaled_mm'} {floor_note(t_pick, f8)} | _scaled_mm "
+                f"{picked} {floor_note(t_pick, f8)} | _scaled_mm "
                 f"{us(t_lib)} (M padded {us(t_pad)}; fast accum {us(t_fast)}, err "
-                f"{fast_err:.1e}) | best triton "
+                f"{fast_err:.1e}; vs 16-bit x: exact {errs16[0]:.1e}, promoted {errs16[1]:.1e}, "
+                f"fast {errs16[2]:.1e}) | best triton "
                 + "; ".join(f"{tuple(c)} {us(t)}" for t, c in res[:3])
             )
             print(line, flush=True)
             SUMMARY[f"gemm_{name}_{m}"] = {
                 "bf16": t16 * 1e6, "pick": t_pick * 1e6, "scaled_mm": t_lib * 1e6,
-                "floor_fp8": f8 * 1e6, "floor_bf16": f16 * 1e6,
+                "floor_fp8": f8 * 1e6, "floor_bf16": f16 * 1e6, "fast_err": fast_err,
+                "errs_vs_x16": errs16,
                 "top": [(tuple(c), t * 1e6) for t, c in res[:6]],
             }  # fmt: skip
-            options = [(t_lib, "lib")] + [(t, tuple(c)) for t, c in res[:1]]
-            if fast_err < 2e-2:
-                options.append((t_fast, "lib-fast"))
+            options = [(t_fast if fp8.FAST_ACCUM else t_lib, "lib")]
+            options += [(t, tuple(c)) for t, c in res[:1]]
             best, winner = min(options, key=lambda o: o[0])
             picks[(n, k, mg.m_bucket(m))] = winner
             TABLE.append(
@@ -527,7 +540,7 @@ def engine(ceil, f8_rate: float, methods: list[str], num_requests: int, batches:
             print(f"engine {method} FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
         finally:
-            llm = None
+            llm = eng = None  # (a reference left here kept the engine's memory: check 1)
             gc.collect()
             torch.cuda.empty_cache()
     b, w = SUMMARY.get("engine_bf16"), SUMMARY.get("engine_fp8-w8a8")

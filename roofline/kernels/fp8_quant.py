@@ -2,16 +2,21 @@
 
 ``quantize_fp8_per_token(x)`` returns ``(q, scales)``: ``scales[m] = max(max|x[m]| / 448,
 1e-12)`` in fp32 and ``q[m] = clamp(x[m] / scales[m], -448, 448)`` rounded to e4m3, the values of
-``formats.quantize_fp8_per_token`` (plain torch: five launches and an fp32 copy of x). One
-program per row holds the row in registers (rows up to ``ONE_CHUNK_MAX``: one read), else walks
-K twice in ``BLOCK_K`` chunks: the row's absolute maximum, then the quantized row (the second
-read of a row comes from L2). The division is IEEE (``div_rn``), as torch's.
+``formats.quantize_fp8_per_token`` computed in IEEE arithmetic (plain torch: five launches and
+an fp32 copy of x; torch on CUDA divides by a scalar as a multiplication by its reciprocal, so
+its scales can differ from these by an ulp). One program per row holds the row in registers
+(rows up to ``ONE_CHUNK_MAX``: one read), else walks K twice in ``BLOCK_K`` chunks.
 
 ``silu_mul_quantize_fp8_per_token(gate_up)`` quantizes ``silu(gate) * up`` of an MLP's gate/up
-output ``[M, 2I]`` the same way, the activation computed in both passes from gate/up as
-``kernels.activation.silu_and_mul`` rounds it (so the result equals that kernel followed by
-``quantize_fp8_per_token``): the down projection of a W8A8 MLP never writes or reads the 16-bit
-activation.
+output ``[M, 2I]``, so the down projection of a W8A8 MLP never writes or reads the 16-bit
+activation. By default (``KERNEL``) it runs ``_fp8_rows_kernel``: persistent (one program per
+SM walks rows, the next row's loads issued before this row's arithmetic), a row held as three
+power-of-two parts (no pad lanes at 14336), the SiLU's division approximate (2 ulp of fp32
+before the activation is rounded to 16 bits as ``kernels.activation.silu_and_mul`` rounds it)
+and the quotients taken as products with the row's reciprocal scale (within an ulp of the
+quotient): the same scales as ``silu_and_mul`` followed by ``quantize_fp8_per_token`` but for a
+16-bit activation rounded the other way now and then, the same e4m3 values but for a rare one a
+step apart. ``kernel="rows"`` / ``"row"`` compute exactly those two kernels' values.
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ def _fp8_rows_kernel(
     PART_A: tl.constexpr,  # a row is three parts (powers of two, PART_A + PART_B + PART_C >= K)
     PART_B: tl.constexpr,
     PART_C: tl.constexpr,
-    FAST: tl.constexpr,  # approximate divisions (measurements only: not what torch computes)
+    FAST: tl.constexpr,  # approximate SiLU division, reciprocal scale (see the module doc)
 ):
     """Persistent: program p quantizes rows p, p + P, p + 2P, ... (P programs), each row held
     in registers as three parts (no lanes wasted on a power-of-two pad: 14336 = 8192 + 4096 +
@@ -252,11 +257,18 @@ def row_parts(k: int) -> tuple[int, int, int]:
     return tuple(sorted(parts, reverse=True))  # type: ignore[return-value]
 
 
-KERNEL = os.environ.get("ROOFLINE_FP8_QUANT", "rows")
-"""``rows``: ``_fp8_rows_kernel`` (persistent, the next row prefetched); ``row``: one program
-per row (``_fp8_per_token_kernel``, what shipped before; kept for measurements); ``rows-fast``:
-``rows`` with approximate divisions (measurements only: the quotients may differ from torch's
-in the last fp32 bit, so an fp8 value by one step, rarely)."""
+KERNEL = os.environ.get("ROOFLINE_FP8_QUANT", "")
+"""Which kernel quantizes (empty: by input, as measured on the H100: SiLU-and-mul rows take
+``rows-fast``, plain rows ``row``). ``rows``: ``_fp8_rows_kernel`` (persistent, the next row
+prefetched, exact divisions); ``rows-fast``: the same with an approximate SiLU division and the
+row's reciprocal scale multiplied in; ``row``: one program per row, exact divisions.
+
+H100, Llama-3.1-8B (SiLU rows: 2 x 14336 in, 14336 out; plain rows: 4096), us at M = 251 /
+2048 / 8192: SiLU ``rows`` 14.8 / 73.3 / 267 (74% of the copy floor at 8192), ``row`` 18.5 /
+137 / 532 (its one 16-warp program per SM holds a row in registers: loads and arithmetic never
+overlap); plain ``row`` 2.7 / 9.5 / 35.8 (95% of the floor), ``rows`` 3.4 / 15.1 / 51.9. The
+SiLU rows are bound by the arithmetic of one 16-warp program per SM (the division sequences of
+the exact SiLU and quotient are long dependent chains): ``rows-fast`` cuts them."""
 ROWS_WARPS_MAX = 16
 """Warps of a ``_fp8_rows_kernel`` program (fewer for short rows: 8 elements per thread at
 least); about 90 registers per thread at 16 warps and 14336 SiLU columns: one program per SM."""
@@ -275,7 +287,7 @@ def _launch(x: torch.Tensor, k: int, out_dtype: torch.dtype, silu_mul: bool, ker
     if m == 0:
         return q, scales
     out_fp8 = out_dtype == FP8_DTYPE
-    kernel = kernel or KERNEL
+    kernel = kernel or KERNEL or ("rows-fast" if silu_mul else "row")
     if kernel in ("rows", "rows-fast") and k <= ONE_CHUNK_MAX:
         pa, pb, pc = row_parts(k)
         num_warps = max(1, min(ROWS_WARPS_MAX, (pa + pb + pc) // (8 * 32)))

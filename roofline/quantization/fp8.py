@@ -22,6 +22,7 @@ float8_e4m3fn plus ``weight_scale`` per tensor or per channel) load as they are;
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -211,12 +212,26 @@ def w8a8_linear(
     return fp8_gemm(xq, x_scales, qweight, scales, bias, x.dtype)
 
 
-W8A8_GEMMS: dict[tuple[int, int, int], tuple | str] = {}
+FAST_ACCUM = os.environ.get("ROOFLINE_W8A8_FAST_ACCUM", "1") != "0"
+"""``torch._scaled_mm`` accumulates in the fp8 tensor cores' own precision, as ``tl.dot`` of the
+Triton fp8 kernels does on Hopper, not promoted to fp32 every few K steps: H100, Llama-3.1-8B,
+us at M = 251 / 8192: qkv 15.6 -> 14.6 / 311 -> 278, o 16.2 -> 13.6 / 209 -> 187, gate_up
+64.3 -> 56.3 / 1550 -> 1281, down 38.0 -> 37.9 / 697 -> 646; max error relative to the largest
+output 5e-3 .. 1.2e-2 (down, K = 14336) against 2e-3 .. 3e-3 promoted."""
+
+W8A8_GEMMS: dict[tuple[int, int, int], tuple | str] = {
+    # scripts/gpu_w8a8.py, H100 (2026-11-24): _scaled_mm (fast accumulation) 56.3 us, the
+    # Triton fp8 kernel's tuned config 62.8 us
+    (28672, 4096, 256): "lib",
+    # (mixed_gemm's table has Triton configs here, measured against _scaled_mm promoted)
+    (4096, 4096, 2048): "lib",
+    (4096, 14336, 2048): "lib",
+}
 """(N, K, M bucket of ``mixed_gemm_configs.m_bucket``) -> the W8A8 GEMM measured fastest there:
 ``("tma", *Fp8GemmConfig)`` (``kernels.fp8_gemm``, the descriptor GEMM), a ``MixedGemmConfig``
-tuple (``kernels.mixed_gemm``'s fp8 path), ``"lib"`` (``torch._scaled_mm``) or ``"lib-fast"``
-(``torch._scaled_mm`` with fast fp8 accumulation, as the Triton kernels' ``tl.dot``
-accumulates). Shapes and buckets it lacks take ``mixed_gemm``'s table."""
+tuple (``kernels.mixed_gemm``'s fp8 path) or ``"lib"`` (``torch._scaled_mm``, ``FAST_ACCUM``).
+Shapes and buckets it lacks take ``mixed_gemm``'s table (kind ``w8a8``), whose ``None`` (and
+every bucket above 256 rows) means ``torch._scaled_mm`` too."""
 
 
 def fp8_gemm(
@@ -253,7 +268,7 @@ def fp8_gemm(
     scale_b = scales.float().expand(n).contiguous()[None, :]  # [1, N] (per-tensor: repeated)
     out = torch._scaled_mm(
         xq, qweight.T, scale_a=x_scales, scale_b=scale_b, out_dtype=out_dtype,
-        use_fast_accum=pick == "lib-fast",
+        use_fast_accum=FAST_ACCUM,
     )  # fmt: skip
     return out if bias is None else out + bias
 

@@ -65,3 +65,51 @@ def test_rows_kernel_takes_strided_rows() -> None:
     _, s_ref = formats.quantize_fp8_per_token(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q, (x.float() / s_ref).clamp(-448, 448))
+
+
+@pytest.mark.parametrize("programs", [1, 2])
+@pytest.mark.parametrize("m,inter", [(3, 96), (4, 2048 + 64)])
+def test_rows_fast_is_the_default_for_silu_rows_and_within_an_ulp(monkeypatch, programs, m, inter):
+    """The default SiLU-and-mul launch (``rows-fast``): the exact kernels' scales (the
+    interpreter's approximate division is exact) and quotients within an fp32 ulp or so (a
+    product with the reciprocal scale instead of a quotient)."""
+    monkeypatch.setattr(fq, "num_sms", lambda device: 1)
+    monkeypatch.setattr(fq, "ROWS_PROGRAMS_PER_SM", programs)
+    monkeypatch.setattr(fq, "KERNEL", "")
+    gen = torch.Generator().manual_seed(inter * 3 + programs)
+    gate_up = (torch.randn(m, 2 * inter, generator=gen) * 4).to(torch.bfloat16).to(DEVICE)
+    calls = []
+    real = fq._fp8_rows_kernel
+    monkeypatch.setattr(fq, "_fp8_rows_kernel", SpyKernel(real, calls))
+    got_q, got_s = fq.silu_mul_quantize_fp8_per_token(gate_up, torch.float32)
+    assert calls == [True]  # FAST
+    ref_q, ref_s = fq.silu_mul_quantize_fp8_per_token(gate_up, torch.float32, kernel="row")
+    assert torch.equal(got_s, ref_s)
+    torch.testing.assert_close(got_q, ref_q, rtol=2.5e-7, atol=0)
+    assert got_q.abs().max() <= 448
+
+
+class SpyKernel:
+    """Records the FAST constexpr of each launch of a Triton kernel."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(kwargs["FAST"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_plain_rows_take_the_exact_per_row_kernel_by_default(monkeypatch) -> None:
+    monkeypatch.setattr(fq, "KERNEL", "")
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    calls = []
+    monkeypatch.setattr(fq, "_fp8_rows_kernel", SpyKernel(fq._fp8_rows_kernel, calls))
+    q, s = fq.quantize_fp8_per_token(x, out_dtype=torch.float32)
+    assert calls == []
+    _, s_ref = formats.quantize_fp8_per_token(x)
+    assert torch.equal(s, s_ref) and torch.equal(q, (x.float() / s_ref).clamp(-448, 448))

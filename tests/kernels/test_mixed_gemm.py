@@ -275,7 +275,7 @@ def test_silu_mul_fp8_quantization_equals_the_two_kernels(m: int, inter: int) ->
 
     gen = torch.Generator().manual_seed(6)
     gate_up = (torch.randn(m, 2 * inter, generator=gen) * 4).to(torch.bfloat16).to(DEVICE)
-    fused_q, fused_s = silu_mul_quantize_fp8_per_token(gate_up, out_dtype=torch.float32)
+    fused_q, fused_s = silu_mul_quantize_fp8_per_token(gate_up, torch.float32, kernel="rows")
     two_q, two_s = quantize_fp8_per_token(silu_and_mul(gate_up), out_dtype=torch.float32)
     assert fused_q.shape == (m, inter) and fused_s.shape == (m, 1)
     assert torch.equal(fused_s, two_s) and torch.equal(fused_q, two_q)
