@@ -9,7 +9,9 @@ cores. Tiles go M-fastest within groups of ``GROUP_M`` row blocks, so the row bl
 a weight tile run side by side and the weight is read from HBM about once.
 ``Fp8GemmConfig.persistent``: 0 launches one program per tile; 1 one program per SM walking the
 tiles in a flattened loop (the next tile's loads overlap this one's epilogue); 2 the same loop
-warp-specialized (a producer warp issues the TMA loads). ``split_k > 1`` (decode-sized row
+warp-specialized (a producer warp issues the TMA loads); 3 (``STREAM_K``) one program per SM
+with the (tile, K step) iterations of the whole GEMM dealt out evenly, a tile shared by two or
+more programs summed by the last to arrive (K order). ``split_k > 1`` (decode-sized row
 counts: too few output tiles to fill the SMs) gives each program one slice of K; the fp32
 partial tiles go to a workspace and the tile's last slice to arrive (an acq_rel atomic counts
 arrivals) sums them in slice order, scales, stores and resets its counter: one launch,
@@ -37,7 +39,11 @@ class Fp8GemmConfig(NamedTuple):
     split_k: int  # K slices, each its own program (1: none)
     num_warps: int
     num_stages: int
-    persistent: int = 0  # 0 a program per tile, 1 per SM (flattened), 2 per SM warp-specialized
+    persistent: int = 0  # 0 a program per tile, 1 per SM (flattened), 2 per SM warp-specialized,
+    # 3 (STREAM_K) per SM with the K steps of all tiles dealt out evenly (split_k unused)
+
+
+STREAM_K = 3
 
 
 @triton.jit
@@ -151,6 +157,84 @@ def _fp8_gemm_split_kernel(
         tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
 
 
+@triton.jit
+def _owner(i, P, total):
+    """The stream-K program whose iteration range ``[c total / P, (c + 1) total / P)`` holds
+    iteration ``i``."""
+    return ((i + 1) * P + total - 1) // total - 1
+
+
+@triton.jit(do_not_specialize=["M", "max_parts"])
+def _fp8_gemm_streamk_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    part_ptr,  # fp32 [tiles, max_parts, BLOCK_M * BLOCK_N] partial tiles
+    lock_ptr,  # int32 [tiles] arrival counters, zero between launches
+    M,
+    N,
+    K,
+    max_parts,  # programs a tile can be shared by
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Stream-K: the (tile, K step) iterations of the whole GEMM are dealt out evenly, program
+    ``p`` of ``P`` taking ``[p T / P, (p + 1) T / P)``, so every SM gets the same work whatever
+    the tile count. A program stores a tile it covers whole; a tile shared by several programs
+    gets their partial sums in its slots (slot = program - the tile's first program) and the
+    last to arrive sums them in slot order (K order), scales and stores it."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    total = num_pid_m * num_pid_n * k_tiles
+    it = (pid * total) // P
+    it_end = ((pid + 1) * total) // P
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while it < it_end:
+        tile = it // k_tiles
+        k0 = it - tile * k_tiles
+        k1 = tl.minimum(k_tiles, k0 + it_end - it)
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k0, k1):
+            a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK]
+            b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK]
+            acc = tl.dot(a, b.T, acc)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        if (k0 == 0) & (k1 == k_tiles):  # the whole tile: no one else adds to it
+            acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
+            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+        else:
+            first = _owner(tile * k_tiles, P, total)
+            count = _owner(tile * k_tiles + k_tiles - 1, P, total) - first + 1
+            slots = part_ptr + tile.to(tl.int64) * max_parts * (BLOCK_M * BLOCK_N)
+            tl.store(slots + (pid - first) * (BLOCK_M * BLOCK_N) + offs_tile, acc)
+            tl.debug_barrier()  # every thread's partial sums are written
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == count - 1:  # the last to finish sums the slots in K order
+                total_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(count):  # .cg: from L2, never a stale L1 line
+                    total_acc += tl.load(slots + s * (BLOCK_M * BLOCK_N) + offs_tile,
+                                         cache_modifier=".cg")  # fmt: skip
+                total_acc = _scaled(
+                    total_acc, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS
+                )
+                out_desc.store([off_m, off_n], total_acc.to(out_desc.dtype))
+                tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+        it += k1 - k0
+
+
 MAX_SPLIT_TILES = 1 << 14
 _LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -218,7 +302,7 @@ def fp8_gemm(
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     b = bias if bias is not None else w_scales
     num_tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    if c.split_k > 1:
+    if c.split_k > 1 and c.persistent != STREAM_K:
         if num_tiles > MAX_SPLIT_TILES:
             raise ValueError(
                 f"fp8_gemm: split-K over {num_tiles} tiles (at most {MAX_SPLIT_TILES})"
@@ -231,6 +315,24 @@ def fp8_gemm(
             c.split_k, HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages,
             **({"grid": grid} if warmup else {}),
+        )  # fmt: skip
+        return out
+    if c.persistent == STREAM_K:
+        k_tiles = triton.cdiv(k, c.block_k)
+        programs = min(num_sms(xq.device), num_tiles * k_tiles)
+        per = (num_tiles * k_tiles) // programs  # iterations a program takes, at least
+        max_parts = triton.cdiv(k_tiles - 1, per) + 1  # programs a tile can be shared by
+        if num_tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"fp8_gemm: stream-K over {num_tiles} tiles")
+        parts = torch.empty(num_tiles * max_parts * c.block_m * c.block_n, dtype=torch.float32,
+                            device=xq.device)  # fmt: skip
+        launch = _fp8_gemm_streamk_kernel.warmup if warmup else _fp8_gemm_streamk_kernel[
+            (programs,)]  # fmt: skip
+        launch(
+            x_desc, w_desc, out_desc, x_scales, w_scales, b, parts, _locks(xq.device), m, n, k,
+            max_parts, HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
+            num_stages=c.num_stages, **({"grid": (programs,)} if warmup else {}),
         )  # fmt: skip
         return out
     programs = min(num_tiles, num_sms(xq.device)) if c.persistent else num_tiles

@@ -25,7 +25,21 @@ CONFIGS = [
     fg.Fp8GemmConfig(32, 32, 32, 2, 1, 4, 2, 0),
     fg.Fp8GemmConfig(16, 64, 64, 1, 1, 4, 2, 1),
     fg.Fp8GemmConfig(32, 32, 32, 2, 3, 4, 2, 0),  # split-K, uneven slices (5 K tiles)
+    fg.Fp8GemmConfig(16, 16, 32, 2, 1, 4, 2, fg.STREAM_K),  # a program per K step
 ]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 4, 7])
+def test_stream_k_deals_iterations_over_any_program_count(monkeypatch, programs: int) -> None:
+    """Ranges that start and end inside tiles, tiles shared by up to four programs, whole
+    tiles in between; a second launch finds the arrival counters back at zero."""
+    monkeypatch.setattr(fg, "num_sms", lambda device: programs)
+    xq, xs, qw, ws = operands(37, 72, 160, seed=programs)
+    cfg = fg.Fp8GemmConfig(16, 32, 32, 2, 1, 4, 2, fg.STREAM_K)
+    ref = fg.fp8_gemm_ref(xq, xs, qw, ws, None, torch.bfloat16)
+    for _ in range(2):
+        got = fg.fp8_gemm(xq, xs, qw, ws, None, torch.bfloat16, cfg)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
