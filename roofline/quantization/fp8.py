@@ -5,14 +5,16 @@ output channel; a per-tensor checkpoint scale is spread over its shard's rows), 
   (``common.quantized_linear``).
 * W8A8 (``fp8-w8a8``): above ``common.DECODE_MAX_ROWS`` rows on CUDA the activations are
   quantized per token (dynamic scales ``max|x_row| / 448``, one Triton launch:
-  ``kernels.fp8_quant``) and multiplied on fp8 tensor cores with the per-channel weight scales
-  by the Triton fp8 GEMM (``kernels.mixed_gemm``, split-K for small M) or by
-  ``torch._scaled_mm``, chosen per shape and M by measurement; an MLP's down projection gets
+  ``kernels.fp8_quant``; the RMSNorm before qkv and gate_up quantizes its own output:
+  ``Fp8Rows``) and multiplied on fp8 tensor cores with the per-channel weight scales by the GEMM
+  ``W8A8_GEMMS`` names for the shape and M (the descriptor GEMM ``kernels.fp8_gemm``, the
+  Triton fp8 path of ``kernels.mixed_gemm``, or ``torch._scaled_mm``, by measurement; all of
+  them accumulate as the fp8 tensor cores do, ``FAST_ACCUM``); an MLP's down projection gets
   ``silu(gate) * up`` quantized by the same launch (``fuses_silu_mul``), so the 16-bit
   activation is never written; decode-sized batches take the
   weight-only kernel (a weight read, where quantizing x buys nothing). On the CPU W8A8 computes
-  exactly what the tensor-core path does: x rounded to fp8 per token, both operands widened, an
-  fp32 matmul, both scales applied.
+  what the tensor-core path does: x rounded to fp8 per token, both operands widened, an fp32
+  matmul, both scales applied.
 
 CUDA needs fp8 support (compute capability 8.9+: Ada, Hopper); ``check_fp8_device`` refuses
 other GPUs before any weight loads. Checkpoints already in fp8 (``weight`` of dtype
