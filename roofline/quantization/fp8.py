@@ -222,12 +222,26 @@ us at M = 251 / 8192: qkv 15.6 -> 14.6 / 311 -> 278, o 16.2 -> 13.6 / 209 -> 187
 output 5e-3 .. 1.2e-2 (down, K = 14336) against 2e-3 .. 3e-3 promoted."""
 
 W8A8_GEMMS: dict[tuple[int, int, int], tuple | str] = {
-    # scripts/gpu_w8a8.py, H100 (2026-11-24): _scaled_mm (fast accumulation) 56.3 us, the
-    # Triton fp8 kernel's tuned config 62.8 us
+    # scripts/gpu_w8a8.py on an H100 80GB HBM3 (2026-11-24, check 2), Llama-3.1-8B, us; "lib":
+    # _scaled_mm with fast accumulation; the offline run of that check used exactly this table.
+    # M = 251: qkv lib 14.6 (descriptor GEMM 16.0, bf16 24.0), o mixed 13.4 (lib 13.7), gate_up
+    # lib 56.0 (descriptor 61.8, mixed 63.9, bf16 101.2), down lib 37.5 (descriptor split-K 38.1)
+    (6144, 4096, 256): "lib",
+    (4096, 4096, 256): (64, 128, 128, 8, 1, 4, 4, 0),
     (28672, 4096, 256): "lib",
-    # (mixed_gemm's table has Triton configs here, measured against _scaled_mm promoted)
-    (4096, 4096, 2048): "lib",
-    (4096, 14336, 2048): "lib",
+    (4096, 14336, 256): "lib",
+    # M = 2048: qkv descriptor 73.4 (lib 74.8), o descriptor 49.8 (lib 50.7), gate_up lib 317.1
+    # (descriptor 334.9), down descriptor 157.1 (lib 161.6)
+    (6144, 4096, 2048): ("tma", 128, 256, 128, 8, 1, 8, 3, 1),
+    (4096, 4096, 2048): ("tma", 128, 256, 128, 8, 1, 8, 3, 1),
+    (28672, 4096, 2048): "lib",
+    (4096, 14336, 2048): ("tma", 128, 256, 128, 8, 1, 8, 3, 1),
+    # M = 8192: qkv lib 273.3 (descriptor 284.8, bf16 529.1), o lib 184.9 (189.9), gate_up lib
+    # 1256.4 (1325.3), down descriptor 627.3 (lib 638.6)
+    (6144, 4096, 8192): "lib",
+    (4096, 4096, 8192): "lib",
+    (28672, 4096, 8192): "lib",
+    (4096, 14336, 8192): ("tma", 128, 256, 128, 8, 1, 8, 3, 1),
 }
 """(N, K, M bucket of ``mixed_gemm_configs.m_bucket``) -> the W8A8 GEMM measured fastest there:
 ``("tma", *Fp8GemmConfig)`` (``kernels.fp8_gemm``, the descriptor GEMM), a ``MixedGemmConfig``
