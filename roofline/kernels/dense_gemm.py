@@ -75,6 +75,44 @@ def _dense_gemm_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
+@triton.jit
+def _split_k_partial(
+    x_desc, w_desc, part_ptr, lock_ptr, tile, part, split_k, off_m, off_n, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Split-K slice ``part`` of output tile ``tile`` (at ``off_m``, ``off_n``): its fp32 partial
+    sums stored in ``part_ptr`` ([split_k, M, N]), then its arrival counted at ``lock_ptr``.
+    Returns (whether it arrived last, offs_m, offs_n, offs, mask, slice_size)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = (part * k_tiles) // split_k  # slice s: K tiles [s kt / S, (s + 1) kt / S)
+    k_last = ((part + 1) * k_tiles) // split_k
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_first, k_last):
+        a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, b.T, acc)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BLOCK_M, BLOCK_N]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    slice_size = M.to(tl.int64) * N
+    tl.store(part_ptr + part * slice_size + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial sums are written
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return arrived == split_k - 1, offs_m, offs_n, offs, mask, slice_size
+
+
+@triton.jit
+def _split_k_total(part_ptr, offs, mask, slice_size, split_k, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """The sum of the ``split_k`` partial tiles, in slice order."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(split_k):  # .cg: from L2, never a stale L1 line
+        total += tl.load(part_ptr + s * slice_size + offs, mask=mask, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+    return total
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _dense_gemm_split_kernel(
     x_desc,  # [M, K] boxes [BLOCK_M, BLOCK_K]
@@ -97,27 +135,12 @@ def _dense_gemm_split_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
     off_m, off_n = _tile_offsets(tile, num_pid_m, per_group, GROUP_M, BLOCK_M, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_first = (part * k_tiles) // split_k  # slice s: K tiles [s kt / S, (s + 1) kt / S)
-    k_last = ((part + 1) * k_tiles) // split_k
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(k_first, k_last):
-        a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
-        b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(a, b.T, acc)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BLOCK_M, BLOCK_N]
-    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    slice_size = M.to(tl.int64) * N
-    tl.store(ws_ptr + part * slice_size + offs, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial sums are written
-    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == split_k - 1:  # the last slice to finish sums them all, in slice order
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(split_k):  # .cg: from L2, never a stale L1 line
-            total += tl.load(ws_ptr + s * slice_size + offs, mask=mask, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
+    last, offs_m, offs_n, offs, mask, slice_size = _split_k_partial(
+        x_desc, w_desc, ws_ptr, lock_ptr, tile, part, split_k, off_m, off_n, M, N, K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if last:  # the last slice to finish sums them all, in slice order
+        total = _split_k_total(ws_ptr, offs, mask, slice_size, split_k, BLOCK_M, BLOCK_N)
         out_desc.store([off_m, off_n], total.to(out_desc.dtype))
         tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
 

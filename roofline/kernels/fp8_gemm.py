@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels import check_device, num_sms
+from roofline.kernels.dense_gemm import _split_k_partial, _split_k_total
 from roofline.quantization.formats import FP8_DTYPE
 
 
@@ -133,25 +134,12 @@ def _fp8_gemm_split_kernel(
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range((part * k_tiles) // split_k, ((part + 1) * k_tiles) // split_k):
-        a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK]
-        b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK]
-        acc = tl.dot(a, b.T, acc)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BM, BN]
-    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    slice_size = M.to(tl.int64) * N
-    tl.store(part_ptr + part * slice_size + offs, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial sums are written
-    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == split_k - 1:  # the last slice to finish sums them all, in slice order
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(split_k):  # .cg: from L2, never a stale L1 line
-            total += tl.load(part_ptr + s * slice_size + offs, mask=mask, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
+    last, offs_m, offs_n, offs, mask, slice_size = _split_k_partial(
+        x_desc, w_desc, part_ptr, lock_ptr, tile, part, split_k, off_m, off_n, M, N, K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if last:  # the last slice to finish sums them all, in slice order
+        total = _split_k_total(part_ptr, offs, mask, slice_size, split_k, BLOCK_M, BLOCK_N)
         total = _scaled(total, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
         out_desc.store([off_m, off_n], total.to(out_desc.dtype))
         tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
