@@ -324,9 +324,9 @@ def sweep_weight_left(kind, x, router, w13, w2, scales, nbytes, bw) -> None:
         )
 
 
-def profile_steps(engine, steps: int, label: str = "shipped") -> None:
-    """Each kernel's share of a batch-1 step's critical path (its end minus the previous
-    kernel's end, in stream order), summed by kernel name."""
+def profiled_kernels(engine, steps: int, label: str) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every CUDA kernel, in start order, over ``steps`` profiled decode
+    steps of one request (prompt 128 tokens, 20 steps in before the profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
@@ -345,6 +345,13 @@ def profile_steps(engine, steps: int, label: str = "shipped") -> None:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
+    return kernels
+
+
+def profile_steps(engine, steps: int, label: str = "shipped") -> None:
+    """Each kernel's share of a batch-1 step's critical path (its end minus the previous
+    kernel's end, in stream order), summed by kernel name."""
+    kernels = profiled_kernels(engine, steps, label)
     share: dict[str, float] = collections.defaultdict(float)
     count: dict[str, int] = collections.Counter()
     busy: dict[str, float] = collections.defaultdict(float)

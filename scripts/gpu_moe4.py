@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_moe2 as m2  # noqa: E402 - the section runner, helpers and table
 
-from roofline import LLM, SamplingParams  # noqa: E402
+from roofline import LLM  # noqa: E402
 from roofline.bench import latency  # noqa: E402
 from roofline.bench.ceilings import Ceilings, measure, time_fn  # noqa: E402
 from roofline.kernels import decode_attention_fused as attn  # noqa: E402
@@ -151,24 +151,9 @@ def floors_bytes(cfg, context: int) -> dict[str, float]:
 def profile_kinds(engine, ceil: Ceilings, steps: int, label: str) -> dict[str, float]:
     """One request decoding ``steps`` profiled steps (context ~150 tokens): critical-path us a
     step per kernel kind against its byte floor."""
-    from torch.profiler import ProfilerActivity, profile
+    import gpu_moe3 as m3
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
-    engine.add_request(f"prof {label}", list(range(1000, 1128)), params)
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    while engine.has_unfinished_requests():
-        engine.step()
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    kernels = m3.profiled_kernels(engine, steps, label)
     share: dict[str, float] = collections.defaultdict(float)
     own: dict[str, float] = collections.defaultdict(float)
     count: dict[str, int] = collections.Counter()
