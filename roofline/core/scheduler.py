@@ -486,36 +486,29 @@ class Scheduler:
                 add_update(self._update_verified(request, verified[rid]))
                 continue
             token = sampled[rid] if token_ids is None else token_ids[index]  # type: ignore[index]
-            finished = self._append_token(request, token, max_model_len)
-            if finished is None:
+            output = request.output_token_ids
+            output.append(token)
+            num_output = len(output)
+            # _check_stop decides only when some rule can fire (the common token skips it):
+            # an EOS or stop token, or the length (max_tokens or max_model_len) reached
+            if (
+                token in request.stop_check_ids
+                or num_output >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
+                    add_update(RequestUpdate(request, [token], logprobs, True))
+                    continue
+            if request.quiet and num_output > 1:  # nobody reads it before it finishes
                 num_unreported += 1
                 continue
             logprobs = [all_logprobs[rid]] if all_logprobs and rid in all_logprobs else []
-            add_update(RequestUpdate(request, [token], logprobs, finished))
+            add_update(RequestUpdate(request, [token], logprobs, False))
         self.num_unreported_tokens += num_unreported
         return updates
-
-    def _append_token(self, request: Request, token: int, max_model_len: int) -> bool | None:
-        """Append one sampled ``token`` to ``request``'s output, finishing it when a stop rule
-        fires. Returns True when it finished, False when the token is to be reported, None when
-        it goes unreported (a quiet request: nobody reads it before it finishes)."""
-        output = request.output_token_ids
-        output.append(token)
-        num_output = len(output)
-        # _check_stop decides only when some rule can fire (the common token skips it):
-        # an EOS or stop token, or the length (max_tokens or max_model_len) reached
-        if (
-            token in request.stop_check_ids
-            or num_output >= request.max_tokens
-            or len(request.prompt_token_ids) + num_output >= max_model_len
-        ):
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-                return True
-        if request.quiet and num_output > 1:
-            return None
-        return False
 
     def _update_steady(self, requests: list[Request], token_ids: list[int]) -> list[RequestUpdate]:
         """``update`` for a steady decode step (``core/steady.py``): one sampled token per row,
@@ -532,11 +525,23 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            finished = self._append_token(request, token, max_model_len)
-            if finished is None:
+            output = request.output_token_ids
+            output.append(token)
+            num_output = len(output)
+            if (
+                token in request.stop_check_ids
+                or num_output >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len
+            ):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    add_update(RequestUpdate(request, [token], [], True))
+                    continue
+            if request.quiet and num_output > 1:
                 num_unreported += 1
                 continue
-            add_update(RequestUpdate(request, [token], [], finished))
+            add_update(RequestUpdate(request, [token], [], False))
         self.num_unreported_tokens += num_unreported
         return updates
 
