@@ -147,6 +147,7 @@ class ParallelCompiler:
         as ``specializations`` lists them after a dry run. Entries that no longer resolve or
         load are counted as failed and left to their first launch."""
         for module, name, spec in specializations:
+            _make_binder(module, name, device)
             future = self._pool.submit(_preload, module, name, spec, device)
             with self._lock:
                 self._preloads.append(future)
@@ -275,6 +276,26 @@ def _parse_options(backend: Any, specialization_data: str) -> Any:
     return backend.parse_options(
         {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
     )
+
+
+def _make_binder(module: str, name: str, device: int) -> None:
+    """Create the kernel's per-device cache entry on this thread. ``device_caches`` is a
+    ``defaultdict`` whose factory is Python code: two pool threads preloading the same kernel
+    into a missing entry would each build one and the later would replace the earlier, losing
+    its kernel. An entry that does not resolve is left to ``_preload`` to count as failed."""
+    import importlib
+
+    import torch
+
+    try:
+        jit = getattr(importlib.import_module(module), name)
+        on_device = (
+            torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
+        )
+        with on_device:
+            jit.device_caches[device]  # noqa: B018 - the defaultdict creates it
+    except Exception:  # noqa: BLE001 - the pool's attempt fails the same way and counts it
+        return
 
 
 def _preload(module: str, name: str, spec: str, device: int) -> None:

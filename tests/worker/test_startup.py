@@ -243,6 +243,34 @@ def test_manifest_round_trip_preloads_what_the_dry_run_found(fake_gpu, tmp_path)
 
 
 @compiles
+def test_concurrent_preloads_of_one_kernel_keep_every_specialisation(fake_gpu):
+    """Two pool threads preloading the same kernel into an empty cache: each used to build the
+    kernel's ``device_caches`` entry (a defaultdict with a Python factory) and the later replaced
+    the earlier with its kernel in it. Thread switches every microsecond make that near certain
+    (about 60% of rounds lost one before the entry was created ahead of the pool)."""
+    kernel = fake_gpu
+    x, out = torch.ones(64), torch.zeros(64)
+    compiler = ParallelCompiler(num_threads=2)
+    with compiler.dry_run():
+        for block in (16, 32):
+            kernel[(4,)](x, out, 64, 2.0, BLOCK=block)
+    compiler.finish()
+    compiler.close()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(30):
+            kernel.device_caches.clear()
+            later = ParallelCompiler(num_threads=2)
+            later.preload(compiler.specializations, device=0)
+            stats = later.finish()
+            later.close()
+            assert stats.num_failed == 0 and len(kernel.device_caches[0][0]) == 2
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@compiles
 def test_startup_compiles_dry_run_then_manifest(fake_gpu, monkeypatch):
     """The engine's path: a dry run of warm-up and capture (graphs eager) compiles on the pool
     and writes the manifest; a second start-up with the same key preloads without a dry run."""
