@@ -1,6 +1,7 @@
 """The typed contracts of one engine step.
 
-``Scheduler.schedule()`` -> :class:`SchedulerOutput` -> ``ModelRunner.execute()`` ->
+``Scheduler.schedule()`` -> :class:`SchedulerOutput` -> ``ModelRunner.launch()`` (its
+handle's ``result()``; ``execute()`` is both at once) ->
 :class:`ModelRunnerOutput` -> ``Scheduler.update()`` -> list of :class:`RequestUpdate`.
 """
 

@@ -23,7 +23,7 @@ memory traffic. Here program ``(req, kv_head, split)``:
 16/32-bit caches only (a quantized cache takes ``rotary_kv_store`` + ``decode_attention``), full
 rotary (``rotary_dim == head_dim``). ``fused_decode_attention_ref`` is the unfused sequence in
 plain torch. ``ROOFLINE_FUSED_ATTENTION=0`` (or ``set_enabled(False)``) turns the path off in the
-Triton backend; ``ROOFLINE_DECODE_SPLIT_TOKENS`` sets the shortest split (default 128).
+Triton backend; ``ROOFLINE_DECODE_SPLIT_TOKENS`` sets the shortest split (default 64).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The simulator commands of ``roofline plan``: ``simulate`` (one run, a rate sweep, or the
-replica count for a load at an SLO) and ``fit`` (a calibration file's step-time fit).
+replica count for a load at an SLO), ``validate`` (registered here, run by
+``planner.validate``) and ``fit`` (a calibration file's step-time fit).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 tensors into output-shard rows, and ``quantized_linear``, which picks the kernel for a weight in
 one of the canonical layouts (``formats``) by device and number of rows:
 
-* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``): int4 and int8
-  layers ``kernels.int4_gemv`` (tensor cores over the repacked copy ``prepare_kernel_layout``
-  made after loading) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
+* CUDA, at most ``GEMV_MAX_ROWS`` rows (16; ``ROOFLINE_QUANT_GEMV_MAX_ROWS``): int4, int8
+  and fp8 layers ``kernels.int4_gemv`` (tensor cores over the ``gemv_words``
+  ``prepare_kernel_layout`` set after loading: a repacked copy, or the canonical bytes
+  themselves) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
   unpacking, tuned per shape);
 * CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 per channel and int4 at the shapes
   and M buckets of ``kernels.wo_gemm_configs.WO_CONFIGS``: ``kernels.wo_gemm``

@@ -1,8 +1,9 @@
 """fp8 (e4m3) weights: ``qweight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N]`` (one per
 output channel; a per-tensor checkpoint scale is spread over its shard's rows), ``w = q * s``.
 
-* weight-only (``fp8``): activations stay 16-bit; the fused dequant GEMM at every M on CUDA
-  (``common.quantized_linear``).
+* weight-only (``fp8``): activations stay 16-bit; on CUDA ``common.quantized_linear`` picks
+  the kernel by rows (``kernels.int4_gemv`` over the canonical e4m3 bytes up to
+  ``GEMV_MAX_ROWS``, then ``kernels.mixed_gemm`` or dequantize + cuBLAS by its table).
 * W8A8 (``fp8-w8a8``): above ``common.DECODE_MAX_ROWS`` rows on CUDA the activations are
   quantized per token (dynamic scales ``max|x_row| / 448``, one Triton launch:
   ``kernels.fp8_quant``; the RMSNorm before qkv and gate_up quantizes its own output:

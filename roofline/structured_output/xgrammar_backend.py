@@ -1,7 +1,8 @@
 """The xgrammar backend: JSON schemas, regexes, choices and EBNF grammars compiled against the
 tokenizer's vocabulary, matchers that fill a packed int32 bitmask (one bit per token, 32 tokens
-per word), and xgrammar's own kernels to apply it (a CUDA/Triton kernel on the GPU, a C++ loop
-on the CPU). The compiler caches compiled grammars itself; compile calls are thread-safe.
+per word), and xgrammar's own apply (``apply_bitmask``: the CPU path; on CUDA the engine's
+``MaskTable`` masks with ``kernels/token_bitmask.py`` instead, and ``apply_bitmask`` serves
+benchmarks). The compiler caches compiled grammars itself; compile calls are thread-safe.
 """
 
 from __future__ import annotations
