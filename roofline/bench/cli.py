@@ -1,4 +1,4 @@
-"""``roofline bench latency | throughput | serve | kernels | quality``.
+"""``roofline bench latency | throughput | serve | kernels | calibrate | quality``.
 
 Every figure is printed beside the roofline measured in the same run (copy bandwidth and matmul
 rate of this machine) and, with ``--compare``, beside peers run on the same weights in the same
