@@ -9,7 +9,7 @@ logprobs never reads the prefix cache (``Scheduler``): the cached tokens' logits
 computed, so it recomputes them, as vLLM does; after a preemption the recomputed positions
 repeat ones already reported and the engine keeps the first. Only requests that ask pay
 anything: the runner calls :func:`compute_prompt_logprobs` only while the engine has one.
-Under tensor parallelism the engine sends each step's :class:`PromptLogprobRows` (from
+Under tensor parallelism the engine sends each step's :class:`PromptLogprobRow` list (from
 :func:`prompt_logprob_rows`) to every worker: all ranks take part in the LM head's gather, rank 0
 replies with the result.
 """
