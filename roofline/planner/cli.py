@@ -2,9 +2,9 @@
 
 ``add_cli(subparsers)`` registers ``plan`` with one sub-command per calculator (``gpus``, ``kv``,
 ``memory``, ``decode``, ``parallel``, ``cost``, ``specdec``) plus ``simulate``, ``validate`` and
-``fit``; each prints a plain-text table. The shared argument groups (model, GPU, precision) and their
-resolution live here; the commands live in ``cli_calc`` and ``cli_sim``. ``main(argv)`` runs the
-planner alone: ``python -m roofline.planner.cli kv --model llama-3.1-8b``.
+``fit``; each prints a plain-text table. The shared argument groups (model, GPU, precision)
+and their resolution live here; the commands live in ``cli_calc`` and ``cli_sim``. ``main(argv)``
+runs the planner alone: ``python -m roofline.planner.cli kv --model llama-3.1-8b``.
 """
 
 from __future__ import annotations
