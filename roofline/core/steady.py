@@ -17,7 +17,8 @@ further. What can still differ for a request is decided by its start position al
 :class:`SteadyDecode` keeps the requests grouped by start residue modulo the page size, so a step
 visits only the rows at one of those residues (1 of every ``page_size`` steps per request
 under async scheduling),
-through the general loop's own calls (``KVCacheManager.covered``/``allocate``) in running order,
+through ``KVCacheManager.covered`` (the general loop's own call) or ``append_page``
+(``allocate``'s one-page case without its general checks) in running order,
 and hands back the steps whose plan it cannot vouch for (a length limit near, pages run out,
 proposals, a waiting request that could be admitted) to the general loop. The plan it makes is
 the general loop's, page for page (``tests/core/test_steady_decode.py``); the output says which
