@@ -68,10 +68,6 @@ class StopAutomaton:
                     self.report[child] = self.report[self.fail[child]]
                 queue.append(child)
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self.children)
-
 
 @lru_cache(maxsize=16)
 def automaton_for(stops: tuple[str, ...]) -> StopAutomaton:

@@ -530,15 +530,3 @@ def skinny_gemm(
     launch = _prepare(x, weight, bias, out, overrides, silu_mul, norm, residual)
     _skinny_gemm_kernel[launch.grid](*launch.args, **launch.meta)
     return out
-
-
-def silu_mul_skinny_gemm(
-    gate_up: torch.Tensor,  # [M, 2K]: gate columns [0, K), up columns [K, 2K); rows contiguous
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-    out: torch.Tensor | None = None,  # [M, N]
-    **overrides: int | bool | None,
-) -> torch.Tensor:  # [M, N]
-    """``silu_and_mul(gate_up) @ weight.T (+ bias)`` in one launch: an MLP's down projection
-    with its activation fused (``skinny_gemm(gate_up, weight, bias, out, silu_mul=True)``)."""
-    return skinny_gemm(gate_up, weight, bias, out, silu_mul=True, **overrides)

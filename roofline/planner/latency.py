@@ -55,17 +55,6 @@ def decode_point(
     return DecodePoint(batch_size, context_len, cost)
 
 
-def decode_roofline(
-    model: ModelConfig,
-    gpu: GPUSpec,
-    batch_sizes: list[int],
-    context_len: int,
-    precision: Precision = BF16,
-    tp: int = 1,
-) -> list[DecodePoint]:
-    return [decode_point(model, gpu, b, context_len, precision, tp) for b in batch_sizes]
-
-
 def crossover_batch_size(
     model: ModelConfig,
     gpu: GPUSpec,

@@ -137,15 +137,6 @@ class QuantizationConfig(ABC):
         return None
 
 
-class UnquantizedConfig(QuantizationConfig):
-    """No quantization: every layer 16-bit (or fp32)."""
-
-    name = "none"
-
-    def get_linear_method(self, prefix: str) -> LinearMethod:
-        return UnquantizedLinearMethod()
-
-
 def load_rows(
     target: torch.Tensor, offset: int, size: int, tensor: torch.Tensor, what: str
 ) -> None:

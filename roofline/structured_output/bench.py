@@ -11,7 +11,6 @@ leading space) for models whose tokenizer is not at hand, e.g. Llama-3.1-8B's 12
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -204,7 +203,3 @@ def format_costs(costs: list[MaskCost]) -> str:
         for c in costs
     ]
     return "\n".join(lines)
-
-
-def as_json(costs: list[MaskCost]) -> str:
-    return json.dumps([{**vars(c), "total_ms": c.total_ms} for c in costs])

@@ -16,7 +16,6 @@ from roofline.kernels.activation import silu_and_mul
 from roofline.kernels.gemv import (
     heuristic_config,
     pick_config,
-    silu_mul_skinny_gemm,
     silu_mul_skinny_gemm_ref,
     skinny_gemm,
     skinny_gemm_ref,
@@ -139,7 +138,7 @@ def test_silu_mul_default_config_strided_and_out(dtype: torch.dtype) -> None:
     gate_up = buf[:, : 2 * k]
     _, weight, bias = _inputs(m, n, k, dtype, seed=21)
     out = torch.empty(m, n, dtype=dtype, device=DEVICE)
-    result = silu_mul_skinny_gemm(gate_up, weight, bias, out)
+    result = skinny_gemm(gate_up, weight, bias, out, silu_mul=True)
     assert result.data_ptr() == out.data_ptr()
     assert torch.equal(out, skinny_gemm(silu_and_mul(gate_up), weight, bias))
     assert_close(out, silu_mul_skinny_gemm_ref(gate_up, weight, bias), dtype)
@@ -189,7 +188,7 @@ def test_silu_mul_refuses_bad_shapes() -> None:
         with pytest.raises(ValueError, match=message):
             skinny_gemm(x, w, b, out, silu_mul=True)
     with pytest.raises(ValueError, match="needs gate_up"):
-        silu_mul_skinny_gemm(gate_up, weight[:, : k - 1])  # K mismatch
+        skinny_gemm(gate_up, weight[:, : k - 1], silu_mul=True)  # K mismatch
     with pytest.raises(ValueError, match=r"needs x \[M, 64\]"):
         skinny_gemm(gate_up, weight)  # [M, 2K] without silu_mul
 
