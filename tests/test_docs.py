@@ -65,3 +65,12 @@ def test_section_links_resolve():
     assert links, "the map at the top links to the sections"
     broken = sorted(set(links) - anchors)
     assert not broken, f"links to no heading: {broken}"
+
+
+def test_every_switch_the_code_reads_is_documented():
+    """A new ``ROOFLINE_*`` environment switch gets its row in the architecture document's
+    Environment switches table (name, default, what it changes) in the change that adds it."""
+    code = "\n".join(p.read_text() for p in (ROOT / "roofline").rglob("*.py"))
+    read = set(re.findall(r"ROOFLINE_[A-Z0-9_]+", code))
+    named = set(re.findall(r"ROOFLINE_[A-Z0-9_]+", (ROOT / "docs/architecture.md").read_text()))
+    assert read <= named, f"switches docs/architecture.md does not list: {sorted(read - named)}"
