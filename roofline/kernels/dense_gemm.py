@@ -42,6 +42,19 @@ def _tile_offsets(
     return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
+@triton.jit
+def _dot_k_tiles(x_desc, w_desc, off_m, off_n, k_first, k_last, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """fp32 ``x[off_m:, K tiles k_first..k_last) @ w[off_n:, same].T``: one output tile's
+    (slice of the) K loop, both operands through their TMA descriptors."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_first, k_last):
+        a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _dense_gemm_kernel(
     x_desc,  # [M, K] boxes [BLOCK_M, BLOCK_K]
@@ -67,11 +80,7 @@ def _dense_gemm_kernel(
         tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPEC
     ):
         off_m, off_n = _tile_offsets(tile, num_pid_m, per_group, GROUP_M, BLOCK_M, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k_tiles):
-            a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
-            b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-            acc = tl.dot(a, b.T, acc)
+        acc = _dot_k_tiles(x_desc, w_desc, off_m, off_n, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
@@ -86,11 +95,7 @@ def _split_k_partial(
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_first = (part * k_tiles) // split_k  # slice s: K tiles [s kt / S, (s + 1) kt / S)
     k_last = ((part + 1) * k_tiles) // split_k
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(k_first, k_last):
-        a = x_desc.load([off_m, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
-        b = w_desc.load([off_n, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(a, b.T, acc)
+    acc = _dot_k_tiles(x_desc, w_desc, off_m, off_n, k_first, k_last, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)  # [BLOCK_M, BLOCK_N]
@@ -152,7 +157,8 @@ MAX_SPLIT_TILES = 1 << 14
 
 def _locks(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of ``device``'s current stream (launches of one stream run
-    one after another; each leaves its counters at zero)."""
+    one after another; each leaves its counters at zero). ``fp8_gemm``'s split-K launches take
+    the same counters."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     locks = _LOCKS.get((device, stream))
     if locks is None:

@@ -28,7 +28,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels import check_device, num_sms
-from roofline.kernels.dense_gemm import _split_k_partial, _split_k_total
+from roofline.kernels.dense_gemm import (
+    MAX_SPLIT_TILES,
+    _dot_k_tiles,
+    _locks,
+    _split_k_partial,
+    _split_k_total,
+    _tile_offsets,
+)
 from roofline.quantization.formats import FP8_DTYPE
 
 
@@ -49,6 +56,9 @@ STREAM_K = 3
 
 @triton.jit
 def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``dense_gemm._tile_offsets``' blocks, ``per_group`` computed here, the offsets left to
+    the caller: with ``_tile_offsets`` the persistent kernel's flattened loop (FLATTEN)
+    compiles to reordered sm_90 code (the same instructions), not measured on a GPU."""
     per_group = GROUP_M * num_pid_n
     first_m = (tile // per_group) * GROUP_M
     rows = min(num_pid_m - first_m, GROUP_M)  # row blocks in this (maybe last) group
@@ -98,11 +108,7 @@ def _fp8_gemm_kernel(
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k_tiles):
-            a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK] e4m3
-            b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK] e4m3
-            acc = tl.dot(a, b.T, acc)
+        acc = _dot_k_tiles(x_desc, w_desc, off_m, off_n, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = _scaled(acc, xs_ptr, ws_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
@@ -131,9 +137,9 @@ def _fp8_gemm_split_kernel(
 ):
     tile = tl.program_id(0)
     part = tl.program_id(1)
-    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    off_m, off_n = _tile_offsets(tile, tl.cdiv(M, BLOCK_M), GROUP_M * num_pid_n, GROUP_M,
+                                 BLOCK_M, BLOCK_N)  # fmt: skip
     last, offs_m, offs_n, offs, mask, slice_size = _split_k_partial(
         x_desc, w_desc, part_ptr, lock_ptr, tile, part, split_k, off_m, off_n, M, N, K,
         BLOCK_M, BLOCK_N, BLOCK_K,
@@ -190,14 +196,9 @@ def _fp8_gemm_streamk_kernel(
         tile = it // k_tiles
         k0 = it - tile * k_tiles
         k1 = tl.minimum(k_tiles, k0 + it_end - it)
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k0, k1):
-            a = x_desc.load([off_m, kk * BLOCK_K])  # [BM, BK]
-            b = w_desc.load([off_n, kk * BLOCK_K])  # [BN, BK]
-            acc = tl.dot(a, b.T, acc)
+        off_m, off_n = _tile_offsets(tile, num_pid_m, GROUP_M * num_pid_n, GROUP_M, BLOCK_M,
+                                     BLOCK_N)  # fmt: skip
+        acc = _dot_k_tiles(x_desc, w_desc, off_m, off_n, k0, k1, BLOCK_M, BLOCK_N, BLOCK_K)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         if (k0 == 0) & (k1 == k_tiles):  # the whole tile: no one else adds to it
@@ -221,21 +222,6 @@ def _fp8_gemm_streamk_kernel(
                 out_desc.store([off_m, off_n], total_acc.to(out_desc.dtype))
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
         it += k1 - k0
-
-
-MAX_SPLIT_TILES = 1 << 14
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _locks(device: torch.device) -> torch.Tensor:
-    """Split-K arrival counters for ``device``'s current stream (its launches run in order and
-    each leaves the counters at zero)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    locks = _LOCKS.get((device, stream))
-    if locks is None:
-        locks = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-        _LOCKS[(device, stream)] = locks
-    return locks
 
 
 def applies(xq: torch.Tensor, qweight: torch.Tensor, out_dtype: torch.dtype) -> bool:
