@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from roofline.kernels import check_device, num_sms
 from roofline.kernels.dense_gemm_configs import DenseGemmConfig
+from roofline.kernels.last_program import stream_counters
 
 
 @triton.jit
@@ -150,22 +151,15 @@ def _dense_gemm_split_kernel(
         tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (graph replays)
 
 
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_SPLIT_TILES = 1 << 14
 """Output tiles a split-K launch may have (its arrival counters)."""
 
 
 def _locks(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of ``device``'s current stream (launches of one stream run
-    one after another; each leaves its counters at zero). ``fp8_gemm``'s split-K launches take
-    the same counters."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    locks = _LOCKS.get((device, stream))
-    if locks is None:
-        locks = _LOCKS[(device, stream)] = torch.zeros(
-            MAX_SPLIT_TILES, dtype=torch.int32, device=device
-        )
-    return locks
+    """The split-K arrival counters of ``device``'s current stream (``last_program``; this
+    module's and ``fp8_gemm``'s launches of one stream run one after another and each leaves
+    its counters at zero)."""
+    return stream_counters(device, MAX_SPLIT_TILES, "dense_gemm")
 
 
 def dense_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -95,6 +95,7 @@ from roofline.kernels.int4_layout import (
     unrepack_int8,
     weight_k,
 )
+from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 
 __all__ = [
@@ -270,7 +271,6 @@ def _int4_gemv_kernel(
                       stride_om, stride_rm, HAS_BIAS, RESIDUAL, SILU_OUT, ROWS, ASM)  # fmt: skip
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 FP8_DTYPE = torch.float8_e4m3fn
 CANON_BITS = {torch.uint8: 4, torch.int8: 8}
 CANON4_XPERM = os.environ.get("ROOFLINE_CANON4_XPERM", "1") != "0"
@@ -286,16 +286,6 @@ def splits_gate_up(n: int, cfg: Int4GemvConfig) -> bool:
     gate | up weight of ``n`` rows (``silu_out``), with no program straddling the halves."""
     rows = cfg.block_n // cfg.ksplit
     return n % 2 == 0 and rows % 2 == 0 and (n // 2) % (rows // 2) == 0
-
-
-def _counters(device: torch.device, num: int) -> torch.Tensor:
-    """Arrival counters for split-K row blocks, zero between launches (each launch's last
-    program zeroes its own); allocated (zeroed) once per device and grown when needed."""
-    counts = _COUNTERS.get(device)
-    if counts is None or counts.numel() < num:
-        counts = torch.zeros(max(num, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counts
-    return counts
 
 
 def supports(
@@ -397,7 +387,7 @@ def int4_gemv(
     grid = (triton.cdiv(n, rows) * num_mb, cfg.kgrid)
     if cfg.kgrid > 1:
         parts = torch.empty(cfg.kgrid, n, num_mb * block_m, dtype=torch.float32, device=x.device)
-        counts = _counters(x.device, grid[0])
+        counts = counters(x.device, grid[0], "int4_gemv")  # split-K row blocks' arrivals
     else:
         parts = counts = out
     launch = _int4_gemv_kernel.warmup if warmup else _int4_gemv_kernel[grid]

@@ -19,13 +19,15 @@ their predecessor before their atomics) never share a counter in flight.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
-_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, Hashable], torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced buffers: captured CUDA graphs may still use them
 
 
-def counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
+def counters(device: torch.device, n: int, owner: Hashable) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``n`` counters on ``device`` for the kernels of
     ``owner``. Grown outside CUDA-graph capture in practice: graphs' warm-up forwards run first,
     the largest batch first."""
@@ -36,3 +38,10 @@ def counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, owner)] = buf
     return buf
+
+
+def stream_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
+    """``counters`` of ``owner`` on ``device``'s current stream: for kernels that may run on
+    several streams at once (the split-K GEMMs), which must not share a counter in flight."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return counters(device, n, (owner, stream))

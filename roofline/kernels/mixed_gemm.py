@@ -53,6 +53,7 @@ import triton.language as tl
 from roofline.kernels import check_device, is_interpret
 from roofline.kernels.dequant_gemm import _layout
 from roofline.kernels.dequant_gemm import dequant_gemm_ref as mixed_gemm_ref
+from roofline.kernels.last_program import stream_counters
 from roofline.kernels.mixed_gemm_configs import (
     M_BUCKETS,
     MIXED_MAX_ROWS,
@@ -343,17 +344,12 @@ MAX_FIXUP_TILES = 1 << 16
 """Split-K launches of at most this many output tiles reduce in the kernel (the last slice of a
 tile to arrive sums the others'); larger ones (never at the M where split-K pays) take the
 reduce launch."""
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _locks(device: torch.device) -> torch.Tensor:
     """The arrival counters of split-K tiles on ``device``'s current stream (kernels of one
     stream run one after another; each leaves its counters at zero)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    locks = _LOCKS.get(key)
-    if locks is None:
-        locks = _LOCKS[key] = torch.zeros(MAX_FIXUP_TILES, dtype=torch.int32, device=device)
-    return locks
+    return stream_counters(device, MAX_FIXUP_TILES, "mixed_gemm")
 
 
 def _launch(

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from roofline.kernels.last_program import stream_counters
 from roofline.kernels.wo_gemm_configs import WO_CONFIGS, WoConfig, m_bucket, pick
 
 __all__ = ["WO_CONFIGS", "WoConfig", "fits", "m_bucket", "pick", "supports", "wo_gemm"]
@@ -381,7 +382,6 @@ def kind_and_descriptors(
     return code, x_desc, q_desc
 
 
-_LOCKS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
 
@@ -414,10 +414,8 @@ def wo_gemm(
         if tiles > MAX_TILES or split_k * m * n >= 1 << 31:
             raise ValueError(f"wo_gemm: split-K of {m} x {n} ({tiles} tiles) is too large")
         ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        key = (x.device, torch.cuda.current_stream(x.device).cuda_stream)
-        locks = _LOCKS.get(key)
-        if locks is None:  # (kernels of one stream run in turn; each leaves its counters at 0)
-            locks = _LOCKS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=x.device)
+        # (kernels of one stream run in turn; each leaves its counters at 0)
+        locks = stream_counters(x.device, MAX_TILES, "wo_gemm")
     group = k // scales.shape[1] if int4 else 0  # (int8: row scales)
     if offsets is not None and offsets.stride() != scales.stride():  # (one stride for both)
         scales, offsets = scales.contiguous(), offsets.contiguous()
