@@ -88,11 +88,15 @@ class PhaseClock:
     def __init__(self) -> None:
         self.marks: list[tuple[torch.cuda.Event, str]] = []
 
+    def kind(self, sched_out) -> str:
+        """The step's kind (subclasses split it finer)."""
+        decode = sched_out.num_batched_tokens == len(sched_out.scheduled)
+        return "decode" if decode else "prefill"
+
     def __call__(self, sched_out) -> None:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        decode = sched_out.num_batched_tokens == len(sched_out.scheduled)
-        self.marks.append((ev, "decode" if decode else "prefill"))
+        self.marks.append((ev, self.kind(sched_out)))
 
     def phases(self) -> dict[str, tuple[int, float]]:
         """kind -> (steps, GPU seconds)."""

@@ -42,6 +42,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.nn.functional as F
 from gpu_common import print_rows, rows_and_sections  # scripts/ is on sys.path when run as a script
+from gpu_presets import PhaseClock
 
 from roofline import LLM
 from roofline.bench import latency, throughput, workloads
@@ -428,17 +429,15 @@ def silu_table(mode: str) -> None:
     RESULTS["silu_plans"] = repr(bands)
 
 
-class StepClock:
-    """GPU time by step kind: an event recorded as each step is scheduled (before its launch;
-    with one step in flight the time to the next event is the earlier step's)."""
+class StepClock(PhaseClock):
+    """``gpu_presets.PhaseClock`` by finer step kinds (decode rows, mixed-step buckets), in
+    kind order, with each kind's step count in ``rows``."""
 
     def __init__(self) -> None:
-        self.marks: list[tuple[torch.cuda.Event, str]] = []
+        super().__init__()
         self.rows: Counter = Counter()
 
-    def __call__(self, so) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+    def kind(self, so) -> str:
         n, reqs = so.num_batched_tokens, len(so.scheduled)
         if n == reqs:
             kind = f"decode {-(-n // 16) * 16:4d}"
@@ -448,19 +447,11 @@ class StepClock:
             kind = "mixed >1024"
         else:
             kind = "prefill >=4096"
-        self.marks.append((ev, kind))
         self.rows[kind] += 1
+        return kind
 
     def phases(self) -> dict[str, tuple[int, float]]:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        torch.cuda.synchronize()
-        out: dict[str, list] = defaultdict(lambda: [0, 0.0])
-        marks = self.marks + [(end, "")]
-        for (a, kind), (b, _) in zip(marks, marks[1:]):
-            out[kind][0] += 1
-            out[kind][1] += a.elapsed_time(b) / 1e3
-        return {k: (n, s) for k, (n, s) in sorted(out.items())}
+        return dict(sorted(super().phases().items()))
 
 
 def run_preset(llm: LLM, ceil, name: str, tag: str) -> None:
