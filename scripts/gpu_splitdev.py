@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
+import sys
 import time
 import traceback
 
@@ -91,23 +94,32 @@ def engine_rows(max_model_len: int, device_split: bool, ceil, quick: bool) -> di
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 only")
+    ap.add_argument("--one", nargs=2, metavar=("MAX_MODEL_LEN", "ON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:  # one engine in this process (a finished engine's memory is not given back)
+        mml, on = int(args.one[0]), args.one[1] == "1"
+        ceil = measure(torch.device(DEVICE), torch.bfloat16)
+        print("RESULT " + json.dumps(engine_rows(mml, on, ceil, args.quick)), flush=True)
+        return
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     try:
         parity()
     except Exception:  # noqa: BLE001
         traceback.print_exc()
-    ceil = measure(torch.device(DEVICE), torch.bfloat16)
-    print(f"ceilings: copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, "
-          f"matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
     results: dict[tuple[int, bool], dict[str, float]] = {}
     for max_model_len in (8448, 131072):
         for on in (False, True):
             print(f"=== max_model_len {max_model_len}, device split {on}", flush=True)
-            try:
-                results[max_model_len, on] = engine_rows(max_model_len, on, ceil, args.quick)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
+            cmd = [sys.executable, __file__, "--one", str(max_model_len), "1" if on else "0"]
+            cmd += ["--quick"] if args.quick else []
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            for line in proc.stdout.splitlines():
+                if line.startswith("RESULT "):
+                    results[max_model_len, on] = json.loads(line[7:])
+                else:
+                    print(line, flush=True)
+            if proc.returncode:
+                print(proc.stderr[-3000:], flush=True)
     print("\nmax_model_len device_split  b1 ms  b1 tok/s  % roof  b1@4k ms  b8 ms  b32 ms  start s")
     for (mml, on), r in results.items():
         print(f"{mml:>13} {str(on):>12} {r['b1']:6.3f} {r['b1_tok_s']:9.1f} {r['b1_pct']:6.1f}% "
