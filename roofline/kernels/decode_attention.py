@@ -13,7 +13,8 @@ max_model_len``). With ``DEVICE_SPLIT`` each request's split length comes from i
 on the device instead (``min(num_splits, cdiv(context, MIN_TOKENS_PER_SPLIT))`` splits of equal
 length, a multiple of BLOCK_N; programs past them write an empty partial): otherwise a graph
 captured for a 131,072-token ``max_model_len`` gives each split 2,048 tokens, so a short context
-runs in one program per KV head (8B batch 1: 6.09 ms a step against 5.58 at 8,448).
+ran in one program per KV head (8B batch 1: 6.15 ms a step against 5.71 at 8,448, 5.69 with
+``DEVICE_SPLIT``).
 
 KV layout (see ``roofline/attention/metadata.py``): ``k_cache, v_cache: [num_pages, page_size,
 num_kv_heads, head_dim]``; token ``t`` of request ``r`` lives in page ``block_table[r, t //
@@ -43,9 +44,11 @@ MIN_TOKENS_PER_SPLIT = 128
 MAX_NUM_SPLITS = 64
 # Programs per SM to aim for when splitting (H200, B=1 x 128k: 2 -> 4 took 3.5 to 4.1 TB/s).
 SPLIT_TARGET_WAVES = 4
-DEVICE_SPLIT = os.environ.get("ROOFLINE_DECODE_DEVICE_SPLIT", "0") == "1"
-"""Split lengths from each request's context on the device (module docstring); off until an
-H100 run shows it no slower at ``max_model_len`` 8,448 (``scripts/gpu_splitdev.py``)."""
+DEVICE_SPLIT = os.environ.get("ROOFLINE_DECODE_DEVICE_SPLIT", "1") == "1"
+"""Split lengths from each request's context on the device (module docstring). H100, 8B
+(``scripts/gpu_splitdev.py``, 2026-11-24): batch 1 at ``max_model_len`` 131,072 6.15 -> 5.69 ms
+a step (at a 4k context 7.35 -> 5.82), and no slower at 8,448 (5.71 -> 5.66; batch 8 6.70 ->
+6.37)."""
 
 
 def set_device_split(enabled: bool) -> None:

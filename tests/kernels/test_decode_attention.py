@@ -188,3 +188,23 @@ def test_device_split_compiles_for_hopper() -> None:
         ("scale_log2e",), dict(num_warps=4, num_stages=3),
     )  # fmt: skip
     assert len(ptxs) == 2 and "griddepcontrol.wait" in ptxs[0]
+
+
+@pytest.mark.parametrize("device_split", [False, True])
+def test_split_lengths_from_the_host_or_the_device_agree(monkeypatch, device_split: bool) -> None:
+    """``ROOFLINE_DECODE_DEVICE_SPLIT=0`` keeps the host's split length (``max_seq_len /
+    num_splits``): both ways give the reference for a grid sized for 131,072 tokens."""
+    from roofline.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "DEVICE_SPLIT", device_split)
+    lens = [1, 300, 513]
+    batch = make_paged([1] * len(lens), [n - 1 for n in lens], 4, 1, 32, 16, torch.float32, seed=7)
+    scale = 32**-0.5
+    ref = decode_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale
+    )
+    out = decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale,
+        max_seq_len=131072, num_splits=4,
+    )  # fmt: skip
+    assert_close(out, ref, torch.float32)
