@@ -8,6 +8,14 @@ split it writes the final output directly; otherwise it writes a partial output 
 its own softmax sum plus the split's log-sum-exp (base 2), and a second small kernel merges the
 splits. The number of splits grows until the grid covers the GPU (``choose_num_splits``).
 
+The grid is fixed on the host (a CUDA graph fixes it at capture, for ``max_seq_len =
+max_model_len``). With ``DEVICE_SPLIT`` each request's split length comes from its own context
+on the device instead (``min(num_splits, cdiv(context, MIN_TOKENS_PER_SPLIT))`` splits of equal
+length, a multiple of BLOCK_N; programs past them write an empty partial): otherwise a graph
+captured for a 131,072-token ``max_model_len`` gives each split 2,048 tokens, so a short context
+ran in one program per KV head (8B batch 1: 6.15 ms a step against 5.71 at 8,448, 5.69 with
+``DEVICE_SPLIT``).
+
 KV layout (see ``roofline/attention/metadata.py``): ``k_cache, v_cache: [num_pages, page_size,
 num_kv_heads, head_dim]``; token ``t`` of request ``r`` lives in page ``block_table[r, t //
 page_size]`` at row ``t % page_size``. Query head ``h`` reads KV head ``h // (num_heads //
@@ -36,6 +44,17 @@ MIN_TOKENS_PER_SPLIT = 128
 MAX_NUM_SPLITS = 64
 # Programs per SM to aim for when splitting (H200, B=1 x 128k: 2 -> 4 took 3.5 to 4.1 TB/s).
 SPLIT_TARGET_WAVES = 4
+DEVICE_SPLIT = os.environ.get("ROOFLINE_DECODE_DEVICE_SPLIT", "1") == "1"
+"""Split lengths from each request's context on the device (module docstring). H100, 8B
+(``scripts/gpu_splitdev.py``, 2026-11-24): batch 1 at ``max_model_len`` 131,072 6.15 -> 5.69 ms
+a step (at a 4k context 7.35 -> 5.82), and no slower at 8,448 (5.71 -> 5.66; batch 8 6.70 ->
+6.37)."""
+
+
+def set_device_split(enabled: bool) -> None:
+    """Turn the device-side split length on or off for launches from now on (benchmarks)."""
+    global DEVICE_SPLIT
+    DEVICE_SPLIT = enabled
 
 
 def decode_attention_ref(
@@ -143,6 +162,8 @@ def _decode_split_kernel(
     HAS_START: tl.constexpr,
     MERGE_PREFIX: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
+    DEVICE_SPLIT: tl.constexpr = False,  # split_len from this request's context (docstring)
+    MIN_SPLIT: tl.constexpr = 128,  # shortest split under DEVICE_SPLIT (tokens)
 ):
     if PDL:  # q and the step's K/V row come from the previous kernel
         tl.extra.cuda.gdc_wait()
@@ -151,9 +172,14 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * split_len
+    ctx_start = 0
     if HAS_START:  # cascade: this row's context starts after the shared prefix
-        start += tl.load(ctx_start_ptr + req).to(tl.int32)
+        ctx_start = tl.load(ctx_start_ptr + req).to(tl.int32)
+    if DEVICE_SPLIT:  # as many equal splits as this context needs, at most the grid's
+        ctx_len = tl.maximum(seq_len - ctx_start, 0)
+        used = tl.maximum(tl.minimum(tl.cdiv(ctx_len, MIN_SPLIT), num_splits), 1)
+        split_len = tl.cdiv(tl.cdiv(ctx_len, used), BLOCK_N) * BLOCK_N
+    start = ctx_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] rows = query heads of this group
@@ -385,6 +411,8 @@ def decode_attention(
         KV_QUANT=k_scale is not None,
         HAS_START=ctx_start is not None,
         MERGE_PREFIX=merge_prefix,
+        DEVICE_SPLIT=DEVICE_SPLIT and not single,
+        MIN_SPLIT=max(MIN_TOKENS_PER_SPLIT, block_n),
         num_warps=num_warps,
         num_stages=num_stages,
         **_pdl_meta(),

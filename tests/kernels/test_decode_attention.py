@@ -6,6 +6,8 @@ multiples (1 included), forced and automatic split counts, and a non-power-of-tw
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from kernel_utils import ON_GPU, assert_close, dense_causal_sdpa, make_paged
@@ -113,3 +115,96 @@ def test_choose_num_splits_fills_the_gpu() -> None:
     assert choose_num_splits(1, 8, 300, 132, 64) == 3
     assert choose_num_splits(1, 1, 10**6, 132, 64) == 64
     assert choose_num_splits(4, 8, 1, 132, 64) == 1
+
+
+@pytest.mark.parametrize("with_start", [False, True])
+def test_device_split_length_follows_each_context(monkeypatch, with_start: bool) -> None:
+    """``DEVICE_SPLIT``: a grid sized for a 131,072-token ``max_seq_len`` (as a CUDA graph
+    captures it) still cuts each request's own context into ``cdiv(context, 128)`` splits (at
+    most the grid's): the partials show which slots hold keys; the merged output is exact."""
+    from roofline.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "DEVICE_SPLIT", True)
+    lens = [1, 129, 300, 513, 64]
+    batch = make_paged([1] * len(lens), [n - 1 for n in lens], 4, 1, 32, 16, torch.float32, seed=5)
+    scale = 32**-0.5
+    num_splits = 4
+    starts = torch.tensor([0, 0, 100, 1, 0], dtype=torch.int32) if with_start else None
+    part_out = torch.zeros(len(lens), 4, num_splits, 32)
+    part_lse = torch.zeros(len(lens), 4, num_splits)
+    kwargs = {"ctx_start": starts, "partials": (part_out, part_lse)}
+    decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale,
+        max_seq_len=131072, num_splits=num_splits, **kwargs,
+    )  # fmt: skip
+    offsets = [0] * len(lens) if starts is None else starts.tolist()
+    contexts = [n - s for n, s in zip(lens, offsets)]
+    for r, ctx in enumerate(contexts):
+        used = min(max(math.ceil(ctx / 128), 1), num_splits)
+        split_len = math.ceil(math.ceil(ctx / used) / 64) * 64
+        filled = [j for j in range(num_splits) if j * split_len < ctx]
+        finite = torch.isfinite(part_lse[r, 0]).nonzero().flatten().tolist()
+        assert finite == filled, (r, ctx, finite, filled)
+    out = torch.empty_like(batch.q)
+    da.merge_partials(part_out, part_lse, out)
+    if starts is None:
+        ref = decode_attention_ref(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale
+        )
+        assert_close(out, ref, torch.float32)
+        merged = decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale,
+            max_seq_len=131072, num_splits=num_splits,
+        )  # fmt: skip
+        assert_close(merged, ref, torch.float32)
+    else:  # each row over its own window: the reference on a shifted block table
+        for r, (n, s) in enumerate(zip(lens, starts.tolist())):
+            k = batch.k_cache[batch.block_table[r].long()].reshape(-1, 1, 32)[s:n]  # [ctx, 1, D]
+            v = batch.v_cache[batch.block_table[r].long()].reshape(-1, 1, 32)[s:n]
+            probs = torch.softmax(torch.einsum("hd,sd->hs", batch.q[r], k[:, 0]) * scale, -1)
+            torch.testing.assert_close(out[r], probs @ v[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_device_split_compiles_for_hopper() -> None:
+    """The GPU's launch of the split kernel with ``DEVICE_SPLIT`` (and PDL, which the
+    interpreter leaves off) compiles for sm_90 through ptxas, with and without a cascade start."""
+    from hopper_variants import compile_for_hopper
+
+    from roofline.kernels import decode_attention as da
+
+    kernel = da._decode_split_kernel
+    pointers = {name: "bf16" for name in kernel.arg_names if name.endswith("_ptr")}
+    pointers.update(k_scale_ptr="fp32", v_scale_ptr="fp32", block_table_ptr="i32",
+                    seq_lens_ptr="i32", ctx_start_ptr="i32", part_out_ptr="fp32",
+                    part_lse_ptr="fp32")  # fmt: skip
+    base = dict(
+        NUM_HEADS=32, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64,
+        SINGLE_SPLIT=False, PRECISION="tf32", KV_QUANT=False, HAS_START=False,
+        MERGE_PREFIX=False, PDL=True, DEVICE_SPLIT=True, MIN_SPLIT=128,
+    )  # fmt: skip
+    variants = [base, dict(base, HAS_START=True, PDL=False)]
+    ptxs = compile_for_hopper(
+        "roofline.kernels.decode_attention", "_decode_split_kernel", variants, pointers,
+        ("scale_log2e",), dict(num_warps=4, num_stages=3),
+    )  # fmt: skip
+    assert len(ptxs) == 2 and "griddepcontrol.wait" in ptxs[0]
+
+
+@pytest.mark.parametrize("device_split", [False, True])
+def test_split_lengths_from_the_host_or_the_device_agree(monkeypatch, device_split: bool) -> None:
+    """``ROOFLINE_DECODE_DEVICE_SPLIT=0`` keeps the host's split length (``max_seq_len /
+    num_splits``): both ways give the reference for a grid sized for 131,072 tokens."""
+    from roofline.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "DEVICE_SPLIT", device_split)
+    lens = [1, 300, 513]
+    batch = make_paged([1] * len(lens), [n - 1 for n in lens], 4, 1, 32, 16, torch.float32, seed=7)
+    scale = 32**-0.5
+    ref = decode_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale
+    )
+    out = decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens, scale,
+        max_seq_len=131072, num_splits=4,
+    )  # fmt: skip
+    assert_close(out, ref, torch.float32)
