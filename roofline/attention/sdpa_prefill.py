@@ -217,7 +217,7 @@ class SdpaPrefill:
         self.ready: set[int] | None = None  # buckets built by warm_up; None: not warmed
         self.warmup_s: dict[int, float] = {}  # bucket -> seconds of its first call
         self._step: tuple[object, list[int], StepPlan | None] | None = None
-        self._runs: tuple[StepPlan, list] | None = None  # the plan's run metadata (device)
+        self._runs: tuple | None = None  # (plan, its runs' metadata, the step's kernel)
 
     def disable(self, err: Exception) -> None:
         log.warning("SDPA prefill path disabled, the Triton kernels take over: %s", err)
@@ -273,11 +273,13 @@ class SdpaPrefill:
             o = attend_segment(seg, q, k, v, scale)  # [bucket, H, D]
             out[seg.start : seg.start + seg.num_rows] = o[: seg.num_rows]
         if plan.runs:
-            from roofline.attention.sdpa_runs import attend_runs, run_metadata
+            from roofline.attention import sdpa_runs
 
             if self._runs is None or self._runs[0] is not plan:
-                self._runs = (plan, run_metadata(plan, meta, q.shape[1], k.shape[1]))
-            attend_runs(self._runs[1], q, k, v, k_cache, v_cache, scale, out, prefix)
+                kernel = sdpa_runs.step_kernel(meta, q.shape[1], k.shape[1])
+                self._runs = (plan, sdpa_runs.run_metadata(plan, meta), kernel)
+            _, runs, kernel = self._runs
+            sdpa_runs.attend_runs(runs, kernel, q, k, v, k_cache, v_cache, scale, out, prefix)
         return out
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

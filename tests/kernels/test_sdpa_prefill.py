@@ -183,3 +183,48 @@ def test_warm_up_builds_every_bucket_then_plans_only_those(monkeypatch) -> None:
     assert sdpa.ready == {32, 40, 48, 56} and set(sdpa.warmup_s) == sdpa.ready
     q, k, v, b, meta, ref = _step([60], [0], torch.float32)  # bucket 64: not built
     assert sdpa.plan(q, meta, False) is None
+
+
+@pytest.mark.parametrize("mode", ["full", "full_decode_only"], ids=["split", "in-order"])
+def test_runs_beside_sdpa_segments_launch_only_warmed_kernel_variants(
+    tmp_path, monkeypatch, mode: str
+) -> None:
+    """With the path on, the Triton launches of a step's leftover runs (their own metadata,
+    row slices) find every compiled variant among the warm-up's (``worker/warmup.py``, run with
+    the path on as at start-up): no JIT compile mid-serving. Fresh prompts of 400+ rows go to
+    SDPA (the warm-up's own long chunk, 273 rows, stays below)."""
+    import test_warmup_specializations as ws
+
+    from roofline.kernels import prefill_attention, prefill_attention_gqa
+    from roofline.worker.warmup import warmup_batches
+    from tests.e2e.hf_reference import tiny_hf_model
+
+    for module in (prefill_attention, prefill_attention_gqa):  # the GPU's tiles, no launches
+        monkeypatch.setattr(module, "is_interpret", lambda: False)
+    monkeypatch.setattr(sp, "ENABLED", True)
+    monkeypatch.setattr(sp, "MIN_QUERY_LEN", 400)
+    tiny_hf_model("llama", tmp_path, num_hidden_layers=1, head_dim=128, hidden_size=256,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=ws.MAX_LEN)  # fmt: skip
+    runner = ws._runner(tmp_path, mode)
+    split = runner.mixed is not None
+    assert runner.backend.sdpa_prefill.enabled and split == (mode == "full")
+    limit = min(runner.num_pages * ws.PAGE, ws.MAX_LEN)
+    warm = set(ws._keys(runner, warmup_batches(32, limit, ws.PAGE, runner.num_pages, split)))
+    planned = []
+    original = sp.SdpaPrefill.plan
+
+    def plan(self, *a):  # noqa: ANN001, ANN002, ANN202
+        p = original(self, *a)
+        planned.append(p is not None)
+        return p
+
+    monkeypatch.setattr(sp.SdpaPrefill, "plan", plan)
+    missing = {}
+    for batch in ws._odd_batches(11, split, 24):
+        for key in ws._keys(runner, [batch]):
+            if key not in warm:
+                missing.setdefault(key, batch)
+    assert any(planned), "no odd step sent a segment to SDPA"
+    report = "\n".join(f"{k.diff(warm)}\n    first in {b}" for k, b in missing.items())
+    assert not missing, "variants the warm-up did not compile:\n" + report
