@@ -2,8 +2,8 @@
 on the H100: parity, attention alone, the whole Llama-3.1-8B, presets, start-up, decode.
 
 1. parity: the backend with the path on vs off (our kernels) vs the fp32 reference (1k, 8k
-   fresh; a ragged batch with short, chunked and two long fresh prompts, in place and copied;
-   the split backend decode-first);
+   fresh; a ragged batch with short and chunked prompts, two long fresh ones (in place, copied)
+   and a long chunk over a short prefix; the split backend decode-first);
 2. attention alone per layer at 1024 .. 16384 tokens (32/8 heads, d 128, model layout): ours vs
    cuDNN at the exact length and at a length off the buckets (padded in place / by a copy), with
    TFLOP/s; a 2048 chunk over 8192 cached: ours vs two cuDNN calls merged by their LSE (private
@@ -11,7 +11,8 @@ on the H100: parity, attention alone, the whole Llama-3.1-8B, presets, start-up,
 3. the cost of cuDNN's first call at a new length (its graph build);
 4. the 8192-token prefill through the whole model with the path on and off (% of the matmul
    ceiling measured in this run, as gpu_prefill.py computes it), an 8000-token prompt (a padded
-   bucket), the 2048 chunk over 8k, a kernel profile;
+   bucket), a 7808-token chunk over 192 cached (a window with its prefix: the long-prompt
+   preset's second chunks), the 2048 chunk over 8k (stays ours), a kernel profile;
 5. the long-prompt and default presets on and off;
 6. in a FRESH process with the path on: start-up with the bucket warm-up, the default and
    long-prompt presets' first runs (JIT compiles), 8B batch-1 decode at --max-model-len 8448.
@@ -120,9 +121,10 @@ def parity() -> None:
     on, off = backends(1024 // DIV)  # every fresh prompt of >= 1k tokens to SDPA
     cases = {  # (query lens, cached lens): every fresh request >= 1k goes to SDPA
         "1k fresh": ([1024 // DIV], [0]),
-        "ragged: decode, 300, 2500 (in place), 1000 over 1500, 3000 (padded copy)": (
-            [1, 300 // DIV, 2500 // DIV, 1000 // DIV, 3000 // DIV],
-            [40, 0, 0, 1500 // DIV, 0],
+        "ragged: decode, 300, 2500 (in place), 1000 over 1500 (ours), 3000 over 500 (window "
+        "with its prefix), 3000 (padded copy)": (
+            [1, 300 // DIV, 2500 // DIV, 1000 // DIV, 3000 // DIV, 3000 // DIV],
+            [40, 0, 0, 1500 // DIV, 500 // DIV, 0],
         ),
     }
     steps = []  # (label, forward(backend) -> out, reference)
@@ -225,9 +227,43 @@ def per_layer() -> dict[int, dict[str, float]]:
                         f"off-bucket {m}: ours {tflops(m, 0, row['ours_m']):.0f}, padded in "
                         f"place {tflops(m, 0, row['in_place']):.0f}, copy "
                         f"{tflops(m, 0, row['copy']):.0f}"))  # fmt: skip
+    for n, ctx in ((7808 // DIV, 192 // DIV), (6144 // DIV, 2048 // DIV)):
+        t_ours, t_win = prefix_window_row(n, ctx)
+        print(f"  {n} over {ctx} cached: ours (prefix gathered) {t_ours * 1e3:.3f} ms "
+              f"{tflops(n, ctx, t_ours):.0f} TF/s, cuDNN window (prefix copied in) "
+              f"{t_win * 1e3:.3f} ms {tflops(n, ctx, t_win):.0f} TF/s", flush=True)  # fmt: skip
+        SUMMARY.append((f"attention {n} over {ctx}: ours / cuDNN window (TF/s)",
+                        f"{tflops(n, ctx, t_ours):.0f} / {tflops(n, ctx, t_win):.0f}"))  # fmt: skip
     if not DRY:
-        chunk_over_prefix()
+        try:
+            chunk_over_prefix()
+        except Exception as e:  # noqa: BLE001 - an experiment: report and go on
+            print(f"  chunk over prefix (cuDNN merged): {type(e).__name__}: {str(e)[:300]}")
     return table
+
+
+def prefix_window_row(n: int, ctx: int) -> tuple[float, float]:
+    """Seconds of one layer's attention for an ``n``-row chunk over ``ctx`` cached tokens:
+    ours (the prefix gathered, as the backend runs it) and the strategy's window."""
+    from roofline.kernels.prefix_gather import gather_prefix, plan_prefix
+
+    q, k, v, kc, vc, bt, qsl, sl = gp.model_layout(ctx + n)  # pages in order, all cached
+    qc, kn, vn = q[ctx:], k[ctx:], v[ctx:]
+    qsl2 = torch.tensor([0, n], device=DEV, dtype=torch.int32)
+    plan = plan_prefix(bt, [ctx + n], [n], PS)
+    pref = None if plan is None else gather_prefix(plan, kc, vc)
+    ours = functools.partial(prefill_attention, qc, kc, vc, bt, qsl2, sl, SCALE, n, k_new=kn,
+                             v_new=vn, prefix=pref)  # fmt: skip
+    seg = sp.Segment(0, 0, n, sp.bucket_len(ctx + n), ctx)
+    out = torch.empty_like(qc)
+
+    def window() -> None:
+        pre = sp.cached_prefix(seg, kc, vc, bt)
+        out.copy_(sp.attend_segment(seg, qc, kn, vn, SCALE, pre)[ctx : ctx + n])
+
+    window()
+    check(f"{n} over {ctx}: cuDNN window vs ours", out, ours())
+    return time_fn(ours, DEV, ITERS, WARM), time_fn(window, DEV, ITERS, WARM)
 
 
 def chunk_over_prefix() -> None:
@@ -333,6 +369,26 @@ def model_prefill(llm, ceil) -> dict[str, float]:  # noqa: ANN001
             set_path(llm, True)
             print_split("8192 fresh, path on", *kernel_split(llm, fresh(7)))
             step_timeline(llm, fresh(8), "8192 fresh, path on")
+    # a long prompt's second chunk (the long-prompt preset's steps): ~7808 over ~192 cached
+    short_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(7808, 192)])
+    llm.llm_engine.kv_manager.reset_prefix_cache()
+    llm.generate([base[:192]], None, use_tqdm=False)  # the short prefix, cached
+    tails = iter(range(30000, 400000, 7900))
+
+    def second_chunk(i: int) -> list[int]:
+        start = next(tails)
+        return base[:192] + list(range(start, start + 7808))
+
+    for on in (True, False):
+        set_path(llm, on)
+        timed_generate(llm, second_chunk, 1)
+        t = timed_generate(llm, second_chunk)
+        pct = 100 * short_cost.flops / t / rate
+        res[f"7808/192 {'on' if on else 'off'}"] = pct
+        print(f"  7808 over 192 cached, path {'on' if on else 'off'}: {t * 1e3:.1f} ms = "
+              f"{pct:.1f}% of matmul", flush=True)  # fmt: skip
+        SUMMARY.append((f"8B chunk 7808 over 192 path {'on' if on else 'off'}",
+                        f"{t * 1e3:.1f} ms, {pct:.1f}%"))  # fmt: skip
     chunk_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(2048, 8192)])
     llm.llm_engine.kv_manager.reset_prefix_cache()
     llm.generate([base], None, use_tqdm=False)  # the prefix, cached
@@ -428,7 +484,7 @@ def decisions(layer: dict, model: dict, pre: dict) -> None:
         f"  per layer: cuDNN (padded) beats ours from {threshold} tokens up "
         f"-> ROOFLINE_SDPA_MIN_LEN={threshold if threshold else 'keep the path off'}"
     )
-    for key in ("8192", "8000"):
+    for key in ("8192", "8000", "7808/192"):
         if f"{key} on" in model:
             print(
                 f"  whole model {key}: path on {model[key + ' on']:.1f}% vs off "

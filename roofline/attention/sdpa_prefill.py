@@ -1,26 +1,25 @@
-"""Long fresh prompt segments through torch's SDPA (cuDNN backend): a prefill strategy of the
-Triton attention backends.
+"""Long prompt chunks through torch's SDPA (cuDNN backend): a prefill strategy of the Triton
+attention backends.
 
 On the H100 cuDNN's fused attention ran the 8k causal prompt of Llama-3.1-8B (32 query heads, 8
 KV heads, d 128, GQA native) at 566 TFLOP/s against 405-415 for our descriptor kernel
 (``kernels/prefill_attention_tma.py``). This strategy hands it the requests of an eager prefill
-step that bring a *fresh* segment (no cached prefix: ``seq_len == query_len``) of at least
-``min_query_len`` rows; every other request (chunks over a cached prefix, short prompts, decode
-rows) keeps the Triton kernels, launched over runs of consecutive such requests with their own
-freshly allocated metadata (a view at an offset would change Triton's pointer-alignment
-specialisation from step to step, a JIT compile mid-run).
+step whose chunk has at least ``min_query_len`` rows and is fresh (no cached prefix) or sits
+over a prefix short enough (``plan_segments``'s cost rule); every other request (long prefixes,
+short chunks, decode rows) keeps the Triton kernels, launched over runs of consecutive such
+requests with their own freshly allocated metadata (``sdpa_runs.py``).
 
-cuDNN builds an execution graph per shape (sequence length and strides): a length it has not
-seen costs a graph build. Segments are therefore padded on the right to a bucket length
-(``bucket_len``: ``buckets_per_octave`` lengths per power of two); with the causal mask aligned
-top-left (torch's ``is_causal``), a real query row attends only to keys at or before itself, so
-the padding rows change no real row. q/k/v are read in place when they are views of one QKV row
-per token (the model's layout) and the bucket's rows exist in the step's tensor; otherwise the
-segment is copied into a padded buffer of the same layout (same strides, same graph). The warm-up
-(``warm_up``) builds every bucket's graph at start-up; once it has run, only those buckets are
-used, so serving never builds one. Chunks over a cached prefix stay on our kernels: torch's cuDNN
-path aligns ``is_causal`` top-left and takes no ragged offsets (its nested-tensor form is
-experimental and rejects causal masks in torch 2.11).
+torch aligns ``is_causal`` top-left and has no ragged form for cuDNN outside its experimental
+nested tensors (which reject causal masks in torch 2.11), so each segment is one call over a
+*window* that starts at position 0: the cached prefix's keys and values (copied from the pages,
+zero queries whose outputs are dropped), the chunk's rows, then padding up to a bucket length
+(``bucket_len``: ``BUCKETS_PER_OCTAVE`` lengths per power of two). A real query row attends only
+to keys at or before itself, so the mask is exactly the chunk's and the padding changes nothing.
+cuDNN builds an execution graph per shape (length and strides): fresh segments are read in place
+when q/k/v are views of one QKV row per token (the model's layout) and the bucket's rows exist
+in the step's tensor; otherwise the window is a copy in the same layout (same strides, same
+graph). The warm-up (``warm_up``) builds every bucket's graph at start-up; once it has run, only
+those buckets are used, so serving never builds one.
 
 Eager steps only: under CUDA graph capture ``plan`` returns None. Off unless
 ``ROOFLINE_SDPA_PREFILL=1`` (the GPU run of ``scripts/gpu_sdpa.py`` decides the default and the
@@ -47,8 +46,13 @@ BUCKETS_PER_OCTAVE = 8
 MIN_GRANULE = 128
 """Buckets are multiples of this (cuDNN before 9.15.1 mishandled lengths not divisible by 128)."""
 MAX_PAD_COST = 1.25
-"""A segment goes to cuDNN only if its padded causal work, ``(bucket / length)^2``, is at most
-this multiple of the real one (cuDNN measured ~1.4x our kernel's rate at 8k)."""
+"""A segment goes to cuDNN only if its window's causal work (``bucket^2``: prefix and padding
+rows included) is at most this multiple of the chunk's own (cuDNN measured ~1.4x our kernel's
+rate at 8k)."""
+WITH_CONTEXT = True
+"""Chunks over a (short) cached prefix too: the prefix's keys and values copied from the pages
+into the window's first rows, queries of zeros there (their outputs are dropped). The causal
+mask, aligned top-left over the whole window, is then exactly the chunk's."""
 
 
 def bucket_len(num_rows: int, per_octave: int | None = None,
@@ -77,12 +81,14 @@ def bucket_lengths(lo: int, hi: int, **kw) -> list[int]:  # noqa: ANN003 - bucke
 
 
 class Segment(NamedTuple):
-    """One request's fresh rows sent to SDPA."""
+    """One request's chunk sent to SDPA: window rows ``0 .. context`` hold its cached prefix
+    (keys and values from the pages, zero queries), then its ``num_rows`` rows, then padding."""
 
     req: int  # index among the metadata's requests
     start: int  # first row in the step's q/k/v
     num_rows: int
-    bucket: int  # padded length (>= num_rows)
+    bucket: int  # padded length of the window (>= context + num_rows)
+    context: int = 0  # cached positions before the chunk
 
 
 class Run(NamedTuple):
@@ -109,21 +115,27 @@ def plan_segments(
     allowed: set[int] | None = None,  # buckets whose graphs exist; None: any
     **bucket_kw,  # noqa: ANN003 - bucket_len's
 ) -> StepPlan | None:
-    """Which requests go to SDPA and the runs of the rest; None when no request qualifies."""
+    """Which requests go to SDPA and the runs of the rest; None when no request qualifies.
+    A chunk of at least ``min_query_len`` rows qualifies when its window (cached prefix, rows,
+    padding to the bucket) costs at most ``MAX_PAD_COST`` times its causal work, ``n^2 + 2 n
+    ctx`` (in half (query, key) pairs); a chunk over a prefix only with ``WITH_CONTEXT``."""
     segments: list[Segment] = []
     runs: list[Run] = []
     run_first = 0
     for r, seq_len in enumerate(seq_lens):
         start, stop = query_start[r], query_start[r + 1]
         n = stop - start
-        if n < min_query_len or seq_len != n:
+        ctx = seq_len - n
+        if n < min_query_len or ctx < 0 or (ctx and not WITH_CONTEXT):
             continue
-        b = bucket_len(n, **bucket_kw)
-        if b * b > MAX_PAD_COST * n * n or (allowed is not None and b not in allowed):
+        b = bucket_len(ctx + n, **bucket_kw)
+        if b * b > MAX_PAD_COST * (n * n + 2 * n * ctx):
+            continue
+        if allowed is not None and b not in allowed:
             continue
         if run_first < r and query_start[run_first] < start:
             runs.append(Run(run_first, r, query_start[run_first], start))
-        segments.append(Segment(r, start, n, b))
+        segments.append(Segment(r, start, n, b, ctx))
         run_first = r + 1
     if not segments:
         return None
@@ -185,26 +197,49 @@ def attend_segment(
     k: torch.Tensor,  # [num_tokens, Hk, D]
     v: torch.Tensor,
     scale: float,
-) -> torch.Tensor:  # [seg.bucket, H, D]; rows past seg.num_rows are padding
-    """One segment's attention over its bucket: in place when the bucket's rows exist in the
-    step's packed QKV rows, else through a padded copy of the same layout."""
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,  # [context, Hk, D] K and V
+) -> torch.Tensor:  # [seg.bucket, H, D]; the segment's rows at context .. context + num_rows
+    """One segment's attention over its window: in place when it has no prefix and the
+    bucket's rows exist in the step's packed QKV rows, else through a copy in the same
+    layout (prefix rows, the segment's rows, zeros)."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k.shape[1]
     rows = packed_rows(q, k, v)
-    s, n, b = seg.start, seg.num_rows, seg.bucket
-    if rows is not None and s + b <= rows.shape[0]:
+    s, n, b, c = seg.start, seg.num_rows, seg.bucket, seg.context
+    if not c and rows is not None and s + b <= rows.shape[0]:
         window = rows[s : s + b]  # [b, row]: the rows after the segment are padding
     else:
         row = (num_heads + 2 * num_kv_heads) * head_dim
         window = q.new_empty(b, row)  # [b, row], the packed layout: the same graph
+        wq, wk, wv = split_rows(window, num_heads, num_kv_heads, head_dim)
+        if c:
+            assert prefix is not None, "a segment over a cached prefix needs its K/V"
+            wq[:c].zero_()
+            wk[:c].copy_(prefix[0])
+            wv[:c].copy_(prefix[1])
         if rows is not None:
-            window[:n] = rows[s : s + n]
+            window[c : c + n] = rows[s : s + n]
         else:
-            wq, wk, wv = split_rows(window[:n], num_heads, num_kv_heads, head_dim)
-            wq.copy_(q[s : s + n])
-            wk.copy_(k[s : s + n])
-            wv.copy_(v[s : s + n])
-        window[n:].zero_()
+            wq[c : c + n].copy_(q[s : s + n])
+            wk[c : c + n].copy_(k[s : s + n])
+            wv[c : c + n].copy_(v[s : s + n])
+        window[c + n :].zero_()
     return causal_sdpa(*split_rows(window, num_heads, num_kv_heads, head_dim), scale)
+
+
+def cached_prefix(
+    seg: Segment,
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hk, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks] int32
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The segment's cached K and V ``[context, Hk, D]``, gathered from its pages."""
+    if not seg.context:
+        return None
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    pages = block_table[seg.req, : -(-seg.context // page_size)]  # [num_pages] int32
+    k = k_cache.index_select(0, pages).view(-1, num_kv_heads, head_dim)[: seg.context]
+    v = v_cache.index_select(0, pages).view(-1, num_kv_heads, head_dim)[: seg.context]
+    return k, v
 
 
 class SdpaPrefill:
@@ -244,12 +279,9 @@ class SdpaPrefill:
         return step[2]
 
     def whole_step(self, plan: StepPlan) -> bool:
-        """One segment that is every row of the step at its exact bucket: SDPA's output is the
-        step's output (no copy)."""
-        if len(plan.segments) != 1:
-            return False
-        seg = plan.segments[0]
-        return seg.start == 0 and seg.num_rows == plan.num_tokens == seg.bucket
+        """One segment that is every row of the step: a view of SDPA's output is the step's
+        output (no copy)."""
+        return len(plan.segments) == 1 and plan.segments[0].num_rows == plan.num_tokens
 
     def forward(
         self,
@@ -265,13 +297,17 @@ class SdpaPrefill:
         prefix=None,  # noqa: ANN001 - the gatherer's GatheredPrefix of the step, or None
     ) -> torch.Tensor:  # [num_tokens, H, D]
         """The segments through SDPA, the runs through the Triton kernels."""
+        bt = meta.block_table
         if out is None and self.whole_step(plan):
-            return causal_sdpa(q, k, v, scale)
+            seg = plan.segments[0]
+            o = attend_segment(seg, q, k, v, scale, cached_prefix(seg, k_cache, v_cache, bt))
+            return o[seg.context : seg.context + seg.num_rows]  # [num_tokens, H, D]
         if out is None:
             out = torch.empty_like(q)
         for seg in plan.segments:
-            o = attend_segment(seg, q, k, v, scale)  # [bucket, H, D]
-            out[seg.start : seg.start + seg.num_rows] = o[: seg.num_rows]
+            pre = cached_prefix(seg, k_cache, v_cache, bt)
+            o = attend_segment(seg, q, k, v, scale, pre)  # [bucket, H, D]
+            out[seg.start : seg.start + seg.num_rows] = o[seg.context : seg.context + seg.num_rows]
         if plan.runs:
             from roofline.attention import sdpa_runs
 

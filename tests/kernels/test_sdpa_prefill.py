@@ -58,6 +58,14 @@ def test_plan_segments_splits_runs_exactly(monkeypatch) -> None:
     only = sp.plan_segments(starts, seq_lens, starts[-1], 32, {48}, **kw)  # warmed buckets only
     assert only.segments == [sp.Segment(5, 103, 45, 48)] and only.runs == [sp.Run(0, 5, 0, 103)]
     assert sp.plan_segments(starts, seq_lens, starts[-1], 64, None, **kw) is None
+    # chunks over a cached prefix: 40 over 6 (window 46 -> 48: 48^2 <= 1.25 (40^2 + 2 40 6))
+    # qualifies, 32 over 32 (64^2 > 1.25 (32^2 + 2 32 32)) does not
+    monkeypatch.setattr(sp, "MAX_PAD_COST", 1.25)
+    ctx_plan = sp.plan_segments([0, 40, 72], [46, 64], 72, 32, None, **kw)
+    assert ctx_plan.segments == [sp.Segment(0, 0, 40, 48, 6)]
+    assert ctx_plan.runs == [sp.Run(1, 2, 40, 72)]
+    monkeypatch.setattr(sp, "WITH_CONTEXT", False)
+    assert sp.plan_segments([0, 40, 72], [46, 64], 72, 32, None, **kw) is None
 
 
 def _step(query_lens: list[int], ctx: list[int], dtype: torch.dtype, packed: bool = True):
@@ -131,19 +139,34 @@ def _enable(backend: TritonAttentionBackend, monkeypatch) -> sp.SdpaPrefill:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_backend_with_sdpa_segments(dtype: torch.dtype, monkeypatch) -> None:
-    # a decode row, a short prompt, a long fresh prompt (in-place padding), a chunk over a
-    # cached prefix (Triton), a long fresh prompt last (padded copy)
-    query_lens, ctx = [1, 9, 37, 23, 45], [40, 0, 0, 10, 0]
+    # a decode row, a short prompt, a long fresh prompt (in-place padding), a short chunk over
+    # a cached prefix (Triton), a long chunk over a short prefix (its window: prefix, rows,
+    # padding), a long chunk over a long prefix (Triton), a long fresh prompt last (padded copy)
+    query_lens, ctx = [1, 9, 37, 23, 40, 32, 45], [40, 0, 0, 10, 6, 32, 0]
     q, k, v, b, meta, ref = _step(query_lens, ctx, dtype)
     backend = TritonAttentionBackend()
     sdpa = _enable(backend, monkeypatch)
     plan = sdpa.plan(q, meta, False)
-    assert [s.req for s in plan.segments] == [2, 4] and len(plan.runs) == 2
+    assert [(s.req, s.context) for s in plan.segments] == [(2, 0), (4, 6), (6, 0)]
+    assert [(r.first, r.end) for r in plan.runs] == [(0, 2), (3, 4), (5, 6)]
     out = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, SCALE)
     assert sdpa.enabled and out.shape == q.shape
     assert_close(out, ref, dtype)
     backend.sdpa_prefill.enabled = False  # the same step through the Triton kernels alone
     assert_close(backend.forward(q, k, v, b.k_cache, b.v_cache, meta, SCALE), out, dtype)
+
+
+@pytest.mark.parametrize("ctx", [0, 6, 12], ids=["fresh", "prefix-6", "prefix-12"])
+def test_one_chunk_is_the_whole_step(ctx: int, monkeypatch) -> None:
+    # 40 new rows: fresh (bucket 40, in place) or over 6 / 12 cached (windows 46, 52 -> 48, 56)
+    q, k, v, b, meta, ref = _step([40], [ctx], torch.float32)
+    backend = TritonAttentionBackend()
+    sdpa = _enable(backend, monkeypatch)
+    plan = sdpa.plan(q, meta, False)
+    assert plan.segments == [sp.Segment(0, 0, 40, (40, 48, 56)[(0, 6, 12).index(ctx)], ctx)]
+    assert sdpa.whole_step(plan)
+    out = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, SCALE)
+    assert_close(out, ref, torch.float32)
 
 
 def test_whole_step_on_a_bucket_boundary(monkeypatch) -> None:
