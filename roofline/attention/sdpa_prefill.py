@@ -9,12 +9,15 @@ over a prefix short enough (``plan_segments``'s cost rule); every other request 
 short chunks, decode rows) keeps the Triton kernels, launched over runs of consecutive such
 requests with their own freshly allocated metadata (``sdpa_runs.py``).
 
-torch aligns ``is_causal`` top-left and has no ragged form for cuDNN outside its experimental
-nested tensors (which reject causal masks in torch 2.11), so each segment is one call over a
-*window* that starts at position 0: the cached prefix's keys and values (copied from the pages,
-zero queries whose outputs are dropped), the chunk's rows, then padding up to a bucket length
-(``bucket_len``: ``BUCKETS_PER_OCTAVE`` lengths per power of two). A real query row attends only
-to keys at or before itself, so the mask is exactly the chunk's and the padding changes nothing.
+torch aligns ``is_causal`` top-left (its ``causal_lower_right`` bias runs on flash or
+efficient attention, or a materialised mask, never cuDNN), and its ragged cuDNN form (nested
+tensors) is experimental (``TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED``), rebuilds its graph on
+every call in the sources read and expects densely packed ``[tokens, heads, d]`` rows; so each
+segment is one call over a *window* that starts at position 0: the cached prefix's keys and
+values (copied from the pages, zero queries whose outputs are dropped), the chunk's rows, then
+padding up to a bucket length (``bucket_len``: ``BUCKETS_PER_OCTAVE`` lengths per power of
+two). A real query row attends only to keys at or before itself, so the mask is exactly the
+chunk's and the padding changes nothing.
 cuDNN builds an execution graph per shape (length and strides): fresh segments are read in place
 when q/k/v are views of one QKV row per token (the model's layout) and the bucket's rows exist
 in the step's tensor; otherwise the window is a copy in the same layout (same strides, same
