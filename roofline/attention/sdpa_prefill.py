@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import NamedTuple
 
@@ -254,6 +255,7 @@ class SdpaPrefill:
         self.enabled = ENABLED if enabled is None else enabled
         self.ready: set[int] | None = None  # buckets built by warm_up; None: not warmed
         self.warmup_s: dict[int, float] = {}  # bucket -> seconds of its first call
+        self._warmed: tuple[tuple, set[int]] | None = None  # (warm_up's args, its threads)
         self._step: tuple[object, list[int], StepPlan | None] | None = None
         self._runs: tuple | None = None  # (plan, its runs' metadata, the step's kernel)
 
@@ -274,6 +276,8 @@ class SdpaPrefill:
                 return None
             if torch.cuda.is_current_stream_capturing():
                 return None
+        if self._warmed is not None and threading.get_ident() not in self._warmed[1]:
+            self._warm_this_thread()
         step = self._step
         if step is None or step[0] is not meta or step[1] != meta.seq_lens_cpu:
             p = plan_segments(meta.query_start_loc_cpu, meta.seq_lens_cpu, q.shape[0],
@@ -328,6 +332,9 @@ class SdpaPrefill:
         Returns the number built; a failure disables the strategy."""
         if not self.enabled or max_rows < self.min_query_len:
             return 0
+        args = (num_heads, num_kv_heads, head_dim, dtype, device, max_rows)
+        threads = set() if self._warmed is None else self._warmed[1]
+        self._warmed = (args, threads | {threading.get_ident()})
         buckets = bucket_lengths(self.min_query_len, max_rows)
         row = (num_heads + 2 * num_kv_heads) * head_dim
         try:
@@ -343,6 +350,14 @@ class SdpaPrefill:
             return 0
         self.ready = set(buckets)
         return len(buckets)
+
+    def _warm_this_thread(self) -> None:
+        """torch keeps cuDNN's attention graphs per thread: a step loop on another thread than
+        the start-up's (``engine/core.py``'s ``ThreadCore``) builds its buckets once, here."""
+        t0 = time.perf_counter()
+        n = self.warm_up(*self._warmed[0])
+        log.info("SDPA prefill: %d bucket graphs for a new thread in %.2f s", n,
+                 time.perf_counter() - t0)  # fmt: skip
 
 
 def warm_up_model(backend, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,

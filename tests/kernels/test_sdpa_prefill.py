@@ -251,3 +251,28 @@ def test_runs_beside_sdpa_segments_launch_only_warmed_kernel_variants(
     assert any(planned), "no odd step sent a segment to SDPA"
     report = "\n".join(f"{k.diff(warm)}\n    first in {b}" for k, b in missing.items())
     assert not missing, "variants the warm-up did not compile:\n" + report
+
+
+def test_a_step_loop_on_another_thread_builds_its_buckets_once(monkeypatch) -> None:
+    """cuDNN's graphs are per thread in torch: the first plan on a thread the warm-up did not
+    run on warms that thread (once), then plans as on the warm-up's."""
+    import threading
+
+    sdpa = _enable(TritonAttentionBackend(), monkeypatch)
+    assert sdpa.warm_up(H, HK, D, torch.float32, torch.device("cpu"), 50) == 4
+    calls = []
+    original = sdpa.warm_up
+    monkeypatch.setattr(sdpa, "warm_up", lambda *a: calls.append(a) or original(*a))
+    q, k, v, b, meta, ref = _step([40], [0], torch.float32)
+    assert sdpa.plan(q, meta, False) is not None and not calls  # the warm-up's thread
+    plans = []
+
+    def serve() -> None:
+        for _ in range(2):
+            sdpa._step = None
+            plans.append(sdpa.plan(q, meta, False))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join()
+    assert len(calls) == 1 and all(p is not None for p in plans) and len(plans) == 2
