@@ -301,9 +301,10 @@ class SdpaPrefill:
         meta,  # noqa: ANN001 - the step's (or a split step's prefill part's) metadata
         scale: float,
         out: torch.Tensor | None = None,  # [num_tokens, H, D]: decode rows already written
-        prefix=None,  # noqa: ANN001 - the gatherer's GatheredPrefix of the step, or None
+        gather=None,  # noqa: ANN001 - () -> the step's gathered prefixes (prefix_gather.py)
     ) -> torch.Tensor:  # [num_tokens, H, D]
-        """The segments through SDPA, the runs through the Triton kernels."""
+        """The segments through SDPA, the runs through the Triton kernels (``gather`` called
+        when they take the per-head kernel, as the whole step would have)."""
         bt = meta.block_table
         if out is None and self.whole_step(plan):
             seg = plan.segments[0]
@@ -322,6 +323,7 @@ class SdpaPrefill:
                 kernel = sdpa_runs.step_kernel(meta, q.shape[1], k.shape[1])
                 self._runs = (plan, sdpa_runs.run_metadata(plan, meta), kernel)
             _, runs, kernel = self._runs
+            prefix = gather() if gather is not None and not kernel.packed else None
             sdpa_runs.attend_runs(runs, kernel, q, k, v, k_cache, v_cache, scale, out, prefix)
         return out
 

@@ -93,7 +93,7 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
-        sdpa = self.base.sdpa_prefill  # an eager step's long fresh segments through cuDNN
+        sdpa = self.base.sdpa_prefill  # an eager step's long prompt chunks through cuDNN
         plan = None
         if sdpa.enabled and meta.prefill_config is None:
             plan = sdpa.plan(q, meta, kv_scales is not None)
@@ -118,11 +118,9 @@ class SplitAttentionBackend:
         out = None
         if meta.decode_slots:
             out = split_attention(q, k_cache, v_cache, meta, scale, attend_prefill=False)
-        prefix = None
-        if plan.runs:
-            prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta)
+        gather = lambda: self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta)  # noqa: E731
         return self.base.sdpa_prefill.forward(plan, q, k, v, k_cache, v_cache, meta, scale,
-                                              out=out, prefix=prefix)  # fmt: skip
+                                              out=out, gather=gather)  # fmt: skip
 
 
 def split_attention(

@@ -68,7 +68,7 @@ class TritonAttentionBackend:
         self.decode_num_splits = decode_num_splits
         self.prefix_gather = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
         self.gqa_prefill = gqa.StepChoice()  # eager steps of mostly short chunks: packed tiles
-        self.sdpa_prefill = SdpaPrefill()  # long fresh prompts through cuDNN (off by default)
+        self.sdpa_prefill = SdpaPrefill()  # long prompt chunks through cuDNN (off by default)
 
     def forward(
         self,
@@ -123,14 +123,12 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
-        sdpa = self.sdpa_prefill  # long fresh segments through cuDNN, the rest as below
+        sdpa = self.sdpa_prefill  # long prompt chunks through cuDNN, the rest as below
         plan = sdpa.plan(q, meta, kv_scales is not None) if sdpa.enabled else None
         if plan is not None:
             try:
-                prefix = None
-                if plan.runs:
-                    prefix = self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
-                return sdpa.forward(plan, q, k, v, k_cache, v_cache, meta, scale, prefix=prefix)
+                gather = lambda: self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta)  # noqa: E731
+                return sdpa.forward(plan, q, k, v, k_cache, v_cache, meta, scale, gather=gather)
             except RuntimeError as e:  # e.g. no cuDNN attention in this torch build
                 sdpa.disable(e)
         if self.gqa_prefill(q, k_cache, meta):  # mostly short chunks: GQA-packed tiles

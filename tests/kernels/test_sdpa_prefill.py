@@ -276,3 +276,21 @@ def test_a_step_loop_on_another_thread_builds_its_buckets_once(monkeypatch) -> N
     t.start()
     t.join()
     assert len(calls) == 1 and all(p is not None for p in plans) and len(plans) == 2
+
+
+def test_a_run_with_a_gathered_prefix_beside_a_segment(monkeypatch) -> None:
+    """A run's chunk long enough for a gathered prefix (``prefix_gather.py``: 128+ rows over
+    100 cached, too long a prefix for a window; past the packed kernel's short chunks) reads
+    its slice of the step's gathered rows."""
+    q, k, v, b, meta, ref = _step([37, 300], [0, 100], torch.bfloat16)
+    backend = TritonAttentionBackend()
+    sdpa = _enable(backend, monkeypatch)
+    plan = sdpa.plan(q, meta, False)
+    assert plan.segments == [sp.Segment(0, 0, 37, 40, 0)] and plan.runs == [sp.Run(1, 2, 37, 337)]
+    gathered = []
+    gather = backend.prefix_gather.gather
+    monkeypatch.setattr(backend.prefix_gather, "gather",
+                        lambda *a: gathered.append(gather(*a)) or gathered[-1])  # fmt: skip
+    out = backend.forward(q, k, v, b.k_cache, b.v_cache, meta, SCALE)
+    assert gathered and gathered[0] is not None and gathered[0].start_loc.tolist() == [-1, 0]
+    assert_close(out, ref, torch.bfloat16)
