@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("ROOFLINE_SDPA_PREFILL", "0") == "1"
 MIN_QUERY_LEN = int(os.environ.get("ROOFLINE_SDPA_MIN_LEN", "2048"))
 """Shortest fresh segment sent to cuDNN (a measured threshold: below it our kernels run)."""
-BUCKETS_PER_OCTAVE = 8
-"""Bucket lengths per power of two: a segment pads by at most ~1/8 of its length."""
+BUCKETS_PER_OCTAVE = int(os.environ.get("ROOFLINE_SDPA_BUCKETS_PER_OCTAVE", "8"))
+"""Bucket lengths per power of two: a segment pads by at most ~1/8 of its length; each bucket
+is one graph the warm-up builds (2048 .. 8192: 17)."""
 MIN_GRANULE = 128
 """Buckets are multiples of this (cuDNN before 9.15.1 mishandled lengths not divisible by 128)."""
 MAX_PAD_COST = 1.25

@@ -6,7 +6,9 @@ q and k and stores: ``kernels.kv_store.rotary_kv_store``), then attends every qu
 request's cached sequence. A decode-only step (every request brings exactly one query token) goes
 to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
 (prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
-``kernels.prefill_attention``, which handles query length 1 rows as well. Host-side values come
+``kernels.prefill_attention``, which handles query length 1 rows as well; with
+``ROOFLINE_SDPA_PREFILL=1`` an eager step's long prompt chunks go to cuDNN instead
+(``attention/sdpa_prefill.py``). Host-side values come
 from the metadata's CPU fields, so the forward never syncs with the device. A quantized cache
 (``kv_scales`` given) is quantized by the store and read in registers by both attention kernels.
 """
