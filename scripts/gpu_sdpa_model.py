@@ -45,6 +45,8 @@ def model_prefill(llm, ceil) -> dict[str, float]:  # noqa: ANN001
     print(f"  warm-up: {len(built)} buckets {built[:3]}..{built[-1:]} in "
           f"{sum(s.warmup_s.values()):.2f} s (slowest {max(s.warmup_s.values(), default=0):.3f} s)",
           flush=True)  # fmt: skip
+    print("  per bucket (ms): " + ", ".join(f"{b} {1e3 * t:.0f}" for b, t in
+                                            sorted(s.warmup_s.items())), flush=True)  # fmt: skip
     SUMMARY.append(("bucket warm-up", f"{len(built)} buckets, {sum(s.warmup_s.values()):.2f} s"))
     cfg, rate = llm.llm_engine.model_config, ceil.matmul_flops_per_s
     base = list(range(100, 100 + 8192))
