@@ -93,6 +93,15 @@ class SplitAttentionBackend:
             return self.base.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
         k_scale, v_scale = store_step_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, rope,
                                          kv_scales)  # fmt: skip
+        sdpa = self.base.sdpa_prefill  # an eager step's long prompt chunks through cuDNN
+        plan = None
+        if sdpa.enabled and meta.prefill_config is None:
+            plan = sdpa.plan(q, meta, kv_scales is not None)
+        if plan is not None:
+            try:
+                return self._sdpa_step(plan, q, k, v, k_cache, v_cache, meta, scale)
+            except RuntimeError as e:  # e.g. no cuDNN attention in this torch build
+                sdpa.disable(e)
         if meta.prefill_config is None:  # an eager step: its own choice
             packed = self.base.gqa_prefill(q, k_cache, meta)
         else:  # a graph bucket
@@ -102,6 +111,16 @@ class SplitAttentionBackend:
             prefix = self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta, k_scale)
         return split_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k, v, prefix,
                                packed)  # fmt: skip
+
+    def _sdpa_step(self, plan, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN202
+        """Decode rows as ``split_attention`` runs them, the prefill part by ``SdpaPrefill``
+        (``attention/sdpa_prefill.py``); a 16/32-bit cache (the plan's condition)."""
+        out = None
+        if meta.decode_slots:
+            out = split_attention(q, k_cache, v_cache, meta, scale, attend_prefill=False)
+        gather = lambda: self.base.prefix_gather.gather(q, k, v, k_cache, v_cache, meta)  # noqa: E731
+        return self.base.sdpa_prefill.forward(plan, q, k, v, k_cache, v_cache, meta, scale,
+                                              out=out, gather=gather)  # fmt: skip
 
 
 def split_attention(
@@ -116,6 +135,7 @@ def split_attention(
     v_new: torch.Tensor | None = None,  # (for the descriptor kernel, prefill_attention_tma.py)
     prefix: GatheredPrefix | None = None,  # long chunks' prefixes, gathered (prefix_gather.py)
     packed: bool = False,  # the prefill part through prefill_attention_gqa (mostly short chunks)
+    attend_prefill: bool = True,  # False: decode rows only (the caller attends the rest)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     d = meta.decode_slots
@@ -141,6 +161,8 @@ def split_attention(
             k_scale=k_scale,
             v_scale=v_scale,
         )
+    if not attend_prefill:
+        return out
     if meta.num_reqs and packed:  # mostly short chunks: GQA-packed tiles
         gqa.prefill_attention_gqa(
             q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,

@@ -6,7 +6,9 @@ q and k and stores: ``kernels.kv_store.rotary_kv_store``), then attends every qu
 request's cached sequence. A decode-only step (every request brings exactly one query token) goes
 to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
 (prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
-``kernels.prefill_attention``, which handles query length 1 rows as well. Host-side values come
+``kernels.prefill_attention``, which handles query length 1 rows as well; with
+``ROOFLINE_SDPA_PREFILL=1`` an eager step's long prompt chunks go to cuDNN instead
+(``attention/sdpa_prefill.py``). Host-side values come
 from the metadata's CPU fields, so the forward never syncs with the device. A quantized cache
 (``kv_scales`` given) is quantized by the store and read in registers by both attention kernels.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from roofline.attention.metadata import AttentionMetadata
+from roofline.attention.sdpa_prefill import SdpaPrefill
 from roofline.kernels import decode_attention_fused
 from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
@@ -67,6 +70,7 @@ class TritonAttentionBackend:
         self.decode_num_splits = decode_num_splits
         self.prefix_gather = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
         self.gqa_prefill = gqa.StepChoice()  # eager steps of mostly short chunks: packed tiles
+        self.sdpa_prefill = SdpaPrefill()  # long prompt chunks through cuDNN (off by default)
 
     def forward(
         self,
@@ -121,6 +125,14 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
+        sdpa = self.sdpa_prefill  # long prompt chunks through cuDNN, the rest as below
+        plan = sdpa.plan(q, meta, kv_scales is not None) if sdpa.enabled else None
+        if plan is not None:
+            try:
+                gather = lambda: self.prefix_gather.gather(q, k, v, k_cache, v_cache, meta)  # noqa: E731
+                return sdpa.forward(plan, q, k, v, k_cache, v_cache, meta, scale, gather=gather)
+            except RuntimeError as e:  # e.g. no cuDNN attention in this torch build
+                sdpa.disable(e)
         if self.gqa_prefill(q, k_cache, meta):  # mostly short chunks: GQA-packed tiles
             return gqa.prefill_attention_gqa(
                 q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from roofline.attention import sdpa_prefill
 from roofline.attention.cascade import CascadePlan, SharedPrefixDetector, eager_metadata
 from roofline.attention.metadata import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
@@ -244,6 +245,8 @@ class ModelRunner:
             for m in (1, 2, 4, 8):
                 self.model.compute_logits(hidden[:m])
             gemm_rows.warm_up(self.model)  # descriptor-GEMM bands eager steps may reach
+            max_rows = min(limit, self.scheduler_config.max_num_batched_tokens)
+            sdpa_prefill.warm_up_model(self.backend, self.model, self.dtype, self.device, max_rows)
 
     @torch.inference_mode()
     def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:
