@@ -82,6 +82,16 @@ def main() -> None:
         walls.append((time.perf_counter() - t0) * 1e3)
     phase("8192 prefills x10", t)
     print("8192 prefill walls (ms): " + " ".join(f"{w:.1f}" for w in walls), flush=True)
+    from roofline.planner.roofline import step_cost
+
+    cfg = llm.llm_engine.model_config
+    cost = step_cost(cfg, ceil.as_gpu_spec(), num_prefill_tokens=8192)
+    med = statistics.median(walls) / 1e3
+    sustained = statistics.median(rates[len(rates) // 2 :]) * 1e12
+    rate = cost.flops / med
+    print(f"8192 prefill median {med * 1e3:.1f} ms = {rate / 1e12:.0f} TFLOP/s: "
+          f"{100 * rate / ceil.matmul_flops_per_s:.1f}% of the ceiling as measured, "
+          f"{100 * rate / sustained:.1f}% of the sustained GEMM rate", flush=True)  # fmt: skip
     time.sleep(0.3)
     proc.terminate()
     out = proc.communicate()[0]
