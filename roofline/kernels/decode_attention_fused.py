@@ -59,17 +59,26 @@ MAX_ROWS = 4
 large batches it measured far slower than the split-K kernel plus its merge (H100, 8B: batch
 128 70.6% vs 75.4% of roofline; the default preset's 251-row steps 24.2 vs 17.6 ms)."""
 NUM_WARPS = 4  # per program (scripts/gpu_qwen06.py sweeps it in the engine)
-WIDE_GROUP_WARPS: dict[int, int] = {}
+WIDE_GROUP_WARPS: dict[int, int] = {8: 8}
 """Warps per program by GQA group size, where it differs from NUM_WARPS. sm_90 ptxas at
 Qwen3-30B-A3B's group of 8 query heads per KV head (q/k norm): 255 registers and 220 bytes of
-spill stores a thread at 4 warps, 231 registers and none at 8. H100, 48 layers at batch 1
-(``scripts/gpu_moe4.py``): this kernel at 4 warps 4.17 ms a step, at 8 warps 3.93 (3.84 with
-``MERGE_TILE_FIT``), the three unfused kernels 3.45: so (32, 4, 128) stays in UNFUSED_FASTER
-and this stays empty."""
+spill stores a thread at 4 warps, 231 registers and none at 8. H100, 48 layers at batch 1: with
+the per-head merge, 4.17 ms a step at 4 warps, 3.93 at 8 (3.84 with ``MERGE_TILE_FIT``),
+against 3.45 for the three unfused kernels (``scripts/gpu_moe4.py``); with
+``MERGE_BY_SPLIT_GROUPS`` 3.098 ms at 4 warps, 3.083 at 8, against 3.381 unfused
+(``scripts/gpu_moe5.py``)."""
+MERGE_BY_SPLIT_GROUPS: set[int] = {8}
+"""GQA group sizes whose last split merges all the group's heads at once (``_merge_by_split``:
+4 partials a round trip, elementwise) instead of one ``[BLOCK_S, BLOCK_D]`` reduction per head
+(``_merge_splits``), the part of the kernel that grows with the group. sm_90 SASS at 32/4/128:
+3,160 instructions and 50 barriers against 6,088 and 136. H100, Qwen3-30B-A3B batch 1 (48
+layers): this kernel 3.083 ms a step against 3.381 for the unfused three (``WIDE_GROUP_WARPS``);
+other groups keep the per-head merge (Qwen3-0.6B's 2: not measured on its own yet)."""
 MERGE_TILE_FIT = False
 """The merge's tile of partials: False ``MAX_NUM_SPLITS`` rows (as measured so far), True the
 grid's ``max_splits`` rounded up to a power of two (fewer registers; H100, Qwen3-30B-A3B at 8
-warps: 3.93 -> 3.84 ms a step, see WIDE_GROUP_WARPS; not measured at other shapes)."""
+warps with the per-head merge: 3.93 -> 3.84 ms a step, see WIDE_GROUP_WARPS; not measured at
+other shapes). The groups of ``MERGE_BY_SPLIT_GROUPS`` have no such tile."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -86,17 +95,17 @@ def set_split_tokens(tokens: int) -> None:
     SPLIT_TOKENS = tokens
 
 
-UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128), (32, 4, 128)}
+UNFUSED_FASTER: set[tuple[int, int, int]] = {(32, 8, 128)}
 """(query heads, KV heads, head_dim) whose decode steps keep ``rotary_kv_store`` +
 ``decode_attention`` + its merge, measured faster: H100, Llama-3.1-8B's attention after the int4
 qkv GEMV at one row, 32 layers in a CUDA graph with PDL, 160-token context: +7.5 us a layer for
 the three kernels (``rotary_kv_store`` hidden under the GEMV's tail: +0.01 us) vs +11.4 us for
 this kernel (13 us of its own with PDL off); second run, with the split and merge kernels as
 PDL dependents: +6.8 / +7.2 us vs +11.3 / +11.8 at 160 / 1000 tokens, 8B batch-1 decode bf16
-179.0 vs 172.3 tok/s (``scripts/gpu_gemv8.py``). Qwen3-30B-A3B's 32/4 heads (q/k norm): this
-kernel took 28.9 us of its own a layer (PDL off, 48 layers at one row, H100; 49.7 with PDL),
-the layer's largest kernel after the experts (``scripts/gpu_moe3.py``; ``--final`` times both
-paths on the 48-layer model)."""
+179.0 vs 172.3 tok/s (``scripts/gpu_gemv8.py``). Qwen3-30B-A3B's 32/4 heads (q/k norm) left
+the set with ``MERGE_BY_SPLIT_GROUPS`` and ``WIDE_GROUP_WARPS``: 3.083 vs 3.381 ms a batch-1
+step (48 layers, H100, ``scripts/gpu_moe5.py``; with the per-head merge at 4 warps it had taken
+28.9 us of its own a layer, ``scripts/gpu_moe3.py``)."""
 
 
 def applies(
@@ -197,6 +206,40 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_splits,
         tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@triton.jit
+def _merge_by_split(part_out_ptr, part_lse_ptr, out_ptr, req, heads, h_mask, num_splits,
+                    max_splits, stride_ot, stride_oh, offs_d, d_mask, NUM_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    UNROLL: tl.constexpr):  # fmt: skip
+    """``_merge_splits`` for all the query ``heads [BLOCK_H]`` at once: their ``[BLOCK_H,
+    BLOCK_D]`` partials (``.cg``) loaded ``UNROLL`` splits at a time (one round trip for up to
+    UNROLL splits) and folded in by a running log-sum-exp, elementwise (no reduction across
+    warps). The same weights (2^(lse_j - max)), summed in split order."""
+    row0 = (req.to(tl.int64) * NUM_HEADS + heads) * max_splits  # [BLOCK_H]
+    o_mask = h_mask[:, None] & d_mask[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max
+    num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j0 in range(0, num_splits, UNROLL):
+        for jj in tl.static_range(UNROLL):
+            j = j0 + jj
+            ok = j < num_splits
+            lse_j = tl.load(part_lse_ptr + row0 + j, mask=h_mask & ok, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            o_j = tl.load(part_out_ptr + (row0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=o_mask & ok, other=0.0, cache_modifier=".cg")  # fmt: skip
+            m_new = tl.maximum(m, lse_j)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)  # 0 while nothing was summed
+            w_j = tl.exp2(lse_j - m_safe)  # 0 for an empty split or one past num_splits
+            num = num * alpha[:, None] + o_j * w_j[:, None]
+            den = den * alpha + w_j
+            m = m_new
+    merged = num / tl.where(den > 0.0, den, 1.0)[:, None]
+    dst = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "max_splits"])
 def _fused_decode_attention_kernel(
     q_ptr,  # [T, NUM_HEADS, HEAD_DIM] (rows stride_qt apart: a view of the QKV output)
@@ -249,6 +292,7 @@ def _fused_decode_attention_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent: prefetch, trigger, wait
     LINES: tl.constexpr,  # 128-byte lines per cached head row (L2 prefetch)
     LINE_ELEMS: tl.constexpr,
+    MERGE_BY_SPLIT: tl.constexpr = False,  # _merge_by_split (else _merge_splits)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -377,9 +421,14 @@ def _fused_decode_attention_kernel(
             counter = counter_ptr + req * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:  # the last split of (req, kv_head): merge them all
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_splits,
-                              max_splits, stride_ot, stride_oh, offs_d, d_mask, NUM_HEADS,
-                              GROUP, HEAD_DIM, BLOCK_S)  # fmt: skip
+                if MERGE_BY_SPLIT:
+                    _merge_by_split(part_out_ptr, part_lse_ptr, out_ptr, req, heads, h_mask,
+                                    num_splits, max_splits, stride_ot, stride_oh, offs_d, d_mask,
+                                    NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, 4)  # fmt: skip
+                else:
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, kv_head, num_splits,
+                                  max_splits, stride_ot, stride_oh, offs_d, d_mask, NUM_HEADS,
+                                  GROUP, HEAD_DIM, BLOCK_S)  # fmt: skip
                 tl.store(counter, 0)  # ready for the next launch
 
 
@@ -458,7 +507,8 @@ def fused_decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         BLOCK_S=max(2, triton.next_power_of_2(max_splits)) if MERGE_TILE_FIT else MAX_NUM_SPLITS,
         LINES=max(1, triton.next_power_of_2(triton.cdiv(head_dim, line_elems))),
-        LINE_ELEMS=line_elems, num_warps=WIDE_GROUP_WARPS.get(group, NUM_WARPS), num_stages=3,
+        LINE_ELEMS=line_elems, MERGE_BY_SPLIT=group in MERGE_BY_SPLIT_GROUPS,
+        num_warps=WIDE_GROUP_WARPS.get(group, NUM_WARPS), num_stages=3,
         enable_fp_fusion=False,  # the roundings of rotary_kv_store (no fma), as HF
         **meta,
     )  # fmt: skip

@@ -42,6 +42,7 @@ import triton.language as tl
 from roofline.kernels import check_device, fused_moe_t, is_interpret
 from roofline.kernels.mixed_gemm import _e4m3_to_bf16, _grouped_tile
 from roofline.kernels.moe_align import moe_align
+from roofline.kernels.moe_topk import pick_rank
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
@@ -382,7 +383,8 @@ def _moe_gemv_kernel(
     SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     WIDEN: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr, logits_ptr=None, ROUTE: tl.constexpr = False,
+    RENORMALIZE: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -399,7 +401,11 @@ def _moe_gemv_kernel(
     PDL (launched as a programmatic dependent, one token): the gate/up launch waits for its
     predecessor (the routing) and only then lets the down launch start, so when the down
     programs start the routing has completed: they read the expert ids and pull their weight
-    rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait."""
+    rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait.
+
+    ROUTE (gate/up, one token: row = slot): the program routes the router's ``logits [E]``
+    itself (``moe_topk.pick_rank``) and takes the expert of rank ``row``; the column block 0
+    programs store the ids and weights (``ids_ptr``, ``weights_ptr``) the down launch reads."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -424,13 +430,23 @@ def _moe_gemv_kernel(
             tl.extra.cuda.gdc_wait()
         if not LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
+    if ROUTE:  # one token: this program's slot is the expert of rank `row`
+        routed, w_row = pick_rank(logits_ptr, num_experts, row, A_PER_PAIR, RENORMALIZE,
+                                  BLOCK_E)  # fmt: skip
+        routed = routed.to(tl.int64)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + row, routed)
+            tl.store(weights_ptr + row, w_row.to(weights_ptr.dtype.element_ty))
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     out_ty = out_ptr.dtype.element_ty
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # int4: clamped rows, never stored
     offs_u = tl.arange(0, BLOCK_K // 2)  # int4: the step's bytes a row
     for j in tl.static_range(PAIRS_PER_PROGRAM):
         pair = row * PAIRS_PER_PROGRAM + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if ROUTE:
+            expert = routed
+        else:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
         local = expert < num_experts
         expert = tl.where(local, expert, 0)
         a_row = pair // A_PER_PAIR
@@ -703,6 +719,7 @@ def fused_moe(
     w13_offset: torch.Tensor | None = None,
     w2_offset: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    route_logits: tuple[torch.Tensor, bool] | None = None,
 ) -> torch.Tensor:
     """``fused_moe_ref`` on Triton: x [T, H] -> [T, H] (``residual + `` it, rounded as a separate
     add, when ``residual [T, H]`` is given: fused into the down GEMV's store on the decode
@@ -715,7 +732,12 @@ def fused_moe(
     [E, 2I]`` and ``w2_scale [E, H]`` (``w = q * s``), or int4 (uint8 ``[E, N, K // 2]``, low
     nibble first) with group scales and offsets ``[E, N, K // group]`` (``w = q * s + o``). An
     id equal to ``E`` (``NOT_LOCAL``: the pair's expert lives on another expert-parallel rank)
-    contributes nothing and reads nothing."""
+    contributes nothing and reads nothing.
+
+    ``route_logits = (logits [E], renormalize)`` (one token, the GEMV path): the gate/up
+    launch routes the router's logits itself and writes ``topk_weights`` / ``topk_ids`` (then
+    output buffers, contiguous) for the down launch: no routing kernel or routing program
+    before the experts (``moe_router.router_logits``)."""
     check_device(x, w13, w2, topk_weights, topk_ids)
     layout = _layout(x, w13, w2, topk_ids, (w13_scale, w2_scale, w13_offset, w2_offset))
     num_tokens, top_k = topk_ids.shape
@@ -729,6 +751,15 @@ def fused_moe(
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
+    route: dict = {}
+    if route_logits is not None:
+        logits, renormalize = route_logits
+        if num_tokens != 1 or force_path == "grouped" or ids is not topk_ids:
+            raise ValueError("route_logits: one token, the GEMV path, contiguous id buffers")
+        if weights is not topk_weights or logits.shape != (num_experts,):
+            raise ValueError(f"route_logits: logits [{num_experts}], contiguous weight buffer")
+        route = dict(logits_ptr=logits, ROUTE=True, RENORMALIZE=renormalize,
+                     BLOCK_E=max(16, triton.next_power_of_2(num_experts)))  # fmt: skip
     s13 = w13 if w13_scale is None else w13_scale  # a placeholder pointer when unquantized
     s2 = w2 if w2_scale is None else w2_scale
     o13 = s13 if w13_offset is None else w13_offset
@@ -736,6 +767,8 @@ def fused_moe(
     sn13, sn2 = (s13.stride(1), s2.stride(1)) if layout.quant == 2 else (1, 1)
     small = num_tokens <= GEMV_MAX_TOKENS and num_pairs <= GEMV_MAX_PAIRS
     path = force_path or ("gemv" if small else "grouped")
+    if route and path != "gemv":
+        raise ValueError(f"route_logits needs the GEMV path (top_k <= {GEMV_MAX_PAIRS})")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up
     if path == "gemv":
         cfg = dict(GEMV_CONFIG)
@@ -761,7 +794,7 @@ def fused_moe(
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), sn13, act.stride(0),
             res.stride(0), PAIRS_PER_PROGRAM=1, A_PER_PAIR=top_k, SILU_MUL=True,
             MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
-            PREFETCH_LINES=1, **cfg, **meta,
+            PREFETCH_LINES=1, **cfg, **meta, **route,
         )  # fmt: skip
         if num_tokens == 1 and layout.quant < 2 and SPLIT_DOWN[layout.quant]:
             from roofline.kernels.moe_down import moe_down_split
@@ -777,7 +810,7 @@ def fused_moe(
             MUL_WEIGHT=True, QUANT=layout.quant, GROUP=layout.group2,
             RESIDUAL=residual is not None,
             PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(row_bytes, 128))
-            if pdl and DOWN_PREFETCH
+            if pdl and DOWN_PREFETCH and not route  # routed: the ids are gate/up's output
             else 1,
             **cfg2, **meta,
         )  # fmt: skip

@@ -31,6 +31,7 @@ from roofline.kernels import check_device, fused_moe, is_interpret
 from roofline.kernels.fused_moe import route_ref, top_k_of
 from roofline.kernels.gemv import _accumulate, _mul_rn, _rms_norm_tile, pick_config
 from roofline.kernels.last_program import counters
+from roofline.kernels.moe_topk import route_logits
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.kernels.rmsnorm import rms_norm_ref
 
@@ -156,25 +157,6 @@ def _moe_router_kernel(
 
 
 @triton.jit
-def top_k_by_rank(prob, offs, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr):  # fmt: skip
-    """``fused_moe.top_k_of`` in one pass: each probability's rank (how many keys exceed its
-    key; the key is the probability's bits above the reversed index, so ties go to the lowest
-    expert) from one ``[BLOCK_E, BLOCK_E]`` comparison. Returns ``(rank, weight)`` per expert
-    ``[BLOCK_E]``: rank < TOP_K marks the chosen ones, weight their (renormalised) probability;
-    the caller stores each at its rank."""
-    bits = prob.to(tl.int32, bitcast=True).to(tl.int64)
-    key = (bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64)  # [BLOCK_E], all distinct
-    beats = tl.expand_dims(key, 0) > tl.expand_dims(key, 1)  # [i, j]: key j beats key i
-    rank = tl.sum(beats.to(tl.int32), axis=1)  # [BLOCK_E]
-    chosen = rank < TOP_K
-    weight = prob
-    if RENORMALIZE:
-        weight = prob / tl.sum(tl.where(chosen, prob, 0.0), axis=0)
-    return rank, weight
-
-
-@triton.jit
 def _router_preload_kernel(
     x_ptr,  # [1, K] residual stream
     norm_w_ptr,  # [K]
@@ -197,6 +179,7 @@ def _router_preload_kernel(
     PDL: tl.constexpr,
     TRIGGER: tl.constexpr,  # ROUTER_TRIGGER
     COMPILED: tl.constexpr,
+    ROUTE: tl.constexpr = True,  # False: the logits only (the gate/up GEMV routes them)
 ):
     """``_moe_router_kernel`` with the program's router rows loaded before the PDL wait (one
     tile of the whole K) and the top-k in one pass (``top_k_by_rank``)."""
@@ -223,7 +206,8 @@ def _router_preload_kernel(
     tl.store(logits_ptr + offs_n, logits.to(x_ptr.dtype.element_ty), mask=offs_n < E)
     if PDL and TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    _route_last(logits_ptr, weights_ptr, ids_ptr, counter_ptr, E, TOP_K, RENORMALIZE, BLOCK_E)
+    if ROUTE:
+        _route_last(logits_ptr, weights_ptr, ids_ptr, counter_ptr, E, TOP_K, RENORMALIZE, BLOCK_E)
 
 
 @triton.jit
@@ -238,21 +222,6 @@ def _route_last(logits_ptr, weights_ptr, ids_ptr, counter_ptr, E, TOP_K: tl.cons
         tl.store(ids_ptr + rank, offs.to(tl.int64), mask=chosen)
         tl.store(weights_ptr + rank, weight.to(weights_ptr.dtype.element_ty), mask=chosen)
         tl.store(counter_ptr, 0)  # ready for the next launch
-
-
-@triton.jit
-def route_logits(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 BLOCK_E: tl.constexpr):  # fmt: skip
-    """``fused_moe.route`` of one token's logits ``[E]`` (``.cg``: another kernel or program
-    wrote them): fp32 softmax, then ``top_k_by_rank``. Returns ``(experts, rank, weight)``
-    ``[BLOCK_E]``: rank < TOP_K marks the chosen experts."""
-    offs = tl.arange(0, BLOCK_E)
-    logit = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
-    logit = logit.to(tl.float32)
-    prob = tl.exp(logit - tl.max(logit, axis=0))
-    prob = prob / tl.sum(prob, axis=0)  # [BLOCK_E] softmax
-    rank, weight = top_k_by_rank(prob, offs, TOP_K, RENORMALIZE, BLOCK_E)
-    return offs, rank, weight
 
 
 def moe_router(
@@ -274,22 +243,10 @@ def moe_router(
     logits = torch.empty(num_experts, dtype=h.dtype, device=h.device)
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
+    if _preload(h, norm_weight, eps, router, top_k, renormalize, (xn, logits, weights, ids)):
+        return xn, weights, ids
     cfg = pick_config(1, num_experts, hidden, h.device)
     compiled = not is_interpret()
-    block_k = triton.next_power_of_2(hidden)
-    if (compiled and pdl_enabled() and PRELOAD) or FORCE_PRELOAD:
-        block_n = max(1, min(cfg.block_n, PRELOAD_MAX_ELEMS // block_k))
-        if block_n * block_k <= PRELOAD_MAX_ELEMS:
-            pdl = compiled and pdl_enabled()
-            _router_preload_kernel[(triton.cdiv(num_experts, block_n),)](
-                h, norm_weight, router, xn, logits, weights, ids,
-                counters(h.device, 1, "moe_router"), num_experts, hidden, router.stride(0),
-                1.0 / hidden, eps, TOP_K=top_k, RENORMALIZE=renormalize,
-                BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
-                BLOCK_K=block_k, PDL=pdl, TRIGGER=ROUTER_TRIGGER, COMPILED=compiled,
-                num_warps=4, **({"launch_pdl": True} if pdl else {}),
-            )  # fmt: skip
-            return xn, weights, ids
     pdl = compiled and pdl_enabled() and fused_moe.DECODE_PDL
     line_elems = 128 // router.element_size()
     lines = min(triton.cdiv(hidden, line_elems), max(1, 16384 // (128 * cfg.block_n)))
@@ -307,3 +264,61 @@ def moe_router(
         LINE_ELEMS=line_elems, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
     return xn, weights, ids
+
+
+def _preload(
+    h: torch.Tensor,  # [1, H]
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router: torch.Tensor,  # [E, H]
+    top_k: int,
+    renormalize: bool,
+    outs: tuple[torch.Tensor, ...],  # xn [1, H], logits [E], weights [1, k], ids [1, k]
+    route: bool = True,
+) -> bool:
+    """Launch the preloading kernel into ``outs = (xn, logits, weights, ids)`` where it applies
+    (PDL on and ``PRELOAD``, or ``FORCE_PRELOAD``; the router's rows fit a program); False
+    where it does not (nothing launched)."""
+    num_experts, hidden = router.shape
+    compiled = not is_interpret()
+    if not ((compiled and pdl_enabled() and PRELOAD) or FORCE_PRELOAD):
+        return False
+    block_k = triton.next_power_of_2(hidden)
+    block_n = max(1, min(pick_config(1, num_experts, hidden, h.device).block_n,
+                         PRELOAD_MAX_ELEMS // block_k))  # fmt: skip
+    if block_n * block_k > PRELOAD_MAX_ELEMS:
+        return False
+    xn, logits, weights, ids = outs
+    pdl = compiled and pdl_enabled()
+    _router_preload_kernel[(triton.cdiv(num_experts, block_n),)](
+        h, norm_weight, router, xn, logits, weights, ids,
+        counters(h.device, 1, "moe_router"), num_experts, hidden, router.stride(0),
+        1.0 / hidden, eps, TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=pdl, TRIGGER=ROUTER_TRIGGER, COMPILED=compiled,
+        ROUTE=route, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return True
+
+
+def router_logits(
+    h: torch.Tensor,  # [1, H] residual stream
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    router: torch.Tensor,  # [E, H]
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # xn [1, H], logits [E]
+    """The preloading kernel without its routing (no counter, no last program): the normalised
+    row and the logits, for a gate/up GEMV that routes them itself (``fused_moe``'s
+    ``route_logits``). None where the preloading kernel does not apply."""
+    check_device(h, norm_weight, router)
+    num_experts, hidden = router.shape
+    if h.shape != (1, hidden) or h.stride(1) != 1 or router.stride(1) != 1:
+        raise ValueError(f"router_logits: h must be [1, {hidden}] contiguous, got {tuple(h.shape)}")
+    if router.dtype != h.dtype or norm_weight.dtype != h.dtype:
+        raise ValueError("router_logits: h, norm weight and router must share a dtype")
+    xn = torch.empty_like(h)
+    logits = torch.empty(num_experts, dtype=h.dtype, device=h.device)
+    if not _preload(h, norm_weight, eps, router, 1, False, (xn, logits, xn, xn), route=False):
+        return None
+    return xn, logits

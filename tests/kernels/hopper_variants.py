@@ -25,7 +25,8 @@ def compile_for_hopper(
 
     ``pointers``: pointer argument -> element type (``"bf16"``, ``"fp32"``, ``"i32"``, ...);
     ``floats``: fp32 scalar arguments; every other argument is an i32 scalar or a constexpr.
-    ``options``: ``num_warps``, ``num_stages``, ``enable_fp_fusion``, ..."""
+    ``options``: ``num_warps``, ``num_stages``, ``enable_fp_fusion``, ...; a constexpr parameter
+    with a default that a variant does not name is compiled at its default."""
     spec = dict(module=module, kernel=kernel, variants=variants, pointers=pointers,
                 floats=list(floats), options=options or {})  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -46,7 +47,11 @@ def _main() -> None:
     spec = json.loads(sys.stdin.read())
     kernel = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     ptx = []
+    defaults = {  # constexpr parameters with a default: compiled at it unless a variant names them
+        p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default
+    }
     for constexprs in spec["variants"]:
+        constexprs = dict(defaults, **constexprs)
         signature = {}
         for name in kernel.arg_names:
             if name in constexprs:
