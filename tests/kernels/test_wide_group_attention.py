@@ -35,28 +35,31 @@ def _case(context_lens: list[int], num_heads: int, num_kv_heads: int, dtype, see
 
 def test_the_wide_group_is_shipped_fused() -> None:
     """Qwen3-30B-A3B's heads take the fused kernel, merged by split at 8 warps; Qwen3-0.6B's
-    group of 2 keeps the per-head merge and Llama-3.1-8B's shape the unfused kernels."""
+    group of 2 merges by split at the default warps; Llama-3.1-8B's shape keeps the unfused
+    kernels."""
     assert 8 in fused.MERGE_BY_SPLIT_GROUPS and fused.WIDE_GROUP_WARPS.get(8) == 8
-    assert 2 not in fused.MERGE_BY_SPLIT_GROUPS and 2 not in fused.WIDE_GROUP_WARPS
+    assert 2 in fused.MERGE_BY_SPLIT_GROUPS and 2 not in fused.WIDE_GROUP_WARPS
     cos_sin = torch.empty(10, 128, device=DEVICE)
     q, cache = torch.empty(1, 32, 128, device=DEVICE), torch.empty(4, 16, 4, 128, device=DEVICE)
     assert fused.applies(q, cache, cos_sin, quantized=False)
     assert not fused.applies(q, torch.empty(4, 16, 8, 128, device=DEVICE), cos_sin, False)
 
 
+@pytest.mark.parametrize("num_kv_heads", [2, 8], ids=["group8", "group2"])
 @pytest.mark.parametrize(
     "context_lens,max_splits", [([150], 4), ([1000], 16), ([300, 0, 77], 8), ([40], 1)],
     ids=["bs1-3-splits", "bs1-16-splits", "bs3-merged", "one-split"],
 )  # fmt: skip
 def test_wide_group_matches_reference(
-    context_lens: list[int], max_splits: int, monkeypatch: pytest.MonkeyPatch
+    context_lens: list[int], max_splits: int, num_kv_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Group 8 (16 query heads on 2 KV heads), q/k norm, bf16, the shipped settings: every
-    head's output, the stored K/V, untouched q/k/v and zeroed counters, for one split, fewer
-    splits than a merge round (4), several rounds and a batch with an empty request."""
+    """Groups 8 and 2 (16 query heads on 2 or 8 KV heads), q/k norm, bf16, the shipped
+    settings (both merge by split): every head's output, the stored K/V, untouched q/k/v and
+    zeroed counters, for one split, fewer splits than a merge round (4), several rounds and a
+    batch with an empty request."""
     monkeypatch.setattr(fused, "SPLIT_TOKENS", 64)
     dtype = torch.bfloat16
-    batch, qkv, q, k, v, positions, norms = _case(context_lens, 16, 2, dtype, seed=11)
+    batch, qkv, q, k, v, positions, norms = _case(context_lens, 16, num_kv_heads, dtype, seed=11)
     cos_sin = make_cos_sin_cache(HEAD_DIM, max_pos=1024)
     qkv_before = qkv.clone()
     k_cache2, v_cache2 = batch.k_cache.clone(), batch.v_cache.clone()
