@@ -40,6 +40,10 @@ from roofline.planner.step_model import (
 )
 from roofline.planner.workload import LengthDist, Workload
 
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+"""The engine's token budget on CUDA (``EngineArgs``), the simulator's default without a
+calibration that says what the measured engine used."""
+
 
 def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
     """The step-time model, the calibration's meta (empty for the roofline) and a label."""
@@ -81,7 +85,8 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs or int(meta.get("max_num_seqs", 256)),
         max_num_batched_tokens=(
-            args.max_num_batched_tokens or int(meta.get("max_num_batched_tokens", 2048))
+            args.max_num_batched_tokens
+            or int(meta.get("max_num_batched_tokens", CUDA_MAX_NUM_BATCHED_TOKENS))
         ),
         max_model_len=args.max_model_len,
         policy=args.policy,
@@ -335,14 +340,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_model_args(p, required=False)
     c.add_gpu_args(p)
     c.add_precision_args(p)
-    p.add_argument("--calibration", help="step times from a `roofline bench latency` JSON")
+    p.add_argument(
+        "--calibration",
+        help="step times from a calibration file (`roofline bench calibrate`, or `bench latency "
+        "--calibration-out`) instead of the roofline",
+    )
     p.add_argument("--overhead-ms", type=float, default=0.0, help="roofline: fixed per-step cost")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--util", type=float, default=0.9)
     p.add_argument("--num-pages", type=int, help="KV pool (default: calibration or memory plan)")
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--page-size", type=int, help="default: the calibration's, else 16")
+    p.add_argument("--max-num-seqs", type=int, help="default: the calibration's, else 256")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget per step (default: the calibration's, else 8192, the engine's on CUDA)",
+    )
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--no-chunked-prefill", action="store_true")

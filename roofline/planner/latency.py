@@ -65,10 +65,13 @@ def crossover_batch_size(
     """Batch size where decode compute time reaches memory time, or None when the per-token KV
     traffic alone outruns the per-token FLOPs (long contexts: decode never turns compute-bound).
 
-    Both times are affine in the batch ``B``: ``mem(B) = m0 + B m1``, ``comp(B) = B c1``; the
-    crossover is ``B* = m0 / (c1 - m1)``. Without KV this is the familiar
-    ``peak / (2 x bandwidth / bytes_per_param)``.
+    For a dense model both times are affine in the batch ``B``: ``mem(B) = m0 + B m1``,
+    ``comp(B) = B c1``; the crossover is ``B* = m0 / (c1 - m1)``. Without KV this is the
+    familiar ``peak / (2 x bandwidth / bytes_per_param)``. An MoE step's bytes are not affine
+    (the experts a batch touches saturate): see :func:`_moe_crossover_batch_size`.
     """
+    if model.num_experts:
+        return _moe_crossover_batch_size(model, gpu, context_len, precision, tp)
     one = decode_point(model, gpu, 1, context_len, precision, tp).cost
     two = decode_point(model, gpu, 2, context_len, precision, tp).cost
     m1 = two.memory_time_s - one.memory_time_s
@@ -78,6 +81,41 @@ def crossover_batch_size(
     if c1 <= m1:
         return None
     return (m0 - c0) / (c1 - m1)
+
+
+SATURATED_BATCH = 1 << 20
+"""A batch that touches every expert of every MoE layer (the expected count rounds to all)."""
+
+
+def _moe_crossover_batch_size(
+    model: ModelConfig, gpu: GPUSpec, context_len: int, precision: Precision, tp: int
+) -> float | None:
+    """The MoE crossover. ``gap(B) = comp(B) - mem(B)`` is convex in ``B``: the compute time is
+    linear (each token runs its top-k experts) and the memory time concave (the expected
+    experts read, ``planner.moe``, grow ever slower towards all of them). So ``gap`` crosses
+    zero once, upwards, if and only if its slope is positive once every expert is read;
+    doubling brackets the crossing, bisection narrows it to consecutive batches, and the
+    fractional batch between them is interpolated."""
+
+    def gap(batch: int) -> float:
+        cost = decode_point(model, gpu, batch, context_len, precision, tp).cost
+        return cost.compute_time_s - cost.memory_time_s
+
+    if gap(2 * SATURATED_BATCH) <= gap(SATURATED_BATCH):
+        return None
+    lo, hi = 1, 1
+    if gap(1) >= 0:
+        return 1.0
+    while gap(hi) < 0:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gap(mid) < 0:
+            lo = mid
+        else:
+            hi = mid
+    g_lo, g_hi = gap(lo), gap(hi)
+    return lo + -g_lo / (g_hi - g_lo)
 
 
 def prefill_time_s(

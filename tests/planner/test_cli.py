@@ -68,6 +68,7 @@ def test_simulate_and_fit(capsys, tmp_path):
                "40", "--rate", "5", "--slo-ttft-ms", "100", "--json", str(js),
                "--plot-dir", str(tmp_path / "plots"))  # fmt: skip
     assert "TTFT p50 / p90 / p99" in out
+    assert "token budget 8192" in out  # the engine's CUDA default, not the CPU's 2048
     assert json.loads(js.read_text())["num_requests"] == 40
     pytest.importorskip("matplotlib")
     assert (tmp_path / "plots" / "timeline.png").stat().st_size > 1000
