@@ -4,8 +4,9 @@ Megatron-style tensor parallelism splits every block's attention heads and MLP c
 ``tp`` ranks and all-reduces the hidden state twice per layer (after the attention output
 projection and after the MLP down projection). A ring all-reduce of ``n`` bytes over ``p`` ranks
 moves ``2 (p - 1) / p * n`` bytes through each rank's link and takes ``2 (p - 1)`` latency hops
-(the alpha-beta model); the engine all-reduces small messages (decode) one-shot instead, one
-hop reading ``(p - 1) n`` bytes, and both costs come from ``roofline.distributed.comm_model``,
+(the alpha-beta model); the engine all-reduces messages up to 256 KiB (decode) one-shot
+instead, each rank reading its ``p - 1`` peers' ``n`` bytes after a signal (``(p - 1) n`` bytes
+over its link, two latency terms), and both costs come from ``roofline.distributed.comm_model``,
 the model the engine's transport choice follows. Pipeline parallelism splits the layers into
 ``pp`` stages that hand the hidden state on point to point; it cuts memory per GPU but not the
 latency of one token.
