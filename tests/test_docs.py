@@ -79,9 +79,7 @@ def test_named_tree_paths_exist(doc: str):
     """``roofline/planner/``, ``scripts/gpu_x.py``, ``docs/planner.md``: files or folders."""
     tops = "|".join(re.escape(t) for t in TREE_TOPS)
     paths = [
-        s
-        for s in _code_spans((ROOT / doc).read_text())
-        if re.fullmatch(rf"(?:{tops})/[\w./-]*", s)
+        s for s in _code_spans((ROOT / doc).read_text()) if re.fullmatch(rf"(?:{tops})/[\w./-]*", s)
     ]
     missing = sorted({p for p in paths if not (ROOT / p.rstrip("/")).exists()})
     assert not missing, f"{doc} names paths that do not exist: {missing}"
@@ -158,11 +156,11 @@ def _parser(command: str):
 @pytest.mark.parametrize("doc", DOCS)
 def test_example_command_lines_parse(doc: str):
     """Every ``roofline ...`` line of a fenced example block parses: its sub-commands and flags
-    exist and take the values shown (nothing is run)."""
+    exist and take the values shown (nothing is run). Indented lines are printed output."""
     _, fenced = _prose_and_fences((ROOT / doc).read_text())
     failed = []
     for line in fenced:
-        line = line.strip().removeprefix("$ ")
+        line = line.removeprefix("$ ").rstrip()
         if not line.startswith("roofline "):
             continue
         argv = shlex.split(line)[1:]
@@ -182,3 +180,34 @@ def test_every_switch_the_code_reads_is_documented():
     read = set(re.findall(r"ROOFLINE_[A-Z0-9_]+", code))
     named = set(re.findall(r"ROOFLINE_[A-Z0-9_]+", (ROOT / "docs/architecture.md").read_text()))
     assert read <= named, f"switches docs/architecture.md does not list: {sorted(read - named)}"
+
+
+def test_planner_examples_print_what_the_document_shows(capsys, monkeypatch, tmp_path):
+    """Each indented line under a ``roofline plan ...`` example of ``docs/planner.md`` is a line
+    that command prints (spaces collapsed; a trailing ``...`` matches the rest of the line):
+    the figures quoted there come from the code as it is."""
+    from roofline.entrypoints.cli import main
+
+    monkeypatch.chdir(tmp_path)  # anything an example writes lands here
+    examples: list[tuple[str, list[str]]] = []
+    shown: list[str] | None = None  # the output lines of the example being read
+    for line in (ROOT / "docs/planner.md").read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            shown = None  # a fence ends (or starts) every example
+        elif line.startswith("roofline "):
+            shown = []
+            examples.append((line, shown))
+        elif line.startswith("  ") and shown is not None:
+            shown.append(" ".join(line.split()))
+    checked = 0
+    for command, shown in examples:
+        if not shown:
+            continue
+        assert main(shlex.split(command)[1:]) == 0, command
+        printed = [" ".join(out.split()) for out in capsys.readouterr().out.splitlines()]
+        for want in shown:
+            prefix = want.removesuffix("...").rstrip()
+            ok = any(p == want or (want.endswith("...") and p.startswith(prefix)) for p in printed)
+            assert ok, f"`{command}` does not print: {want!r}"
+        checked += 1
+    assert checked >= 5, "the examples show their output"
