@@ -48,6 +48,7 @@ calibration that says what the measured engine used."""
 def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
     """The step-time model, the calibration's meta (empty for the roofline) and a label."""
     if args.calibration:
+        c.reject_mla(args, "with --calibration (the measured engine's own KV is the model's)")
         cal = load_calibration(args.calibration)
         model = c.model_of(args)[1] if (args.model or args.layers) else None
         fit, note = timer_from_calibration(cal, model)
@@ -63,8 +64,9 @@ def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
         return fit, meta, label
     _, model = c.model_of(args)
     gpu = c.gpu_of(args)
+    layout = c.kv_layout_of(args, model)
     timer = RooflineStepTimer(
-        model, gpu, c.precision_of(args), args.tp, overhead_s=args.overhead_ms * 1e-3
+        model, gpu, c.precision_of(args), args.tp, args.overhead_ms * 1e-3, layout
     )
     return timer, {}, f"roofline on {gpu.name}"
 
@@ -77,7 +79,7 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
         prec = c.precision_of(args)
         plan = plan_memory(
             model, c.gpu_of(args), args.max_model_len, prec.weight_dtype, prec.kv_dtype,
-            args.util, page_size=page_size, tp=args.tp,
+            args.util, page_size=page_size, tp=args.tp, kv_layout=c.kv_layout_of(args, model),
         )  # fmt: skip
         if not plan.fits:
             raise ValueError("the model leaves no KV pool on this GPU: raise --tp or --util")
@@ -284,6 +286,7 @@ def _cmd_fit_floored(cal, fit: FlooredStepTimer) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    c.reject_mla(args, "by plan fit (the measured engine's own KV is the model's)")
     cal = load_calibration(args.calibration)
     model = c.model_of(args)[1] if (args.model or args.layers) else None
     floored, _ = timer_from_calibration(cal, model)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from roofline.config import ModelConfig
 from roofline.distributed import comm_model
 from roofline.planner.hardware import GPUSpec, dtype_bytes
-from roofline.planner.memory import MemoryPlan, plan_memory
+from roofline.planner.memory import KVLayout, MemoryPlan, plan_memory
 
 
 def ring_allreduce_time_s(num_bytes: float, num_gpus: int, gpu: GPUSpec) -> float:
@@ -109,6 +109,7 @@ def plan_parallel(
     gpu_memory_utilization: float = 0.9,
     reserve_bytes: float | None = None,
     page_size: int = 16,
+    kv_layout: KVLayout | None = None,
 ) -> ParallelPlan:
     if tp < 1 or pp < 1:
         raise ValueError("tp and pp must be >= 1")
@@ -127,6 +128,7 @@ def plan_parallel(
         page_size=page_size,
         tp=tp,
         pp=pp,
+        kv_layout=kv_layout,
     )
     per_layer = allreduce_time_per_layer_s(model, gpu, tp)
     return ParallelPlan(
