@@ -22,7 +22,13 @@ from roofline.planner.roofline import Precision, step_cost
 from roofline.planner.simulator import step_shape
 from roofline.sampling_params import SamplingParams
 
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPE_NAMES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float8_e4m3fn": "fp8",
+    "int8": "int8",
+}
 
 
 @dataclass
@@ -40,12 +46,16 @@ class LatencyRow:
 
 
 def precision_of(engine: LLMEngine) -> Precision:
+    """The planner's precision of ``engine``: its weights (through the quantization config)
+    and its KV pages as stored (``--kv-cache-dtype``: fp8 / int8 pages, scales counted)."""
     dt = _DTYPE_NAMES[str(engine.runner.dtype).removeprefix("torch.")]
+    kv_spec = getattr(engine.runner, "kv_spec", None)
+    kv = dt if kv_spec is None else _DTYPE_NAMES[str(kv_spec.page_dtype).removeprefix("torch.")]
     quant = getattr(engine.runner, "quant_config", None)
     if quant is None:
-        return Precision(weight_dtype=dt, kv_dtype=dt)
+        return Precision(weight_dtype=dt, kv_dtype=kv)
     weight, gemm, group = quant.planner_precision()
-    return Precision(weight_dtype=weight, kv_dtype=dt, compute_dtype=gemm, quant_group_size=group)
+    return Precision(weight_dtype=weight, kv_dtype=kv, compute_dtype=gemm, quant_group_size=group)
 
 
 def run_batch(

@@ -36,6 +36,7 @@ import numpy as np
 
 from roofline.config import ModelConfig
 from roofline.planner.hardware import GPUSpec
+from roofline.planner.memory import KVLayout
 from roofline.planner.roofline import BF16, Precision, prefill_attention_pairs, step_cost
 
 FEATURES = (
@@ -106,6 +107,8 @@ class RooflineStepTimer:
     precision: Precision = BF16
     tp: int = 1
     overhead_s: float = 0.0
+    kv_layout: KVLayout | None = None
+    """An MLA cache (``KVLayout.mla``); None: the model's own KV heads."""
 
     def __call__(self, shape: StepShape) -> float:
         return step_cost(
@@ -118,6 +121,7 @@ class RooflineStepTimer:
             tp=self.tp,
             overhead_s=self.overhead_s,
             decode_shared_tokens=shape.decode_shared_tokens,
+            kv_layout=self.kv_layout,
         ).time_s
 
 

@@ -121,6 +121,12 @@ def kv_layout_of(args: argparse.Namespace, model: ModelConfig) -> KVLayout:
     return KVLayout.from_model(model)
 
 
+def reject_mla(args: argparse.Namespace, why: str) -> None:
+    """Refuse ``--mla-kv-lora-rank`` where it would be ignored (rather than silently)."""
+    if getattr(args, "mla_kv_lora_rank", None):
+        raise ValueError(f"--mla-kv-lora-rank is not supported {why}")
+
+
 def gpu_of(args: argparse.Namespace) -> GPUSpec:
     if args.gpu is None:
         raise ValueError("give --gpu")

@@ -120,10 +120,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     name, model = c.model_of(args)
     gpu, prec = c.gpu_of(args), c.precision_of(args)
-    plan = plan_memory(model, gpu, args.context, prec.weight_dtype, prec.kv_dtype, tp=args.tp)
+    layout = c.kv_layout_of(args, model)
+    plan = plan_memory(
+        model, gpu, args.context, prec.weight_dtype, prec.kv_dtype, tp=args.tp, kv_layout=layout
+    )
     rows = []
     for b in c.parse_int_list(args.batch_sizes):
-        pt = decode_point(model, gpu, b, args.context, prec, args.tp)
+        pt = decode_point(model, gpu, b, args.context, prec, args.tp, layout)
         rows.append(
             [b, c.ms(pt.step_time_s), f"{pt.tokens_per_s:,.0f}", f"{pt.tokens_per_s_per_seq:,.1f}",
              f"{pt.cost.arithmetic_intensity:,.1f}", pt.cost.bound,
@@ -137,14 +140,14 @@ def cmd_decode(args: argparse.Namespace) -> int:
     c.print_table(headers, rows, title)
     ridge = gpu.ridge_point_flops_per_byte(prec.gemm_dtype)
     for ctx in sorted({1, args.context}):
-        b = crossover_batch_size(model, gpu, ctx, prec, args.tp)
+        b = crossover_batch_size(model, gpu, ctx, prec, args.tp, layout)
         if b is None:
             print(f"context {ctx}: never compute-bound (per-token KV bytes outweigh its FLOPs)")
         else:
             print(f"context {ctx}: compute-bound from batch {b:,.0f} (ridge {ridge:.0f} FLOP/B)")
     est = estimate_latency(
         model, gpu, args.prompt_len, args.output_len, args.batch, args.max_num_batched_tokens,
-        prec, args.tp,
+        prec, args.tp, layout,
     )  # fmt: skip
     print(
         f"batch {args.batch}, prompt {args.prompt_len}, output {args.output_len}: "
@@ -157,17 +160,19 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_parallel(args: argparse.Namespace) -> int:
     name, model = c.model_of(args)
     gpu, prec = c.gpu_of(args), c.precision_of(args)
+    layout = c.kv_layout_of(args, model)
     rows = []
     for pp in c.parse_int_list(args.pp_list):
         for tp in c.parse_int_list(args.tp_list):
             try:
                 pl = plan_parallel(
-                    model, gpu, tp, pp, args.context, prec.weight_dtype, prec.kv_dtype, args.util
-                )
+                    model, gpu, tp, pp, args.context, prec.weight_dtype, prec.kv_dtype, args.util,
+                    kv_layout=layout,
+                )  # fmt: skip
             except ValueError as e:
                 print(f"TP={tp} PP={pp}: {e}")
                 continue
-            step = step_cost(model, gpu, 1, args.context, precision=prec, tp=tp)
+            step = step_cost(model, gpu, 1, args.context, precision=prec, tp=tp, kv_layout=layout)
             token_s = step.time_s + pl.p2p_per_token_s
             rows.append(
                 [tp, pp, tp * pp, c.gib(pl.memory.weight_bytes),
@@ -186,11 +191,16 @@ def cmd_cost(args: argparse.Namespace) -> int:
     tps = args.tokens_per_s
     source = "given"
     if tps is None:
-        if not args.model:
-            raise ValueError("give --tokens-per-s, or --model (and --gpu) to use the roofline")
+        if not (args.model or args.layers):
+            raise ValueError(
+                "give --tokens-per-s, or --model or explicit dimensions (and --gpu) to use the "
+                "roofline"
+            )
         name, model = c.model_of(args)
         gpu, prec = c.gpu_of(args), c.precision_of(args)
-        pt = decode_point(model, gpu, args.batch, args.context, prec, args.tp)
+        pt = decode_point(
+            model, gpu, args.batch, args.context, prec, args.tp, c.kv_layout_of(args, model)
+        )
         tps = pt.tokens_per_s
         source = f"roofline decode, {name} on {gpu.name}, batch {args.batch}"
     gpus = args.tp * args.num_replicas
@@ -226,6 +236,7 @@ def cmd_specdec(args: argparse.Namespace) -> int:
     if args.model:
         from roofline.spec_decode.step_costs import SPEC_HOST_PER_REQUEST_S, SPEC_HOST_S
 
+        c.reject_mla(args, "by plan specdec")
         _, target = c.model_of(args)
         draft = resolve_model(args.draft_model) if args.draft_model else None
         gpu, prec = c.gpu_of(args), c.precision_of(args)

@@ -40,10 +40,15 @@ from roofline.planner.step_model import (
 )
 from roofline.planner.workload import LengthDist, Workload
 
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+"""The engine's token budget on CUDA (``EngineArgs``), the simulator's default without a
+calibration that says what the measured engine used."""
+
 
 def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
     """The step-time model, the calibration's meta (empty for the roofline) and a label."""
     if args.calibration:
+        c.reject_mla(args, "with --calibration (the measured engine's own KV is the model's)")
         cal = load_calibration(args.calibration)
         model = c.model_of(args)[1] if (args.model or args.layers) else None
         fit, note = timer_from_calibration(cal, model)
@@ -59,8 +64,9 @@ def _timer(args: argparse.Namespace) -> tuple[StepTimer, dict, str]:
         return fit, meta, label
     _, model = c.model_of(args)
     gpu = c.gpu_of(args)
+    layout = c.kv_layout_of(args, model)
     timer = RooflineStepTimer(
-        model, gpu, c.precision_of(args), args.tp, overhead_s=args.overhead_ms * 1e-3
+        model, gpu, c.precision_of(args), args.tp, args.overhead_ms * 1e-3, layout
     )
     return timer, {}, f"roofline on {gpu.name}"
 
@@ -73,7 +79,7 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
         prec = c.precision_of(args)
         plan = plan_memory(
             model, c.gpu_of(args), args.max_model_len, prec.weight_dtype, prec.kv_dtype,
-            args.util, page_size=page_size, tp=args.tp,
+            args.util, page_size=page_size, tp=args.tp, kv_layout=c.kv_layout_of(args, model),
         )  # fmt: skip
         if not plan.fits:
             raise ValueError("the model leaves no KV pool on this GPU: raise --tp or --util")
@@ -81,7 +87,8 @@ def _sim_config(args: argparse.Namespace, meta: dict) -> SimConfig:
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs or int(meta.get("max_num_seqs", 256)),
         max_num_batched_tokens=(
-            args.max_num_batched_tokens or int(meta.get("max_num_batched_tokens", 2048))
+            args.max_num_batched_tokens
+            or int(meta.get("max_num_batched_tokens", CUDA_MAX_NUM_BATCHED_TOKENS))
         ),
         max_model_len=args.max_model_len,
         policy=args.policy,
@@ -279,6 +286,7 @@ def _cmd_fit_floored(cal, fit: FlooredStepTimer) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
+    c.reject_mla(args, "by plan fit (the measured engine's own KV is the model's)")
     cal = load_calibration(args.calibration)
     model = c.model_of(args)[1] if (args.model or args.layers) else None
     floored, _ = timer_from_calibration(cal, model)
@@ -335,14 +343,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_model_args(p, required=False)
     c.add_gpu_args(p)
     c.add_precision_args(p)
-    p.add_argument("--calibration", help="step times from a `roofline bench latency` JSON")
+    p.add_argument(
+        "--calibration",
+        help="step times from a calibration file (`roofline bench calibrate`, or `bench latency "
+        "--calibration-out`) instead of the roofline",
+    )
     p.add_argument("--overhead-ms", type=float, default=0.0, help="roofline: fixed per-step cost")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--util", type=float, default=0.9)
     p.add_argument("--num-pages", type=int, help="KV pool (default: calibration or memory plan)")
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--page-size", type=int, help="default: the calibration's, else 16")
+    p.add_argument("--max-num-seqs", type=int, help="default: the calibration's, else 256")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget per step (default: the calibration's, else 8192, the engine's on CUDA)",
+    )
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--no-chunked-prefill", action="store_true")

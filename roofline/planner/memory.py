@@ -2,7 +2,8 @@
 
 Everything here is exact counting over the model's dimensions, in bytes. Weight precision applies
 to the linear layers of the transformer blocks (the tensors quantization methods replace);
-embeddings, the LM head, norms and biases stay in 16-bit, as GPTQ/AWQ/FP8 checkpoints keep them.
+embeddings, the LM head, norms and biases stay in 16-bit (32-bit in an fp32 model), as
+GPTQ/AWQ/FP8 checkpoints keep them.
 int4 weights carry one fp16 scale per ``quant_group_size`` weights. KV layouts cover MHA, GQA and
 MQA (from a :class:`ModelConfig`) and DeepSeek-style MLA (latent ``kv_lora_rank`` plus the
 decoupled RoPE key, given explicitly). :func:`plan_memory` splits a GPU's usable memory into
@@ -201,7 +202,8 @@ def weight_bytes_per_gpu(
     pp: int = 1,
 ) -> float:
     """Weights on the fullest GPU of a ``tp`` x ``pp`` grid: ``ceil(layers / pp)`` blocks,
-    sharded ``tp`` ways; the first stage adds the embedding, the last the head and final norm."""
+    sharded ``tp`` ways, plus the larger of the embedding (first stage) and the LM head (last
+    stage, its own copy when tied); the final norm's few bytes are left out."""
     wb = weight_bytes(model, weight_dtype, quant_group_size, tp)
     if pp == 1:
         return wb.total

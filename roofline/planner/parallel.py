@@ -4,8 +4,9 @@ Megatron-style tensor parallelism splits every block's attention heads and MLP c
 ``tp`` ranks and all-reduces the hidden state twice per layer (after the attention output
 projection and after the MLP down projection). A ring all-reduce of ``n`` bytes over ``p`` ranks
 moves ``2 (p - 1) / p * n`` bytes through each rank's link and takes ``2 (p - 1)`` latency hops
-(the alpha-beta model); the engine all-reduces small messages (decode) one-shot instead, one
-hop reading ``(p - 1) n`` bytes, and both costs come from ``roofline.distributed.comm_model``,
+(the alpha-beta model); the engine all-reduces messages up to 256 KiB (decode) one-shot
+instead, each rank reading its ``p - 1`` peers' ``n`` bytes after a signal (``(p - 1) n`` bytes
+over its link, two latency terms), and both costs come from ``roofline.distributed.comm_model``,
 the model the engine's transport choice follows. Pipeline parallelism splits the layers into
 ``pp`` stages that hand the hidden state on point to point; it cuts memory per GPU but not the
 latency of one token.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from roofline.config import ModelConfig
 from roofline.distributed import comm_model
 from roofline.planner.hardware import GPUSpec, dtype_bytes
-from roofline.planner.memory import MemoryPlan, plan_memory
+from roofline.planner.memory import KVLayout, MemoryPlan, plan_memory
 
 
 def ring_allreduce_time_s(num_bytes: float, num_gpus: int, gpu: GPUSpec) -> float:
@@ -108,6 +109,7 @@ def plan_parallel(
     gpu_memory_utilization: float = 0.9,
     reserve_bytes: float | None = None,
     page_size: int = 16,
+    kv_layout: KVLayout | None = None,
 ) -> ParallelPlan:
     if tp < 1 or pp < 1:
         raise ValueError("tp and pp must be >= 1")
@@ -126,6 +128,7 @@ def plan_parallel(
         page_size=page_size,
         tp=tp,
         pp=pp,
+        kv_layout=kv_layout,
     )
     per_layer = allreduce_time_per_layer_s(model, gpu, tp)
     return ParallelPlan(

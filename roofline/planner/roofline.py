@@ -12,10 +12,13 @@ where bytes = every weight once (linear layers, norms, LM head; only the embeddi
 looks up) + the KV the step reads (its whole context, new tokens included, as paged attention
 reads them back after writing) + the KV it writes. FLOPs = 2 x linear parameters per token,
 ``4 x heads x head_dim`` per (query, key) pair per layer for attention (causal within a
-prefill chunk) and the LM head only for tokens that sample. Activation traffic between kernels is
-left out (under 2% of the bytes for the models we plan). All quantities are per
-tensor-parallel rank. Everything is linear in the batch at a fixed context, which
-:func:`crossover_batch_size` uses to solve for where decode turns compute-bound.
+prefill chunk) and the LM head only for tokens that sample. An MoE layer reads the experts its
+tokens are expected to touch (``planner.moe``) and computes with the top-k of each token.
+Activation traffic between kernels is left out: it is small next to the weights and KV a
+decode step reads, and the prefill steps where it grows are compute-bound. All quantities are
+per tensor-parallel rank. For a dense model everything is linear in the batch at a fixed
+context, which :func:`crossover_batch_size` uses to solve for where decode turns
+compute-bound (an MoE model's weight bytes are not: it searches).
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ cannot take it below the floor:
                                                     (eager, prefill-path steps vs CUDA graphs)
       + c_shared * shared_attention_s                (decode attention over shared prefix pages)
 
-``weight_s``/``kv_s`` are the step's weight and KV bytes over the bandwidth, ``linear_s`` and
-``attention_s`` its GEMM and attention FLOPs over the matmul rate, ``shared_attention_s`` the
-attention FLOPs of decode tokens over pages other decodes of the step also hold (cascade
-attention reads those pages once, so they leave the KV bytes, but their query-by-key work is a
-kernel of its own that the bytes do not pay for); ``max(memory_s, compute_s)``
-is the floor. Each step is fitted on the side that binds it (a hinge regression: sides assigned,
-NNLS solved, sides reassigned until stable). Every coefficient is >= 0, so a prediction is never
+``num_seqs`` counts the step's decode tokens and prefill chunks; ``weight_s``/``kv_s`` are the
+step's weight and KV bytes over the bandwidth, ``linear_s`` and ``attention_s`` its GEMM and
+attention FLOPs over the matmul rate, ``shared_attention_s`` the attention FLOPs of decode
+tokens over pages other decodes of the step also hold (cascade attention reads those pages
+once, so they leave the KV bytes, but their query-by-key work is a kernel of its own that the
+bytes do not pay for); ``max(memory_s, compute_s)`` is the floor. Each step is fitted on the
+side that binds it (a hinge regression: sides assigned, NNLS solved, sides reassigned until
+stable). Every coefficient is >= 0, so a prediction is never
 below the floor, and a shape outside the calibration still pays for its bytes and FLOPs; a side
 the calibration never exercised keeps zero efficiency terms (its floor, plus host costs).
 Where measured steps run below the floor (the copy benchmark under-measured the bandwidth a

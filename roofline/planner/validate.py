@@ -5,9 +5,11 @@ all at once; serving: each added when its Poisson arrival time passes) and recor
 step, its :class:`StepShape` and wall time (``engine.step()`` includes the scheduler, the host
 preparation and the sampled-token sync) and, for every request, when its tokens came out. A
 trace is both a calibration (its steps are measured points) and a measured run (its requests
-summarise exactly like a simulated run). ``validate`` calibrates on one workload, then runs a
-different offline workload and a serving rate on the engine and in the simulator, and reports
-throughput and TPOT p50 of both. ``python -m roofline.planner.validate --model smollm2``.
+summarise exactly like a simulated run). ``validate`` calibrates once (``bench calibrate``'s
+designed sweep, or a given file), then runs a suite of workloads unlike the calibration
+(:func:`suite`) on the engine and in the simulator, and reports output throughput, TPOT p50
+and TTFT p50 of both against :data:`TARGETS`. ``roofline plan validate --model smollm2``
+(or ``python -m roofline.planner.validate``).
 """
 
 from __future__ import annotations

@@ -123,3 +123,23 @@ def test_bench_calibrate_then_plan_validate(tmp_path, capsys):
     for row in rows:
         for key in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms"):
             assert row[key]["measured"] > 0 and row[key]["simulated"] > 0
+
+
+def test_precision_of_prices_the_kv_cache_as_stored():
+    # a calibration's floor counts the KV bytes the engine really moves: with fp8 / int8 pages
+    # it was priced at the model dtype (twice the bytes, scales aside)
+    from types import SimpleNamespace
+
+    import torch
+
+    from roofline.bench.latency import precision_of
+    from roofline.quantization.kv_cache import KVCacheSpec
+
+    for kv_cache_dtype, want in (("auto", "bf16"), ("fp8", "fp8"), ("int8", "int8")):
+        spec = KVCacheSpec.create(kv_cache_dtype, torch.bfloat16)
+        runner = SimpleNamespace(dtype=torch.bfloat16, kv_spec=spec, quant_config=None)
+        precision = precision_of(SimpleNamespace(runner=runner))
+        assert (precision.weight_dtype, precision.kv_dtype) == ("bf16", want)
+    half = KVCacheSpec.create("auto", torch.float32).with_half_pages()  # the CPU decoder's pages
+    runner = SimpleNamespace(dtype=torch.float32, kv_spec=half, quant_config=None)
+    assert precision_of(SimpleNamespace(runner=runner)).kv_dtype == "fp16"

@@ -68,6 +68,7 @@ def test_simulate_and_fit(capsys, tmp_path):
                "40", "--rate", "5", "--slo-ttft-ms", "100", "--json", str(js),
                "--plot-dir", str(tmp_path / "plots"))  # fmt: skip
     assert "TTFT p50 / p90 / p99" in out
+    assert "token budget 8192" in out  # the engine's CUDA default, not the CPU's 2048
     assert json.loads(js.read_text())["num_requests"] == 40
     pytest.importorskip("matplotlib")
     assert (tmp_path / "plots" / "timeline.png").stat().st_size > 1000
@@ -88,3 +89,31 @@ def test_simulate_and_fit(capsys, tmp_path):
 def test_bad_input_is_an_error(capsys):
     assert main(["kv", "--model", "no-such-model"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_mla_cache_is_priced_or_refused(capsys):
+    # DeepSeek-V3's shape: --mla-kv-lora-rank was read by kv and memory only; decode, parallel,
+    # cost and simulate priced 128 full KV heads instead of the 576-wide latent
+    dims = ["--layers", "61", "--hidden", "7168", "--heads", "128", "--intermediate", "18432",
+            "--vocab", "129280", "--gpu", "h200"]  # fmt: skip
+    mla = ["--mla-kv-lora-rank", "512"]
+
+    def step_ms(*argv: str) -> float:
+        out = _run(capsys, "decode", *dims, "--batch-sizes", "64", "--context", "4096", *argv)
+        row = next(line for line in out.splitlines() if line.startswith("64 "))
+        return float(row.split()[1])
+
+    mha, latent = step_ms(), step_ms(*mla)
+    # 4096 x 64 tokens of KV, 4.0 MB each as 128 full heads, 70 KB as the latent (the 77 GB of
+    # bf16 weights stay): 111.2 -> 19.5 ms
+    assert latent < mha / 4
+    out = _run(capsys, "parallel", *dims, *mla, "--tp-list", "8", "--weight-dtype", "fp8")
+    assert "68.6" in out  # KV KiB per token: the latent, replicated on each rank
+    cost = _run(capsys, "cost", "--price", "2", *dims, *mla, "--batch", "64", "--tp", "8")
+    plain = _run(capsys, "cost", "--price", "2", *dims, "--batch", "64", "--tp", "8")
+    assert cost.splitlines()[0] != plain.splitlines()[0]
+    sim = ["simulate", *dims, "--tp", "8", "--weight-dtype", "fp8", "--num-requests", "8"]
+    assert "KV pages" in _run(capsys, *sim, *mla)
+    for argv in (["specdec", "--model", "llama-3.1-8b", *mla], ["fit", "--calibration", "x", *mla]):
+        assert main(argv) == 2
+        assert "--mla-kv-lora-rank is not supported" in capsys.readouterr().err

@@ -40,3 +40,21 @@ def test_mixtral_counts() -> None:
     m = resolve_model("mixtral-8x7b")
     assert 46.6e9 < m.num_params() < 46.8e9 and 12.8e9 < m.num_active_params() < 13.0e9
     assert param_counts(m).total == m.num_params()
+
+
+def test_moe_decode_crossover_is_where_the_table_turns_compute_bound() -> None:
+    # MoE step bytes are not affine in the batch (the experts a batch touches saturate), so a
+    # slope taken between batch 1 and 2 (8 -> 15.5 experts per layer) said decode never turns
+    # compute-bound while larger batches do
+    from roofline.planner.hardware import get_gpu
+    from roofline.planner.latency import crossover_batch_size, decode_point
+
+    m, gpu = resolve_model("qwen3-30b-a3b"), get_gpu("h100")
+    b = crossover_batch_size(m, gpu, 1)
+    assert b is not None
+    below = decode_point(m, gpu, int(b), 1).cost
+    above = decode_point(m, gpu, int(b) + 1, 1).cost
+    assert below.bound == "memory" and above.bound == "compute"
+    # a long context's KV still keeps it memory-bound at every batch
+    assert crossover_batch_size(m, gpu, 8192) is None
+    assert decode_point(m, gpu, 1 << 16, 8192).cost.bound == "memory"
