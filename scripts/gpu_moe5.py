@@ -167,20 +167,21 @@ def moe_block(gen: torch.Generator) -> tuple:
     return w13, w2, router, nw, K
 
 
-def routed_by_router(h, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE block at one token with the router kernel's routing: (out [1, H], ids [1, k])."""
+def routed_by_router(h, block) -> tuple[torch.Tensor, ...]:
+    """The MoE block at one token with the router kernel's routing: out [1, H], ids and
+    weights [1, k]."""
     w13, w2, router, nw, k = block
     xn, w, ids = mr.moe_router(h, nw, 1e-6, router, k, True)
-    return fm.fused_moe(xn, w13, w2, w, ids, residual=h), ids
+    return fm.fused_moe(xn, w13, w2, w, ids, residual=h), ids, w
 
 
-def routed_in_gate_up(h, block) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_in_gate_up(h, block) -> tuple[torch.Tensor, ...]:
     """The same block routed by the gate/up GEMV (the shipped one-token path)."""
     w13, w2, router, nw, k = block
     xn, logits = mr.router_logits(h, nw, 1e-6, router)
     w = torch.empty(1, k, dtype=h.dtype, device=h.device)
     ids = torch.empty(1, k, dtype=torch.int64, device=h.device)
-    return fm.fused_moe(xn, w13, w2, w, ids, residual=h, route_logits=(logits, True)), ids
+    return fm.fused_moe(xn, w13, w2, w, ids, residual=h, route_logits=(logits, True)), ids, w
 
 
 def route_parity(gen: torch.Generator) -> int:
@@ -190,13 +191,14 @@ def route_parity(gen: torch.Generator) -> int:
     try:
         for seed in range(3):
             h = (2 * torch.randn(1, block[0].shape[2], device=DEVICE, generator=gen)).bfloat16()
-            (a, ids_a), (b, ids_b) = routed_by_router(h, block), routed_in_gate_up(h, block)
-            same_ids, bits = torch.equal(ids_a, ids_b), torch.equal(a, b)
+            a, ids_a, w_a = routed_by_router(h, block)
+            b, ids_b, w_b = routed_in_gate_up(h, block)
+            same_ids, bits = torch.equal(ids_a, ids_b) and torch.equal(w_a, w_b), torch.equal(a, b)
             graph_ok = graph_equals_eager(lambda h=h: routed_in_gate_up(h, block), b)
             bad += m2.check(f"MoE routing in the gate/up GEMV (shipped), seed {seed}",
                             same_ids and bits and graph_ok,
-                            f"ids = router's {same_ids}, output bits = {bits}, graph = eager "
-                            f"{graph_ok}")  # fmt: skip
+                            f"ids, weights = router's {same_ids}, output bits = {bits}, "
+                            f"graph = eager {graph_ok}")  # fmt: skip
     finally:
         mr.FORCE_PRELOAD = False
     return bad

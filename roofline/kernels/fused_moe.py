@@ -42,7 +42,7 @@ import triton.language as tl
 from roofline.kernels import check_device, fused_moe_t, is_interpret
 from roofline.kernels.mixed_gemm import _e4m3_to_bf16, _grouped_tile
 from roofline.kernels.moe_align import moe_align
-from roofline.kernels.moe_topk import pick_rank
+from roofline.kernels.moe_topk import pick_rank, pick_rank_per_warp
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
@@ -385,6 +385,7 @@ def _moe_gemv_kernel(
     PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
     LATE_TRIGGER: tl.constexpr, logits_ptr=None, ROUTE: tl.constexpr = False,
     RENORMALIZE: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+    ROUTE_COPIES: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -404,8 +405,9 @@ def _moe_gemv_kernel(
     rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait.
 
     ROUTE (gate/up, one token: row = slot): the program routes the router's ``logits [E]``
-    itself (``moe_topk.pick_rank``) and takes the expert of rank ``row``; the column block 0
-    programs store the ids and weights (``ids_ptr``, ``weights_ptr``) the down launch reads."""
+    itself (``moe_topk.pick_rank``; ``ROUTE_COPIES`` > 0: ``pick_rank_per_warp``, one copy a
+    warp) and takes the expert of rank ``row``; the column block 0 programs store the ids and
+    weights (``ids_ptr``, ``weights_ptr``) the down launch reads."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -431,8 +433,12 @@ def _moe_gemv_kernel(
         if not LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     if ROUTE:  # one token: this program's slot is the expert of rank `row`
-        routed, w_row = pick_rank(logits_ptr, num_experts, row, A_PER_PAIR, RENORMALIZE,
-                                  BLOCK_E)  # fmt: skip
+        if ROUTE_COPIES > 0:
+            routed, w_row = pick_rank_per_warp(logits_ptr, num_experts, row, A_PER_PAIR,
+                                               RENORMALIZE, BLOCK_E, ROUTE_COPIES)  # fmt: skip
+        else:
+            routed, w_row = pick_rank(logits_ptr, num_experts, row, A_PER_PAIR, RENORMALIZE,
+                                      BLOCK_E)  # fmt: skip
         routed = routed.to(tl.int64)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + row, routed)
@@ -536,6 +542,17 @@ Qwen3-30B-A3B bf16 (``scripts/gpu_moe4.py``): the down alone 14.76 -> 13.37 us a
 8-bit experts: not measured yet, so off."""
 SPLIT_DOWN_CONFIG: dict[str, int] = {}
 """Overrides of the split down's tiles (default: the down GEMV's, whose sums it repeats)."""
+ROUTE_PER_WARP = False
+"""One token routed in the gate/up GEMV (``route_logits``): each warp routes its own copy of
+the logits (``moe_topk.pick_rank_per_warp``: no barrier before the pick) instead of the
+program routing one copy (``pick_rank``: a dozen reductions across warps, each through shared
+memory, before the weight stream starts; H100: the gate/up GEMV 18.98 -> 21.90 us a launch
+with them). Not measured yet: ``scripts/gpu_moe6.py``."""
+WIDE_DOWN = False
+"""One token, 16-bit or per-channel 8-bit experts: the down projection by
+``moe_down.moe_down_wide`` (one program per column block with the k experts' rows as one tile:
+no fp32 partials, counter or last program) instead of the split down or the down GEMV. Not
+measured yet: ``scripts/gpu_moe6.py``."""
 GEMV_DOWN: dict[str, int] = {}
 """Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
 over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
@@ -788,6 +805,8 @@ def fused_moe(
         meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret(),
                           LATE_TRIGGER=LATE_TRIGGER)  # fmt: skip
         meta |= dict(launch_pdl=True) if pdl else {}
+        if route and ROUTE_PER_WARP:  # one copy of the logits a warp
+            route["ROUTE_COPIES"] = cfg["num_warps"]
         res = out if residual is None else residual
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](
             x, w13, s13, o13, act, ids, weights, res, inter, hidden, num_experts,
@@ -796,6 +815,10 @@ def fused_moe(
             MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
             PREFETCH_LINES=1, **cfg, **meta, **route,
         )  # fmt: skip
+        if num_tokens == 1 and layout.quant < 2 and WIDE_DOWN:
+            from roofline.kernels.moe_down import moe_down_wide
+
+            return moe_down_wide(act, w2, weights, ids, out, residual, w2_scale)
         if num_tokens == 1 and layout.quant < 2 and SPLIT_DOWN[layout.quant]:
             from roofline.kernels.moe_down import moe_down_split
 

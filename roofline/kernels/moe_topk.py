@@ -1,6 +1,6 @@
 """One token's MoE routing on the device, shared by the router kernel (its last program routes)
 and the gate/up GEMV (``fused_moe``'s ``ROUTE``: each program picks its own expert,
-``pick_rank``): the fp32
+``pick_rank``, or ``pick_rank_per_warp`` with ``fused_moe.ROUTE_PER_WARP``): the fp32
 softmax of the router logits, then the top-k by rank (``top_k_by_rank``: each expert's rank
 among the probabilities from one ``[E, E]`` comparison, ties to the lowest expert), as
 ``fused_moe.route`` does."""
@@ -69,3 +69,35 @@ def pick_rank(logits_ptr, E, rank_wanted, TOP_K: tl.constexpr, RENORMALIZE: tl.c
     if RENORMALIZE:
         weight = weight / tl.sum(tl.where(key == -1, prob, 0.0), axis=0)
     return expert, weight
+
+
+@triton.jit
+def pick_rank_per_warp(logits_ptr, E, rank_wanted, TOP_K: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                       COPIES: tl.constexpr):  # fmt: skip
+    """``pick_rank`` with every warp routing its own copy of the logits: a ``[COPIES,
+    BLOCK_E]`` tile (COPIES = the program's warps; with ``E`` a multiple of 16 the compiler
+    gives each warp one row, BLOCK_E // 32 values a thread), so each reduction of the softmax
+    and the TOP_K max passes stays within a warp (shuffles, no shared memory or barrier) and
+    only the final pick crosses warps. The probabilities' sums may round differently from
+    ``pick_rank``'s (another summation order): the weight within an ulp, the same experts but
+    at exact near-ties."""
+    offs = tl.arange(0, BLOCK_E)
+    copies = tl.arange(0, COPIES)
+    ptrs = logits_ptr + offs[None, :] + 0 * copies[:, None]  # [COPIES, BLOCK_E]
+    logit = tl.load(ptrs, mask=(offs < E)[None, :], other=float("-inf"), cache_modifier=".cg")
+    logit = logit.to(tl.float32)
+    prob = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+    prob = prob / tl.sum(prob, axis=1)[:, None]  # [COPIES, BLOCK_E] softmax, one a warp
+    bits = prob.to(tl.int32, bitcast=True).to(tl.int64)
+    key = (bits << 32) | (BLOCK_E - 1 - offs[None, :]).to(tl.int64)  # all distinct in a row
+    expert = tl.zeros([COPIES], dtype=tl.int64)
+    for rank in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)  # [COPIES]
+        expert = tl.where(rank == rank_wanted, BLOCK_E - 1 - (best & 0xFFFFFFFF), expert)
+        key = tl.where(key == best[:, None], -1, key)  # chosen: out of the next passes
+    mine = offs[None, :] == expert[:, None]
+    weight = tl.sum(tl.where(mine, prob, 0.0), axis=1)  # [COPIES]
+    if RENORMALIZE:
+        weight = weight / tl.sum(tl.where(key == -1, prob, 0.0), axis=1)
+    return tl.max(expert, axis=0), tl.max(weight, axis=0)  # the copies agree
