@@ -18,7 +18,9 @@ is read, so the router's weight reads leave the step's critical path. Its routin
 top-k in one pass (``top_k_by_rank``: each expert's rank among the probabilities, one
 ``[E, E]`` comparison, the k first stored at their rank) instead of k argmax passes. It lets
 the gate/up launch start (``TRIGGER``) right after its wait or only once its logits are
-stored; ``ROUTER_TRIGGER`` picks (benchmarks compare).
+stored; ``ROUTER_TRIGGER`` picks (benchmarks compare). ``router_logits`` launches it without
+the routing (no counter, no last program): the fused MoE layer's gate/up GEMV routes the
+logits itself (``fused_decode.MOE_ROUTE_IN_GATE_UP``).
 """
 
 from __future__ import annotations
@@ -296,8 +298,7 @@ def _preload(
         1.0 / hidden, eps, TOP_K=top_k, RENORMALIZE=renormalize,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_N=block_n,
         BLOCK_K=block_k, PDL=pdl, TRIGGER=ROUTER_TRIGGER, COMPILED=compiled,
-        ROUTE=route, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        ROUTE=route, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return True
 
