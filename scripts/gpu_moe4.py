@@ -27,6 +27,10 @@ try/except so one failure does not hide the others; a short table last).
 6. (``--quant int8,fp8``) 8 of the 48 layers with 8-bit experts (quantized on the fly):
    batch-1 decode with the down GEMV and with the split down.
 
+Since then the split down it measured was replaced by ``kernels.moe_down``'s one-program-per-
+column-block kernel (``scripts/gpu_moe6.py``): its split-down parity, block bench and switch
+fail (each in its try/except); its profile helpers are what ``gpu_moe5`` / ``gpu_moe6`` use.
+
     python scripts/gpu_moe4.py --quick     # first check (~150 s)
     python scripts/gpu_moe4.py --final     # the figures on merged main (~2 min): 2 + offline
 """
@@ -124,7 +128,7 @@ def kind_of(name: str, after_gate_up: bool) -> str:
     """The kind of a kernel; an expert GEMV right after a gate/up GEMV is the down one."""
     if "_moe_gemv" in name:
         return "expert down" if after_gate_up else "expert gate/up"
-    if "_moe_down_split" in name:
+    if "_moe_down" in name:  # the split down (earlier) or the wide down
         return "expert down"
     for key, kind in KINDS:
         if key in name:

@@ -42,7 +42,7 @@ import triton.language as tl
 from roofline.kernels import check_device, fused_moe_t, is_interpret
 from roofline.kernels.mixed_gemm import _e4m3_to_bf16, _grouped_tile
 from roofline.kernels.moe_align import moe_align
-from roofline.kernels.moe_topk import pick_rank, pick_rank_per_warp
+from roofline.kernels.moe_topk import pick_rank
 from roofline.kernels.pdl import pdl_enabled, prefetch_l2
 from roofline.quantization import formats
 
@@ -385,7 +385,7 @@ def _moe_gemv_kernel(
     PREFETCH_LINES: tl.constexpr, LINE_BYTES: tl.constexpr, FAST_FP8: tl.constexpr,
     LATE_TRIGGER: tl.constexpr, logits_ptr=None, ROUTE: tl.constexpr = False,
     RENORMALIZE: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
-    ROUTE_COPIES: tl.constexpr = 0,
+    ROUTE_COPIES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (row, column block). Gate/up (SILU_MUL, PAIRS_PER_PROGRAM 1): row = pair, input
     row = its token. Down (MUL_WEIGHT, PAIRS_PER_PROGRAM k): row = token, looping over its k
@@ -405,9 +405,9 @@ def _moe_gemv_kernel(
     rows into L2 (``PREFETCH_LINES`` 128-byte lines a row) while gate/up finishes, then wait.
 
     ROUTE (gate/up, one token: row = slot): the program routes the router's ``logits [E]``
-    itself (``moe_topk.pick_rank``; ``ROUTE_COPIES`` > 0: ``pick_rank_per_warp``, one copy a
-    warp) and takes the expert of rank ``row``; the column block 0 programs store the ids and
-    weights (``ids_ptr``, ``weights_ptr``) the down launch reads."""
+    itself (``moe_topk.pick_rank``, one copy of the logits a warp: ``ROUTE_COPIES`` = the
+    program's warps) and takes the expert of rank ``row``; the column block 0 programs store
+    the ids and weights (``ids_ptr``, ``weights_ptr``) the down launch reads."""
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -433,12 +433,8 @@ def _moe_gemv_kernel(
         if not LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     if ROUTE:  # one token: this program's slot is the expert of rank `row`
-        if ROUTE_COPIES > 0:
-            routed, w_row = pick_rank_per_warp(logits_ptr, num_experts, row, A_PER_PAIR,
-                                               RENORMALIZE, BLOCK_E, ROUTE_COPIES)  # fmt: skip
-        else:
-            routed, w_row = pick_rank(logits_ptr, num_experts, row, A_PER_PAIR, RENORMALIZE,
-                                      BLOCK_E)  # fmt: skip
+        routed, w_row = pick_rank(logits_ptr, num_experts, row, A_PER_PAIR, RENORMALIZE,
+                                  BLOCK_E, ROUTE_COPIES)  # fmt: skip
         routed = routed.to(tl.int64)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + row, routed)
@@ -533,26 +529,15 @@ but fill the SMs with waiting programs several launches ahead; benchmarks compar
 DOWN_PREFETCH = True
 """Under PDL at one token, the down GEMV's programs pull their whole weight rows into L2 before
 they wait for gate/up (False: PDL without the prefetch; benchmarks compare)."""
-SPLIT_DOWN = {0: True, 1: False}
+WIDE_DOWN = {0: True, 1: False}
 """Per expert layout (16-bit, int8/fp8), one token: the down projection by
-``kernels.moe_down`` (the experts split over programs, the last of a column block sums) instead
-of the down GEMV (one program per column block looping over the experts); same bits. H100,
-Qwen3-30B-A3B bf16 (``scripts/gpu_moe4.py``): the down alone 14.76 -> 13.37 us a layer (57.5
--> 63.5% of copy), 48-layer batch-1 decode 3.450 -> 3.380 ms a step (289.9 -> 295.8 tok/s).
-8-bit experts: not measured yet, so off."""
-SPLIT_DOWN_CONFIG: dict[str, int] = {}
-"""Overrides of the split down's tiles (default: the down GEMV's, whose sums it repeats)."""
-ROUTE_PER_WARP = False
-"""One token routed in the gate/up GEMV (``route_logits``): each warp routes its own copy of
-the logits (``moe_topk.pick_rank_per_warp``: no barrier before the pick) instead of the
-program routing one copy (``pick_rank``: a dozen reductions across warps, each through shared
-memory, before the weight stream starts; H100: the gate/up GEMV 18.98 -> 21.90 us a launch
-with them). Not measured yet: ``scripts/gpu_moe6.py``."""
-WIDE_DOWN = False
-"""One token, 16-bit or per-channel 8-bit experts: the down projection by
-``moe_down.moe_down_wide`` (one program per column block with the k experts' rows as one tile:
-no fp32 partials, counter or last program) instead of the split down or the down GEMV. Not
-measured yet: ``scripts/gpu_moe6.py``."""
+``kernels.moe_down`` (one program per 8 output rows with all k experts' rows as one tile)
+instead of the down GEMV (one program per column block looping over the experts). H100,
+Qwen3-30B-A3B bf16, 48 layers at batch 1: the down GEMV 14.76 us a layer, the split down that
+preceded this kernel 13.37 (programs per (column block, expert), fp32 partials summed by the
+last of a block: ``scripts/gpu_moe4.py``), this one 3.041 -> 2.928 ms a step against the split
+down (~9.9 us a layer; 4-row tiles 2.950; ``scripts/gpu_moe6.py``). 8-bit experts: not
+measured, so off."""
 GEMV_DOWN: dict[str, int] = {}
 """Overrides of the 16-bit down GEMV's tiles (one program per token and column block, looping
 over the token's k experts; ``scripts/gpu_moe4.py`` sweeps them)."""
@@ -805,7 +790,7 @@ def fused_moe(
         meta: dict = dict(PDL=pdl, LINE_BYTES=128, FAST_FP8=not is_interpret(),
                           LATE_TRIGGER=LATE_TRIGGER)  # fmt: skip
         meta |= dict(launch_pdl=True) if pdl else {}
-        if route and ROUTE_PER_WARP:  # one copy of the logits a warp
+        if route:  # one copy of the logits a warp
             route["ROUTE_COPIES"] = cfg["num_warps"]
         res = out if residual is None else residual
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N"]))](
@@ -815,16 +800,10 @@ def fused_moe(
             MUL_WEIGHT=False, QUANT=layout.quant, GROUP=layout.group13, RESIDUAL=False,
             PREFETCH_LINES=1, **cfg, **meta, **route,
         )  # fmt: skip
-        if num_tokens == 1 and layout.quant < 2 and WIDE_DOWN:
+        if num_tokens == 1 and layout.quant < 2 and WIDE_DOWN[layout.quant]:
             from roofline.kernels.moe_down import moe_down_wide
 
             return moe_down_wide(act, w2, weights, ids, out, residual, w2_scale)
-        if num_tokens == 1 and layout.quant < 2 and SPLIT_DOWN[layout.quant]:
-            from roofline.kernels.moe_down import moe_down_split
-
-            tiles = {k: cfg2[k] for k in ("BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps")}
-            return moe_down_split(act, w2, weights, ids, out, residual, w2_scale,
-                                  tiles | SPLIT_DOWN_CONFIG)  # fmt: skip
         row_bytes = w2.shape[2] * w2.element_size()
         _moe_gemv_kernel[(num_tokens, triton.cdiv(hidden, cfg2["BLOCK_N"]))](
             act, w2, s2, o2, out, ids, weights, res, hidden, inter, num_experts,
