@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +31,7 @@ from gpu_startup_prefill import (
     SUMMARY,
     kernel_split,
     print_split,
+    run_child,
     section,
     step_timeline,
     timed_generate,
@@ -242,16 +242,7 @@ def kernel_sweep(quick: bool) -> tuple[int, int, int, int] | None:
 
 @section("3. a FRESH process: start-up, the default preset's first run, the long-prompt preset")
 def fresh_presets() -> None:
-    cmd = [sys.executable, __file__, "--child-presets"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
-    print("\n".join("  " + ln for ln in lines[-30:]), flush=True)
-    if done.returncode:
-        print(done.stderr[-3000:], flush=True)
-    for ln in lines:
-        if ln.startswith("SUMMARY "):
-            name, _, value = ln[8:].partition(" :: ")
-            SUMMARY.append((name, value))
+    run_child([sys.executable, __file__, "--child-presets"], 400)
 
 
 def child_presets() -> None:

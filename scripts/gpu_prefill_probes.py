@@ -82,9 +82,9 @@ def host_phases(llm, prompt: list[int]) -> None:  # noqa: ANN001
     print(f"  host pieces of one 8192 generate (wall {wall * 1e3:.1f} ms): {parts}", flush=True)
 
 
-def device_gaps(llm, prompt: list[int]) -> None:  # noqa: ANN001
+def device_gaps(llm, prompt: list[int], label: str = "device", top_n: int = 6) -> None:  # noqa: ANN001
     """The device's idle time between consecutive kernels of one generate, by the kernel each
-    gap follows (profiler timestamps)."""
+    gap follows (profiler timestamps), with the device time of that kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     from roofline import SamplingParams
@@ -98,7 +98,7 @@ def device_gaps(llm, prompt: list[int]) -> None:  # noqa: ANN001
     if not spans:
         print("  (no device events)")
         return
-    by_prev: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    by_prev: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     busy = idle = 0.0
     end = spans[0][0]
     prev = "(start)"
@@ -107,13 +107,15 @@ def device_gaps(llm, prompt: list[int]) -> None:  # noqa: ANN001
         idle += gap
         by_prev[prev][0] += 1
         by_prev[prev][1] += gap
+        by_prev[name][2] += stop - start
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
         prev = name
     span = spans[-1][1] - spans[0][0]
-    print(f"  device: first kernel to last {span / 1e3:.1f} ms = busy {busy / 1e3:.1f} + idle "
+    print(f"  {label}: first kernel to last {span / 1e3:.1f} ms = busy {busy / 1e3:.1f} + idle "
           f"{idle / 1e3:.1f} ms over {len(spans)} kernels", flush=True)  # fmt: skip
-    top = sorted(by_prev.items(), key=lambda kv: -kv[1][1])[:6]
-    print("  idle after (count, ms): " + "; ".join(f"{n} x{c} {g / 1e3:.2f}" for n, (c, g) in top))
+    top = sorted(by_prev.items(), key=lambda kv: -kv[1][1])[:top_n]
+    print("  idle after (count, ms; the kernel's own ms): " + "; ".join(
+        f"{n} x{c} {g / 1e3:.2f} ({own / 1e3:.2f})" for n, (c, g, own) in top))  # fmt: skip
     SUMMARY.append(("8192 prefill device idle between kernels", f"{idle / 1e3:.1f} ms of "
                                                                f"{span / 1e3:.1f}"))  # fmt: skip

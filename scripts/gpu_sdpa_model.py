@@ -7,7 +7,6 @@ kernel split (its name has "sm90"): read it in the top-kernels line."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -17,6 +16,7 @@ from gpu_startup_prefill import (
     SUMMARY,
     kernel_split,
     print_split,
+    run_child,
     section,
     step_timeline,
     timed_generate,
@@ -141,16 +141,7 @@ def presets(llm, ceil) -> dict[str, float]:  # noqa: ANN001
 
 @section("6. a FRESH process, path on: start-up with the bucket warm-up, presets run 1, decode")
 def fresh_process(script: str, dry: bool) -> None:
-    cmd = [sys.executable, script, "--child"] + (["--dry"] if dry else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
-    print("\n".join("  " + ln for ln in lines[-30:]), flush=True)
-    if done.returncode:
-        print(done.stderr[-3000:], flush=True)
-    for ln in lines:
-        if ln.startswith("SUMMARY "):
-            name, _, value = ln[8:].partition(" :: ")
-            SUMMARY.append((name, value))
+    run_child([sys.executable, script, "--child"] + (["--dry"] if dry else []), 420)
 
 
 def child(dry: bool) -> None:

@@ -18,6 +18,22 @@ section = sections(
 )
 
 
+def run_child(cmd: list[str], timeout_s: float) -> None:
+    """Run a child process (a fresh engine), echo its last lines, and take its ``SUMMARY name ::
+    value`` lines into ``SUMMARY``."""
+    import subprocess
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    print("\n".join("  " + ln for ln in lines[-30:]), flush=True)
+    if done.returncode:
+        print(done.stderr[-3000:], flush=True)
+    for ln in lines:
+        if ln.startswith("SUMMARY "):
+            name, _, value = ln[8:].partition(" :: ")
+            SUMMARY.append((name, value))
+
+
 def timed_generate(llm, prompts_fn, n: int = 3) -> float:  # noqa: ANN001
     """Median wall seconds of ``llm.generate`` (one output token) over ``n`` prompts."""
     import torch
