@@ -1,6 +1,11 @@
 """The machine's own ceilings, measured in the same run as the benchmark they judge: memory
 bandwidth (a large device-to-device copy) and the matmul rate (a large square GEMM). Every
-benchmark divides its figures by these, so a roofline percentage never rests on a datasheet."""
+benchmark divides its figures by these, so a roofline percentage never rests on a datasheet.
+
+The matmul rate is a burst (ten synchronised GEMMs, ~15 ms of work), the stricter ceiling for
+long compute-bound steps: on an H100 SXM it ran at 1,980 MHz, while GEMMs back to back for 2 s
+reach the 700 W cap and fall to a median ~1,420 MHz, 695-698 TFLOP/s against a burst of 743-768
+(``scripts/gpu_clocks.py``, 2026-11-24, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
