@@ -6,9 +6,9 @@ q and k and stores: ``kernels.kv_store.rotary_kv_store``), then attends every qu
 request's cached sequence. A decode-only step (every request brings exactly one query token) goes
 to ``kernels.decode_attention`` (split-K over the context, GQA-grouped loads); any other step
 (prefill, chunked prefill, prefix-cache hits, mixed with decode rows) goes to
-``kernels.prefill_attention``, which handles query length 1 rows as well; with
-``ROOFLINE_SDPA_PREFILL=1`` an eager step's long prompt chunks go to cuDNN instead
-(``attention/sdpa_prefill.py``). Host-side values come
+``kernels.prefill_attention``, which handles query length 1 rows as well; an eager step's long
+fresh prompt chunks go to cuDNN instead (``attention/sdpa_prefill.py``; ``ROOFLINE_SDPA_PREFILL=0``
+turns that off). Host-side values come
 from the metadata's CPU fields, so the forward never syncs with the device. A quantized cache
 (``kv_scales`` given) is quantized by the store and read in registers by both attention kernels.
 """
@@ -70,7 +70,7 @@ class TritonAttentionBackend:
         self.decode_num_splits = decode_num_splits
         self.prefix_gather = PrefixGatherer()  # long chunks' cached prefixes, gathered per layer
         self.gqa_prefill = gqa.StepChoice()  # eager steps of mostly short chunks: packed tiles
-        self.sdpa_prefill = SdpaPrefill()  # long prompt chunks through cuDNN (off by default)
+        self.sdpa_prefill = SdpaPrefill()  # long fresh prompt chunks through cuDNN (eager steps)
 
     def forward(
         self,
