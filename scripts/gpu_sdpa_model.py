@@ -2,8 +2,8 @@
 Llama-3.1-8B with the cuDNN prefill path on and off (8192 and 8000 fresh, 7808 over 192 cached,
 2048 over 8192 cached: % of the matmul ceiling), the long-prompt and default presets on and off,
 and a FRESH process with the path on (start-up with the bucket warm-up, the presets' first runs,
-batch-1 decode at --max-model-len 8448). cuDNN's attention kernel counts under "GEMM" in the
-kernel split (its name has "sm90"): read it in the top-kernels line."""
+batch-1 decode at --max-model-len 8448). cuDNN's attention kernel
+(``cudnn_generated_fort_native_sdpa_...``) counts under "attention" in the kernel split."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def kernel_split(llm, prompt: list[int]) -> tuple[float, dict[str, float]]:  # n
     from roofline import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    groups = {"attention": ("_prefill",), "rmsnorm": ("rms_norm",),
+    groups = {"attention": ("_prefill", "sdpa", "fmha", "flash"), "rmsnorm": ("rms_norm",),
               "rope+kv store": ("rotary", "kv_store", "store_kv"), "silu*mul": ("silu",),
               "prefix gather": ("index_select", "indexselect", "index_kernel"),
               "GEMM": ("gemm", "nvjet", "cutlass", "sm90", "xmma", "skinny")}  # fmt: skip
