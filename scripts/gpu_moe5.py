@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_moe2 as m2  # noqa: E402 - the section runner, check / rel_err, the table
-import gpu_moe4 as m4  # noqa: E402 - the profile by kernel kind, the batch-1 recapture
+import gpu_moe4 as m4  # noqa: E402 - setup, the profile by kernel kind, the batch-1 recapture
 
-from roofline.bench.ceilings import Ceilings, measure  # noqa: E402
+from roofline.bench.ceilings import Ceilings  # noqa: E402
 from roofline.kernels import decode_attention_fused as fa  # noqa: E402
 from roofline.kernels import fused_moe as fm  # noqa: E402
 from roofline.kernels import last_program  # noqa: E402
@@ -65,18 +65,11 @@ def left_s() -> float:
 
 
 def setup(dry: bool) -> Ceilings:
-    """The device (the CPU under ``dry``) for this module and the ones it borrows from, and the
-    ceilings (measured on the GPU)."""
+    """``gpu_moe4.setup`` (the device for it and ``gpu_moe2``: the CPU under ``dry``; the
+    ceilings, measured on the GPU), then the same device for this module."""
     global DRY, DEVICE
-    DRY, DEVICE = dry, "cpu" if dry else "cuda"
-    m2.DEVICE = m4.DEVICE = DEVICE
-    if dry:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("--dry-run needs TRITON_INTERPRET=1")
-        return Ceilings("CPU (dry run)", 1e12, 1e12, "bfloat16")
-    ceil = measure(torch.device(DEVICE), torch.bfloat16)
-    print(f"ceilings ({ceil.device_name}): copy {ceil.bandwidth_bytes_per_s / 1e12:.2f} TB/s, "
-          f"bf16 matmul {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+    ceil = m4.setup(dry)
+    DRY, DEVICE = m4.DRY, m4.DEVICE
     SUMMARY["ceilings"] = vars(ceil)
     return ceil
 
@@ -162,7 +155,7 @@ def attention_parity(gen: torch.Generator) -> int:
 
 def moe_block(gen: torch.Generator) -> tuple:
     """Random Qwen3-30B-A3B MoE block weights (bf16): w13, w2, router, norm weight, top_k."""
-    E, K, H, INTER = m2.SHAPES["qwen3-30b-a3b"] if not DRY else (16, 4, 64, 32)
+    E, K, H, INTER = m2.SHAPES["qwen3-30b-a3b"] if not DRY else m4.DRY_SHAPES
     w13 = (0.02 * torch.randn(E, 2 * INTER, H, device=DEVICE, generator=gen)).bfloat16()
     w2 = (0.02 * torch.randn(E, H, INTER, device=DEVICE, generator=gen)).bfloat16()
     router = (0.02 * torch.randn(E, H, device=DEVICE, generator=gen)).bfloat16()
