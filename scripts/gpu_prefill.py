@@ -263,6 +263,20 @@ def child_presets() -> None:
 
 
 @section("4. 8192-token prefill through Llama-3.1-8B: committed vs best tiles; 2048 over 8k")
+def chunks_over_cached(llm, base: list[int], rows: int = 2048):  # noqa: ANN001, ANN201
+    """``base`` cached once (the prefix cache reset first), then a prompts function for
+    ``timed_generate``: ``base`` plus ``rows`` tokens not seen before, a new run each call."""
+    llm.llm_engine.kv_manager.reset_prefix_cache()
+    llm.generate([base], None, use_tqdm=False)  # the prefix, cached
+    suffixes = iter(range(20000, 120000, rows + 52))
+
+    def chunk(i: int) -> list[int]:
+        start = next(suffixes)
+        return base + list(range(start, start + rows))
+
+    return chunk
+
+
 def model_prefill(llm, ceil, best) -> tuple | None:  # noqa: ANN001
     from roofline.planner.roofline import step_cost
 
@@ -311,13 +325,7 @@ def model_prefill(llm, ceil, best) -> tuple | None:  # noqa: ANN001
         print(f"  host pieces: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
     chunk_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(2048, 8192)])
-    llm.llm_engine.kv_manager.reset_prefix_cache()
-    llm.generate([base], None, use_tqdm=False)  # the prefix, cached
-    suffixes = iter(range(20000, 120000, 2100))
-
-    def chunk(i: int) -> list[int]:
-        start = next(suffixes)
-        return base + list(range(start, start + 2048))
+    chunk = chunks_over_cached(llm, base)
 
     for label, t_cfg in tiles.items():
         pa.TMA_TILES = t_cfg

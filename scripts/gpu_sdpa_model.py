@@ -95,13 +95,7 @@ def model_prefill(llm, ceil) -> dict[str, float]:  # noqa: ANN001
         SUMMARY.append((f"8B chunk 7808 over 192 path {'on' if on else 'off'}",
                         f"{t * 1e3:.1f} ms, {pct:.1f}%"))  # fmt: skip
     chunk_cost = step_cost(cfg, ceil.as_gpu_spec(), prefill_chunks=[(2048, 8192)])
-    llm.llm_engine.kv_manager.reset_prefix_cache()
-    llm.generate([base], None, use_tqdm=False)  # the prefix, cached
-    suffixes = iter(range(20000, 200000, 2100))
-
-    def chunk(i: int) -> list[int]:
-        start = next(suffixes)
-        return base + list(range(start, start + 2048))
+    chunk = gp.chunks_over_cached(llm, base)
 
     for on in (True, False):
         set_path(llm, on)
