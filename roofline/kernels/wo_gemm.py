@@ -332,6 +332,8 @@ def fits(
     tiles (shapes, strides and pointers only, no sync)."""
     if kind not in ("int8", "int4") or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
+    if cfg.ws and cfg.block_n != 128:  # two consumer warpgroups
+        return False
     k = x.shape[1]
     n = qweight.shape[0]
     if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or k % cfg.block_k:
@@ -398,6 +400,10 @@ def wo_gemm(
     int8 ``scales`` hold one value per row ([N] or [N, 1]); int4 ``scales`` / ``offsets`` are
     ``[N, K // group]``; int4 with ``offsets=None`` is symmetric (offset ``-8 s``, bf16 scales:
     widened in bf16x2 arithmetic, two instructions a weight)."""
+    if cfg.ws == 2:
+        from roofline.kernels.wo_gemm_sk import sk_gemm
+
+        return sk_gemm(kind, x, qweight, scales, offsets, bias, cfg)
     if cfg.ws:
         from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 

@@ -17,7 +17,8 @@ class WoConfig(NamedTuple):
     split_k: int  # K slices
     stages: int  # TMA ring depth
     group_m: int = 8  # row blocks of x that walk the same weight columns together
-    ws: int = 0  # 1: the warp-specialized form (kernels.wo_gemm_ws: split_k 1, block_n 128)
+    ws: int = 0  # 1: the warp-specialized form (kernels.wo_gemm_ws: split_k 1, block_n 128);
+    # 2: its persistent stream-K form (kernels.wo_gemm_sk: one program per SM, block_n 128)
 
 
 WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
@@ -61,7 +62,7 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
 """(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
 other shapes and buckets keep ``kernels.mixed_gemm`` (kind ``int4s``: symmetric int4 in bf16x2
 arithmetic, passes the GPU smoke test but is not measured yet: no entries)."""
-M_BUCKETS = (32, 64, 128, 256, 512)
+M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def m_bucket(m: int) -> int:

@@ -1,0 +1,405 @@
+"""The persistent stream-K form of the Hopper swap-AB GEMM (Gluon): ``kernels.wo_gemm_ws``'s
+warp-specialized program (one loader warp, two consumer warpgroups of 64 weight rows each), launched
+once per SM and walking a share of the whole problem instead of one output tile.
+
+Why: at a few hundred rows of x the output has few tiles. Llama-3.1-8B's qkv at 256 rows is 96
+tiles of 128 x 128 on 132 SMs, so one tile per program leaves 36 SMs idle for the whole launch
+(the GEMM ran at 96 / 132 of the rate its programs reach). Here the problem is cut into *units*
+(one output tile x one ``BLOCK_K`` slice of K):
+
+* the first ``dp_tiles`` tiles (a multiple of the program count) are dealt whole, round robin,
+  one after another in each program;
+* the units of the remaining tiles are split evenly: program ``p`` takes units
+  ``[p U // P, (p + 1) U // P)`` of them, which may start and end inside a tile. A tile that a
+  program covers whole is stored at once; one it covers in part leaves an fp32 partial in the
+  program's slot (its first segment in slot 0, its last in slot 1), and the last of the tile's
+  programs to arrive (an acq_rel atomic counter per tile and warpgroup) adds the partials in
+  program order, scales, stores and zeroes the counter: deterministic, one launch, replayable in
+  CUDA graphs (``last_program.stream_counters``).
+
+The loader and both consumers walk the same list, so the TMA ring runs on across tiles (the next
+tile's first loads overlap this tile's last MMAs and its epilogue). Weights: int8 per row, int4
+g-wise with offsets, symmetric int4 (``kernels.wo_gemm``'s widening in registers and
+register-A ``wgmma``, tile k + 1 widened while tile k's MMAs run), or plain 16-bit (``KIND_BF16``:
+both operands from shared memory, one MMA group left in flight, its stage released when it
+retires).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from roofline.kernels import num_sms
+from roofline.kernels.last_program import stream_counters
+from roofline.kernels.wo_gemm import (
+    KIND_INT8,
+    WoConfig,
+    _group_scales,
+    _widen,
+    a_layout_bytes,
+    kind_and_descriptors,
+)
+
+KIND_BF16 = 3
+MAX_TILES = 1 << 16
+
+
+def schedule(tiles: int, k_tiles: int, programs: int) -> tuple[int, int]:
+    """(programs, dp_tiles): at most one program per unit; the tiles dealt whole are the largest
+    multiple of the program count that leaves at least one full round of tiles to split (none
+    when the tiles fill the programs evenly)."""
+    units = tiles * k_tiles
+    programs = max(1, min(programs, units))
+    if tiles % programs == 0:
+        return programs, tiles
+    rounds = tiles // programs
+    return programs, max(0, rounds - 1) * programs
+
+
+def segments(tiles: int, k_tiles: int, programs: int, pid: int) -> list[tuple[int, int, int]]:
+    """(tile, first K tile, end K tile) that program ``pid`` computes, in order: the plain-Python
+    mirror of the kernel's walk (tests and the GPU script check the kernel against it)."""
+    programs, dp = schedule(tiles, k_tiles, programs)
+    out = [(t, 0, k_tiles) for t in range(pid, dp, programs)]
+    units = (tiles - dp) * k_tiles
+    u, end = (pid * units) // programs, ((pid + 1) * units) // programs
+    while u < end:
+        t = u // k_tiles
+        k0 = u - t * k_tiles
+        k1 = min(k_tiles, k0 + end - u)
+        out.append((dp + t, k0, k1))
+        u += k1 - k0
+    return out
+
+
+def owner(unit: int, programs: int, units: int) -> int:
+    """The program whose stream-K range holds ``unit`` (ranges start at ``p units // programs``)."""
+    return ((unit + 1) * programs + units - 1) // units - 1
+
+
+@gluon.jit
+def _owner(u, P, U):
+    return ((u + 1) * P + U - 1) // U - 1
+
+
+@gluon.jit
+def _tile_offsets(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):  # fmt: skip
+    per_group = GROUP_M * num_pid_n
+    first_m = (t // per_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % group_rows
+    pid_n = (t % per_group) // group_rows
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k1, c,
+          BLOCK_K: gl.constexpr, QK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """K tiles ``k0 .. k1 - 1`` of one output tile into the ring; ``c`` counts ring uses."""
+    tile_bytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for kk in range(k0, k1):
+        s = c % STAGES
+        mbarrier.wait(empty.index(s), ((c // STAGES) + 1) & 1, pred=c >= STAGES)
+        mbarrier.expect(ready.index(s), tile_bytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, kk * BLOCK_K], ready.index(s),
+                                        x_smem.index(s))  # fmt: skip
+        tma.async_copy_global_to_shared(q_desc, [off_n, kk * QK], ready.index(s), q_smem.index(s))
+        c += 1
+    return c
+
+
+@gluon.jit
+def _loader(x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_start, sk_end,
+            k_tiles, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, QK: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
+    c = 0
+    for t in range(pid, dp_tiles, P):
+        off_m, off_n = _tile_offsets(t, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        c = _load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, 0, k_tiles, c,
+                  BLOCK_K, QK, STAGES)  # fmt: skip
+    u = sk_start
+    while u < sk_end:
+        t = u // k_tiles
+        k0 = u - t * k_tiles
+        k1 = gl.minimum(k_tiles, k0 + sk_end - u)
+        off_m, off_n = _tile_offsets(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M, BLOCK_M,
+                                     BLOCK_N)  # fmt: skip
+        c = _load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k1, c,
+                  BLOCK_K, QK, STAGES)  # fmt: skip
+        u += k1 - k0
+
+
+@gluon.jit
+def _mma_bf16(x_smem, q_smem, ready, empty, k0, k1, c, acc, WG: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """16-bit weights: both operands from shared memory; tile k's stage is released once tile
+    k + 1's MMAs are issued and tile k's retired."""
+    for kk in range(k0, k1):
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        a = q_smem.index(s).slice(WG * 64, 64)
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > k0)
+        c += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+    return acc, c
+
+
+@gluon.jit
+def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0, k1,
+                 c, acc, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
+                 GROUP: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Packed weights: ``wo_gemm_ws``'s consumer loop over K tiles ``k0 .. k1 - 1`` (tile k + 1
+    widened while tile k's MMAs run; every MMA retired before an A register is rewritten)."""
+    last = k1 - 1
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, KIND, GROUP, BLOCK_K)
+    s0 = c % STAGES
+    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+    w = _widen(q_smem.index(s0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K)
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k0 + 1, last), stride_s,
+                               KIND, GROUP, BLOCK_K)  # fmt: skip
+    for kk in range(k0, k1):
+        s = c % STAGES
+        cn = c + 1
+        sn = cn % STAGES
+        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(kk + 2, last),
+                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+        # (after the segment's last tile: a stage not awaited, widened and dropped)
+        mbarrier.wait(ready.index(sn), (cn // STAGES) & 1, pred=kk < last)
+        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
+                        BLOCK_K)  # fmt: skip
+        span = span2
+        base = base2
+        acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+        mbarrier.arrive(empty.index(s))
+        w = w_next
+        c = cn
+    return acc, c
+
+
+@gluon.jit
+def _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND: gl.constexpr,
+            HAS_BIAS: gl.constexpr):  # fmt: skip
+    n_ok = offs_n < N
+    if KIND == 0:
+        res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    if HAS_BIAS:
+        res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    mask = n_ok[:, None] & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+    gl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+              M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles, num_pid_m, num_pid_n,
+              stride_s, stride_om, WG: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr,
+              HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One warpgroup: rows ``64 WG .. 64 WG + 63`` of every tile of the program's list."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])  # along N
+    TILE: gl.constexpr = BLOCK_N * BLOCK_M
+    c = 0
+    n_dp = gl.cdiv(gl.maximum(dp_tiles - pid, 0), P)  # the dealt tiles, then the stream-K range
+    u = sk_start
+    item = 0
+    while (item < n_dp) | (u < sk_end):
+        if item < n_dp:
+            tile = pid + item * P
+            t_sk = 0
+            k0 = 0
+            k1 = k_tiles
+        else:
+            t_sk = u // k_tiles
+            tile = dp_tiles + t_sk
+            k0 = u - t_sk * k_tiles
+            k1 = gl.minimum(k_tiles, k0 + sk_end - u)
+        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
+        row0 = off_n + WG * 64
+        acc = gl.zeros([64, BLOCK_M], gl.float32, acc_layout)
+        if KIND == 3:
+            acc, c = _mma_bf16(x_smem, q_smem, ready, empty, k0, k1, c, acc, WG, STAGES)
+        else:
+            rows_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+            rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
+            rows_b = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
+            rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
+            acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
+                                  stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
+                                  STAGES)  # fmt: skip
+        res = gl.convert_layout(acc, out_layout)  # [64, BM]
+        offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+        if (k0 == 0) & (k1 == k_tiles):
+            _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND,
+                    HAS_BIAS)  # fmt: skip
+        else:
+            # the partial goes to this program's slot: 0 for its first segment, 1 for its last
+            slot = 2 * pid + (u != sk_start).to(gl.int32)
+            r = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+            col = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+            offs_t = r[:, None] * BLOCK_M + col[None, :]
+            gl.store(ws_ptr + slot.to(gl.int64) * TILE + offs_t, res)
+            gl.thread_barrier()  # the warpgroup's partial is written
+            counter = lock_ptr + tile * 2 + WG
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            first = _owner(t_sk * k_tiles, P, sk_units)
+            final = _owner(t_sk * k_tiles + k_tiles - 1, P, sk_units)
+            if arrived == final - first:  # the tile's last program: sum in program order
+                CH: gl.constexpr = 64 if BLOCK_M > 64 else BLOCK_M  # columns at a time
+                for ch in gl.static_range(BLOCK_M // CH):
+                    col_c = ch * CH + gl.arange(0, CH, layout=gl.SliceLayout(0, out_layout))
+                    offs_c = r[:, None] * BLOCK_M + col_c[None, :]
+                    total = gl.zeros([64, CH], gl.float32, out_layout)
+                    for q in range(first, final + 1):
+                        starts_here = (q * sk_units) // P == t_sk * k_tiles
+                        slot_q = 2 * q + ((q == first) & ~starts_here).to(gl.int32)
+                        part = ws_ptr + slot_q.to(gl.int64) * TILE + offs_c
+                        total += gl.load(part, cache_modifier=".cg")
+                    _finish(total, s_ptr, bias_ptr, out_ptr, offs_n, off_m + col_c, M, N,
+                            stride_om, KIND, HAS_BIAS)  # fmt: skip
+                gl.atomic_xchg(counter, 0)
+        if item < n_dp:
+            item += 1
+        else:
+            u += k1 - k0
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _wo_sk_kernel(
+    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_s,
+    stride_om, dp_tiles,
+    KIND: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
+    NWG: gl.constexpr = BLOCK_N // 64
+    gl.static_assert(NWG == 2, "two consumer warpgroups")
+    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) else BLOCK_K
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K
+    sk_units = (num_pid_m * num_pid_n - dp_tiles) * k_tiles
+    sk_start = (pid * sk_units) // P
+    sk_end = ((pid + 1) * sk_units) // P
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, QK], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=NWG)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr,
+                         lock_ptr, M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles,
+                         num_pid_m, num_pid_n, stride_s, stride_om, 0, KIND, GROUP, HAS_BIAS,
+                         GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+            (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr,
+                         lock_ptr, M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles,
+                         num_pid_m, num_pid_n, stride_s, stride_om, 1, KIND, GROUP, HAS_BIAS,
+                         GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+            (_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_start,
+                       sk_end, k_tiles, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N,
+                       BLOCK_K, QK, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
+def _descriptors(kind: str, x: torch.Tensor, weight: torch.Tensor, scales, offsets,
+                 cfg: WoConfig) -> tuple[int, object, object]:  # fmt: skip
+    if kind != "bf16":
+        return kind_and_descriptors("wo_gemm_sk", kind, x, weight, scales, offsets, cfg)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], gl.bfloat16)
+    return (
+        KIND_BF16,
+        TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
+        TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k], w_layout),
+    )
+
+
+def fits_bf16(x: torch.Tensor, weight: torch.Tensor, cfg: WoConfig) -> bool:
+    """``sk_gemm``'s layout checks for a 16-bit weight (any device): bf16 x and weight with
+    16-byte aligned rows (TMA), K a multiple of BLOCK_K."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
+        return False
+    k = x.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != k or k % cfg.block_k:
+        return False
+    for t in (x, weight):
+        if t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def sk_gemm(
+    kind: str,
+    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    weight: torch.Tensor,  # bf16 [N, K] ("bf16") or the packed qweight
+    scales: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cfg: WoConfig,
+    programs: int | None = None,
+) -> torch.Tensor:  # [M, N] bf16
+    """``x @ W^T (+ bias)`` for ``kind`` "bf16" (W as stored) or ``wo_gemm``'s packed kinds
+    (its contract; ``offsets=None`` for symmetric int4), one persistent program per SM (or
+    ``programs``); ``cfg.block_n`` must be 128 (two consumer warpgroups)."""
+    if cfg.block_n != 128:
+        raise ValueError(f"wo_gemm_sk: 128 weight rows a tile ({cfg})")
+    m, k = x.shape
+    n = weight.shape[0]
+    code, x_desc, q_desc = _descriptors(kind, x, weight, scales, offsets, cfg)
+    int4 = code not in (KIND_INT8, KIND_BF16)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_tiles = k // cfg.block_k
+    if tiles > MAX_TILES // 2:
+        raise ValueError(f"wo_gemm_sk: {m} x {n} is {tiles} tiles (at most {MAX_TILES // 2})")
+    grid, dp_tiles = schedule(tiles, k_tiles, programs or num_sms(x.device))
+    # slots 2p and 2p + 1: program p's first and last segments where they are partial tiles
+    ws = torch.empty(2 * grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
+    locks = stream_counters(x.device, MAX_TILES, "wo_gemm_sk")  # 2 per tile, zero between launches
+    if scales is None:
+        scales = out
+    if offsets is not None and offsets.stride() != scales.stride():
+        scales, offsets = scales.contiguous(), offsets.contiguous()
+    _wo_sk_kernel[(grid,)](
+        x_desc, q_desc, scales, offsets if offsets is not None else scales,
+        bias if bias is not None else scales, out, ws, locks, m, n, k,
+        scales.stride(0) if int4 else 1, out.stride(0), dp_tiles,
+        KIND=code, GROUP=k // scales.shape[1] if int4 else 0, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        GROUP_M=cfg.group_m, CONSUMER_REGS=224, num_warps=4,
+    )  # fmt: skip
+    return out
