@@ -253,31 +253,28 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
             _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND,
                     HAS_BIAS)  # fmt: skip
         else:
-            # the partial goes to this program's slot: 0 for its first segment, 1 for its last
-            slot = 2 * pid + (u != sk_start).to(gl.int32)
-            r = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+            # (a slot holds each warpgroup's [BLOCK_M, 64] partial transposed: the threads'
+            # consecutive rows are consecutive addresses, as in out_layout)
+            r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
             col = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-            offs_t = r[:, None] * BLOCK_M + col[None, :]
-            gl.store(ws_ptr + slot.to(gl.int64) * TILE + offs_t, res)
-            gl.thread_barrier()  # the warpgroup's partial is written
+            offs_t = (WG * BLOCK_M + col[None, :]) * 64 + r[:, None]
             counter = lock_ptr + tile * 2 + WG
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            first = _owner(t_sk * k_tiles, P, sk_units)
-            final = _owner(t_sk * k_tiles + k_tiles - 1, P, sk_units)
-            if arrived == final - first:  # the tile's last program: sum in program order
-                CH: gl.constexpr = 64 if BLOCK_M > 64 else BLOCK_M  # columns at a time
-                for ch in gl.static_range(BLOCK_M // CH):
-                    col_c = ch * CH + gl.arange(0, CH, layout=gl.SliceLayout(0, out_layout))
-                    offs_c = r[:, None] * BLOCK_M + col_c[None, :]
-                    total = gl.zeros([64, CH], gl.float32, out_layout)
-                    for q in range(first, final + 1):
-                        starts_here = (q * sk_units) // P == t_sk * k_tiles
-                        slot_q = 2 * q + ((q == first) & ~starts_here).to(gl.int32)
-                        part = ws_ptr + slot_q.to(gl.int64) * TILE + offs_c
-                        total += gl.load(part, cache_modifier=".cg")
-                    _finish(total, s_ptr, bias_ptr, out_ptr, offs_n, off_m + col_c, M, N,
-                            stride_om, KIND, HAS_BIAS)  # fmt: skip
-                gl.atomic_xchg(counter, 0)
+            if k0 > 0:  # a later part: into this program's slot (its first segment), then count
+                gl.store(ws_ptr + pid.to(gl.int64) * TILE + offs_t, res)
+                gl.thread_barrier()  # the warpgroup's partial is written
+                gl.atomic_add(counter, 1, sem="release", scope="gpu")
+            else:  # the tile's first part (this program's last segment): add the later parts
+                first = _owner(t_sk * k_tiles, P, sk_units)
+                final = _owner(t_sk * k_tiles + k_tiles - 1, P, sk_units)
+                # they ran at the start of their programs' ranges: normally no wait here
+                while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") < final - first:
+                    pass
+                for q in range(first + 1, final + 1):  # in program order
+                    part = ws_ptr + q.to(gl.int64) * TILE + offs_t
+                    res += gl.load(part, cache_modifier=".cg")
+                _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND,
+                        HAS_BIAS)  # fmt: skip
+                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         if item < n_dp:
             item += 1
         else:
@@ -387,8 +384,8 @@ def sk_gemm(
     if tiles > MAX_TILES // 2:
         raise ValueError(f"wo_gemm_sk: {m} x {n} is {tiles} tiles (at most {MAX_TILES // 2})")
     grid, dp_tiles = schedule(tiles, k_tiles, programs or num_sms(x.device))
-    # slots 2p and 2p + 1: program p's first and last segments where they are partial tiles
-    ws = torch.empty(2 * grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
+    # slot p: program p's first segment where it is a later part of a tile
+    ws = torch.empty(grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
     locks = stream_counters(x.device, MAX_TILES, "wo_gemm_sk")  # 2 per tile, zero between launches
     if scales is None:
         scales = out
