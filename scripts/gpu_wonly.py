@@ -165,7 +165,7 @@ SMOKE = [  # (kind, config): one launch each before the sweep, in a child with a
     (kind, cfg)
     for cfg in ((128, 128, 64, 1, 4), (128, 64, 128, 2, 4), (128, 128, 64, 1, 4, 8, 1),
                 (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
-                (256, 128, 64, 1, 4, 8, SK), (64, 128, 128, 1, 4, 8, SK))
+                (128, 128, 64, 1, 6, 8, SK), (64, 128, 128, 1, 4, 8, SK))
     for kind in ("int8", "int4", "int4s")
 ]  # fmt: skip
 
@@ -461,74 +461,6 @@ def graph_replays_equal(fn, *args) -> bool:
     return same
 
 
-BF16_SK = {  # (BLOCK_M, BLOCK_N, BLOCK_K, 1, STAGES, GROUP_M, 2) per M bucket
-    64: [(64, 128, 128, 1, 4, 8, SK), (64, 128, 64, 1, 8, 8, SK)],
-    128: [(128, 128, 64, 1, 6, 8, SK), (128, 128, 128, 1, 3, 8, SK), (64, 128, 128, 1, 4, 8, SK)],
-    256: [(128, 128, 64, 1, 6, 8, SK), (128, 128, 128, 1, 3, 8, SK), (256, 128, 64, 1, 3, 8, SK),
-          (256, 128, 64, 1, 4, 8, SK), (128, 128, 64, 1, 4, 8, SK)],
-    512: [(256, 128, 64, 1, 3, 8, SK), (128, 128, 64, 1, 6, 8, SK), (256, 128, 64, 1, 4, 8, SK)],
-    2048: [(256, 128, 64, 1, 4, 8, SK), (128, 128, 64, 1, 6, 8, SK)],
-    8192: [(256, 128, 64, 1, 4, 8, SK), (128, 128, 64, 1, 6, 8, SK)],
-}  # fmt: skip
-
-
-@base.section("bf16 sk")
-def bf16_sk(ms: list[int]) -> None:
-    """The stream-K GEMM on 16-bit weights (``wo_gemm_sk.sk_gemm("bf16", ...)``) beside cuBLAS
-    (``F.linear``) per shape and M: each candidate checked against an fp32 product on the GPU
-    and for bit-identical graph replays before it is timed (weights cycled out of L2)."""
-    from roofline.kernels import wo_gemm_sk as sk
-
-    for m in ms:
-        fams = [wg.WoConfig(*c) for c in BF16_SK[m]]
-        for layer, (n, k) in base.SHAPES.items():
-            flop = 2.0 * m * n * k
-            w16 = [(torch.randn(n, k, device="cuda", dtype=BF16) * 0.02,) for _ in range(4)]
-            x = torch.randn(m, k, device="cuda", dtype=BF16)
-            xs = torch.randn(m - 3, k, device="cuda", dtype=BF16)
-            ref = xs.float() @ w16[0][0].float().T
-            t16 = base.time_ring(partial(F.linear, x), w16, False)
-            res = []
-            for c in fams:
-                fn = partial(sk.sk_gemm, "bf16", scales=None, offsets=None, bias=None, cfg=c)
-                try:
-                    err = base.rel_err(fn(xs, w16[0][0]), ref)
-                    same = graph_replays_equal(fn, x, w16[0][0])
-                    t = base.time_ring(partial(fn, x), w16, False)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  bf16 sk {layer} M={m} {tuple(c)}: {type(e).__name__}: {e}")
-                    continue
-                if not (err < 1e-2 and same):
-                    WO_WRONG.append(f"bf16 sk {layer} M={m} {tuple(c)}: {err:.2e} same={same}")
-                    print(f"  WRONG {WO_WRONG[-1]}", flush=True)
-                    continue
-                res.append((t, c))
-            if not res:
-                continue
-            res.sort()
-            t_best, best = res[0]
-            print(
-                f"bf16 {layer:7} M={m:5}: cuBLAS {t16 * 1e6:7.1f} us ({flop / t16 / 1e12:4.0f} "
-                f"TF/s) | sk {t_best * 1e6:7.1f} ({flop / t_best / 1e12:4.0f} TF/s, "
-                f"{t16 / t_best:4.2f}x) {tuple(best)}; next: "
-                + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in res[1:3]),
-                flush=True,
-            )
-            mma.SUMMARY[f"bf16sk_{layer}_{m}"] = {"cublas_us": t16 * 1e6, "sk_us": t_best * 1e6,
-                                                  "sk": tuple(best)}  # fmt: skip
-            del w16
-        got = [mma.SUMMARY.get(f"bf16sk_{layer}_{m}") for layer in base.SHAPES]
-        if all(got):
-            mma.TABLE.append(
-                f"bf16 M={m:5}: cuBLAS / sk "
-                + "/".join(f"{g['cublas_us'] / g['sk_us']:.2f}" for g in got)
-                + " (qkv/o/gate_up/down); sk "
-                + "/".join(f"{g['sk_us']:.1f}" for g in got)
-                + " us"
-            )
-    mma.TABLE.append(f"wrong configs (wo + bf16 sk): {len(WO_WRONG)}")
-
-
 def smoke_verdict(path: str) -> list[str]:
     """Run ``smoke`` in a child (90 s at most); the flags that keep a kernel form that hung,
     faulted or computed wrong out of the sweep."""
@@ -581,7 +513,6 @@ def main() -> None:
     ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
-    ap.add_argument("--bf16-sk", default="", help="M values of the bf16 stream-K section")
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-sk", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
@@ -590,7 +521,6 @@ def main() -> None:
     if not args.wo_child:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     wo_ms = [int(v) for v in args.wo.split(",") if v]
-    skip: list[str] = []  # kernel forms the smoke test failed
     if args.smoke:
         smoke(args.smoke)
         return
@@ -625,8 +555,6 @@ def main() -> None:
         else:
             mma.TABLE.append(f"wo section FAILED (exit {code})")
         print(f"WO_CONFIGS for the engine runs: {wg.WO_CONFIGS}", flush=True)
-    if args.bf16_sk and "--skip-sk" not in skip:
-        bf16_sk([int(v) for v in args.bf16_sk.split(",")])
     if args.ceiling:
         ceiling([int(v) for v in args.ceiling.split(",")])
     mma.FAMILIES.clear()

@@ -334,6 +334,8 @@ def fits(
         return False
     if cfg.ws and cfg.block_n != 128:  # two consumer warpgroups
         return False
+    if cfg.ws == 2 and cfg.block_m > 128:  # (kernels.wo_gemm_sk)
+        return False
     k = x.shape[1]
     n = qweight.shape[0]
     if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or k % cfg.block_k:

@@ -35,10 +35,33 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     # (bf16 cuBLAS 101.7), int4 qkv 40.9 -> 35.1, gate_up 112.3 -> 107.7; M = 128 int8 gate_up
     # 68.3 -> 66.0, int4 gate_up 77.6 -> 68.8. bf16 / this at M = 256 now int8 0.73/0.84/1.04/0.89,
     # int4 0.68/0.73/0.95/0.67.
+    # Third check (2026-11-24, eleventh session, `--wo 256,128,2048,8192 --kinds int8,int4s`):
+    # the stream-K form (ws = 2) and symmetric int4 ("int4s", the layout on-the-fly int4 makes)
+    # timed for the first time, and 2,048 / 8,192 rows against dequantize + cuBLAS. Stream-K took
+    # the down projections and int4s qkv (us, what the layer ran before -> this; bf16 cuBLAS in
+    # brackets): M = 256 int8 down 66.1 -> 61.9 (57.6), int4s down 83.4 -> 57.6 (57.6), int4s
+    # qkv 35.5 -> 30.5 (24.1); M = 128 int8 down 43.0 -> 38.8 (52.1), int4s down 45.8 -> 35.4,
+    # int4s qkv 26.0 -> 21.3 (21.5). bf16 / this at M = 256 int8 0.75/0.83/1.04/0.93, int4s
+    # 0.79/0.82/1.03/1.00 (qkv/o/gate_up/down); M = 128 int8 0.97/0.84/1.35/1.34, int4s
+    # 1.01/0.91/1.44/1.48. M = 2048 int8, the warp-specialized form: 0.89/0.85/0.82/0.92 against
+    # dequantize + cuBLAS's 0.85/0.84/0.74/0.83 (int4s no faster there); at 8,192 rows dequantize
+    # + cuBLAS stays (int8 0.79/0.87/0.95/1.00 against this kernel's 0.79/0.74/0.92/0.89).
     ("int8", 6144, 4096, 256): (128, 128, 128, 1, 4, 8, 1),
     ("int8", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
     ("int8", 28672, 4096, 256): (256, 128, 64, 1, 4, 8, 1),
-    ("int8", 4096, 14336, 256): (128, 64, 128, 1, 4, 8),
+    ("int8", 4096, 14336, 256): (128, 128, 128, 1, 4, 8, 2),
+    ("int4s", 6144, 4096, 256): (128, 128, 128, 1, 4, 8, 2),
+    ("int4s", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
+    ("int4s", 28672, 4096, 256): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 4096, 14336, 256): (128, 128, 128, 1, 4, 8, 2),
+    ("int4s", 6144, 4096, 128): (128, 128, 128, 1, 4, 8, 2),
+    ("int4s", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
+    ("int4s", 28672, 4096, 128): (128, 128, 128, 1, 4, 8, 2),
+    ("int4s", 4096, 14336, 128): (128, 128, 128, 1, 4, 8, 2),
+    ("int8", 6144, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 4096, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 28672, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 4096, 14336, 2048): (256, 128, 64, 1, 4, 8, 1),
     ("int4", 6144, 4096, 256): (128, 128, 128, 1, 4, 8, 1),
     ("int4", 4096, 4096, 256): (128, 64, 128, 1, 4, 8),
     ("int4", 28672, 4096, 256): (256, 128, 64, 1, 4, 8, 1),
@@ -46,7 +69,7 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("int8", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
     ("int8", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
     ("int8", 28672, 4096, 128): (128, 128, 128, 1, 4, 8, 1),
-    ("int8", 4096, 14336, 128): (128, 64, 128, 2, 4, 8),
+    ("int8", 4096, 14336, 128): (128, 128, 64, 1, 6, 8, 2),
     ("int4", 6144, 4096, 128): (128, 64, 128, 1, 4, 8),
     ("int4", 4096, 4096, 128): (128, 64, 128, 2, 4, 8),
     ("int4", 28672, 4096, 128): (128, 128, 128, 1, 4, 8, 1),
@@ -60,8 +83,8 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("int4", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
 }
 """(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
-other shapes and buckets keep ``kernels.mixed_gemm`` (kind ``int4s``: symmetric int4 in bf16x2
-arithmetic, passes the GPU smoke test but is not measured yet: no entries)."""
+other shapes and buckets keep ``kernels.mixed_gemm``; kind ``int4s``: symmetric int4 (offsets
+``-8 s``, bf16 scales) widened in bf16x2 arithmetic, tried before ``int4`` for such layers."""
 M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 

@@ -1,28 +1,29 @@
-"""The persistent stream-K form of the Hopper swap-AB GEMM (Gluon): ``kernels.wo_gemm_ws``'s
-warp-specialized program (one loader warp, two consumer warpgroups of 64 weight rows each), launched
-once per SM and walking a share of the whole problem instead of one output tile.
+"""The persistent stream-K form of the Hopper swap-AB weight-only GEMM (Gluon):
+``kernels.wo_gemm_ws``'s warp-specialized program (one loader warp, two consumer warpgroups of 64
+weight rows each, the weight widened in registers into register-A ``wgmma``), launched once per
+SM, each program walking its share of the whole problem instead of one output tile.
 
-Why: at a few hundred rows of x the output has few tiles. Llama-3.1-8B's qkv at 256 rows is 96
-tiles of 128 x 128 on 132 SMs, so one tile per program leaves 36 SMs idle for the whole launch
-(the GEMM ran at 96 / 132 of the rate its programs reach). Here the problem is cut into *units*
+Why: at a few hundred rows of x the output has few tiles. Llama-3.1-8B's down projection at 256
+rows is 64 tiles of 128 x 128 (and 32 at 128 rows) on 132 SMs: one tile per program leaves half
+the SMs idle, and split-K pays a partial sum for every tile. Here the problem is cut into *units*
 (one output tile x one ``BLOCK_K`` slice of K):
 
-* the first ``dp_tiles`` tiles (a multiple of the program count) are dealt whole, round robin,
-  one after another in each program;
-* the units of the remaining tiles are split evenly: program ``p`` takes units
-  ``[p U // P, (p + 1) U // P)`` of them, which may start and end inside a tile. A tile that a
-  program covers whole is stored at once; one it covers in part leaves an fp32 partial in the
-  program's slot (its first segment in slot 0, its last in slot 1), and the last of the tile's
-  programs to arrive (an acq_rel atomic counter per tile and warpgroup) adds the partials in
-  program order, scales, stores and zeroes the counter: deterministic, one launch, replayable in
-  CUDA graphs (``last_program.stream_counters``).
+* the first ``dp_tiles`` tiles (a multiple of the program count, see ``schedule``) are dealt
+  whole, round robin;
+* the units of the other tiles are split evenly: program ``p`` takes units ``[p U // P,
+  (p + 1) U // P)``, which may start and end inside a tile. A tile covered whole is stored at
+  once. A tile's *later* parts come first in their programs' ranges: each leaves its fp32
+  partial in its program's slot and counts itself on the tile's counter (release). The tile's
+  *first* part is the last segment of its program: that program waits until the counter shows
+  every later part (normally long done), adds them in program order to its own, scales, stores
+  and zeroes the counter. Deterministic, one launch, replayable in CUDA graphs
+  (``last_program.stream_counters``); every program must be resident at once (the grid is at
+  most the SM count), since a first part waits for later ones.
 
-The loader and both consumers walk the same list, so the TMA ring runs on across tiles (the next
-tile's first loads overlap this tile's last MMAs and its epilogue). Weights: int8 per row, int4
-g-wise with offsets, symmetric int4 (``kernels.wo_gemm``'s widening in registers and
-register-A ``wgmma``, tile k + 1 widened while tile k's MMAs run), or plain 16-bit (``KIND_BF16``:
-both operands from shared memory, one MMA group left in flight, its stage released when it
-retires).
+The loader and both consumers walk the same list, so the TMA ring runs on across tiles. Tiles of
+at most 128 rows of x: at 256 rows two row blocks of a weight block run far apart in time and
+read the weight twice (measured: qkv at 256 rows no faster than the warp-specialized form), and
+256-row tiles spill in the epilogue.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from roofline.kernels.wo_gemm import (
     kind_and_descriptors,
 )
 
-KIND_BF16 = 3
 MAX_TILES = 1 << 16
 
 
@@ -142,24 +142,6 @@ def _loader(x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_s
 
 
 @gluon.jit
-def _mma_bf16(x_smem, q_smem, ready, empty, k0, k1, c, acc, WG: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
-    """16-bit weights: both operands from shared memory; tile k's stage is released once tile
-    k + 1's MMAs are issued and tile k's retired."""
-    for kk in range(k0, k1):
-        s = c % STAGES
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        a = q_smem.index(s).slice(WG * 64, 64)
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > k0)
-        c += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-    return acc, c
-
-
-@gluon.jit
 def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0, k1,
                  c, acc, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
                  GROUP: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -236,16 +218,13 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
         off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
         row0 = off_n + WG * 64
         acc = gl.zeros([64, BLOCK_M], gl.float32, acc_layout)
-        if KIND == 3:
-            acc, c = _mma_bf16(x_smem, q_smem, ready, empty, k0, k1, c, acc, WG, STAGES)
-        else:
-            rows_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
-            rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
-            rows_b = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
-            rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
-            acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
-                                  stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
-                                  STAGES)  # fmt: skip
+        rows_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+        rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
+        rows_b = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
+        rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
+        acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
+                              stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
+                              STAGES)  # fmt: skip
         res = gl.convert_layout(acc, out_layout)  # [64, BM]
         offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
@@ -330,65 +309,36 @@ def _wo_sk_kernel(
     )  # fmt: skip
 
 
-def _descriptors(kind: str, x: torch.Tensor, weight: torch.Tensor, scales, offsets,
-                 cfg: WoConfig) -> tuple[int, object, object]:  # fmt: skip
-    if kind != "bf16":
-        return kind_and_descriptors("wo_gemm_sk", kind, x, weight, scales, offsets, cfg)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], gl.bfloat16)
-    return (
-        KIND_BF16,
-        TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
-        TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k], w_layout),
-    )
-
-
-def fits_bf16(x: torch.Tensor, weight: torch.Tensor, cfg: WoConfig) -> bool:
-    """``sk_gemm``'s layout checks for a 16-bit weight (any device): bf16 x and weight with
-    16-byte aligned rows (TMA), K a multiple of BLOCK_K."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
-        return False
-    k = x.shape[1]
-    if weight.dim() != 2 or weight.shape[1] != k or k % cfg.block_k:
-        return False
-    for t in (x, weight):
-        if t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
-            return False
-    return True
-
-
 def sk_gemm(
     kind: str,
     x: torch.Tensor,  # [M, K] bf16, rows contiguous
-    weight: torch.Tensor,  # bf16 [N, K] ("bf16") or the packed qweight
-    scales: torch.Tensor | None,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
     cfg: WoConfig,
     programs: int | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
-    """``x @ W^T (+ bias)`` for ``kind`` "bf16" (W as stored) or ``wo_gemm``'s packed kinds
-    (its contract; ``offsets=None`` for symmetric int4), one persistent program per SM (or
-    ``programs``); ``cfg.block_n`` must be 128 (two consumer warpgroups)."""
-    if cfg.block_n != 128:
-        raise ValueError(f"wo_gemm_sk: 128 weight rows a tile ({cfg})")
+    """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), one persistent
+    program per SM (or ``programs``, at most the SMs: a tile's first part waits for its later
+    parts, so every program must be resident); ``cfg.block_n`` must be 128."""
+    if cfg.block_n != 128 or cfg.block_m > 128:
+        raise ValueError(f"wo_gemm_sk: 128 weight rows and at most 128 rows of x a tile ({cfg})")
     m, k = x.shape
-    n = weight.shape[0]
-    code, x_desc, q_desc = _descriptors(kind, x, weight, scales, offsets, cfg)
-    int4 = code not in (KIND_INT8, KIND_BF16)
+    n = qweight.shape[0]
+    code, x_desc, q_desc = kind_and_descriptors(
+        "wo_gemm_sk", kind, x, qweight, scales, offsets, cfg
+    )
+    int4 = code != KIND_INT8
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_tiles = k // cfg.block_k
     if tiles > MAX_TILES // 2:
         raise ValueError(f"wo_gemm_sk: {m} x {n} is {tiles} tiles (at most {MAX_TILES // 2})")
-    grid, dp_tiles = schedule(tiles, k_tiles, programs or num_sms(x.device))
-    # slot p: program p's first segment where it is a later part of a tile
+    grid, dp_tiles = schedule(tiles, k_tiles, min(programs or num_sms(x.device), num_sms(x.device)))
+    # slot p: program p's first segment where that is a later part of a tile
     ws = torch.empty(grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
     locks = stream_counters(x.device, MAX_TILES, "wo_gemm_sk")  # 2 per tile, zero between launches
-    if scales is None:
-        scales = out
     if offsets is not None and offsets.stride() != scales.stride():
         scales, offsets = scales.contiguous(), offsets.contiguous()
     _wo_sk_kernel[(grid,)](

@@ -92,7 +92,8 @@ def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
     table = {("int8", 6144, 4096, 256): (256, 128, 64, 2, 4)}
     monkeypatch.setattr(wo_gemm_configs, "WO_CONFIGS", table)
-    assert [wg.m_bucket(m) for m in (17, 64, 65, 256, 300, 513)] == [32, 64, 128, 256, 512, 0]
+    ms = (17, 64, 65, 256, 300, 513, 2048, 8192, 8193)
+    assert [wg.m_bucket(m) for m in ms] == [32, 64, 128, 256, 512, 1024, 2048, 8192, 0]
     assert wg.pick("int8", 200, 6144, 4096) == wg.WoConfig(256, 128, 64, 2, 4)
     assert wg.pick("int8", 100, 6144, 4096) is None  # bucket 128 not measured
     assert wg.pick("int4", 200, 6144, 4096) is None
@@ -108,6 +109,8 @@ REPRESENTATIVE = [  # (kind, config)
     ("int8", (256, 128, 64, 1, 4, 8, 1)),  # warp-specialized
     ("int4", (128, 128, 128, 1, 4, 8, 1)),
     ("int4s", (64, 128, 128, 1, 4, 8, 1)),
+    ("int8", (128, 128, 64, 1, 6, 8, 2)),  # stream-K
+    ("int4", (64, 128, 128, 1, 4, 8, 2)),
 ]
 
 
@@ -130,7 +133,11 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
         TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
         TensorDescriptor.from_tensor(q, [cfg.block_n, qk], q_layout),
     ]
-    if cfg.ws:
+    if cfg.ws == 2:
+        from roofline.kernels import wo_gemm_sk
+
+        fn = wo_gemm_sk._wo_sk_kernel
+    elif cfg.ws:
         from roofline.kernels import wo_gemm_ws
 
         fn = wo_gemm_ws._wo_ws_kernel
@@ -140,7 +147,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     types = dict(zip(("x_desc", "q_desc"), map(mangle_type, descs)))
     types.update({n: "*bf16" for n in ("s_ptr", "o_ptr", "bias_ptr", "out_ptr")})
     types.update({"ws_ptr": "*fp32", "lock_ptr": "*i32"})
-    types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om")})
+    types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om", "dp_tiles")})
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
         KIND={"int8": 0, "int4": 1, "int4s": 2}[kind], GROUP=128 if int4 else 0, HAS_BIAS=True,
