@@ -334,7 +334,7 @@ def fits(
         return False
     if cfg.ws and cfg.block_n != 128:  # two consumer warpgroups
         return False
-    if cfg.ws == 2 and cfg.block_m > 128:  # (kernels.wo_gemm_sk)
+    if cfg.ws == 2 and cfg.block_m not in (64, 128, 256):  # (kernels.wo_gemm_sk)
         return False
     k = x.shape[1]
     n = qweight.shape[0]

@@ -175,6 +175,83 @@ def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, str
 
 
 @gluon.jit
+def _mma_widened_pair(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0,
+                      k1, c, acc, acc1, a_layout: gl.constexpr, WG: gl.constexpr,
+                      KIND: gl.constexpr, GROUP: gl.constexpr, HM: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """``_mma_widened`` for a tile of two ``HM``-row halves of x: each widened weight tile feeds
+    one MMA per half (two accumulators: one weight read and one widening for 2 HM rows)."""
+    last = k1 - 1
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, KIND, GROUP, BLOCK_K)
+    s0 = c % STAGES
+    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+    w = _widen(q_smem.index(s0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K)
+    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k0 + 1, last), stride_s,
+                               KIND, GROUP, BLOCK_K)  # fmt: skip
+    for kk in range(k0, k1):
+        s = c % STAGES
+        cn = c + 1
+        sn = cn % STAGES
+        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(kk + 2, last),
+                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+        mbarrier.wait(ready.index(sn), (cn // STAGES) & 1, pred=kk < last)
+        xs = x_smem.index(s)
+        acc = warpgroup_mma(w, xs.slice(0, HM).permute((1, 0)), acc, is_async=True)
+        acc1 = warpgroup_mma(w, xs.slice(HM, HM).permute((1, 0)), acc1, is_async=True)
+        w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
+                        BLOCK_K)  # fmt: skip
+        span = span2
+        base = base2
+        acc, acc1, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc1, w, w_next])
+        mbarrier.arrive(empty.index(s))
+        w = w_next
+        c = cn
+    return acc, acc1, c
+
+
+@gluon.jit
+def _half_out(acc, off_m, h, offs_n, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
+              out_layout: gl.constexpr, KIND: gl.constexpr, HAS_BIAS: gl.constexpr,
+              HM: gl.constexpr):  # fmt: skip
+    """A whole tile's half ``h``: scaled and stored."""
+    res = gl.convert_layout(acc, out_layout)
+    offs_m = off_m + h * HM + gl.arange(0, HM, layout=gl.SliceLayout(0, out_layout))
+    _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND, HAS_BIAS)
+
+
+@gluon.jit
+def _half_offsets(h, WG: gl.constexpr, HALVES: gl.constexpr, HM: gl.constexpr,
+                  out_layout: gl.constexpr):  # fmt: skip
+    """Offsets of warpgroup WG's half ``h`` in a slot (``[HM, 64]`` transposed: the threads'
+    consecutive rows are consecutive addresses, as in out_layout)."""
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+    col = gl.arange(0, HM, layout=gl.SliceLayout(0, out_layout))
+    return ((WG * HALVES + h) * HM + col[None, :]) * 64 + r[:, None]
+
+
+@gluon.jit
+def _half_save(acc, slot, h, WG: gl.constexpr, HALVES: gl.constexpr, HM: gl.constexpr,
+               out_layout: gl.constexpr):  # fmt: skip
+    """A later part's half ``h`` into its slot."""
+    res = gl.convert_layout(acc, out_layout)
+    gl.store(slot + _half_offsets(h, WG, HALVES, HM, out_layout), res)
+
+
+@gluon.jit
+def _half_sum(acc, ws_ptr, first, final, off_m, h, offs_n, s_ptr, bias_ptr, out_ptr, M, N,
+              stride_om, TILE: gl.constexpr, WG: gl.constexpr, HALVES: gl.constexpr,
+              HM: gl.constexpr, out_layout: gl.constexpr, KIND: gl.constexpr,
+              HAS_BIAS: gl.constexpr):  # fmt: skip
+    """A first part's half ``h`` plus the later parts' (program order), scaled and stored."""
+    res = gl.convert_layout(acc, out_layout)
+    offs_t = _half_offsets(h, WG, HALVES, HM, out_layout)
+    for q in range(first + 1, final + 1):
+        res += gl.load(ws_ptr + q.to(gl.int64) * TILE + offs_t, cache_modifier=".cg")
+    offs_m = off_m + h * HM + gl.arange(0, HM, layout=gl.SliceLayout(0, out_layout))
+    _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND, HAS_BIAS)
+
+
+@gluon.jit
 def _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND: gl.constexpr,
             HAS_BIAS: gl.constexpr):  # fmt: skip
     n_ok = offs_n < N
@@ -193,9 +270,12 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
               stride_s, stride_om, WG: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr,
               HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One warpgroup: rows ``64 WG .. 64 WG + 63`` of every tile of the program's list."""
+    """One warpgroup: rows ``64 WG .. 64 WG + 63`` of every tile of the program's list; a tile of
+    256 rows of x is two halves of 128 (``HALVES``), each its own accumulator."""
+    HALVES: gl.constexpr = 2 if BLOCK_M > 128 else 1
+    HM: gl.constexpr = BLOCK_M // HALVES
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HM, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])  # along N
@@ -217,29 +297,34 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
             k1 = gl.minimum(k_tiles, k0 + sk_end - u)
         off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N)
         row0 = off_n + WG * 64
-        acc = gl.zeros([64, BLOCK_M], gl.float32, acc_layout)
+        acc = gl.zeros([64, HM], gl.float32, acc_layout)
         rows_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
         rows_n = gl.minimum(rows_n, N - 1).to(gl.int64)
         rows_b = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout_bytes(a_layout)))
         rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
-        acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
-                              stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
-                              STAGES)  # fmt: skip
-        res = gl.convert_layout(acc, out_layout)  # [64, BM]
-        offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-        if (k0 == 0) & (k1 == k_tiles):
-            _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND,
-                    HAS_BIAS)  # fmt: skip
+        if HALVES == 2:
+            acc1 = gl.zeros([64, HM], gl.float32, acc_layout)
+            acc, acc1, c = _mma_widened_pair(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n,
+                                             rows_b, stride_s, k0, k1, c, acc, acc1, a_layout, WG,
+                                             KIND, GROUP, HM, BLOCK_K, STAGES)  # fmt: skip
         else:
-            # (a slot holds each warpgroup's [BLOCK_M, 64] partial transposed: the threads'
-            # consecutive rows are consecutive addresses, as in out_layout)
-            r = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
-            col = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-            offs_t = (WG * BLOCK_M + col[None, :]) * 64 + r[:, None]
+            acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
+                                  stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
+                                  STAGES)  # fmt: skip
+        offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
+        if (k0 == 0) & (k1 == k_tiles):
+            _half_out(acc, off_m, 0, offs_n, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                      out_layout, KIND, HAS_BIAS, HM)  # fmt: skip
+            if HALVES == 2:
+                _half_out(acc1, off_m, 1, offs_n, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                          out_layout, KIND, HAS_BIAS, HM)  # fmt: skip
+        else:
             counter = lock_ptr + tile * 2 + WG
             if k0 > 0:  # a later part: into this program's slot (its first segment), then count
-                gl.store(ws_ptr + pid.to(gl.int64) * TILE + offs_t, res)
+                slot = ws_ptr + pid.to(gl.int64) * TILE
+                _half_save(acc, slot, 0, WG, HALVES, HM, out_layout)
+                if HALVES == 2:
+                    _half_save(acc1, slot, 1, WG, HALVES, HM, out_layout)
                 gl.thread_barrier()  # the warpgroup's partial is written
                 gl.atomic_add(counter, 1, sem="release", scope="gpu")
             else:  # the tile's first part (this program's last segment): add the later parts
@@ -248,11 +333,13 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
                 # they ran at the start of their programs' ranges: normally no wait here
                 while gl.atomic_add(counter, 0, sem="acquire", scope="gpu") < final - first:
                     pass
-                for q in range(first + 1, final + 1):  # in program order
-                    part = ws_ptr + q.to(gl.int64) * TILE + offs_t
-                    res += gl.load(part, cache_modifier=".cg")
-                _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND,
-                        HAS_BIAS)  # fmt: skip
+                _half_sum(acc, ws_ptr, first, final, off_m, 0, offs_n, s_ptr, bias_ptr, out_ptr,
+                          M, N, stride_om, TILE, WG, HALVES, HM, out_layout, KIND,
+                          HAS_BIAS)  # fmt: skip
+                if HALVES == 2:
+                    _half_sum(acc1, ws_ptr, first, final, off_m, 1, offs_n, s_ptr, bias_ptr,
+                              out_ptr, M, N, stride_om, TILE, WG, HALVES, HM, out_layout, KIND,
+                              HAS_BIAS)  # fmt: skip
                 gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         if item < n_dp:
             item += 1
@@ -322,8 +409,8 @@ def sk_gemm(
     """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), one persistent
     program per SM (or ``programs``, at most the SMs: a tile's first part waits for its later
     parts, so every program must be resident); ``cfg.block_n`` must be 128."""
-    if cfg.block_n != 128 or cfg.block_m > 128:
-        raise ValueError(f"wo_gemm_sk: 128 weight rows and at most 128 rows of x a tile ({cfg})")
+    if cfg.block_n != 128 or cfg.block_m not in (64, 128, 256):
+        raise ValueError(f"wo_gemm_sk: 128 weight rows and 64, 128 or 256 rows of x ({cfg})")
     m, k = x.shape
     n = qweight.shape[0]
     code, x_desc, q_desc = kind_and_descriptors(

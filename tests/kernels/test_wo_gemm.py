@@ -111,6 +111,7 @@ REPRESENTATIVE = [  # (kind, config)
     ("int4s", (64, 128, 128, 1, 4, 8, 1)),
     ("int8", (128, 128, 64, 1, 6, 8, 2)),  # stream-K
     ("int4", (64, 128, 128, 1, 4, 8, 2)),
+    ("int4s", (256, 128, 64, 1, 4, 8, 2)),  # stream-K, two halves of x
 ]
 
 
