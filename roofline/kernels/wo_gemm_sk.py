@@ -20,10 +20,12 @@ the SMs idle, and split-K pays a partial sum for every tile. Here the problem is
   (``last_program.stream_counters``); every program must be resident at once (the grid is at
   most the SM count), since a first part waits for later ones.
 
-The loader and both consumers walk the same list, so the TMA ring runs on across tiles. Tiles of
-at most 128 rows of x: at 256 rows two row blocks of a weight block run far apart in time and
-read the weight twice (measured: qkv at 256 rows no faster than the warp-specialized form), and
-256-row tiles spill in the epilogue.
+The loader and both consumers walk the same list, so the TMA ring runs on across tiles. A tile
+of 256 rows of x is two halves of 128, each its own accumulator fed by the same widened weight
+tile (one 64 x 256 accumulator spills in the epilogue; two 128-row tiles of one weight block run
+far apart in time and read it twice). What the H100 measured (``wo_gemm_configs``): the down
+projections at 128-512 rows and most shapes at 512 gain; qkv and o at 256 rows do not (stream-K
+runs its units at about 3/4 of the dealt form's rate per SM there: ``docs/architecture.md``).
 """
 
 from __future__ import annotations
