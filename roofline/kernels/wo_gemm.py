@@ -40,7 +40,7 @@ from roofline.kernels.wo_gemm_configs import WO_CONFIGS, WoConfig, m_bucket, pic
 
 __all__ = ["WO_CONFIGS", "WoConfig", "fits", "m_bucket", "pick", "supports", "wo_gemm"]
 
-KIND_INT8, KIND_INT4, KIND_INT4_SYM = 0, 1, 2
+KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8 = 0, 1, 2, 3
 
 
 INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
@@ -111,6 +111,35 @@ def _int4_halves(b):
     return lo.to(gl.float32, bitcast=True), hi.to(gl.float32, bitcast=True)
 
 
+FP8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
+    """{
+    .reg .b32 u, m, g, c;
+    cvt.u32.u16 u, $1;
+    prmt.b32 u, u, 0, 0x4140;
+    shl.b32 m, u, 4;
+    and.b32 m, m, 0x07F007F0;
+    shl.b32 g, u, 8;
+    and.b32 g, g, 0x80008000;
+    or.b32 m, m, g;
+    mov.b32 c, 0x7B807B80;
+    mul.rn.bf16x2 $0, m, c;
+    }"""
+)
+"""Two e4m3 bytes (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact: each
+byte's sign goes to bit 15 and its exponent and mantissa bits under bf16's (``(b & 0x7F) << 4``:
+the e4m3 value times 2^-120 as a bf16, subnormals included), and a bf16x2 multiply by 2^120
+restores the scale (a power of two: exact). NaN bytes (0x7F, 0xFF) do not occur in quantized
+weights."""
+
+
+@gluon.jit
+def _fp8_to_bf16(q):
+    """e4m3 bytes (as int8) -> bf16, exact, two at a time (``FP8_TO_BF16_PTX``)."""
+    return gl.inline_asm_elementwise(
+        FP8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
+    )
+
+
 @gluon.jit(do_not_specialize=["M"])
 def _wo_gemm_kernel(
     x_desc,  # TMA [M, K] bf16, block [BLOCK_M, BLOCK_K]
@@ -142,7 +171,7 @@ def _wo_gemm_kernel(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    QK: gl.constexpr = BLOCK_K if KIND == 0 else BLOCK_K // 2  # bytes of a weight row per tile
+    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) else BLOCK_K  # bytes a row
 
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -217,7 +246,7 @@ def _wo_gemm_kernel(
     if SPLIT_K == 1 and HAS_BIAS:  # row scale and bias in the MMA layout (fewer live registers)
         rows_a = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         ok_a = rows_a < N
-        if KIND == 0:
+        if (KIND == 0) | (KIND == 3):  # row scales
             acc = acc * gl.load(s_ptr + rows_a, mask=ok_a, other=0.0).to(gl.float32)[:, None]
         acc = acc + gl.load(bias_ptr + rows_a, mask=ok_a, other=0.0).to(gl.float32)[:, None]
     out_layout: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, NW], [0, 1])  # along N
@@ -227,7 +256,7 @@ def _wo_gemm_kernel(
     n_ok = offs_n < N
     mask = n_ok[:, None] & (offs_m[None, :] < M)
     if SPLIT_K == 1:
-        if KIND == 0 and not HAS_BIAS:
+        if ((KIND == 0) | (KIND == 3)) and not HAS_BIAS:
             res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
         gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
@@ -247,7 +276,7 @@ def _wo_gemm_kernel(
                 for sl in range(SPLIT_K):  # .cg: from L2, never a stale L1 line
                     part = ws_ptr + sl * slice_size + offs_wc
                     total += gl.load(part, mask=mask_c, other=0.0, cache_modifier=".cg")
-                if KIND == 0:  # the row scales
+                if (KIND == 0) | (KIND == 3):  # the row scales
                     total = (
                         total
                         * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
@@ -296,6 +325,8 @@ def _widen(
     """The tile in bf16, in wgmma's A-operand register layout."""
     if KIND == 0:
         w = _int8_to_bf16(q_tile.load(a_layout))
+    elif KIND == 3:
+        w = _fp8_to_bf16(q_tile.load(a_layout))
     elif KIND == 1:
         # bytes in the A layout of a [BN, BK / 2] tile: each thread's byte holds its k pair
         b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
@@ -328,9 +359,9 @@ def fits(
     kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cfg: WoConfig
 ) -> bool:
     """The layout checks of ``supports`` (any device): bf16 x with 16-byte aligned rows (TMA),
-    K a multiple of BLOCK_K, int8 with one scale per row, or int4 whose groups hold whole K
-    tiles (shapes, strides and pointers only, no sync)."""
-    if kind not in ("int8", "int4") or x.dtype != torch.bfloat16 or x.dim() != 2:
+    K a multiple of BLOCK_K, int8 or fp8 (e4m3) with one scale per row, or int4 whose groups
+    hold whole K tiles (shapes, strides and pointers only, no sync)."""
+    if kind not in ("int8", "int4", "fp8") or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
     if cfg.ws and cfg.block_n != 128:  # two consumer warpgroups
         return False
@@ -342,8 +373,9 @@ def fits(
         return False
     if not qweight.is_contiguous() or qweight.data_ptr() % 16 or qweight.stride(0) % 16:
         return False
-    if kind == "int8":
-        return qweight.dtype == torch.int8 and qweight.shape[1] == k and scales.numel() == n
+    if kind in ("int8", "fp8"):
+        dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+        return qweight.dtype == dtype and qweight.shape[1] == k and scales.numel() == n
     groups = scales.shape[1] if scales.dim() == 2 else 0
     return (
         qweight.dtype == torch.uint8
@@ -370,13 +402,16 @@ def kind_and_descriptors(
 
     if kind == "int8":
         code = KIND_INT8
+    elif kind == "fp8":  # e4m3 bytes, read as int8
+        code = KIND_FP8
+        qweight = qweight.view(torch.int8)
     elif offsets is None:  # symmetric int4: offset = -8 s (bf16 scales)
         if scales.dtype != torch.bfloat16:
             raise ValueError(f"{caller}: symmetric int4 (no offsets) takes bf16 scales")
         code = KIND_INT4_SYM
     else:
         code = KIND_INT4
-    int4 = code != KIND_INT8
+    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     qk = cfg.block_k // 2 if int4 else cfg.block_k
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
     q_dtype = gl.uint8 if int4 else gl.int8
@@ -413,7 +448,7 @@ def wo_gemm(
     m, k = x.shape
     n = qweight.shape[0]
     code, x_desc, q_desc = kind_and_descriptors("wo_gemm", kind, x, qweight, scales, offsets, cfg)
-    int4 = code != KIND_INT8
+    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, k // cfg.block_k))  # no empty slice

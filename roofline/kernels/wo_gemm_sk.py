@@ -45,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from roofline.kernels import num_sms
 from roofline.kernels.last_program import stream_counters
 from roofline.kernels.wo_gemm import (
-    KIND_INT8,
+    KIND_INT4,
+    KIND_INT4_SYM,
     WoConfig,
     _group_scales,
     _widen,
@@ -257,7 +258,7 @@ def _half_sum(acc, ws_ptr, first, final, off_m, h, offs_n, s_ptr, bias_ptr, out_
 def _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND: gl.constexpr,
             HAS_BIAS: gl.constexpr):  # fmt: skip
     n_ok = offs_n < N
-    if KIND == 0:
+    if (KIND == 0) | (KIND == 3):  # row scales (int8, fp8)
         res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     if HAS_BIAS:
         res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
@@ -418,7 +419,7 @@ def sk_gemm(
     code, x_desc, q_desc = kind_and_descriptors(
         "wo_gemm_sk", kind, x, qweight, scales, offsets, cfg
     )
-    int4 = code != KIND_INT8
+    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_tiles = k // cfg.block_k

@@ -27,7 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from roofline.kernels.wo_gemm import (
-    KIND_INT8,
+    KIND_INT4,
+    KIND_INT4_SYM,
     WoConfig,
     _group_scales,
     _widen,
@@ -94,7 +95,7 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, M, 
     offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     n_ok = offs_n < N
-    if KIND == 0:
+    if (KIND == 0) | (KIND == 3):  # row scales (int8, fp8)
         res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     if HAS_BIAS:
         res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
@@ -112,7 +113,7 @@ def _wo_ws_kernel(
 ):  # fmt: skip
     gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
     NWG: gl.constexpr = BLOCK_N // 64
-    QK: gl.constexpr = BLOCK_K if KIND == 0 else BLOCK_K // 2
+    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) else BLOCK_K
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -171,7 +172,7 @@ def wo_gemm_ws(
     code, x_desc, q_desc = kind_and_descriptors(
         "wo_gemm_ws", kind, x, qweight, scales, offsets, cfg
     )
-    int4 = code != KIND_INT8
+    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if offsets is not None and offsets.stride() != scales.stride():
         scales, offsets = scales.contiguous(), offsets.contiguous()

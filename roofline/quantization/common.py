@@ -7,8 +7,8 @@ one of the canonical layouts (``formats``) by device and number of rows:
   ``prepare_kernel_layout`` set after loading: a repacked copy, or the canonical bytes
   themselves) where it takes the weight, else ``kernels.quant_gemv`` (magic-number
   unpacking, tuned per shape);
-* CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 per channel and int4 at the shapes
-  and M buckets of ``kernels.wo_gemm_configs.WO_CONFIGS``: ``kernels.wo_gemm``
+* CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 and fp8 per channel and int4 at the
+  shapes and M buckets of ``kernels.wo_gemm_configs.WO_CONFIGS``: ``kernels.wo_gemm``
   (``ROOFLINE_WO_GEMM=0``: off);
 * CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
   widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
@@ -63,7 +63,7 @@ GEMV_MAX_ROWS = int(os.environ.get("ROOFLINE_QUANT_GEMV_MAX_ROWS", str(DECODE_MA
 # or, where its tuned table says so, dequantize + cuBLAS; ROOFLINE_QUANT_MIXED_GEMM=0 keeps the
 # older choice below (the generic fused GEMM up to fused_max_rows, then dequantize + cuBLAS).
 USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
-# Before it, int8 (per channel) and int4 layers take kernels.wo_gemm (Hopper: TMA, register-A
+# Before it, int8 / fp8 (per channel) and int4 layers take kernels.wo_gemm (Hopper: TMA, register-A
 # wgmma overlapping the next tile's widening) at the shapes and M buckets of its measured table;
 # ROOFLINE_WO_GEMM=0 keeps them on kernels.mixed_gemm.
 USE_WO_GEMM = os.environ.get("ROOFLINE_WO_GEMM", "1") != "0"
@@ -200,7 +200,7 @@ def quantized_linear(
         if quant_gemv.supports(kind, x, layer.qweight, layer.scales):
             return quant_gemv.quant_gemv(kind, x, layer.qweight, layer.scales, offsets, bias)
     n, k = layer.qweight.shape[0], x.shape[-1]
-    if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4"):
+    if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4", "fp8"):
         from roofline.kernels import wo_gemm
 
         sym = getattr(layer, "int4_symmetric", False)  # offsets are -8 s (bf16 scales)

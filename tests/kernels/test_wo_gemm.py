@@ -47,6 +47,22 @@ def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out = a[0] ^ a[1]
         elif op == "sub.f32":
             out = (as_f32(a[0]) - as_f32(a[1])).view(np.uint32)
+        elif op == "mov.b32":
+            out = a[0]
+        elif op == "shl.b32":
+            out = a[0] << a[1]
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "or.b32":
+            out = a[0] | a[1]
+        elif op == "mul.rn.bf16x2":  # each half: bf16 -> fp32, multiply, round to bf16
+            halves = []
+            for shift in (0, 16):
+                f = [((v >> shift) & 0xFFFF) << 16 for v in a]
+                prod = torch.from_numpy((as_f32(f[0]) * as_f32(f[1])).copy())
+                bits = prod.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                halves.append(bits.astype(np.uint32) << shift)
+            out = halves[0] | halves[1]
         elif op == "prmt.b32":
             both = np.stack([(a[j] >> (8 * i)) & 0xFF for j in (0, 1) for i in range(4)])
             out = np.zeros_like(a[0])
@@ -69,6 +85,19 @@ def test_int8_widening_ptx_is_exact_for_every_pair() -> None:
     assert np.array_equal(lo, q[:, 0]) and np.array_equal(hi, q[:, 1])
 
 
+def test_fp8_widening_ptx_is_exact_for_every_pair() -> None:
+    pairs = np.arange(1 << 16, dtype=np.uint32)  # two e4m3 bytes in the low 16 bits
+    asm = re.sub(r"\$(\d)", r"R\1", wg.FP8_TO_BF16_PTX.value)
+    out = _run_ptx(asm, {"R1": pairs})["R0"]
+    lo = (out << 16).view(np.float32)
+    hi = (out & 0xFFFF0000).view(np.float32)
+    b = torch.from_numpy(pairs.astype(np.uint16).view(np.uint8).copy())
+    want = b.view(torch.float8_e4m3fn).float().numpy().reshape(-1, 2)
+    ok = ~np.isnan(want).any(axis=1)  # 0x7F / 0xFF: NaN, never a quantized weight
+    assert ok.sum() == 254 * 254
+    assert np.array_equal(lo[ok], want[ok, 0]) and np.array_equal(hi[ok], want[ok, 1])
+
+
 def test_layout_checks() -> None:
     cfg = wg.WoConfig(128, 128, 64, 1, 4)
     w = torch.randn(256, 512)
@@ -85,6 +114,10 @@ def test_layout_checks() -> None:
     q4_32 = formats.quantize_int4(w, 32, True, torch.bfloat16)  # groups inside a K tile
     assert not wg.fits("int4", x, q4_32.qweight, q4_32.scales, cfg)
     assert not wg.supports("int8", x, q8.qweight, q8.scales, cfg)  # not a GPU tensor
+    q8f, s8f = formats.quantize_fp8(w)
+    assert wg.fits("fp8", x, q8f, s8f, cfg)
+    assert not wg.fits("fp8", x, q8.qweight, q8.scales, cfg)  # int8 bytes are not e4m3
+    assert not wg.fits("int8", x, q8f, s8f, cfg)
 
 
 def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,6 +145,9 @@ REPRESENTATIVE = [  # (kind, config)
     ("int8", (128, 128, 64, 1, 6, 8, 2)),  # stream-K
     ("int4", (64, 128, 128, 1, 4, 8, 2)),
     ("int4s", (256, 128, 64, 1, 4, 8, 2)),  # stream-K, two halves of x
+    ("fp8", (128, 64, 128, 1, 4)),  # e4m3 bytes widened by bit moves
+    ("fp8", (256, 128, 64, 1, 4, 8, 1)),
+    ("fp8", (128, 128, 128, 1, 4, 8, 2)),
 ]
 
 
@@ -151,7 +187,8 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om", "dp_tiles")})
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
-        KIND={"int8": 0, "int4": 1, "int4s": 2}[kind], GROUP=128 if int4 else 0, HAS_BIAS=True,
+        KIND={"int8": 0, "int4": 1, "int4s": 2, "fp8": 3}[kind], GROUP=128 if int4 else 0,
+        HAS_BIAS=True,
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.stages, GROUP_M=cfg.group_m, CONSUMER_REGS=224,
     )  # fmt: skip
