@@ -146,10 +146,15 @@ def _loader(x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_s
 
 @gluon.jit
 def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0, k1,
-                 c, acc, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
-                 GROUP: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Packed weights: ``wo_gemm_ws``'s consumer loop over K tiles ``k0 .. k1 - 1`` (tile k + 1
-    widened while tile k's MMAs run; every MMA retired before an A register is rewritten)."""
+                 c, acc, acc1, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
+                 GROUP: gl.constexpr, HALVES: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
+    """``wo_gemm_ws``'s consumer loop (kept apart there: its SASS is the measured one) for one
+    consumer warpgroup over tiles ``k0 .. k1 - 1`` of the ring (``c`` counts ring uses): tile
+    k + 1 is widened while tile k's MMAs run, and every MMA retires before an A register is
+    written again. ``HALVES`` 2: x's stage holds two halves of rows, each with its own
+    accumulator (``acc1``; 1: ``acc1`` is not touched), fed by the same widened tile."""
+    HM: gl.constexpr = acc.shape[1]
     last = k1 - 1
     span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, KIND, GROUP, BLOCK_K)
     s0 = c % STAGES
@@ -163,50 +168,24 @@ def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, str
         sn = cn % STAGES
         span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(kk + 2, last),
                                      stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
-        # (after the segment's last tile: a stage not awaited, widened and dropped)
+        # (after the last tile: a stage not awaited, widened and dropped)
         mbarrier.wait(ready.index(sn), (cn // STAGES) & 1, pred=kk < last)
-        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        if HALVES == 2:
+            xs = x_smem.index(s)
+            acc = warpgroup_mma(w, xs.slice(0, HM).permute((1, 0)), acc, is_async=True)
+            acc1 = warpgroup_mma(w, xs.slice(HM, HM).permute((1, 0)), acc1, is_async=True)
+        else:
+            acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
         w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
                         BLOCK_K)  # fmt: skip
         span = span2
         base = base2
-        acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
-        mbarrier.arrive(empty.index(s))
-        w = w_next
-        c = cn
-    return acc, c
-
-
-@gluon.jit
-def _mma_widened_pair(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0,
-                      k1, c, acc, acc1, a_layout: gl.constexpr, WG: gl.constexpr,
-                      KIND: gl.constexpr, GROUP: gl.constexpr, HM: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """``_mma_widened`` for a tile of two ``HM``-row halves of x: each widened weight tile feeds
-    one MMA per half (two accumulators: one weight read and one widening for 2 HM rows)."""
-    last = k1 - 1
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, KIND, GROUP, BLOCK_K)
-    s0 = c % STAGES
-    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-    w = _widen(q_smem.index(s0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K)
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k0 + 1, last), stride_s,
-                               KIND, GROUP, BLOCK_K)  # fmt: skip
-    for kk in range(k0, k1):
-        s = c % STAGES
-        cn = c + 1
-        sn = cn % STAGES
-        span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(kk + 2, last),
-                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
-        mbarrier.wait(ready.index(sn), (cn // STAGES) & 1, pred=kk < last)
-        xs = x_smem.index(s)
-        acc = warpgroup_mma(w, xs.slice(0, HM).permute((1, 0)), acc, is_async=True)
-        acc1 = warpgroup_mma(w, xs.slice(HM, HM).permute((1, 0)), acc1, is_async=True)
-        w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
-                        BLOCK_K)  # fmt: skip
-        span = span2
-        base = base2
-        acc, acc1, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc1, w, w_next])
-        mbarrier.arrive(empty.index(s))
+        if HALVES == 2:
+            acc, acc1, w, w_next = warpgroup_mma_wait(num_outstanding=0,
+                                                      deps=[acc, acc1, w, w_next])  # fmt: skip
+        else:
+            acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+        mbarrier.arrive(empty.index(s))  # this warpgroup is done with stage s
         w = w_next
         c = cn
     return acc, acc1, c
@@ -307,13 +286,13 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
         rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
         if HALVES == 2:
             acc1 = gl.zeros([64, HM], gl.float32, acc_layout)
-            acc, acc1, c = _mma_widened_pair(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n,
-                                             rows_b, stride_s, k0, k1, c, acc, acc1, a_layout, WG,
-                                             KIND, GROUP, HM, BLOCK_K, STAGES)  # fmt: skip
+            acc, acc1, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
+                                        stride_s, k0, k1, c, acc, acc1, a_layout, WG, KIND, GROUP,
+                                        2, BLOCK_K, STAGES)  # fmt: skip
         else:
-            acc, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
-                                  stride_s, k0, k1, c, acc, a_layout, WG, KIND, GROUP, BLOCK_K,
-                                  STAGES)  # fmt: skip
+            acc, _, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
+                                     stride_s, k0, k1, c, acc, acc, a_layout, WG, KIND, GROUP, 1,
+                                     BLOCK_K, STAGES)  # fmt: skip
         offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
         if (k0 == 0) & (k1 == k_tiles):
             _half_out(acc, off_m, 0, offs_n, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
