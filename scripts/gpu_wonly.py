@@ -1,21 +1,22 @@
-"""Weight-only int8 / int4 (g128) against bf16 at batch sizes (H100, Llama-3.1-8B shapes, random
-weights): where the mixed-input GEMM loses at 128-512 rows, and the engine figures it moves.
+"""Weight-only int8 / int4 (g128) / fp8 against bf16 at batch sizes (H100, Llama-3.1-8B shapes,
+random weights): where the mixed-input GEMM loses at 128-512 rows, and the engine figures it moves.
 
 Sections (each prints and goes on after an error):
 
 * ``parity``: every shipped ``mixed_gemm.TUNED_CONFIGS`` entry of int8 / int4 on its own shape, at
   a row count inside its bucket, against x times the exactly dequantized weight ON THE GPU;
 * ``wo``: ``kernels.wo_gemm`` (Gluon: TMA ring, register-A wgmma overlapping the next tile's
-  widening), int8 per channel and int4 g128, per shape (qkv / o / gate_up / down) and M (256 /
-  128 / 64, ``--wo``): every candidate checked against the exact reference on the GPU (count of
-  wrong configs) before it is timed beside bf16 cuBLAS (us, TFLOP/s) and what the layer runs
-  today; winners that beat today's path go into ``WO_CONFIGS`` for the engine section;
+  widening; its warp-specialized and persistent stream-K forms), int8 and fp8 per channel, int4
+  g128 (``int4s``: symmetric), per shape (qkv / o / gate_up / down) and M bucket (``--wo``):
+  every candidate checked against the exact reference on the GPU (count of wrong configs) before
+  it is timed beside bf16 cuBLAS (us, TFLOP/s) and what the layer runs today; winners that beat
+  today's path go into ``WO_CONFIGS`` for the engine section;
 * ``ceiling``: per shape at M = 256, bf16 cuBLAS beside a plain bf16 Triton GEMM with the mixed
   kernel's tile shapes and pipeline (no widening): what the tile structure itself reaches;
 * ``sweep`` (``--m``): ``gpu_mixedmma.sweep`` of the older kernel over this script's families;
 * ``engine``: decode steps at b8 / b32 / b128 and (``--offline N``) the offline workload (256
   requests, input 100-1024, output 512) run N times per method, the last (warm) run reported,
-  bf16 / int8 / int4, with the ratios to bf16.
+  per ``--engine`` method (bf16 / int8 / int4 / int4-asym / fp8), with the ratios to bf16.
 
     python scripts/gpu_wonly.py                    # first check, ~2 min
     python scripts/gpu_wonly.py --wo 256,128,512,64 --offline 2
@@ -169,7 +170,7 @@ SMOKE = [  # (kind, config): one launch each before the sweep, in a child with a
                 (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
                 (128, 128, 64, 1, 6, 8, SK), (64, 128, 128, 1, 4, 8, SK),
                 (256, 128, 64, 1, 4, 8, SK))
-    for kind in ("int8", "int4", "int4s")
+    for kind in ("int8", "int4", "int4s", "fp8")
 ]  # fmt: skip
 
 
@@ -465,7 +466,7 @@ def graph_replays_equal(fn, *args) -> bool:
 
 
 def smoke_verdict(path: str) -> list[str]:
-    """Run ``smoke`` in a child (90 s at most); the flags that keep a kernel form that hung,
+    """Run ``smoke`` in a child (240 s at most); the flags that keep a kernel form that hung,
     faulted or computed wrong out of the sweep."""
     if os.path.exists(path):
         os.remove(path)
