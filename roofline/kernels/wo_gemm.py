@@ -424,6 +424,29 @@ def kind_and_descriptors(
 MAX_TILES = 1 << 16
 
 
+def scale_args(
+    code: int,
+    k: int,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The launch arguments every form of the kernel takes for a weight's constants: (scales,
+    offsets, bias, stride_s, GROUP). Absent offsets and bias stand in as ``scales`` (never read);
+    int4 scales and offsets share one row stride; int8 / fp8 row scales have stride 1 and no
+    group."""
+    int4 = code in (KIND_INT4, KIND_INT4_SYM)
+    if offsets is not None and offsets.stride() != scales.stride():
+        scales, offsets = scales.contiguous(), offsets.contiguous()
+    return (
+        scales,
+        offsets if offsets is not None else scales,
+        bias if bias is not None else scales,
+        scales.stride(0) if int4 else 1,
+        k // scales.shape[1] if int4 else 0,
+    )
+
+
 def wo_gemm(
     kind: str,
     x: torch.Tensor,  # [M, K] bf16, rows contiguous
@@ -448,7 +471,6 @@ def wo_gemm(
     m, k = x.shape
     n = qweight.shape[0]
     code, x_desc, q_desc = kind_and_descriptors("wo_gemm", kind, x, qweight, scales, offsets, cfg)
-    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split_k = max(1, min(cfg.split_k, k // cfg.block_k))  # no empty slice
@@ -459,14 +481,9 @@ def wo_gemm(
         ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         # (kernels of one stream run in turn; each leaves its counters at 0)
         locks = stream_counters(x.device, MAX_TILES, "wo_gemm")
-    group = k // scales.shape[1] if int4 else 0  # (int8: row scales)
-    if offsets is not None and offsets.stride() != scales.stride():  # (one stride for both)
-        scales, offsets = scales.contiguous(), offsets.contiguous()
-    stride_s = scales.stride(0) if int4 else 1
+    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
     _wo_gemm_kernel[(tiles, split_k)](
-        x_desc, q_desc, scales, offsets if offsets is not None else scales,
-        bias if bias is not None else scales, out, ws, locks, m, n, k,
-        stride_s, out.stride(0),
+        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s, out.stride(0),
         KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, num_warps=cfg.block_n // 16,

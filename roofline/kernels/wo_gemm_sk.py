@@ -45,16 +45,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from roofline.kernels import num_sms
 from roofline.kernels.last_program import stream_counters
 from roofline.kernels.wo_gemm import (
-    KIND_INT4,
-    KIND_INT4_SYM,
+    MAX_TILES,
     WoConfig,
     _group_scales,
     _widen,
     a_layout_bytes,
     kind_and_descriptors,
+    scale_args,
 )
-
-MAX_TILES = 1 << 16
 
 
 def schedule(tiles: int, k_tiles: int, programs: int) -> tuple[int, int]:
@@ -71,7 +69,7 @@ def schedule(tiles: int, k_tiles: int, programs: int) -> tuple[int, int]:
 
 def segments(tiles: int, k_tiles: int, programs: int, pid: int) -> list[tuple[int, int, int]]:
     """(tile, first K tile, end K tile) that program ``pid`` computes, in order: the plain-Python
-    mirror of the kernel's walk (tests and the GPU script check the kernel against it)."""
+    mirror of the kernel's walk (the tests check the schedule and the protocol with it)."""
     programs, dp = schedule(tiles, k_tiles, programs)
     out = [(t, 0, k_tiles) for t in range(pid, dp, programs)]
     units = (tiles - dp) * k_tiles
@@ -398,7 +396,6 @@ def sk_gemm(
     code, x_desc, q_desc = kind_and_descriptors(
         "wo_gemm_sk", kind, x, qweight, scales, offsets, cfg
     )
-    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_tiles = k // cfg.block_k
@@ -408,13 +405,11 @@ def sk_gemm(
     # slot p: program p's first segment where that is a later part of a tile
     ws = torch.empty(grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
     locks = stream_counters(x.device, MAX_TILES, "wo_gemm_sk")  # 2 per tile, zero between launches
-    if offsets is not None and offsets.stride() != scales.stride():
-        scales, offsets = scales.contiguous(), offsets.contiguous()
+    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
     _wo_sk_kernel[(grid,)](
-        x_desc, q_desc, scales, offsets if offsets is not None else scales,
-        bias if bias is not None else scales, out, ws, locks, m, n, k,
-        scales.stride(0) if int4 else 1, out.stride(0), dp_tiles,
-        KIND=code, GROUP=k // scales.shape[1] if int4 else 0, HAS_BIAS=bias is not None,
+        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s,
+        out.stride(0), dp_tiles,
+        KIND=code, GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, CONSUMER_REGS=224, num_warps=4,
     )  # fmt: skip

@@ -27,13 +27,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from roofline.kernels.wo_gemm import (
-    KIND_INT4,
-    KIND_INT4_SYM,
     WoConfig,
     _group_scales,
     _widen,
     a_layout_bytes,
     kind_and_descriptors,
+    scale_args,
 )
 
 
@@ -172,17 +171,13 @@ def wo_gemm_ws(
     code, x_desc, q_desc = kind_and_descriptors(
         "wo_gemm_ws", kind, x, qweight, scales, offsets, cfg
     )
-    int4 = code in (KIND_INT4, KIND_INT4_SYM)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if offsets is not None and offsets.stride() != scales.stride():
-        scales, offsets = scales.contiguous(), offsets.contiguous()
+    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     regs = 224  # per consumer thread (setmaxnreg; the loader warp keeps 24)
     _wo_ws_kernel[(tiles,)](
-        x_desc, q_desc, scales, offsets if offsets is not None else scales,
-        bias if bias is not None else scales, out, m, n, k,
-        scales.stride(0) if int4 else 1, out.stride(0),
-        KIND=code, GROUP=k // scales.shape[1] if int4 else 0, HAS_BIAS=bias is not None,
+        x_desc, q_desc, scales, offsets, bias_arg, out, m, n, k, stride_s, out.stride(0),
+        KIND=code, GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, CONSUMER_REGS=regs, num_warps=4,
     )  # fmt: skip

@@ -120,6 +120,19 @@ def test_layout_checks() -> None:
     assert not wg.fits("int8", x, q8f, s8f, cfg)
 
 
+def test_scale_args() -> None:
+    w = torch.randn(256, 512)
+    q8 = formats.quantize_int8(w, 512, torch.bfloat16)
+    s, o, b, stride_s, group = wg.scale_args(wg.KIND_INT8, 512, q8.scales, None, None)
+    assert s is q8.scales and o is q8.scales and b is q8.scales and (stride_s, group) == (1, 0)
+    q4 = formats.quantize_int4(w, 128, False, torch.bfloat16)
+    offsets = q4.offsets.t().contiguous().t()  # another stride than the scales'
+    bias = torch.randn(256)
+    s, o, b, stride_s, group = wg.scale_args(wg.KIND_INT4, 512, q4.scales, offsets, bias)
+    assert s.stride() == o.stride() and torch.equal(o, q4.offsets) and b is bias
+    assert (stride_s, group) == (4, 128)
+
+
 def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
     from roofline.kernels import wo_gemm_configs
 
