@@ -16,7 +16,12 @@ Sections (each prints and goes on after an error):
 * ``sweep`` (``--m``): ``gpu_mixedmma.sweep`` of the older kernel over this script's families;
 * ``engine``: decode steps at b8 / b32 / b128 and (``--offline N``) the offline workload (256
   requests, input 100-1024, output 512) run N times per method, the last (warm) run reported,
-  per ``--engine`` method (bf16 / int8 / int4 / int4-asym / fp8), with the ratios to bf16.
+  per ``--engine`` method (bf16 / int8 / int4 / int4-asym / fp8; ``-nosilu`` appended: the
+  gate_up SiLU epilogue off), with the ratios to bf16;
+* ``silu`` (``--silu``): the gate_up GEMM with the SiLU-and-mul in its epilogue against the
+  unfused pair, per kind at the table's warp-specialized entries; ``silu sweep``
+  (``--silu-sweep``): candidates of that form against today's path + ``silu_and_mul`` per M
+  bucket, the winners into ``WO_SILU_CONFIGS`` for the engine runs.
 
     python scripts/gpu_wonly.py                    # first check, ~2 min
     python scripts/gpu_wonly.py --wo 256,128,512,64 --offline 2
@@ -137,9 +142,17 @@ WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES, GROUP_M, WS) per
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
         (256, 128, 64, 1, 4),
     ],
+    4096: [
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
+        (256, 128, 64, 1, 4),
+    ],
     2048: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
         (256, 128, 64, 1, 4),
+    ],
+    1024: [
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (256, 128, 64, 1, 4, 8, SK),
+        (128, 128, 128, 1, 4, 8, SK), (256, 128, 64, 1, 4),
     ],
     512: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (256, 128, 64, 1, 4),
@@ -341,6 +354,129 @@ def wo_table() -> None:
     mma.TABLE.append(f"shipped wo_gemm table: {len(wg.WO_CONFIGS)} configs, {wrong} wrong")
 
 
+@base.section("silu")
+def silu_check(ms: list[int]) -> None:
+    """The gate_up GEMM with the SiLU-and-mul in its epilogue (``wo_gemm_ws(silu_mul=True)``)
+    at the table's warp-specialized entries: against the unfused pair (the same kernel, then
+    ``silu_and_mul``) on the GPU (bf16 elements that differ, and the largest difference), then
+    both timed (weights cycled from HBM)."""
+    from roofline.kernels.activation import silu_and_mul
+    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
+
+    n, k = base.SHAPES["gate_up"]
+    wrong = 0
+    for kind in ("int8", "int4s", "int4", "fp8"):
+        for m in ms:
+            c = wg.WO_CONFIGS.get((kind, n, k, m))
+            if c is None or wg.WoConfig(*c).ws != 1:
+                continue
+            cfg = wg.WoConfig(*c)
+            kk = "int4" if kind == "int4s" else kind
+
+            def fused(x, qw, s, o, cfg=cfg, kk=kk):
+                return wo_gemm_ws(kk, x, qw, s, o, None, cfg, silu_mul=True)
+
+            def pair(x, qw, s, o, cfg=cfg, kind=kind):
+                return silu_and_mul(wo_fn(kind, cfg)(x, qw, s, o))
+
+            qw, s, o = quantized(kind, n, k, seed=5)
+            if kind == "int4s":
+                o = None
+            worst, differ = 0.0, 0
+            for rows in (m - 3, m):
+                x = torch.randn(rows, k, device="cuda", dtype=BF16)
+                a, b = fused(x, qw, s, o).float(), pair(x, qw, s, o).float()
+                differ += int((a != b).sum())
+                worst = max(worst, (a - b).abs().max().item() / b.abs().max().item())
+            bad = not worst < 2e-2
+            wrong += bad
+            ring = [(q, sc, None if kind == "int4s" else off)
+                    for q, sc, off in make_ring(kind, n, k)]  # fmt: skip
+            xb = torch.randn(m, k, device="cuda", dtype=BF16)
+            t_f = base.time_ring(partial(fused, xb), ring, False)
+            t_p = base.time_ring(partial(pair, xb), ring, False)
+            line = (
+                f"silu {kind:5} gate_up M={m:4} {tuple(c)}: fused "
+                f"{t_f * 1e6:6.1f} us, pair {t_p * 1e6:6.1f} ({t_p / t_f:.2f}x); {differ} of "
+                f"{(2 * m - 3) * (n // 2)} elements differ, max rel {worst:.1e}"
+                f"{' WRONG' if bad else ''}"
+            )
+            print(line, flush=True)
+            mma.TABLE.append(line)
+            del ring
+    mma.TABLE.append(f"silu epilogue configs WRONG on the GPU: {wrong}")
+
+
+SILU_CANDIDATES = [
+    (256, 128, 64, 1, 4, 8, 1), (256, 128, 64, 1, 3, 8, 1), (128, 128, 128, 1, 4, 8, 1),
+    (128, 128, 64, 1, 4, 8, 1),
+]  # fmt: skip
+
+
+@base.section("silu sweep")
+def silu_sweep(ms: list[int]) -> dict:
+    """Per kind and M bucket: the gate_up GEMM with the SiLU-and-mul in the warp-specialized
+    kernel's epilogue (``SILU_CANDIDATES``, each checked against the unfused pair on the GPU)
+    against what the layer runs today followed by ``silu_and_mul``; a config that is >= 2%
+    faster goes into ``WO_SILU_CONFIGS`` (for the engine runs after it)."""
+    from roofline.kernels.activation import silu_and_mul
+    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
+
+    n, k = base.SHAPES["gate_up"]
+    tuned: dict[tuple, tuple] = {}
+    for kind in ("int8", "int4s", "int4", "fp8"):
+        kk = "int4" if kind == "int4s" else kind
+        ring = make_ring(kind, n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
+            xs = torch.randn(m - 3, k, device="cuda", dtype=BF16)
+            qw, s, o = ring[0]
+            now = today(kind)
+
+            def pair(x, qw, s, o, now=now):
+                return silu_and_mul(now(x, qw, s, o))
+
+            ref = pair(xs, qw, s, o).float()
+            heavy = m >= 2048
+            t_pair = base.time_ring(partial(pair, x), ring, heavy)
+            res = []
+            for c in SILU_CANDIDATES:
+                cfg = wg.WoConfig(*c)
+
+                def fused(x, qw, s, o, cfg=cfg, kk=kk, sym=kind == "int4s"):
+                    return wo_gemm_ws(kk, x, qw, s, None if sym else o, None, cfg, silu_mul=True)
+
+                try:
+                    got = fused(xs, qw, s, o).float()
+                    err = ((got - ref).abs().max() / ref.abs().max()).item()
+                    if not err < 2e-2:
+                        WO_WRONG.append(f"silu {kind} M={m - 3} {c}: {err:.2e}")
+                        print(f"  WRONG {WO_WRONG[-1]}", flush=True)
+                        continue
+                    res.append((base.time_ring(partial(fused, x), ring, heavy), c, err))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  silu {kind} M={m} {c}: {type(e).__name__}: {e}", flush=True)
+            if not res:
+                continue
+            res.sort()
+            t, c, err = res[0]
+            if t < 0.98 * t_pair:
+                tuned[(kind, n, k, m)] = c
+            line = (
+                f"silu sweep {kind:5} M={m:5}: pair (today + silu_and_mul) {t_pair * 1e6:7.1f} us"
+                f" | fused {t * 1e6:7.1f} {c} ({t_pair / t:.2f}x, rel err {err:.1e}); next: "
+                + "; ".join(f"{cc} {tt * 1e6:.1f}" for tt, cc, _ in res[1:])
+            )
+            print(line, flush=True)
+            mma.TABLE.append(line)
+        del ring
+        torch.cuda.empty_cache()
+    wg.WO_SILU_CONFIGS.update(tuned)
+    lines = "".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items())
+    print("\nWO_SILU_CONFIGS = {\n" + lines + "}", flush=True)
+    return tuned
+
+
 @base.section("parity")
 def parity() -> None:
     keep = {k: v for k, v in mg.TUNED_CONFIGS.items() if k[0] in ("int8", "int4")}
@@ -394,16 +530,19 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
     from roofline import LLM, SamplingParams
     from roofline.bench import latency, workloads
     from roofline.bench.ceilings import measure
+    from roofline.quantization import common
 
     ceil = measure(torch.device("cuda"), BF16)
     for method in methods:
         llm = None
         try:
             t0 = time.perf_counter()
+            quant = method.removesuffix("-nosilu")  # "-nosilu": the SiLU epilogue off
+            common.USE_WO_SILU = quant == method
             llm = LLM(
                 base.MODEL, load_format="dummy", device="cuda", max_model_len=4096,
                 max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                quantization=None if method == "bf16" else method,
+                quantization=None if quant == "bf16" else quant,
             )  # fmt: skip
             startup = time.perf_counter() - t0
             rows = latency.run(llm.llm_engine, ceil, batches, 128, 32)
@@ -517,6 +656,8 @@ def main() -> None:
     ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
+    ap.add_argument("--silu", default="", help="M buckets of the SiLU-epilogue check")
+    ap.add_argument("--silu-sweep", default="", help="M buckets of the SiLU-epilogue sweep")
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-sk", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
@@ -537,6 +678,10 @@ def main() -> None:
             json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
         return
     parity()
+    if args.silu_sweep:
+        silu_sweep([int(v) for v in args.silu_sweep.split(",")])
+    if args.silu:
+        silu_check([int(v) for v in args.silu.split(",")])
     if args.wo_table and wg.WO_CONFIGS:
         wo_table()
     if wo_ms:

@@ -324,14 +324,21 @@ def dequantize_weight(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, K] in dtype
-    """The whole weight dequantized (``dequantize_ref``'s values) by one Triton launch."""
+    """The whole weight dequantized (``dequantize_ref``'s values) by one Triton launch, into
+    ``out`` when given (contiguous ``[N, K]`` of ``dtype``)."""
     check_device(qweight)
     code = _KINDS[kind]
     n = qweight.shape[0]
     k = qweight.shape[1] * (2 if kind == "int4" else 1)
     group, row_scale, scalar, stride_s = _layout(kind, qweight, scales, k)
-    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize_weight: out {tuple(out.shape)} {out.dtype} is not [{n}, {k}] {dtype}"
+        )
     block_n, block_k = 32, _block_k(k, group, 128)
     grid = (triton.cdiv(n, block_n), k // block_k)
     _dequantize_kernel[grid](

@@ -36,9 +36,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from roofline.kernels.last_program import stream_counters
-from roofline.kernels.wo_gemm_configs import WO_CONFIGS, WoConfig, m_bucket, pick
+from roofline.kernels.wo_gemm_configs import (
+    WO_CONFIGS,
+    WO_SILU_CONFIGS,
+    WoConfig,
+    m_bucket,
+    pick,
+    pick_silu,
+)
 
-__all__ = ["WO_CONFIGS", "WoConfig", "fits", "m_bucket", "pick", "supports", "wo_gemm"]
+__all__ = [
+    "WO_CONFIGS",
+    "WO_SILU_CONFIGS",
+    "WoConfig",
+    "fits",
+    "m_bucket",
+    "pick",
+    "pick_silu",
+    "supports",
+    "wo_gemm",
+]
 
 KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8 = 0, 1, 2, 3
 

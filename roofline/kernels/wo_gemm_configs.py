@@ -129,10 +129,51 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("int4", 6144, 4096, 512): (256, 128, 64, 1, 4, 8, 2),
     ("int4", 28672, 4096, 512): (256, 128, 64, 1, 4, 8, 2),
     ("int4", 4096, 14336, 512): (128, 128, 128, 1, 4, 8, 2),
+    # Seventh check (2026-11-24, twelfth session, `--wo 1024,4096 --kinds int8,int4s,fp8`): the
+    # first entries at 1,024 and 4,096 rows, where mixed_gemm or dequantize + cuBLAS ran. bf16 /
+    # what ran -> bf16 / this (qkv/o/gate_up/down), M = 1024: int8 0.74/0.72/0.69/0.71 ->
+    # 0.79/0.90/0.88/0.93, int4s 0.78/0.77/0.67/0.74 -> -/0.90/0.84/0.90 (its qkv stays), fp8
+    # 0.74/0.74/0.71/0.71 -> 0.82/0.94/0.92/0.96; M = 4096 only the down projections gained
+    # (int8 757 -> 726 us, int4s 779 -> 757, fp8 723 -> 689; the rest keep dequantize + cuBLAS).
+    ("int8", 6144, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("int8", 4096, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("int8", 4096, 14336, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 4096, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("int4s", 4096, 14336, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 6144, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("fp8", 4096, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("fp8", 4096, 14336, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
 }
 """(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
 other shapes and buckets keep ``kernels.mixed_gemm``; kind ``int4s``: symmetric int4 (offsets
 ``-8 s``, bf16 scales) widened in bf16x2 arithmetic, tried before ``int4`` for such layers."""
+WO_SILU_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
+    # scripts/gpu_wonly.py --silu-sweep 512,1024,2048,4096,8192 on an H100 80GB HBM3
+    # (2026-11-24, twelfth session): us, today's path + silu_and_mul -> this. int8 1024
+    # 460.5 -> 345.2 (mixed_gemm there), 2048 732.6 -> 680.6; int4s 512 204.4 -> 198.3, 1024
+    # 448.3 -> 370.8, 2048 780.0 -> 761.2; int4 1024 449.3 -> 379.7; fp8 1024 460.4 -> 344.6,
+    # 2048 713.4 -> 662.8. Not taken (< 2% or slower): 512 int8 / int4 / fp8, 4096 and 8192
+    # every kind (8192 int8 2780 vs 3014: dequantize + cuBLAS stays).
+    ("int8", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int8", 28672, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 28672, 4096, 512): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("int4s", 28672, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+    ("int4", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 28672, 4096, 2048): (256, 128, 64, 1, 4, 8, 1),
+}
+"""(kind, 2I, K, M bucket) -> the warp-specialized ``WoConfig`` that runs an MLP's merged gate_up
+GEMM with the SiLU-and-mul in its epilogue where that beat what the layer runs otherwise (the
+``WO_CONFIGS`` path, ``mixed_gemm`` or dequantize + cuBLAS) followed by ``silu_and_mul``
+(``scripts/gpu_wonly.py --silu-sweep``); elsewhere ``common.silu_out_choice`` takes the epilogue
+where the ``WO_CONFIGS`` entry is itself the warp-specialized form."""
 M_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -147,4 +188,10 @@ def m_bucket(m: int) -> int:
 def pick(kind: str, m: int, n: int, k: int) -> WoConfig | None:
     """The measured config of (kind, N, K, M's bucket), or None (not measured faster there)."""
     cfg = WO_CONFIGS.get((kind, n, k, m_bucket(m)))
+    return None if cfg is None else WoConfig(*cfg)
+
+
+def pick_silu(kind: str, m: int, n: int, k: int) -> WoConfig | None:
+    """``WO_SILU_CONFIGS``' config of (kind, N, K, M's bucket), or None."""
+    cfg = WO_SILU_CONFIGS.get((kind, n, k, m_bucket(m)))
     return None if cfg is None else WoConfig(*cfg)

@@ -88,28 +88,34 @@ class MergedLinear(nn.Module):
         )
 
     def fuses_silu_mul_out(self, x: torch.Tensor) -> bool:
-        """Whether ``forward_silu_mul_out(x)`` replaces ``silu_and_mul(self(x))``: an MLP's
-        16-bit gate_up layer without bias whose shape and row count have a band in
-        ``gemm_rows.SILU_PLANS`` (the SiLU-and-mul in the GEMM's epilogue)."""
+        """Whether ``forward_silu_mul_out(x)`` replaces ``silu_and_mul(self(x))`` (the
+        SiLU-and-mul in the GEMM's epilogue) for an MLP's merged ``[gate; up]`` layer: 16-bit
+        without bias, where the shape and row count have a band in ``gemm_rows.SILU_PLANS``;
+        quantized, where its method says so (``LinearMethod.fuses_silu_mul_out``)."""
         weight = getattr(self, "weight", None)
-        if self.bias is not None or not isinstance(weight, torch.Tensor):
-            return False
-        if gemm_rows.choose_silu(x, weight) is None:  # the common case: one dict lookup
-            return False
-        from roofline.quantization.base import UnquantizedLinearMethod
+        if isinstance(weight, torch.Tensor):  # 16-bit
+            if self.bias is not None or gemm_rows.choose_silu(x, weight) is None:
+                return False  # the common case: one dict lookup
+            from roofline.quantization.base import UnquantizedLinearMethod
 
+            if type(self.method) is not UnquantizedLinearMethod:
+                return False
+        elif not self.method.fuses_silu_mul_out(self, x):
+            return False
         return (
             type(self).forward is MergedLinear.forward
-            and type(self.method) is UnquantizedLinearMethod
             and len(self.output_sizes) == 2
             and self.output_sizes[0] == self.output_sizes[1]
         )
 
     def forward_silu_mul_out(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features / 2] (SiLU(gate) * up)
-        band = gemm_rows.choose_silu(x, self.weight)
+        weight = getattr(self, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return self.method.apply_silu_mul_out(self, x, self.bias)
+        band = gemm_rows.choose_silu(x, weight)
         assert band is not None, "forward_silu_mul_out without fuses_silu_mul_out"
-        return gemm_rows.run_silu(x, self.weight, band)
+        return gemm_rows.run_silu(x, weight, band)
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * in_features] (gate | up) -> [num_tokens, sum(output_sizes)]

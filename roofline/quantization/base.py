@@ -83,6 +83,18 @@ class LinearMethod(ABC):
         """``silu(gate) * up`` fed into this layer's GEMM in one kernel (``gate_up [M, 2K]``)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused SiLU-and-mul GEMM")
 
+    def fuses_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether ``apply_silu_mul_out(layer, x, bias)`` replaces
+        ``silu_and_mul(apply(layer, x, bias))`` for this MLP's merged ``[gate; up]`` layer and
+        input (the SiLU-and-mul in the GEMM's epilogue; shapes only, no sync)."""
+        return False
+
+    def apply_silu_mul_out(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu(x W_gate^T) * (x W_up^T)`` (``[num_tokens, out_features / 2]``) in one kernel."""
+        raise NotImplementedError(f"{type(self).__name__} has no SiLU-epilogue GEMM")
+
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: ShardAxis, start: int, size: int
     ) -> torch.Tensor:

@@ -9,7 +9,8 @@ one of the canonical layouts (``formats``) by device and number of rows:
   unpacking, tuned per shape);
 * CUDA (Hopper), more than ``DECODE_MAX_ROWS`` rows, int8 and fp8 per channel and int4 at the
   shapes and M buckets of ``kernels.wo_gemm_configs.WO_CONFIGS``: ``kernels.wo_gemm``
-  (``ROOFLINE_WO_GEMM=0``: off);
+  (``ROOFLINE_WO_GEMM=0``: off); an MLP's gate_up layer there may run with the SiLU-and-mul in
+  the warp-specialized kernel's epilogue (``silu_out_choice``, ``ROOFLINE_WO_SILU=0``: off);
 * CUDA, more than ``DECODE_MAX_ROWS`` rows: ``kernels.mixed_gemm`` (weights read packed and
   widened in registers into 16-bit tensor-core MMAs; configs tuned per shape and M bucket),
   or dequantize + cuBLAS where its table measured that faster (``ROOFLINE_QUANT_MIXED_GEMM=0``:
@@ -67,6 +68,10 @@ USE_MIXED_GEMM = os.environ.get("ROOFLINE_QUANT_MIXED_GEMM", "1") != "0"
 # wgmma overlapping the next tile's widening) at the shapes and M buckets of its measured table;
 # ROOFLINE_WO_GEMM=0 keeps them on kernels.mixed_gemm.
 USE_WO_GEMM = os.environ.get("ROOFLINE_WO_GEMM", "1") != "0"
+# An MLP's gate_up layer whose wo_gemm config is the warp-specialized form runs with the
+# SiLU-and-mul in that kernel's epilogue (the [M, 2I] product never written nor read back, no
+# silu_and_mul launch); ROOFLINE_WO_SILU=0 keeps the GEMM and the activation apart (A/B runs).
+USE_WO_SILU = os.environ.get("ROOFLINE_WO_SILU", "1") != "0"
 
 # int4 decode batches take kernels.int4_gemv (tensor cores, a repacked copy of the weight made by
 # prepare_kernel_layout); ROOFLINE_INT4_GEMV=0 keeps them on kernels.quant_gemv (A/B runs).
@@ -230,6 +235,54 @@ def quantized_linear(
     return kernels.dequant_cublas_gemm(kind, x, layer.qweight, layer.scales, offsets, bias)
 
 
+def silu_out_choice(
+    kind: str, layer: nn.Module, x: torch.Tensor
+) -> tuple[object, torch.Tensor | None] | None:
+    """(config, offsets) of the warp-specialized ``wo_gemm`` that takes this merged
+    ``[gate; up]`` layer's GEMM with the SiLU-and-mul in its epilogue, or None: CUDA (Hopper),
+    more than ``DECODE_MAX_ROWS`` rows, and either a ``WO_SILU_CONFIGS`` entry for the layer's
+    shape and row count or a ``WO_CONFIGS`` pick (``quantized_linear``'s) that is that form;
+    symmetric int4 tries its own entries first (shapes only, no sync)."""
+    if not (USE_WO_SILU and USE_WO_GEMM and x.is_cuda and x.dim() == 2):
+        return None
+    if x.shape[0] <= DECODE_MAX_ROWS or kind not in ("int8", "int4", "fp8"):
+        return None
+    from roofline.kernels import wo_gemm
+
+    n, k, m = layer.qweight.shape[0], x.shape[1], x.shape[0]
+    sym = getattr(layer, "int4_symmetric", False)
+    offsets = getattr(layer, "offsets", None)
+    for name, offs in ((("int4s", None),) if sym else ()) + ((kind, offsets),):
+        cfg = wo_gemm.pick_silu(name, m, n, k)  # measured faster than the unfused pair
+        if cfg is not None and n % 2 == 0 and wo_gemm.supports(kind, x, layer.qweight,
+                                                                layer.scales, cfg):  # fmt: skip
+            return cfg, offs
+    choices = []
+    if sym:
+        choices.append((wo_gemm.pick("int4s", m, n, k), None))
+    choices.append((wo_gemm.pick(kind, m, n, k), offsets))
+    for cfg, offsets in choices:
+        if cfg is None:
+            continue
+        if cfg.ws == 1 and n % 2 == 0 and wo_gemm.supports(kind, x, layer.qweight, layer.scales,
+                                                            cfg):  # fmt: skip
+            return cfg, offsets
+        return None  # the table's pick is another form: the unfused pair
+    return None
+
+
+def silu_mul_out_linear(
+    kind: str, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``silu(x W_gate^T) * (x W_up^T)`` by ``silu_out_choice``'s kernel (the caller checked)."""
+    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
+
+    choice = silu_out_choice(kind, layer, x)
+    assert choice is not None, "silu_mul_out_linear without silu_out_choice"
+    cfg, offsets = choice
+    return wo_gemm_ws(kind, x, layer.qweight, layer.scales, offsets, bias, cfg, silu_mul=True)
+
+
 def fuses_silu_mul(layer: nn.Module, gate_up: torch.Tensor) -> bool:
     """The fused dequant GEMM takes the SiLU-and-mul at one row on CUDA (as the 16-bit path)."""
     from roofline.layers import linear as linear_mod
@@ -358,3 +411,11 @@ class CanonicalLinearMethod(LinearMethod):
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return silu_mul_linear(self.kind, layer, gate_up, bias)
+
+    def fuses_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return silu_out_choice(self.kind, layer, x) is not None
+
+    def apply_silu_mul_out(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return silu_mul_out_linear(self.kind, layer, x, bias)

@@ -158,6 +158,10 @@ class Fp8LinearMethod(common.CanonicalLinearMethod):
             return w8a8_linear(gate_up, layer.qweight, layer.scales, bias, silu_mul=True)
         return super().apply_silu_mul(layer, gate_up, bias)
 
+    def fuses_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Weight-only only (W8A8 quantizes the activation in its own launch)."""
+        return not self.w8a8 and super().fuses_silu_mul_out(layer, x)
+
     def shard_slice(
         self, name: str, tensor: torch.Tensor, axis: str, start: int, size: int
     ) -> torch.Tensor:

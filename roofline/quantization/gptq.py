@@ -185,6 +185,14 @@ class PackedIntLinearMethod(LinearMethod):
     ) -> torch.Tensor:
         return self.inner.apply_silu_mul(layer, gate_up, bias)
 
+    def fuses_silu_mul_out(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return self.inner.fuses_silu_mul_out(layer, x)
+
+    def apply_silu_mul_out(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.inner.apply_silu_mul_out(layer, x, bias)
+
 
 class CheckpointConfig(QuantizationConfig):
     """One method factory for the quantized layers, 16-bit for the ones the checkpoint left."""

@@ -56,6 +56,11 @@ def test_dequantize_kernel_matches_reference(kind: str, group: int) -> None:
     expected = dequantize_ref(kind, qweight, scales, offsets, torch.bfloat16)
     got = dequantize_weight(kind, qweight, scales, offsets, torch.bfloat16)
     assert torch.equal(got.float(), expected.float())
+    buf = torch.full_like(got, float("nan"))  # into a caller's buffer: the same values
+    assert dequantize_weight(kind, qweight, scales, offsets, torch.bfloat16, out=buf) is buf
+    assert torch.equal(buf.float(), expected.float())
+    with pytest.raises(ValueError, match="is not"):
+        dequantize_weight(kind, qweight, scales, offsets, torch.bfloat16, out=buf[:, :-16])
 
 
 def test_silu_mul_prologue() -> None:

@@ -164,7 +164,7 @@ REPRESENTATIVE = [  # (kind, config)
 ]
 
 
-def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
+def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -178,10 +178,11 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
     q = torch.empty(4096, qk * (k // cfg.block_k), dtype=torch.uint8 if int4 else torch.int8)
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
     q_type = gl.uint8 if int4 else gl.int8
-    q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_type)
+    q_rows = 64 if silu else cfg.block_n  # silu: one 64-row box per consumer
+    q_layout = gl.NVMMASharedLayout.get_default_for([q_rows, qk], q_type)
     descs = [
         TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout),
-        TensorDescriptor.from_tensor(q, [cfg.block_n, qk], q_layout),
+        TensorDescriptor.from_tensor(q, [q_rows, qk], q_layout),
     ]
     if cfg.ws == 2:
         from roofline.kernels import wo_gemm_sk
@@ -205,6 +206,8 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096):
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.stages, GROUP_M=cfg.group_m, CONSUMER_REGS=224,
     )  # fmt: skip
+    if silu:
+        constexprs["SILU"] = True
     constexprs = {n: v for n, v in constexprs.items() if n in names}
     aligned = ("N", "K", "stride_om")
     attrs = {
@@ -224,14 +227,17 @@ def hopper_report() -> list[dict]:
     SASS say (run in a process without TRITON_INTERPRET)."""
     from sm90_inspect import ptxas_usage, register_a_hazards, uses_register_a
 
-    cases = {(kind, tuple(cfg)) for (kind, *_), cfg in wg.WO_CONFIGS.items()}
-    cases |= set(REPRESENTATIVE)
+    cases = {(kind, tuple(cfg), False) for (kind, *_), cfg in wg.WO_CONFIGS.items()}
+    cases |= {(kind, tuple(cfg), False) for kind, cfg in REPRESENTATIVE}
+    # the warp-specialized configs also with the SiLU-and-mul epilogue (an MLP's gate_up)
+    cases |= {(kind, cfg, True) for kind, cfg, _ in cases if wg.WoConfig(*cfg).ws == 1}
+    cases |= {(kind, tuple(cfg), True) for (kind, *_), cfg in wg.WO_SILU_CONFIGS.items()}
     report = []
-    for kind, cfg in sorted(cases):
-        kernel = _build(kind, wg.WoConfig(*cfg))
+    for kind, cfg, silu in sorted(cases):
+        kernel = _build(kind, wg.WoConfig(*cfg), silu=silu)
         registers, spilled = ptxas_usage(kernel)
         report.append({
-            "case": [kind, list(cfg)], "register_a": uses_register_a(kernel),
+            "case": [kind, list(cfg), silu], "register_a": uses_register_a(kernel),
             "tma": "cp.async.bulk.tensor" in kernel.asm["ptx"], "registers": registers,
             "spilled": spilled, "hazards": register_a_hazards(kernel),
             "shared": kernel.metadata.shared,
