@@ -218,6 +218,15 @@ def wo_fn(kind: str, cfg: wg.WoConfig):
     return lambda x, qw, s, o: wg.wo_gemm(kind, x, qw, s, o, None, cfg)
 
 
+def silu_fn(kind: str, cfg: wg.WoConfig):
+    """``wo_fn``'s kinds, the gate_up GEMM with the SiLU-and-mul in its epilogue."""
+    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
+
+    if kind == "int4s":
+        return lambda x, qw, s, o: wo_gemm_ws("int4", x, qw, s, None, None, cfg, silu_mul=True)
+    return lambda x, qw, s, o: wo_gemm_ws(kind, x, qw, s, o, None, cfg, silu_mul=True)
+
+
 def quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple:
     """gpu_mixedgemm's random weights; int4s: symmetric int4 g128 (offsets -8 s, bf16)."""
     if kind != "int4s":
@@ -361,7 +370,6 @@ def silu_check(ms: list[int]) -> None:
     ``silu_and_mul``) on the GPU (bf16 elements that differ, and the largest difference), then
     both timed (weights cycled from HBM)."""
     from roofline.kernels.activation import silu_and_mul
-    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 
     n, k = base.SHAPES["gate_up"]
     wrong = 0
@@ -371,17 +379,12 @@ def silu_check(ms: list[int]) -> None:
             if c is None or wg.WoConfig(*c).ws != 1:
                 continue
             cfg = wg.WoConfig(*c)
-            kk = "int4" if kind == "int4s" else kind
-
-            def fused(x, qw, s, o, cfg=cfg, kk=kk):
-                return wo_gemm_ws(kk, x, qw, s, o, None, cfg, silu_mul=True)
+            fused = silu_fn(kind, cfg)
 
             def pair(x, qw, s, o, cfg=cfg, kind=kind):
                 return silu_and_mul(wo_fn(kind, cfg)(x, qw, s, o))
 
             qw, s, o = quantized(kind, n, k, seed=5)
-            if kind == "int4s":
-                o = None
             worst, differ = 0.0, 0
             for rows in (m - 3, m):
                 x = torch.randn(rows, k, device="cuda", dtype=BF16)
@@ -390,8 +393,7 @@ def silu_check(ms: list[int]) -> None:
                 worst = max(worst, (a - b).abs().max().item() / b.abs().max().item())
             bad = not worst < 2e-2
             wrong += bad
-            ring = [(q, sc, None if kind == "int4s" else off)
-                    for q, sc, off in make_ring(kind, n, k)]  # fmt: skip
+            ring = make_ring(kind, n, k)
             xb = torch.randn(m, k, device="cuda", dtype=BF16)
             t_f = base.time_ring(partial(fused, xb), ring, False)
             t_p = base.time_ring(partial(pair, xb), ring, False)
@@ -420,12 +422,10 @@ def silu_sweep(ms: list[int]) -> dict:
     against what the layer runs today followed by ``silu_and_mul``; a config that is >= 2%
     faster goes into ``WO_SILU_CONFIGS`` (for the engine runs after it)."""
     from roofline.kernels.activation import silu_and_mul
-    from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 
     n, k = base.SHAPES["gate_up"]
     tuned: dict[tuple, tuple] = {}
     for kind in ("int8", "int4s", "int4", "fp8"):
-        kk = "int4" if kind == "int4s" else kind
         ring = make_ring(kind, n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=BF16)
@@ -441,11 +441,7 @@ def silu_sweep(ms: list[int]) -> dict:
             t_pair = base.time_ring(partial(pair, x), ring, heavy)
             res = []
             for c in SILU_CANDIDATES:
-                cfg = wg.WoConfig(*c)
-
-                def fused(x, qw, s, o, cfg=cfg, kk=kk, sym=kind == "int4s"):
-                    return wo_gemm_ws(kk, x, qw, s, None if sym else o, None, cfg, silu_mul=True)
-
+                fused = silu_fn(kind, wg.WoConfig(*c))
                 try:
                     got = fused(xs, qw, s, o).float()
                     err = ((got - ref).abs().max() / ref.abs().max()).item()

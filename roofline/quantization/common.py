@@ -208,13 +208,10 @@ def quantized_linear(
     if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4", "fp8"):
         from roofline.kernels import wo_gemm
 
-        sym = getattr(layer, "int4_symmetric", False)  # offsets are -8 s (bf16 scales)
-        cfg = wo_gemm.pick("int4s", x.shape[0], n, k) if sym else None
-        if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
-            return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, None, bias, cfg)
-        cfg = wo_gemm.pick(kind, x.shape[0], n, k)
-        if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
-            return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, offsets, bias, cfg)
+        for name, offs in wo_candidates(kind, layer):
+            cfg = wo_gemm.pick(name, x.shape[0], n, k)
+            if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
+                return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, offs, bias, cfg)
     if USE_MIXED_GEMM and x.shape[0] > DECODE_MAX_ROWS:
         from roofline.kernels import mixed_gemm
 
@@ -235,6 +232,14 @@ def quantized_linear(
     return kernels.dequant_cublas_gemm(kind, x, layer.qweight, layer.scales, offsets, bias)
 
 
+def wo_candidates(kind: str, layer: nn.Module) -> tuple[tuple[str, torch.Tensor | None], ...]:
+    """The ``wo_gemm`` table kinds a layer tries, in order, with the offsets each passes: a
+    symmetric int4 layer (offsets ``-8 s``, bf16 scales) its ``int4s`` entries without offsets
+    first, then every layer its own kind's with its offsets."""
+    own = ((kind, getattr(layer, "offsets", None)),)
+    return (("int4s", None),) + own if getattr(layer, "int4_symmetric", False) else own
+
+
 def silu_out_choice(
     kind: str, layer: nn.Module, x: torch.Tensor
 ) -> tuple[object, torch.Tensor | None] | None:
@@ -250,24 +255,21 @@ def silu_out_choice(
     from roofline.kernels import wo_gemm
 
     n, k, m = layer.qweight.shape[0], x.shape[1], x.shape[0]
-    sym = getattr(layer, "int4_symmetric", False)
-    offsets = getattr(layer, "offsets", None)
-    for name, offs in ((("int4s", None),) if sym else ()) + ((kind, offsets),):
-        cfg = wo_gemm.pick_silu(name, m, n, k)  # measured faster than the unfused pair
-        if cfg is not None and n % 2 == 0 and wo_gemm.supports(kind, x, layer.qweight,
-                                                                layer.scales, cfg):  # fmt: skip
+    if n % 2:
+        return None
+
+    def fits(cfg) -> bool:
+        return wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg)
+
+    candidates = wo_candidates(kind, layer)
+    for name, offs in candidates:  # entries measured faster than the unfused pair
+        cfg = wo_gemm.pick_silu(name, m, n, k)
+        if cfg is not None and fits(cfg):
             return cfg, offs
-    choices = []
-    if sym:
-        choices.append((wo_gemm.pick("int4s", m, n, k), None))
-    choices.append((wo_gemm.pick(kind, m, n, k), offsets))
-    for cfg, offsets in choices:
-        if cfg is None:
-            continue
-        if cfg.ws == 1 and n % 2 == 0 and wo_gemm.supports(kind, x, layer.qweight, layer.scales,
-                                                            cfg):  # fmt: skip
-            return cfg, offsets
-        return None  # the table's pick is another form: the unfused pair
+    for name, offs in candidates:  # the first table pick decides, as in quantized_linear
+        cfg = wo_gemm.pick(name, m, n, k)
+        if cfg is not None:
+            return (cfg, offs) if cfg.ws == 1 and fits(cfg) else None
     return None
 
 
