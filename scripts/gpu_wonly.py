@@ -10,7 +10,11 @@ Sections (each prints and goes on after an error):
   g128 (``int4s``: symmetric), per shape (qkv / o / gate_up / down) and M bucket (``--wo``):
   every candidate checked against the exact reference on the GPU (count of wrong configs) before
   it is timed beside bf16 cuBLAS (us, TFLOP/s) and what the layer runs today; winners that beat
-  today's path go into ``WO_CONFIGS`` for the engine section;
+  today's path go into ``WO_CONFIGS`` for the engine section (``--forms`` keeps only some kernel
+  forms: ws, sk, plain, pipe);
+* ``pipe stress`` (``--pipe-stress N``): every pipelined table entry (two K tiles' MMAs in
+  flight, register A) called N times with fresh inputs, each against the exact reference and
+  run twice for the same bits: a register race shows as a wrong or unrepeatable output;
 * ``ceiling``: per shape at M = 256, bf16 cuBLAS beside a plain bf16 Triton GEMM with the mixed
   kernel's tile shapes and pipeline (no widening): what the tile structure itself reaches;
 * ``sweep`` (``--m``): ``gpu_mixedmma.sweep`` of the older kernel over this script's families;
@@ -25,6 +29,7 @@ Sections (each prints and goes on after an error):
 
     python scripts/gpu_wonly.py                    # first check, ~2 min
     python scripts/gpu_wonly.py --wo 256,128,512,64 --offline 2
+    python scripts/gpu_wonly.py --wo 192,384,768 --forms pipe,ws,sk --engine ""
 """
 
 from __future__ import annotations
@@ -137,27 +142,33 @@ def bf16_triton(tile):
 
 
 SK = 2  # the persistent stream-K form (kernels.wo_gemm_sk)
+PI = wg.PIPELINED  # the plain form with two K tiles' MMAs in flight
 WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES, GROUP_M, WS) per M bucket
     8192: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
-        (256, 128, 64, 1, 4),
+        (256, 128, 64, 1, 4), (256, 128, 64, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
     ],
     4096: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
-        (256, 128, 64, 1, 4),
+        (256, 128, 64, 1, 4), (256, 128, 64, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
     ],
     2048: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
-        (256, 128, 64, 1, 4),
+        (256, 128, 64, 1, 4), (256, 128, 64, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
+        (256, 128, 128, 1, 3, 8, PI), (256, 64, 64, 1, 5, 8, PI),
     ],
     1024: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (256, 128, 64, 1, 4, 8, SK),
         (128, 128, 128, 1, 4, 8, SK), (256, 128, 64, 1, 4),
+        (256, 128, 64, 1, 4, 8, PI), (128, 128, 128, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
+        (256, 128, 128, 1, 3, 8, PI), (256, 64, 64, 1, 5, 8, PI),
     ],
     512: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (256, 128, 64, 1, 4),
         (128, 256, 64, 1, 4), (128, 128, 64, 1, 4), (128, 128, 128, 1, 4, 8, SK),
         (256, 128, 64, 1, 4, 8, SK),
+        (256, 128, 64, 1, 4, 8, PI), (128, 128, 128, 1, 4, 8, PI), (256, 128, 128, 1, 3, 8, PI),
+        (128, 64, 128, 1, 4, 8, PI), (128, 256, 64, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
     ],
     256: [
         (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (256, 128, 128, 1, 2, 8, 1),
@@ -165,15 +176,43 @@ WO_FAMILIES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, STAGES, GROUP_M, WS) per
         (128, 128, 64, 1, 4), (128, 64, 128, 1, 4), (128, 256, 64, 1, 4),
         (128, 128, 128, 1, 4, 8, SK), (128, 128, 64, 1, 6, 8, SK), (128, 128, 128, 1, 3, 8, SK),
         (256, 128, 64, 1, 4, 8, SK), (256, 128, 64, 1, 5, 8, SK), (256, 128, 128, 1, 2, 8, SK),
+        (128, 128, 128, 1, 4, 8, PI), (128, 128, 64, 1, 6, 8, PI), (256, 128, 64, 1, 4, 8, PI),
+        (256, 128, 64, 1, 3, 8, PI), (128, 64, 128, 1, 4, 8, PI), (128, 256, 64, 1, 4, 8, PI),
+        (64, 128, 128, 1, 4, 8, PI), (128, 128, 128, 2, 4, 8, PI), (128, 64, 128, 2, 4, 8, PI),
+        (256, 64, 128, 1, 3, 8, PI), (256, 64, 64, 1, 5, 8, PI), (128, 64, 64, 1, 6, 8, PI),
+        (64, 64, 128, 1, 4, 8, PI),
     ],
     128: [
         (128, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (128, 128, 64, 1, 4),
         (128, 64, 128, 1, 4), (128, 64, 128, 2, 4), (128, 256, 64, 1, 4),
         (128, 128, 128, 1, 4, 8, SK), (128, 128, 64, 1, 6, 8, SK), (64, 128, 128, 1, 4, 8, SK),
+        (128, 128, 128, 1, 4, 8, PI), (128, 128, 64, 1, 6, 8, PI), (128, 64, 128, 1, 4, 8, PI),
+        (128, 128, 128, 2, 4, 8, PI), (128, 64, 128, 2, 4, 8, PI), (64, 128, 128, 1, 4, 8, PI),
+        (128, 256, 64, 1, 4, 8, PI),
     ],
     64: [
         (64, 128, 128, 1, 4, 8, 1), (64, 64, 128, 2, 4), (64, 64, 128, 4, 4), (64, 128, 128, 1, 4),
         (64, 256, 128, 1, 4), (64, 128, 128, 1, 4, 8, SK), (64, 128, 64, 1, 8, 8, SK),
+        (64, 64, 128, 2, 4, 8, PI), (64, 64, 128, 4, 4, 8, PI), (64, 128, 128, 1, 4, 8, PI),
+        (64, 64, 128, 1, 4, 8, PI), (64, 256, 128, 1, 4, 8, PI), (64, 128, 128, 2, 4, 8, PI),
+    ],
+    # buckets between the powers of two (rows 129-192, 257-384, 513-768: the short preset's
+    # ~140-row decode steps and ~700-token mixed steps)
+    192: [
+        (128, 128, 128, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
+        (64, 128, 128, 1, 4, 8, SK), (128, 64, 128, 1, 4, 8, PI), (256, 64, 128, 1, 3, 8, PI),
+        (128, 128, 128, 1, 4, 8, PI), (128, 64, 128, 2, 4, 8, PI), (64, 64, 128, 1, 4, 8, PI),
+        (64, 128, 128, 1, 4, 8, PI), (256, 128, 64, 1, 4, 8, PI), (64, 64, 128, 2, 4, 8, PI),
+    ],
+    384: [
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
+        (256, 128, 64, 1, 4, 8, SK), (256, 64, 128, 1, 3, 8, PI), (256, 128, 64, 1, 4, 8, PI),
+        (128, 64, 128, 1, 4, 8, PI), (128, 128, 128, 1, 4, 8, PI), (256, 64, 64, 1, 5, 8, PI),
+    ],
+    768: [
+        (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, 1), (256, 128, 64, 1, 4, 8, SK),
+        (256, 64, 128, 1, 3, 8, PI), (256, 128, 64, 1, 4, 8, PI), (128, 128, 128, 1, 4, 8, PI),
+        (256, 64, 64, 1, 5, 8, PI), (256, 128, 128, 1, 3, 8, PI),
     ],
 }  # fmt: skip
 WO_WRONG: list[str] = []
@@ -182,7 +221,8 @@ SMOKE = [  # (kind, config): one launch each before the sweep, in a child with a
     for cfg in ((128, 128, 64, 1, 4), (128, 64, 128, 2, 4), (128, 128, 64, 1, 4, 8, 1),
                 (256, 128, 64, 1, 4, 8, 1), (128, 128, 128, 1, 4, 8, SK),
                 (128, 128, 64, 1, 6, 8, SK), (64, 128, 128, 1, 4, 8, SK),
-                (256, 128, 64, 1, 4, 8, SK))
+                (256, 128, 64, 1, 4, 8, SK), (128, 128, 128, 1, 4, 8, PI),
+                (128, 64, 128, 2, 4, 8, PI))
     for kind in ("int8", "int4", "int4s", "fp8")
 ]  # fmt: skip
 
@@ -334,6 +374,31 @@ def wo_sweep(ms: list[int], kinds: list[str]) -> dict:
     lines = "".join(f"    {k!r}: {v!r},\n" for k, v in tuned.items())
     print("\nWO_CONFIGS = {\n" + lines + "}")
     return tuned
+
+
+@base.section("pipe stress")
+def pipe_stress(calls: int) -> None:
+    """Every ``WO_CONFIGS`` entry of the pipelined form (two K tiles' MMAs in flight, register A)
+    called ``calls`` times at bucket - 3 rows with fresh inputs, each against the exact reference
+    ON THE GPU and run twice (the same bits both times): a register race shows as a wrong or
+    unrepeatable output (ptxas 12.8 reused in-flight A registers in the older kernel)."""
+    wrong = total = 0
+    for (kind, n, k, bucket), c in sorted(wg.WO_CONFIGS.items()):
+        cfg = wg.WoConfig(*c)
+        if cfg.ws != PI:
+            continue
+        qw, s, o = quantized(kind, n, k, seed=1)
+        fn = wo_fn(kind, cfg)
+        bad = 0
+        for _ in range(calls):
+            x = torch.randn(max(bucket - 3, 1), k, device="cuda", dtype=BF16)
+            a, b = fn(x, qw, s, o), fn(x, qw, s, o)
+            err = base.rel_err(a, base.exact_ref(kind[:4], x, qw, s, o))
+            bad += int(not err < 2e-2 or not torch.equal(a, b))
+        wrong += bad
+        total += calls
+        print(f"pipe stress {kind} {n}x{k} M={bucket - 3} {c}: {bad}/{calls} wrong", flush=True)
+    mma.TABLE.append(f"pipelined entries under stress: {wrong} of {total} calls wrong")
 
 
 @base.section("wo table")
@@ -611,7 +676,7 @@ def smoke_verdict(path: str) -> list[str]:
     except subprocess.TimeoutExpired:
         code = "timeout"
     lines = open(path).read().splitlines() if os.path.exists(path) else []
-    bad = {"ws": False, "sk": False, "plain": False}
+    bad = {"ws": False, "sk": False, "plain": False, "pipe": False}
     for i, line in enumerate(lines):
         word, _, rest = line.partition(" ")
         done = i + 1 < len(lines) and lines[i + 1].partition(" ")[0] in ("ok", "wrong")
@@ -629,13 +694,13 @@ def smoke_verdict(path: str) -> list[str]:
 
 
 def form_of(text: str) -> str:
-    """The kernel form ("ws", "sk" or "plain") of a smoke line's config list ``[...]``."""
+    """The kernel form ("ws", "sk", "plain" or "pipe") of a smoke line's config list."""
     inside = text[text.index("[") + 1 : text.index("]")]
     return form_of_config(tuple(int(v) for v in inside.split(",")))
 
 
 def form_of_config(c: tuple) -> str:
-    return {1: "ws", SK: "sk"}.get(c[6] if len(c) > 6 else 0, "plain")
+    return {1: "ws", SK: "sk", PI: "pipe"}.get(c[6] if len(c) > 6 else 0, "plain")
 
 
 def main() -> None:
@@ -657,6 +722,9 @@ def main() -> None:
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-sk", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-plain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-pipe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pipe-stress", type=int, default=0, help="calls per pipelined entry")
+    ap.add_argument("--forms", default="", help="forms the wo sweep times: ws,sk,plain,pipe")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if not args.wo_child:
@@ -666,9 +734,11 @@ def main() -> None:
         smoke(args.smoke)
         return
     if args.wo_child:  # the wo section alone (a kernel fault cannot take the run down)
-        skipped = {f for f in ("ws", "sk", "plain") if getattr(args, f"skip_{f}")}
+        skipped = {f for f in ("ws", "sk", "plain", "pipe") if getattr(args, f"skip_{f}")}
+        forms = set(args.forms.split(",")) if args.forms else None
         for fam in WO_FAMILIES.values():
             fam[:] = [c for c in fam if form_of_config(c) not in skipped]
+            fam[:] = [c for c in fam if forms is None or form_of_config(c) in forms]
         tuned = wo_sweep(wo_ms, args.kinds.split(",")) or {}
         with open(args.wo_child, "w") as f:
             json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
@@ -684,9 +754,10 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "wo_tuned.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--wo", args.wo, "--kinds", args.kinds]
+        cmd += ["--forms", args.forms]
         skip = smoke_verdict(os.path.join(args.out, "wo_smoke.txt"))
         code: int | str = "skipped: every kernel form failed the smoke test"
-        if len(skip) < 3:
+        if len(skip) < 4:
             try:
                 proc = subprocess.run([*cmd, *skip, "--wo-child", path], check=False, timeout=540)
                 code = proc.returncode
@@ -700,6 +771,8 @@ def main() -> None:
         else:
             mma.TABLE.append(f"wo section FAILED (exit {code})")
         print(f"WO_CONFIGS for the engine runs: {wg.WO_CONFIGS}", flush=True)
+    if args.pipe_stress:
+        pipe_stress(args.pipe_stress)
     if args.ceiling:
         ceiling([int(v) for v in args.ceiling.split(",")])
     mma.FAMILIES.clear()

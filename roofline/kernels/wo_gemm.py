@@ -16,6 +16,16 @@ creates, triton-lang/triton#9433; ``tests/kernels/sm90_inspect.register_a_hazard
 SASS). int8 row scales multiply the finished accumulator; int4 group scales and offsets are
 applied per element in fp32 (``w = q s + offset``, rounded once, as ``formats`` does).
 
+``PIPE`` (``WoConfig.ws == PIPELINED``) keeps two K tiles' MMAs in flight instead: tile k's
+MMAs are issued, ``warpgroup_mma_wait(1)`` retires tile k - 1's (whose stage then goes back to
+the TMA ring), and tile k + 1 is widened while tile k's still run, so the tensor cores never
+wait for a widening. The loop takes two tiles a trip (K tiles a slice even, ``fits``): each
+tile's A registers are then the same on every trip, and the tile still in flight at a wait is
+among its ``deps``, so ptxas 12.8 neither reuses its registers nor serializes the MMAs (the
+SASS check counts a wait that leaves a group in flight). The warp-specialized form cannot: ptxas
+serializes its pipelined register-A MMAs ("insufficient register resources"; the kernel's
+``.maxnreg`` is 168 at its 384 threads), 12.8 and 13.5 alike.
+
 ``SPLIT_K`` slices K for shapes with few output tiles; the slices' fp32 partial sums go to a
 workspace and the last slice of a tile to arrive (an acq_rel atomic counter) adds them in slice
 order: deterministic, one launch, CUDA-graph replayable (the counters return to zero).
@@ -37,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from roofline.kernels.last_program import stream_counters
 from roofline.kernels.wo_gemm_configs import (
+    PIPELINED,
     WO_CONFIGS,
     WO_SILU_CONFIGS,
     WoConfig,
@@ -157,6 +168,23 @@ def _fp8_to_bf16(q):
     )
 
 
+@gluon.jit
+def _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, k, tile_first, k_tiles, ok,
+            BLOCK_K: gl.constexpr, QK: gl.constexpr, STAGES: gl.constexpr,
+            tile_bytes: gl.constexpr):  # fmt: skip
+    """Tile ``k``'s MMAs have retired in this thread: once every warp is there, stage
+    ``k % STAGES`` takes tile ``k + STAGES`` (if ``ok`` and there is one)."""
+    gl.thread_barrier()
+    s = k % STAGES
+    kl = k + STAGES
+    pred = ok & (kl < k_tiles)
+    mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(s),
+                                    x_smem.index(s), pred=pred)  # fmt: skip
+    tma.async_copy_global_to_shared(q_desc, [off_n, (tile_first + kl) * QK], ready.index(s),
+                                    q_smem.index(s), pred=pred)  # fmt: skip
+
+
 @gluon.jit(do_not_specialize=["M"])
 def _wo_gemm_kernel(
     x_desc,  # TMA [M, K] bf16, block [BLOCK_M, BLOCK_K]
@@ -181,6 +209,7 @@ def _wo_gemm_kernel(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    PIPE: gl.constexpr = False,
 ):
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
@@ -233,30 +262,57 @@ def _wo_gemm_kernel(
     )
     mbarrier.wait(ready.index(0), 0)
     w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
-    for k in range(k_tiles):
-        s = k % STAGES
-        kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
-        sn = kn % STAGES
-        span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
-                                   tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
-                                   GROUP, BLOCK_K)  # fmt: skip
-        mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
-        acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
-        # every MMA of tile k retires before the loop goes on: no A register is reused early
-        acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
-        gl.thread_barrier()  # every warpgroup is done with stage s
-        kl = k + STAGES
-        pred = kl < k_tiles
-        mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
-        tma.async_copy_global_to_shared(
-            x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(s), x_smem.index(s),
-            pred=pred,
-        )  # fmt: skip
-        tma.async_copy_global_to_shared(
-            q_desc, [off_n, (tile_first + kl) * QK], ready.index(s), q_smem.index(s), pred=pred
-        )
-        w = w_next
+    if PIPE:  # two K tiles' MMAs in flight (module docstring): two tiles a trip, k_tiles even
+        w1 = w  # (no MMA reads it before the first wait)
+        for kk in range(0, k_tiles, 2):
+            acc = warpgroup_mma(w, x_smem.index(kk % STAGES).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            # tile kk - 1's MMAs retire; w stays live (tile kk's MMAs read it)
+            acc, w1, w = warpgroup_mma_wait(num_outstanding=1, deps=[acc, w1, w])
+            _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, kk - 1, tile_first,
+                    k_tiles, kk > 0, BLOCK_K, QK, STAGES, tile_bytes)  # fmt: skip
+            span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, tile_first + kk + 1,
+                                       stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+            mbarrier.wait(ready.index((kk + 1) % STAGES), ((kk + 1) // STAGES) & 1)
+            w1 = _widen(q_smem.index((kk + 1) % STAGES), span, base, a_layout, KIND, BLOCK_N,
+                        BLOCK_K)  # fmt: skip
+            acc = warpgroup_mma(w1, x_smem.index((kk + 1) % STAGES).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            acc, w, w1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, w, w1])  # tile kk
+            _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, kk, tile_first,
+                    k_tiles, True, BLOCK_K, QK, STAGES, tile_bytes)  # fmt: skip
+            kn = kk + 2
+            span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
+                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
+                                       GROUP, BLOCK_K)  # fmt: skip
+            mbarrier.wait(ready.index(kn % STAGES), (kn // STAGES) & 1, pred=kn < k_tiles)
+            w = _widen(q_smem.index(kn % STAGES), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+        acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w1])
+    else:
+        for k in range(k_tiles):
+            s = k % STAGES
+            kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
+            sn = kn % STAGES
+            span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
+                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
+                                       GROUP, BLOCK_K)  # fmt: skip
+            mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
+            acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+            w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+            # every MMA of tile k retires before the loop goes on: no A register is reused early
+            acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
+            gl.thread_barrier()  # every warpgroup is done with stage s
+            kl = k + STAGES
+            pred = kl < k_tiles
+            mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
+            tma.async_copy_global_to_shared(
+                x_desc, [off_m, (tile_first + kl) * BLOCK_K], ready.index(s), x_smem.index(s),
+                pred=pred,
+            )  # fmt: skip
+            tma.async_copy_global_to_shared(
+                q_desc, [off_n, (tile_first + kl) * QK], ready.index(s), q_smem.index(s), pred=pred
+            )
+            w = w_next
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -380,13 +436,15 @@ def fits(
     hold whole K tiles (shapes, strides and pointers only, no sync)."""
     if kind not in ("int8", "int4", "fp8") or x.dtype != torch.bfloat16 or x.dim() != 2:
         return False
-    if cfg.ws and cfg.block_n != 128:  # two consumer warpgroups
+    if cfg.ws in (1, 2) and cfg.block_n != 128:  # two consumer warpgroups
         return False
     if cfg.ws == 2 and cfg.block_m not in (64, 128, 256):  # (kernels.wo_gemm_sk)
         return False
     k = x.shape[1]
     n = qweight.shape[0]
     if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or k % cfg.block_k:
+        return False
+    if cfg.ws == PIPELINED and (k // cfg.block_k) % (2 * cfg.split_k):  # whole pairs a slice
         return False
     if not qweight.is_contiguous() or qweight.data_ptr() % 16 or qweight.stride(0) % 16:
         return False
@@ -481,7 +539,7 @@ def wo_gemm(
         from roofline.kernels.wo_gemm_sk import sk_gemm
 
         return sk_gemm(kind, x, qweight, scales, offsets, bias, cfg)
-    if cfg.ws:
+    if cfg.ws == 1:
         from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 
         return wo_gemm_ws(kind, x, qweight, scales, offsets, bias, cfg)
@@ -503,6 +561,6 @@ def wo_gemm(
         x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s, out.stride(0),
         KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        GROUP_M=cfg.group_m, num_warps=cfg.block_n // 16,
+        GROUP_M=cfg.group_m, PIPE=cfg.ws == PIPELINED, num_warps=cfg.block_n // 16,
     )  # fmt: skip
     return out

@@ -103,11 +103,17 @@ def _written_registers(ins: str) -> set[int]:
 
 def register_a_hazards(kernel) -> list[str]:
     """Instructions that overwrite a register-sourced wgmma A operand (``HGMMA ... Rn,`` reads
-    Rn..Rn+3) before a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` has waited for that MMA, walking forward
+    Rn..Rn+3) before a ``WARPGROUP.DEPBAR.LE gsb0, N`` has retired that MMA, walking forward
     from each HGMMA and once around its loop (a backward branch): the pattern ptxas before 13.3
     emits for a pipelined register-operand wgmma (triton-lang/triton#9433), which gives wrong
-    results when the MMA reads its operand late."""
-    lines = sass_lines(kernel)
+    results when the MMA reads its operand late. The HGMMAs up to one marked ``gsb0`` form a
+    group; ``DEPBAR.LE gsb0, N`` leaves the newest N groups in flight, so an MMA retires there
+    once N groups have been committed after its own (N = 0: every MMA)."""
+    return sass_register_a_hazards(sass_lines(kernel))
+
+
+def sass_register_a_hazards(lines: list[tuple[int, str]]) -> list[str]:
+    """``register_a_hazards`` on (address, instruction) lines."""
     index = {addr: i for i, (addr, _) in enumerate(lines)}
     found = []
     for i, (addr, ins) in enumerate(lines):
@@ -115,11 +121,18 @@ def register_a_hazards(kernel) -> list[str]:
         if not m:
             continue
         live = set(range(int(m.group(1)), int(m.group(1)) + 4))
+        committed = "gsb0" in ins  # this MMA's group is committed
+        newer = 0  # groups committed after it
         j, steps, wrapped = i + 1, 0, False
         while j < len(lines) and steps < 4000:
             a, nxt = lines[j]
-            if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in nxt:
+            d = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", nxt)
+            if d and newer >= int(d.group(1), 16):
                 break
+            if "HGMMA" in nxt and "gsb0" in nxt:
+                if committed:
+                    newer += 1
+                committed = True
             if live & _written_registers(nxt):
                 found.append(f"{a:#06x} {nxt}  (A operand of the HGMMA at {addr:#06x})")
                 break

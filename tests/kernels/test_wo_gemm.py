@@ -118,6 +118,17 @@ def test_layout_checks() -> None:
     assert wg.fits("fp8", x, q8f, s8f, cfg)
     assert not wg.fits("fp8", x, q8.qweight, q8.scales, cfg)  # int8 bytes are not e4m3
     assert not wg.fits("int8", x, q8f, s8f, cfg)
+    # the pipelined form takes K tiles two at a time: an even count in every split-K slice
+    pipe = cfg._replace(ws=wg.PIPELINED, block_n=64)  # (any warpgroup count)
+    assert wg.fits("int8", x, q8.qweight, q8.scales, pipe)  # 8 tiles
+    assert wg.fits("int8", x, q8.qweight, q8.scales, pipe._replace(split_k=4))  # 2 a slice
+    assert not wg.fits("int8", x, q8.qweight, q8.scales, pipe._replace(split_k=8))  # 1 a slice
+    assert not wg.fits("int8", x, q8.qweight, q8.scales, pipe._replace(block_k=128, split_k=4))
+    x3 = torch.randn(5, 192).to(torch.bfloat16)  # 3 tiles of 64
+    q3 = formats.quantize_int8(torch.randn(256, 192), 192, torch.bfloat16)
+    assert wg.fits("int8", x3, q3.qweight, q3.scales, cfg)
+    assert not wg.fits("int8", x3, q3.qweight, q3.scales, pipe)
+    assert not wg.fits("int8", x, q8.qweight, q8.scales, cfg._replace(ws=1, block_n=64))
 
 
 def test_scale_args() -> None:
@@ -138,8 +149,9 @@ def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
     table = {("int8", 6144, 4096, 256): (256, 128, 64, 2, 4)}
     monkeypatch.setattr(wo_gemm_configs, "WO_CONFIGS", table)
-    ms = (17, 64, 65, 256, 300, 513, 2048, 8192, 8193)
-    assert [wg.m_bucket(m) for m in ms] == [32, 64, 128, 256, 512, 1024, 2048, 8192, 0]
+    ms = (17, 64, 65, 129, 256, 300, 385, 513, 769, 2048, 8192, 8193)
+    assert [wg.m_bucket(m) for m in ms] == [32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048,
+                                            8192, 0]  # fmt: skip
     assert wg.pick("int8", 200, 6144, 4096) == wg.WoConfig(256, 128, 64, 2, 4)
     assert wg.pick("int8", 100, 6144, 4096) is None  # bucket 128 not measured
     assert wg.pick("int4", 200, 6144, 4096) is None
@@ -158,6 +170,10 @@ REPRESENTATIVE = [  # (kind, config)
     ("int8", (128, 128, 64, 1, 6, 8, 2)),  # stream-K
     ("int4", (64, 128, 128, 1, 4, 8, 2)),
     ("int4s", (256, 128, 64, 1, 4, 8, 2)),  # stream-K, two halves of x
+    ("int8", (256, 64, 128, 1, 3, 8, 3)),  # pipelined: two K tiles' MMAs in flight
+    ("int4", (128, 64, 128, 2, 4, 8, 3)),
+    ("fp8", (64, 256, 128, 1, 4, 8, 3)),  # 16 warps
+    ("int4s", (64, 64, 128, 4, 4, 8, 3)),  # one warpgroup
     ("fp8", (128, 64, 128, 1, 4)),  # e4m3 bytes widened by bit moves
     ("fp8", (256, 128, 64, 1, 4, 8, 1)),
     ("fp8", (128, 128, 128, 1, 4, 8, 2)),
@@ -188,7 +204,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
         from roofline.kernels import wo_gemm_sk
 
         fn = wo_gemm_sk._wo_sk_kernel
-    elif cfg.ws:
+    elif cfg.ws == 1:
         from roofline.kernels import wo_gemm_ws
 
         fn = wo_gemm_ws._wo_ws_kernel
@@ -208,6 +224,8 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     )  # fmt: skip
     if silu:
         constexprs["SILU"] = True
+    if cfg.ws == wg.PIPELINED:
+        constexprs["PIPE"] = True
     constexprs = {n: v for n, v in constexprs.items() if n in names}
     aligned = ("N", "K", "stride_om")
     attrs = {
@@ -218,14 +236,14 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     return triton.compile(
         GluonASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4 if cfg.ws else cfg.block_n // 16},
+        options={"num_warps": 4 if cfg.ws in (1, 2) else cfg.block_n // 16},
     )
 
 
 def hopper_report() -> list[dict]:
     """Compile the shipped configs and REPRESENTATIVE for sm_90 and report what ptxas and the
     SASS say (run in a process without TRITON_INTERPRET)."""
-    from sm90_inspect import ptxas_usage, register_a_hazards, uses_register_a
+    from sm90_inspect import ptxas_usage, register_a_hazards, sass_lines, uses_register_a
 
     cases = {(kind, tuple(cfg), False) for (kind, *_), cfg in wg.WO_CONFIGS.items()}
     cases |= {(kind, tuple(cfg), False) for kind, cfg in REPRESENTATIVE}
@@ -241,6 +259,7 @@ def hopper_report() -> list[dict]:
             "tma": "cp.async.bulk.tensor" in kernel.asm["ptx"], "registers": registers,
             "spilled": spilled, "hazards": register_a_hazards(kernel),
             "shared": kernel.metadata.shared,
+            "in_flight": any("DEPBAR.LE gsb0, 0x1" in ins for _, ins in sass_lines(kernel)),
         })  # fmt: skip
     return report
 
@@ -271,3 +290,5 @@ def test_configs_compile_for_hopper_without_register_races() -> None:
         assert 0 < got["registers"] <= 255 and got["spilled"] == 0, got
         assert got["hazards"] == [], got
         assert got["shared"] <= 227 << 10, got  # an H100 SM's shared memory per block
+        # the pipelined form keeps a K tile's MMAs in flight (ptxas did not serialize them)
+        assert got["in_flight"] == (wg.WoConfig(*got["case"][1]).ws == wg.PIPELINED), got
