@@ -88,10 +88,10 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("int8", 6144, 4096, 64): (64, 64, 128, 1, 4, 8, 3),
     ("int8", 4096, 4096, 64): (64, 64, 128, 4, 4, 8, 3),
     ("int8", 4096, 14336, 64): (64, 64, 128, 4, 4, 8, 3),
-    ("int4", 6144, 4096, 64): (64, 64, 128, 2, 4, 8),
-    ("int4", 4096, 4096, 64): (64, 64, 128, 4, 4, 8),
-    ("int4", 28672, 4096, 64): (64, 128, 128, 1, 4, 8),
-    ("int4", 4096, 14336, 64): (64, 64, 128, 4, 4, 8),
+    ("int4", 6144, 4096, 64): (64, 128, 128, 1, 4, 8, 2),
+    ("int4", 4096, 4096, 64): (64, 64, 128, 4, 4, 8, 0),
+    ("int4", 28672, 4096, 64): (64, 128, 128, 1, 4, 8, 2),
+    ("int4", 4096, 14336, 64): (64, 128, 128, 1, 4, 8, 2),
     # Fifth check (same session, `--wo 256,128,512,64,2048 --kinds fp8`): fp8 (e4m3, per row)
     # weight-only layers, timed for the first time (they had run mixed_gemm or dequantize +
     # cuBLAS). bf16 / before -> bf16 / this (qkv/o/gate_up/down): M = 64 0.85/0.94/1.49/1.24 ->
@@ -141,7 +141,7 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("fp8", 4096, 14336, 1024): (256, 128, 64, 1, 4, 8, 1),
     ("int8", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
     ("int4s", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
-    ("fp8", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 1),
+    ("fp8", 4096, 14336, 4096): (256, 128, 64, 1, 4, 8, 3),
     # Fifth check (2026-11-24, thirteenth session, `--forms pipe` at 64-2048 rows, then every
     # form at the new buckets 192 / 384 / 768 and for asymmetric int4): the pipelined form (ws =
     # 3, two K tiles' MMAs in flight) took most entries from 64 to 512 rows (us, the previous
@@ -152,6 +152,8 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     # int4s 0.88/0.99/1.02/0.99, fp8 0.86/1.04/1.07/1.06 (qkv/o/gate_up/down); at M = 64 int8
     # 1.23/1.28/1.65/1.47. Rows between powers of two had taken the next bucket's entry (the
     # short preset's ~140-row decode steps ran 256-row tiles); 192 / 384 / 768 are measured now.
+    # At 4,096 / 8,192 rows dequantize + cuBLAS stays (pipelined int8 at 8,192: 0.82/0.77/0.89/
+    # 0.93 against 0.91/0.86/0.97/0.95); asymmetric int4 took entries at 64, 1,024 and 2,048.
     ("int8", 4096, 4096, 256): (128, 64, 128, 1, 4, 8, 3),
     ("int8", 4096, 14336, 256): (128, 64, 128, 1, 4, 8, 3),
     ("int4s", 4096, 4096, 256): (128, 64, 128, 1, 4, 8, 3),
@@ -216,6 +218,11 @@ WO_CONFIGS: dict[tuple[str, int, int, int], tuple[int, ...]] = {
     ("fp8", 4096, 14336, 768): (256, 128, 64, 1, 4, 8, 1),
     ("int4", 6144, 4096, 768): (256, 128, 64, 1, 4, 8, 2),
     ("int4", 28672, 4096, 768): (256, 128, 64, 1, 4, 8, 2),
+    ("int4s", 4096, 4096, 4096): (256, 128, 128, 1, 3, 8, 3),
+    ("int4", 4096, 4096, 1024): (256, 128, 64, 1, 4, 8, 3),
+    ("int4", 28672, 4096, 1024): (256, 128, 64, 1, 4, 8, 2),
+    ("int4", 4096, 14336, 1024): (256, 128, 128, 1, 3, 8, 3),
+    ("int4", 28672, 4096, 2048): (256, 128, 64, 1, 4, 8, 3),
 }
 """(kind, N, K, M bucket) -> ``WoConfig`` fields, measured on an H100 by ``scripts/gpu_wonly.py``;
 other shapes and buckets keep ``kernels.mixed_gemm``; kind ``int4s``: symmetric int4 (offsets
