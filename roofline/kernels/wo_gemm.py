@@ -173,9 +173,10 @@ def _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, k, tile_first, 
             BLOCK_K: gl.constexpr, QK: gl.constexpr, STAGES: gl.constexpr,
             tile_bytes: gl.constexpr):  # fmt: skip
     """Tile ``k``'s MMAs have retired in this thread: once every warp is there, stage
-    ``k % STAGES`` takes tile ``k + STAGES`` (if ``ok`` and there is one)."""
+    ``k % STAGES`` takes tile ``k + STAGES`` (if ``ok`` and there is one; ``k`` >= -1: the
+    first trip's call for tile -1 is predicated off, its stage index kept in range)."""
     gl.thread_barrier()
-    s = k % STAGES
+    s = (k + STAGES) % STAGES
     kl = k + STAGES
     pred = ok & (kl < k_tiles)
     mbarrier.expect(ready.index(s), tile_bytes, pred=pred)
