@@ -243,7 +243,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
 def hopper_report() -> list[dict]:
     """Compile the shipped configs and REPRESENTATIVE for sm_90 and report what ptxas and the
     SASS say (run in a process without TRITON_INTERPRET)."""
-    from sm90_inspect import ptxas_usage, register_a_hazards, sass_lines, uses_register_a
+    from sm90_inspect import ptxas_usage, sass_lines, sass_register_a_hazards, uses_register_a
 
     cases = {(kind, tuple(cfg), False) for (kind, *_), cfg in wg.WO_CONFIGS.items()}
     cases |= {(kind, tuple(cfg), False) for kind, cfg in REPRESENTATIVE}
@@ -254,12 +254,13 @@ def hopper_report() -> list[dict]:
     for kind, cfg, silu in sorted(cases):
         kernel = _build(kind, wg.WoConfig(*cfg), silu=silu)
         registers, spilled = ptxas_usage(kernel)
+        sass = sass_lines(kernel)  # (one disassembly for both SASS checks)
         report.append({
             "case": [kind, list(cfg), silu], "register_a": uses_register_a(kernel),
             "tma": "cp.async.bulk.tensor" in kernel.asm["ptx"], "registers": registers,
-            "spilled": spilled, "hazards": register_a_hazards(kernel),
+            "spilled": spilled, "hazards": sass_register_a_hazards(sass),
             "shared": kernel.metadata.shared,
-            "in_flight": any("DEPBAR.LE gsb0, 0x1" in ins for _, ins in sass_lines(kernel)),
+            "in_flight": any("DEPBAR.LE gsb0, 0x1" in ins for _, ins in sass),
         })  # fmt: skip
     return report
 
