@@ -143,3 +143,26 @@ def sass_register_a_hazards(lines: list[tuple[int, str]]) -> list[str]:
                 j += 1
             steps += 1
     return found
+
+
+def report_in_subprocess(module: str, timeout: float = 600):
+    """``module.hopper_report()`` (a test module beside this one) run in a fresh Python without
+    TRITON_INTERPRET, so its kernels compile for sm_90 instead of being interpreted; its JSON
+    result."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
+    )
+    code = f"import json, {module} as t; print(json.dumps(t.hopper_report()))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

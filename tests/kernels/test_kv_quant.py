@@ -4,6 +4,7 @@ quantized pages against the torch references over the dequantized cache."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kernel_utils import DEVICE, make_paged
@@ -110,3 +111,107 @@ def test_prefill_attention_quantized(page_dtype, dtype) -> None:
     ref = prefill_attention_ref(*args, k_scale=ks, v_scale=vs)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _i8_to_f16_emulated(b: np.ndarray) -> np.ndarray:
+    """``decode_attention.I8_TO_F16_PTX`` step by step on the host: the bytes' sign bits flipped
+    (one xor for four), each byte under fp16's exponent of 1024 (``prmt`` with 0x64), then the
+    fp16 subtract of 1152 (rounded to nearest, as ``sub.rn.f16x2``)."""
+    flipped = (b.view(np.uint8) ^ 0x80).astype(np.uint16)
+    halves = (0x64 << 8) | flipped  # the prmt's 16-bit halves
+    return (halves.view(np.float16).astype(np.float32) - np.float32(1152)).astype(np.float16)
+
+
+def test_int8_to_fp16_widening_is_exact() -> None:
+    """The int8 -> fp16 bit trick of the decode kernel over 1-byte pages gives every int8 value
+    exactly (the PTX itself runs on the GPU: ``scripts/gpu_kvf16.py`` checks it there)."""
+    from roofline.kernels import decode_attention as da
+
+    assert "0x64646464" in da.I8_TO_F16_PTX.value and "0x64806480" in da.I8_TO_F16_PTX.value
+    b = np.arange(-128, 128, dtype=np.int8)
+    assert np.array_equal(_i8_to_f16_emulated(b).astype(np.int32), b.astype(np.int32))
+    # the prmt selectors put bytes 0, 1 (0x4140) and 2, 3 (0x4342) of the word into the halves
+    word = np.array([0x04030201], dtype=np.uint32).view(np.uint8)
+    lo, hi = word[[0, 1]], word[[2, 3]]
+    assert list(lo) == [1, 2] and list(hi) == [3, 4]
+
+
+@pytest.mark.parametrize("page_dtype", PAGE_DTYPES)
+@pytest.mark.parametrize("v_mul", [1.0, 1e-3, 1e3])
+def test_decode_attention_fp16_widening(page_dtype, v_mul, monkeypatch) -> None:
+    """1-byte pages widened to fp16 (``KV_F16``, q bf16) against the path through fp32 and the
+    reference over the same pages, with V scaled so far down and up that unnormalised
+    probability x scale products would leave fp16's range; q beyond fp16's range is clamped."""
+    from roofline.kernels import decode_attention as da
+
+    context_lens = [0, 37, 130, 5]
+    batch, kq, _, ks, _ = _quantized_batch(page_dtype, [1] * 4, context_lens, torch.bfloat16)
+    vq, vs = quantize(batch.v_cache * v_mul, page_dtype)
+    q = batch.q.clone()
+    args = (q, kq, vq, batch.block_table, batch.seq_lens, 0.125)
+    ref = decode_attention_ref(*args, k_scale=ks, v_scale=vs).float()
+    outs = {}
+    for f16 in (False, True):
+        monkeypatch.setattr(da, "KV_F16", f16)
+        for splits in (1, 3):
+            out = decode_attention(*args, num_splits=splits, k_scale=ks, v_scale=vs).float()
+            torch.testing.assert_close(out, ref, atol=2e-2 * v_mul, rtol=2e-2)
+            outs[f16, splits] = out
+    # fp16 products keep more of q and p than bf16 ones: no further from the reference
+    err = {f: (outs[f, 1] - ref).abs().max().item() for f in (False, True)}
+    assert err[True] <= err[False] * 1.5 + 1e-6 * v_mul, err
+    q[0, 0, 0] = 1e6  # past fp16: clamped, not inf
+    out = decode_attention(*args, num_splits=1, k_scale=ks, v_scale=vs)
+    assert torch.isfinite(out.float()).all()
+
+
+def hopper_report() -> dict:
+    """sm_90 builds of the decode kernel over 1-byte pages as the H100 runs them (``KV_F16``,
+    anchored widening, int8 through ``I8_TO_F16_PTX``, ``_pick_quant_config``), compiled in a
+    process without TRITON_INTERPRET: page dtype -> (registers, spill bytes, LDS.U8 count)."""
+    import triton
+    from sm90_inspect import ptxas_usage, sass_lines
+    from triton.backends.compiler import GPUTarget
+
+    from roofline.kernels import decode_attention as da
+
+    fn = da._decode_split_kernel
+    names = list(fn.arg_names)
+    block_n, num_warps, num_stages = da._pick_quant_config(128)
+    report = {}
+    for page_dtype in ("fp8e4nv", "i8"):
+        sig = {n: "i32" for n in names}
+        sig.update(q_ptr="*bf16", k_cache_ptr=f"*{page_dtype}", v_cache_ptr=f"*{page_dtype}",
+                   k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
+                   seq_lens_ptr="*i32", ctx_start_ptr="*i32", out_ptr="*bf16",
+                   part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2e="fp32")  # fmt: skip
+        const = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16,
+                     BLOCK_D=128, BLOCK_N=block_n, SINGLE_SPLIT=False, PRECISION="tf32",
+                     KV_QUANT=True, HAS_START=False, MERGE_PREFIX=False, PDL=True, KV_F16=True,
+                     KV_ANCHOR=True, KV_I8_ASM=page_dtype == "i8", DEVICE_SPLIT=True,
+                     MIN_SPLIT=128)  # fmt: skip
+        sig.update({n: "constexpr" for n in const})
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, k in sig.items()
+                 if k.startswith("*") or n.startswith("stride_")}  # fmt: skip
+        kernel = triton.compile(
+            triton.compiler.ASTSource(fn, sig, const, attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+        lds_u8 = sum("LDS.U8" in ins for _, ins in sass_lines(kernel))
+        report[page_dtype] = (*ptxas_usage(kernel), lds_u8)
+    return report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles the kernel itself")
+def test_decode_attention_fp16_widening_sm90() -> None:
+    """The kernel over 1-byte pages as the H100 runs it keeps three programs an SM (at most 168
+    registers, no spills), and reads no single bytes from shared memory (``LDS.U8``: widening in
+    the MMA operand's layout, which the anchor avoids; the path through fp32 read 128 a tile and
+    took 228 registers)."""
+    from sm90_inspect import report_in_subprocess
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    report = report_in_subprocess("test_kv_quant")
+    for page_dtype, (regs, spills, lds_u8) in report.items():
+        assert 0 < regs <= 168 and spills == 0 and lds_u8 == 0, (page_dtype, report)

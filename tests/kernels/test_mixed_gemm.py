@@ -234,24 +234,10 @@ def hopper_report() -> list[dict]:
 def test_kernels_compile_for_hopper_without_register_races() -> None:
     """Code the interpreter accepts but the GPU compiler rejects fails here; so does a config
     whose SASS overwrites a wgmma A register before that MMA has been waited for."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from sm90_inspect import report_in_subprocess
 
     pytest.importorskip("triton.backends.nvidia.compiler")
-    here = pathlib.Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
-    )
-    code = "import json, test_mixed_gemm as t; print(json.dumps(t.hopper_report()))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    *report, racy = json.loads(run.stdout.strip().splitlines()[-1])
+    *report, racy = report_in_subprocess("test_mixed_gemm")
     for (*_, cfg, w8a8, types), got in zip(HOPPER_CASES, report, strict=True):
         assert got["forms"] and all(f.endswith(types) for f in got["forms"]), got
         # dequantized weights feed wgmma from registers, or (MODE_SMEM) from shared memory

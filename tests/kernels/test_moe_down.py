@@ -121,24 +121,10 @@ def hopper_report() -> dict:
 def test_compiles_for_hopper() -> None:
     """Routing with one copy of the logits a warp adds few barriers to the gate/up GEMV (one
     copy a program added 36) and no spills; the down kernel's tiles compile without spills."""
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from sm90_inspect import report_in_subprocess
 
     pytest.importorskip("triton.backends.nvidia.compiler")
-    here = pathlib.Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
-    )
-    code = "import json, test_moe_down as t; print(json.dumps(t.hopper_report()))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = report_in_subprocess("test_moe_down")
     assert report["gate/up routing"][0] - report["gate/up"][0] <= 8, report
     assert report["gate/up routing"][1] <= report["gate/up"][1] + 8, report
     assert all(0 < regs <= 255 and spills == 0 for _, regs, spills in report.values()), report

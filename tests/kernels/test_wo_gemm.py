@@ -267,24 +267,10 @@ def hopper_report() -> list[dict]:
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU script checks the shipped configs' numbers")
 def test_configs_compile_for_hopper_without_register_races() -> None:
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from sm90_inspect import report_in_subprocess
 
     pytest.importorskip("triton.experimental.gluon")
-    here = pathlib.Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(here), str(here.parents[1]), env.get("PYTHONPATH", "")]
-    )
-    code = "import json, test_wo_gemm as t; print(json.dumps(t.hopper_report()))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = report_in_subprocess("test_wo_gemm")
     assert len(report) >= len(REPRESENTATIVE)
     for got in report:
         assert got["register_a"] and got["tma"], got
