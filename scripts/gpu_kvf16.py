@@ -124,6 +124,56 @@ def kernel_bench(ceil, quick: bool) -> dict:
     return best
 
 
+def prefill_bench(ceil) -> None:
+    """Prefill chunks over a cached context, the kernel as the backend calls it (the chunk's own
+    keys through descriptors over 16-bit pages): bf16 pages against fp8 / int8 pages (the paged
+    kernel, dequantizing in registers), the quantized ones over a few tile configs
+    (``QUANT_TILES``), each against ``prefill_attention_ref`` on a small batch first."""
+    from roofline.kernels import prefill_attention as pa
+
+    q, kc, vc, table, _ = _paged(3, 1200, 32, 8, 128, 16, torch.bfloat16)
+    seq_lens = torch.tensor([1200, 700, 333], device=DEV).int()
+    qsl = torch.tensor([0, 400, 900, 1233], device=DEV).int()
+    qp = torch.randn(1233, 32, 128, device=DEV, dtype=torch.bfloat16)
+    for name, dtype in PAGES.items():
+        (kq, ks), (vq, vs) = quantize(kc, dtype), quantize(vc, dtype)
+        args = (qp, kq, vq, table, qsl, seq_lens, 0.088)
+        ref = pa.prefill_attention_ref(*args, ks, vs).float()
+        for cfg in QUANT_TILES:
+            pa.QUANT_TILES = cfg
+            out = pa.prefill_attention(*args, 500, k_scale=ks, v_scale=vs).float()
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            row(f"prefill parity {name} {cfg}", f"max err / max|ref| {err:.1e}")
+        pa.QUANT_TILES = None
+    for reqs, chunk, ctx in ((1, 2048, 10240), (16, 512, 2560), (1, 8192, 8192)):
+        q, kc, vc, table, seq_lens = _paged(reqs, ctx, 32, 8, 128, 16, torch.bfloat16)
+        q = torch.randn(reqs * chunk, 32, 128, device=DEV, dtype=torch.bfloat16)
+        k_new = torch.randn(reqs * chunk, 8, 128, device=DEV, dtype=torch.bfloat16)
+        v_new = torch.randn_like(k_new)
+        qsl = torch.arange(0, reqs + 1, device=DEV, dtype=torch.int32) * chunk
+        flops = 4 * reqs * chunk * (ctx - chunk / 2) * 32 * 128
+        for name in ("bf16", *PAGES):
+            kw = {"k_new": k_new, "v_new": v_new}
+            pages = (kc, vc)
+            if name != "bf16":
+                (kq, ks), (vq, vs) = quantize(kc, PAGES[name]), quantize(vc, PAGES[name])
+                pages = (kq, vq)
+                kw.update(k_scale=ks, v_scale=vs)
+            args = (q, *pages, table, qsl, seq_lens, 0.088, chunk)
+            for cfg in [None] + (QUANT_TILES if name != "bf16" else []):
+                pa.QUANT_TILES = cfg
+                t = time_fn(lambda a=args, k=kw: pa.prefill_attention(*a, **k), DEV, iters=20)
+                row(f"prefill {reqs} x {chunk} over {ctx - chunk} cached, {name} {cfg or ''}",
+                    f"{t * 1e6:.0f} us, {flops / t / 1e12:.0f} TFLOP/s")  # fmt: skip
+            pa.QUANT_TILES = None
+        del q, kc, vc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+QUANT_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 2)]
+
+
 def decode_step(ceil, best: dict) -> None:
     runs = [("auto", True, None, None), ("fp8", True, None, None), ("fp8", False, None, None),
             ("int8", True, None, None)]  # fmt: skip
@@ -171,7 +221,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="parity,kernels,engine",
-                    help="of parity, kernels, engine")  # fmt: skip
+                    help="of parity, kernels, engine, prefill, offline")  # fmt: skip
     ap.add_argument("--configs", default="", help="e.g. 128/4/3,64/4/3: more fp8 engine runs")
     args = ap.parse_args()
     CONFIGS.extend(tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c)
@@ -187,6 +237,14 @@ def main() -> None:
                 best = kernel_bench(ceil, args.quick)
             elif name == "engine":
                 decode_step(ceil, best)
+            elif name == "prefill":
+                prefill_bench(ceil)
+            elif name == "offline":  # gpu_kvquant's fixed-budget section (its own summary)
+                import gpu_kvquant
+
+                gpu_kvquant.concurrency(ceil, 8.0)
+                for key, value in gpu_kvquant.SUMMARY.items():
+                    row(f"offline at 8 GiB of KV: {key}", str(value))
         except Exception as e:  # the next section still runs
             import traceback
 

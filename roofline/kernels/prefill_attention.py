@@ -15,8 +15,14 @@ run last-first so the longest causal rows start early. Per tile: keys in ``BLOCK
 gathered through the block table, ``tl.dot`` on tensor cores, fp32 online softmax (base 2); key
 blocks entirely left of the tile's first row skip the causal mask. Query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``. Quantized pages (fp8 / int8 with per-token, per-head
-scales) are read as in ``decode_attention``: converted in registers, K's scale on the score
-columns, V's on the probability columns.
+scales) are dequantized in registers, in the layout the 1-byte tile was loaded in: ``(value x
+scale)`` rounded to q's dtype, what ``dequantize`` (and so the reference) computes, each key
+row's scale loaded once for the row. With the scales on the score and probability columns
+instead (``decode_attention``'s way), Triton loaded them into the MMA layout, replicated over
+the tile's rows: 472 scalar copies a loop trip, 180 bytes of spills, and a 2,048-token chunk
+over 8,192 cached fp8 tokens ran 1,956 us against 898 over bf16 pages; now 1,255 (H100,
+``scripts/gpu_kvf16.py``, the rest of the gap being the descriptor kernel that 16-bit pages
+take).
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ VARIANTS = ("base", "base_hf", "tma", "tma_hf", "tma_ws", "tma_ws_hf")
 # stages); the whole Llama-3.1-8B prefill at 74.2% (base) / 78.8% (tma_hf) of the matmul rate
 # in one run, torch SDPA in its place 79.4%.
 DEFAULT_VARIANT = "tma_hf"
+QUANT_TILES: tuple[int, int, int, int] | None = None
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) of the paged kernel over 1-byte pages where
+``_pick_config`` gives 128-row tiles (sweeps); None: ``_pick_config``'s. H100 (2,048 over 8,192
+cached, fp8): (128, 64, 4, 2) 1,201 us but spilling 324 bytes, ``_pick_config``'s (128, 128, 8, 3)
+1,255, other tiles 1,446-1,545."""
 TMA_TILES: tuple[int, int, int, int] | None = None
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the descriptor kernels where ``_pick_config``
 gives long chunks 128-row tiles (head_dim 128, 16-bit); None: ``_pick_config``'s."""
@@ -134,12 +145,12 @@ def _attend_block(
         mask=n_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if KV_QUANT:  # 1-byte K -> q's dtype in registers; its per-token scale on the scores
+    if KV_QUANT:  # 1-byte K dequantized in registers, in its load layout: (k * scale) in
+        # q's dtype, what the reference computes (a scale per key row, loaded once per row)
         s_off = pages * stride_sp + rows * stride_ss  # [BLOCK_N]
-        k = k.to(tl.float32).to(q.dtype)
+        k_s = tl.load(ks_head + s_off, mask=n_mask, other=0.0)
+        k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-    if KV_QUANT:
-        s = s * tl.load(ks_head + s_off, mask=n_mask, other=0.0)[None, :]
     s = s * scale_log2e
     if CAUSAL_MASK:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -154,9 +165,9 @@ def _attend_block(
         mask=n_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if KV_QUANT:  # V's per-token scale on the probabilities (after the softmax sum)
-        p = p * tl.load(vs_head + s_off, mask=n_mask, other=0.0)[None, :]
-        v = v.to(tl.float32).to(q.dtype)
+    if KV_QUANT:  # V dequantized the same way
+        v_s = tl.load(vs_head + s_off, mask=n_mask, other=0.0)
+        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
     # Rescale, then accumulate into acc inside the MMA (no second [BLOCK_M, BLOCK_D] tile).
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
@@ -339,6 +350,8 @@ def prefill_attention(
     if variant not in VARIANTS:
         raise ValueError(f"prefill_attention: variant {variant!r} not in {VARIANTS}")
     cfg_m, cfg_n, cfg_warps, cfg_stages = _pick_config(q.dtype, head_dim, max_query_len)
+    if QUANT_TILES is not None and k_scale is not None and cfg_m == 128:
+        cfg_m, cfg_n, cfg_warps, cfg_stages = QUANT_TILES
     if TMA_TILES is not None and variant.startswith("tma") and cfg_m == 128 and head_dim == 128:
         cfg_m, cfg_n, cfg_warps, cfg_stages = TMA_TILES  # long chunks, 16-bit
     block_m = block_m or cfg_m

@@ -22,6 +22,7 @@ def compile_sm90(
     constexprs: dict[str, object],
     num_warps: int,
     divisible: tuple[str, ...] = (),
+    num_stages: int | None = None,
 ):
     names = list(fn.arg_names)
     sig = {name: signature.get(name, "constexpr") for name in names}
@@ -31,9 +32,10 @@ def compile_sm90(
         if kind.startswith("*") or name in divisible
     }
     source = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-    )
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def wgmma_forms(kernel) -> list[str]:

@@ -166,52 +166,65 @@ def test_decode_attention_fp16_widening(page_dtype, v_mul, monkeypatch) -> None:
 
 
 def hopper_report() -> dict:
-    """sm_90 builds of the decode kernel over 1-byte pages as the H100 runs them (``KV_F16``,
-    anchored widening, int8 through ``I8_TO_F16_PTX``, ``_pick_quant_config``), compiled in a
-    process without TRITON_INTERPRET: page dtype -> (registers, spill bytes, LDS.U8 count)."""
-    import triton
-    from sm90_inspect import ptxas_usage, sass_lines
-    from triton.backends.compiler import GPUTarget
+    """sm_90 builds of the attention kernels over 1-byte pages as the H100 runs them, compiled in
+    a process without TRITON_INTERPRET: for decode (``KV_F16``, anchored widening, int8 through
+    ``I8_TO_F16_PTX``, ``_pick_quant_config``) page dtype -> (registers, spill bytes, LDS.U8
+    count); for the paged prefill kernel at ``_pick_config``'s 128 x 128 tiles "prefill " +
+    page dtype -> (registers, spill bytes, four-byte LDGSTS copies)."""
+    from sm90_inspect import compile_sm90, ptxas_usage, sass_lines
 
     from roofline.kernels import decode_attention as da
+    from roofline.kernels import prefill_attention as pa
 
-    fn = da._decode_split_kernel
-    names = list(fn.arg_names)
-    block_n, num_warps, num_stages = da._pick_quant_config(128)
+    def opcodes(kernel) -> list[str]:
+        return [next(w for w in ins.split() if not w.startswith("@"))
+                for _, ins in sass_lines(kernel)]  # fmt: skip
+
     report = {}
     for page_dtype in ("fp8e4nv", "i8"):
-        sig = {n: "i32" for n in names}
-        sig.update(q_ptr="*bf16", k_cache_ptr=f"*{page_dtype}", v_cache_ptr=f"*{page_dtype}",
-                   k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
-                   seq_lens_ptr="*i32", ctx_start_ptr="*i32", out_ptr="*bf16",
-                   part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2e="fp32")  # fmt: skip
+        ptrs = dict(q_ptr="*bf16", k_cache_ptr=f"*{page_dtype}", v_cache_ptr=f"*{page_dtype}",
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32",
+                    seq_lens_ptr="*i32", out_ptr="*bf16", scale_log2e="fp32")  # fmt: skip
+        block_n, num_warps, num_stages = da._pick_quant_config(128)
         const = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=16,
                      BLOCK_D=128, BLOCK_N=block_n, SINGLE_SPLIT=False, PRECISION="tf32",
                      KV_QUANT=True, HAS_START=False, MERGE_PREFIX=False, PDL=True, KV_F16=True,
                      KV_ANCHOR=True, KV_I8_ASM=page_dtype == "i8", DEVICE_SPLIT=True,
                      MIN_SPLIT=128)  # fmt: skip
-        sig.update({n: "constexpr" for n in const})
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, k in sig.items()
-                 if k.startswith("*") or n.startswith("stride_")}  # fmt: skip
-        kernel = triton.compile(
-            triton.compiler.ASTSource(fn, sig, const, attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps, "num_stages": num_stages},
-        )
-        lds_u8 = sum("LDS.U8" in ins for _, ins in sass_lines(kernel))
-        report[page_dtype] = (*ptxas_usage(kernel), lds_u8)
+        fn = da._decode_split_kernel
+        sig = {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in const}
+        sig.update(ctx_start_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+        strides = tuple(n for n in fn.arg_names if n.startswith("stride_"))
+        kernel = compile_sm90(fn, sig, const, num_warps, strides, num_stages)
+        report[page_dtype] = (*ptxas_usage(kernel), opcodes(kernel).count("LDS.U8"))
+
+        block_m, block_n, num_warps, num_stages = pa._pick_config(torch.bfloat16, 128, 2048)
+        const = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_D=128, PRECISION="tf32", KV_QUANT=True, HEADS_FAST=False)  # fmt: skip
+        fn = pa._prefill_kernel
+        sig = {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in const}
+        sig["query_start_loc_ptr"] = "*i32"
+        strides = tuple(n for n in fn.arg_names if n.startswith("stride_"))
+        kernel = compile_sm90(fn, sig, const, num_warps, strides, num_stages)
+        # (16-byte copies are LDGSTS.E.BYPASS.128)
+        report["prefill " + page_dtype] = (*ptxas_usage(kernel), opcodes(kernel).count("LDGSTS.E"))
     return report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles the kernel itself")
-def test_decode_attention_fp16_widening_sm90() -> None:
-    """The kernel over 1-byte pages as the H100 runs it keeps three programs an SM (at most 168
-    registers, no spills), and reads no single bytes from shared memory (``LDS.U8``: widening in
-    the MMA operand's layout, which the anchor avoids; the path through fp32 read 128 a tile and
-    took 228 registers)."""
+def test_attention_over_1_byte_pages_sm90() -> None:
+    """The decode kernel over 1-byte pages as the H100 runs it keeps three programs an SM (at
+    most 168 registers, no spills), and reads no single bytes from shared memory (``LDS.U8``:
+    widening in the MMA operand's layout, which the anchor avoids; the path through fp32 read
+    128 a tile and took 228 registers); the prefill kernel's scale loads stay compact."""
     from sm90_inspect import report_in_subprocess
 
     pytest.importorskip("triton.backends.nvidia.compiler")
     report = report_in_subprocess("test_kv_quant")
-    for page_dtype, (regs, spills, lds_u8) in report.items():
+    for page_dtype in ("fp8e4nv", "i8"):
+        regs, spills, lds_u8 = report[page_dtype]
         assert 0 < regs <= 168 and spills == 0 and lds_u8 == 0, (page_dtype, report)
+        # prefill: the scales loaded per key row, not replicated into the MMA layout (472
+        # four-byte copies a build and 180 bytes of spills with the scales on the columns)
+        regs, spills, scalar_copies = report["prefill " + page_dtype]
+        assert spills <= 64 and scalar_copies <= 64, (page_dtype, report)
