@@ -174,6 +174,41 @@ def prefill_bench(ceil) -> None:
 QUANT_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 2)]
 
 
+def engine_prefill(ceil) -> None:
+    """Llama-3.1-8B prefill through the engine (one token generated): an 8,000-token prompt and
+    four 2,000-token ones, bf16 KV against fp8 KV with the fresh rows dequantized for the
+    descriptor kernel (``triton_backend.DEQUANT_FRESH``) and without (same engine), warm runs,
+    the median of three."""
+    from roofline import SamplingParams
+    from roofline.attention import triton_backend as tb
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for kv in ("auto", "fp8"):
+        llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", kv_cache_dtype=kv,
+                  max_model_len=8448, max_num_seqs=16, max_num_batched_tokens=8192)  # fmt: skip
+        for fresh in (True, False) if kv == "fp8" else (True,):
+            tb.DEQUANT_FRESH = fresh
+            for n, length in ((1, 8000), (4, 2000)):
+                times = []
+                for rep in range(4):
+                    llm.llm_engine.kv_manager.reset_prefix_cache()
+                    prompts = [[(7 * i + 13 * j + rep) % 30000 + 100 for j in range(length)]
+                               for i in range(n)]  # fmt: skip
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, one, use_tqdm=False)
+                    times.append(time.perf_counter() - t0)
+                t = sorted(times[1:])[1]
+                label = (
+                    kv if kv == "auto" else f"fp8, fresh rows {'dequantized' if fresh else 'paged'}"
+                )
+                row(f"8B prefill {n} x {length}, KV {label}", f"{1e3 * t:.1f} ms")
+        tb.DEQUANT_FRESH = True
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def decode_step(ceil, best: dict) -> None:
     runs = [("auto", True, None, None), ("fp8", True, None, None), ("fp8", False, None, None),
             ("int8", True, None, None)]  # fmt: skip
@@ -239,6 +274,8 @@ def main() -> None:
                 decode_step(ceil, best)
             elif name == "prefill":
                 prefill_bench(ceil)
+            elif name == "engine_prefill":
+                engine_prefill(ceil)
             elif name == "offline":  # gpu_kvquant's fixed-budget section (its own summary)
                 import gpu_kvquant
 

@@ -29,7 +29,7 @@ import torch
 
 from roofline.attention.cascade import CascadeMetadata
 from roofline.attention.metadata import AttentionMetadata
-from roofline.attention.triton_backend import store_step_kv
+from roofline.attention.triton_backend import fresh_rows_dequantized, store_step_kv
 from roofline.kernels import prefill_attention_gqa as gqa
 from roofline.kernels.cascade_attention import cascade_attention
 from roofline.kernels.decode_attention import decode_attention
@@ -174,6 +174,11 @@ def split_attention(
             names = ("block_m", "block_n", "num_warps", "num_stages")  # for it (22.6 vs 29.9 us
             tiles = dict(zip(names, meta.prefill_config, strict=True))  # at 768 rows); the
             tiles["variant"] = "base"  # descriptor kernel was not measured inside buckets
+        has_prefix = has_cached_context(meta)
+        if k_scale is not None and k_new is not None and not has_prefix and not tiles:
+            fresh = fresh_rows_dequantized(q, k_cache, v_cache, k_scale, v_scale, meta)
+            if fresh is not None:  # fresh chunks over 1-byte pages: their rows as stored
+                (k_new, v_new), k_scale, v_scale = fresh, None, None
         prefill_attention(
             q,
             k_cache,
@@ -189,7 +194,7 @@ def split_attention(
             k_new=k_new,
             v_new=v_new,
             prefix=prefix,
-            has_prefix=has_cached_context(meta),
+            has_prefix=has_prefix,
             **tiles,
         )
     return out

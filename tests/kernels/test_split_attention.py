@@ -227,3 +227,50 @@ def test_eager_mixed_steps_run_their_decode_rows_through_the_cascade(tiny_path) 
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert any(mixed and plan is not None for mixed, plan in seen)  # an eager mixed step's
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_split_fresh_prefill_over_1_byte_pages(page_dtype, monkeypatch) -> None:
+    """A decode-first eager step over a quantized cache whose prefill part is fresh: the chunks
+    attend their rows read back from the pages and dequantized (the descriptor kernel,
+    ``triton_backend.fresh_rows_dequantized``), as the paged kernel reading the pages does."""
+    from roofline.attention import triton_backend as tb
+    from roofline.kernels import prefill_attention_gqa as gqa
+    from roofline.quantization.kv_cache import quantize
+
+    monkeypatch.setattr(gqa, "ENABLED", False)  # (mostly short chunks would take it)
+    page_size, num_decodes = 16, 2
+    query_lens, context_lens = [1, 1, 264, 8], [40, 17, 0, 0]
+    b = make_paged(query_lens, context_lens, 8, 2, HEAD_DIM, page_size, torch.bfloat16, seed=9)
+    q, bt = b.q.to(DEVICE), b.block_table.to(DEVICE)
+    (kc, ks), (vc, vs) = quantize(b.k_cache, page_dtype), quantize(b.v_cache, page_dtype)
+    kc, ks, vc, vs = (t.to(DEVICE) for t in (kc, ks, vc, vs))
+    host = _host(query_lens, b.seq_lens_list, page_size)
+    as_i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    meta = eager_split_metadata(host, num_decodes, as_i64(host.query_start),
+                                as_i64(host.seq_lens), b.slot_mapping.to(DEVICE).long(),
+                                bt[:num_decodes].clone(), bt[num_decodes:].clone())  # fmt: skip
+    k_new = torch.cat([ks_[c:] for ks_, c in zip(b.k_seqs, context_lens, strict=True)])
+    v_new = torch.cat([vs_[c:] for vs_, c in zip(b.v_seqs, context_lens, strict=True)])
+    from roofline.attention import split_backend as sb
+
+    outs, used = {}, []
+    real = sb.fresh_rows_dequantized
+    monkeypatch.setattr(sb, "fresh_rows_dequantized",
+                        lambda *a: used.append(real(*a) is not None) or real(*a))  # fmt: skip
+    for on in (False, True):
+        monkeypatch.setattr(tb, "DEQUANT_FRESH", on)
+        pages = [t.clone() for t in (kc, vc, ks, vs)]  # the store rewrites the step's rows
+        outs[on] = SplitAttentionBackend(TritonAttentionBackend()).forward(
+            q, k_new.to(DEVICE), v_new.to(DEVICE), pages[0], pages[1], meta, HEAD_DIM**-0.5,
+            kv_scales=(pages[2], pages[3]),
+        ).float()  # fmt: skip
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c)
+                   for a, c in zip(pages, (kc, vc, ks, vs)))  # fmt: skip
+    ref = prefill_attention_ref(q, kc, vc, bt, _i32(host.query_start), _i32(host.seq_lens),
+                                HEAD_DIM**-0.5, ks, vs).float()  # fmt: skip
+    assert used == [False, True]  # the paged kernel, then the dequantized rows
+    for on in (False, True):
+        torch.testing.assert_close(outs[on], ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[True], outs[False], atol=4e-3, rtol=4e-3)

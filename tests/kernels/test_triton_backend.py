@@ -118,3 +118,64 @@ def test_backend_with_fused_rope(dtype: torch.dtype, qk_norm: bool, first_len: i
         assert_close(batch.k_cache, k_cache2, dtype)
     else:
         torch.testing.assert_close(batch.k_cache, k_cache2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "page_dtype,context_lens",
+    [(torch.float8_e4m3fn, [0, 0]), (torch.int8, [0, 0]), (torch.float8_e4m3fn, [0, 21])],
+    ids=["fp8-fresh", "int8-fresh", "fp8-cached"],
+)
+def test_backend_prefill_over_1_byte_pages(page_dtype, context_lens, monkeypatch) -> None:
+    """A prefill step over a quantized cache: fresh steps attend their rows read back from the
+    pages and dequantized (``fresh_rows_dequantized``, the descriptor kernel), which must equal
+    the paged kernel reading the pages, and the reference over the dequantized cache; a step
+    with cached context keeps the paged kernel."""
+    from roofline.attention import triton_backend as tb
+    from roofline.kernels.prefill_attention import prefill_attention_ref
+    from roofline.quantization.kv_cache import KVCacheSpec
+
+    page_size = 16
+    query_lens = [264, 8]  # mostly long chunks: not the GQA-packed kernel (MAX_QUERY_LEN)
+    batch = make_paged(query_lens, context_lens, 8, 2, HEAD_DIM, page_size, torch.bfloat16, 5)
+    meta = _metadata(batch, page_size)
+    k, v = _new_kv(batch)
+    spec = KVCacheSpec.create("fp8" if page_dtype == torch.float8_e4m3fn else "int8",
+                              torch.bfloat16)  # fmt: skip
+    num_pages = batch.k_cache.shape[0]
+    data, scales = spec.allocate(1, num_pages, page_size, 2, HEAD_DIM, batch.q.device)
+    kc, vc, ks, vs = data[0, 0], data[0, 1], scales[0, 0], scales[0, 1]
+    # the cached context as the store would have left it, from the batch's 16-bit cache
+    from roofline.quantization.kv_cache import quantize
+
+    (kq, kqs), (vq, vqs) = quantize(batch.k_cache, page_dtype), quantize(batch.v_cache, page_dtype)
+    kc.copy_(kq), vc.copy_(vq), ks.copy_(kqs), vs.copy_(vqs)
+    scale = HEAD_DIM**-0.5
+    outs, used = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(tb, "DEQUANT_FRESH", on)
+        calls = []
+        real = tb.fresh_rows_dequantized
+
+        def spy(*a, _real=real, _calls=calls):
+            got = _real(*a)
+            _calls.append(got is not None)
+            return got
+
+        monkeypatch.setattr(tb, "fresh_rows_dequantized", spy)
+        kcc, vcc = kc.clone(), vc.clone()
+        kss, vss = ks.clone(), vs.clone()
+        outs[on] = (
+            tb.TritonAttentionBackend()
+            .forward(batch.q, k, v, kcc, vcc, meta, scale, kv_scales=(kss, vss))
+            .float()
+        )
+        used[on] = any(calls)
+    fresh = sum(context_lens) == 0
+    assert used[True] == fresh and not used[False]
+    ref = prefill_attention_ref(batch.q, kcc, vcc, batch.block_table, batch.query_start_loc,
+                                batch.seq_lens, scale, kss, vss).float()  # fmt: skip
+    for on in (False, True):
+        torch.testing.assert_close(outs[on], ref, atol=2e-2, rtol=2e-2)
+    # the same keys either way (up to summation order and the output's rounding; attending
+    # the step's unquantized rows instead failed this)
+    torch.testing.assert_close(outs[True], outs[False], atol=4e-3, rtol=4e-3)
