@@ -209,6 +209,57 @@ def engine_prefill(ceil) -> None:
         torch.cuda.empty_cache()
 
 
+def cascade(ceil) -> None:
+    """Shared-prefix decode over 1-byte pages (``kernels/cascade_grouped.py`` with scales): the
+    kernels at the shared-prefix preset's decode shape (B = 256, prefix 2,000, suffix 128)
+    against plain decode over the same pages and bf16 pages' cascade, then the preset itself
+    with fp8 KV, cascade on and off, beside bf16 KV (warm runs of one engine each)."""
+    from gpu_presets import shared_batch
+
+    from roofline.bench import throughput, workloads
+    from roofline.kernels.cascade_grouped import grouped_cascade_attention
+
+    b = shared_batch(256, 2000, 128)
+    args = (b["table"], b["seq_lens"], b["pages"], b["prefix_len"], b["starts"], 128**-0.5)
+    b["starts"][::7] = 0  # every 7th row not a member
+    t = time_fn(lambda: grouped_cascade_attention(b["q"], b["kc"], b["vc"], *args), DEV, iters=30)
+    row("cascade B256 prefix 2000 suffix 128, bf16 pages", f"{t * 1e6:.1f} us")
+    for name, dtype in PAGES.items():
+        (kq, ks), (vq, vs) = quantize(b["kc"], dtype), quantize(b["vc"], dtype)
+        out = grouped_cascade_attention(b["q"], kq, vq, *args, k_scale=ks, v_scale=vs).float()
+        ref = da.decode_attention_ref(b["q"], kq, vq, b["table"], b["seq_lens"], 128**-0.5, ks,
+                                      vs).float()  # fmt: skip
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        t = time_fn(lambda k=kq, v=vq, a=ks, c=vs: grouped_cascade_attention(
+            b["q"], k, v, *args, k_scale=a, v_scale=c), DEV, iters=30)  # fmt: skip
+        tp = time_fn(lambda k=kq, v=vq, a=ks, c=vs: da.decode_attention(
+            b["q"], k, v, b["table"], b["seq_lens"], 128**-0.5, k_scale=a, v_scale=c),
+            DEV, iters=30)  # fmt: skip
+        row(
+            f"cascade B256 prefix 2000 suffix 128, {name} pages",
+            f"{t * 1e6:.1f} us (plain decode {tp * 1e6:.1f}); max err / max|ref| {err:.1e}",
+        )
+    b.clear()  # (the batch's memory back before the engines)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for kv, on in (("auto", True), ("fp8", True), ("fp8", False)):
+        llm = LLM("llama-3.1-8b", load_format="dummy", device="cuda", kv_cache_dtype=kv,
+                  max_model_len=8448, max_num_seqs=256, max_num_batched_tokens=8192,
+                  cascade_attention=on)  # fmt: skip
+        wl = workloads.preset("shared-prefix", llm.llm_engine.model_config.vocab_size)
+        runs = []
+        for _ in range(2):
+            llm.llm_engine.kv_manager.reset_prefix_cache()
+            runs.append(throughput.run(llm, ceil, wl, use_tqdm=False))
+        r = runs[-1]
+        row(f"shared-prefix preset, KV {kv}, cascade {'on' if on else 'off'}",
+            f"{r.elapsed_s:.3f} s (first {runs[0].elapsed_s:.3f}), {r.roofline_pct:.1f}% of its "
+            f"roofline, {len(r.jit_compiles)} JIT compiles")  # fmt: skip
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def decode_step(ceil, best: dict) -> None:
     runs = [("auto", True, None, None), ("fp8", True, None, None), ("fp8", False, None, None),
             ("int8", True, None, None)]  # fmt: skip
@@ -276,6 +327,8 @@ def main() -> None:
                 prefill_bench(ceil)
             elif name == "engine_prefill":
                 engine_prefill(ceil)
+            elif name == "cascade":
+                cascade(ceil)
             elif name == "offline":  # gpu_kvquant's fixed-budget section (its own summary)
                 import gpu_kvquant
 

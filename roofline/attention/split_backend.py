@@ -141,11 +141,11 @@ def split_attention(
     d = meta.decode_slots
     c = meta.decode_cascade
     if d and c is not None:
-        assert k_scale is None, "cascade attention reads 16/32-bit caches only"
         cascade_attention(
             q[:d], k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens,
             c.prefix_pages, c.prefix_len, c.suffix_start, scale,
             max_suffix_len=c.max_suffix_len, max_prefix_len=c.max_prefix_len, out=out[:d],
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     elif d:
         decode_attention(

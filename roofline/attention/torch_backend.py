@@ -82,10 +82,9 @@ class TorchAttentionBackend:
             from roofline.kernels.cascade_attention import cascade_attention_ref
 
             c = meta.cascade
-            assert k_scale is None, "cascade attention reads 16/32-bit caches only"
             return cascade_attention_ref(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, c.prefix_pages,
-                int(c.prefix_len[0]), c.suffix_start, scale,
+                int(c.prefix_len[0]), c.suffix_start, scale, k_scale, v_scale,
             )  # fmt: skip
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

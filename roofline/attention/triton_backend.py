@@ -100,7 +100,7 @@ class TritonAttentionBackend:
     fuses_rope = True
     kv_cache_dtypes = ("auto", "fp8", "int8")
     supports_cascade = True
-    """Shared-prefix decode (``meta.cascade``) runs its kernels; 16/32-bit caches only."""
+    """Shared-prefix decode (``meta.cascade``) runs its kernels (1-byte pages too)."""
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # Fixed split count for decode (e.g. for CUDA-graph capture); None = chosen per step.
@@ -142,12 +142,11 @@ class TritonAttentionBackend:
             )  # fmt: skip
         if meta.is_decode_only and meta.cascade is not None:
             c = meta.cascade
-            assert k_scale is None, "cascade attention reads 16/32-bit caches only"
             return cascade_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, c.prefix_pages,
                 c.prefix_len, c.suffix_start, scale, max_suffix_len=c.max_suffix_len,
                 max_prefix_len=c.max_prefix_len, num_splits=c.num_splits,
-                prefix_splits=c.prefix_splits,
+                prefix_splits=c.prefix_splits, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         if meta.is_decode_only:
             return decode_attention(

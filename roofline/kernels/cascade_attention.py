@@ -98,9 +98,17 @@ def cascade_attention_ref(
     prefix_len: int,
     suffix_start: torch.Tensor,  # [num_reqs] int32: prefix_len (member) or 0
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (1-byte)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Plain-torch cascade in fp32: each member row's attention over the prefix pages and over
-    its own suffix, merged by log-sum-exp; other rows over their whole context."""
+    its own suffix, merged by log-sum-exp; other rows over their whole context (a quantized
+    cache dequantized to q's dtype first)."""
+    if k_scale is not None:
+        from roofline.quantization.kv_cache import dequantize
+
+        k_cache = dequantize(k_cache, k_scale, q.dtype)
+        v_cache = dequantize(v_cache, v_scale, q.dtype)
     num_reqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -265,8 +273,11 @@ def cascade_attention(
     prefix_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim]
     block_m: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (1-byte)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Decode attention with the shared prefix computed once per group (module docstring).
+    1-byte pages (``k_scale`` given) always take the grouped kernels, which read them.
 
     ``max_suffix_len`` (host int: the longest context a row attends outside the prefix, or an
     upper bound such as ``max_model_len`` under CUDA-graph capture) sizes the suffix splits;
@@ -280,10 +291,11 @@ def cascade_attention(
         out = torch.empty_like(q)
     if num_reqs == 0:
         return out
-    if TUNING.grouped is not None and grouped_applies(num_reqs, num_kv_heads, q.device):
+    grouped = TUNING.grouped is not None and grouped_applies(num_reqs, num_kv_heads, q.device)
+    if grouped or k_scale is not None:
         return grouped_cascade_attention(
             q, k_cache, v_cache, block_table, seq_lens, prefix_pages, prefix_len, suffix_start,
-            scale, TUNING.grouped, out=out,
+            scale, TUNING.grouped, out=out, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     group = num_heads // num_kv_heads
     block_m = block_m or prefix_block_m(num_reqs * group)

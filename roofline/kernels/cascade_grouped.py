@@ -21,7 +21,8 @@ The two kernels may run side by side on two streams (the prefix pass is tensor-c
 suffix pass memory traffic). Rows that are not members (``suffix_start = 0``) attend their whole
 context in the suffix pass; the prefix pass gives them ``lse = -inf`` (weight 0). ``prefix_len``
 is read on the device and the grids depend only on the batch size, so a CUDA graph captured once
-replays for any prefix. 16/32-bit caches only.
+replays for any prefix. 1-byte (fp8 / int8) pages come with their scales: each K / V row is
+dequantized in registers as it is loaded (``_paged_tile``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
 from roofline.kernels.cascade_merge import _arrive
-from roofline.kernels.decode_attention import LOG2E, PDL_ATTENTION
+from roofline.kernels.decode_attention import LOG2E, PDL_ATTENTION, scale_args
 from roofline.kernels.last_program import counters
 from roofline.kernels.pdl import pdl_enabled
 
@@ -77,12 +78,16 @@ class GroupedTuning:
 @triton.jit
 def _paged_tile(
     acc, m_i, l_i, q, k_head, v_head, pages_ptr, n0, end, stride_kp, stride_ks, stride_vp,
-    stride_vs, offs_d, d_mask, scale_log2e, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, MASKED: tl.constexpr, FULL_D: tl.constexpr,
+    stride_vs, offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, FULL_D: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """Fold keys ``n0 .. n0 + BLOCK_N`` (``< end`` when ``MASKED``), position ``t`` in page
     ``pages_ptr[t // PAGE_SIZE]`` (the shared pages, or a block-table row), into the softmax;
-    ``FULL_D``: head_dim fills the tile's columns (no column mask)."""
+    ``FULL_D``: head_dim fills the tile's columns (no column mask). ``KV_QUANT``: 1-byte pages,
+    each K / V row dequantized in its load layout (``value x scale`` rounded to q's dtype, as
+    ``kv_cache.dequantize`` and ``prefill_attention`` do; scales ``[pages, page_size, heads]``
+    from ``ks_head`` / ``vs_head``, the head's first)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     n_mask = offs_n < end
     if MASKED:
@@ -98,6 +103,10 @@ def _paged_tile(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     else:
         k = tl.load(k_ptrs)
+    if KV_QUANT:
+        s_off = pages * stride_sp + rows * stride_ss  # [BLOCK_N]
+        k_s = tl.load(ks_head + s_off, mask=n_mask, other=0.0)
+        k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -109,6 +118,9 @@ def _paged_tile(
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_ptrs)
+    if KV_QUANT:
+        v_s = tl.load(vs_head + s_off, mask=n_mask, other=0.0)
+        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -118,6 +130,10 @@ def _grouped_prefix_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sp,
+    stride_ss,
     prefix_pages_ptr,
     prefix_len_ptr,
     suffix_start_ptr,
@@ -152,6 +168,7 @@ def _grouped_prefix_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
+    KV_QUANT: tl.constexpr = False,
 ):
     unit = tl.program_id(0)  # group * NUM_KV_HEADS + kv_head
     split = tl.program_id(1)
@@ -178,17 +195,21 @@ def _grouped_prefix_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    ks_head = k_scale_ptr + kv_head  # scales: head stride 1
+    vs_head = v_scale_ptr + kv_head
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles: no masks
     for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr, n0, end,
                                      stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
-                                     scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, False,
-                                     HEAD_DIM == BLOCK_D)  # fmt: skip
+                                     scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
+                                     PAGE_SIZE, BLOCK_N, PRECISION, False, HEAD_DIM == BLOCK_D,
+                                     KV_QUANT)  # fmt: skip
     if full_end < end:  # the last, partial tile
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr,
                                      full_end, end, stride_kp, stride_ks, stride_vp, stride_vs,
-                                     offs_d, d_mask, scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION,
-                                     True, HEAD_DIM == BLOCK_D)  # fmt: skip
+                                     offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp,
+                                     stride_ss, PAGE_SIZE, BLOCK_N, PRECISION, True,
+                                     HEAD_DIM == BLOCK_D, KV_QUANT)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
@@ -207,6 +228,10 @@ def _grouped_suffix_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sp,
+    stride_ss,
     block_table_ptr,
     seq_lens_ptr,
     suffix_start_ptr,
@@ -242,6 +267,7 @@ def _grouped_suffix_kernel(
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
+    KV_QUANT: tl.constexpr = False,
 ):
     if PDL:  # q and this step's K/V rows come from the RoPE + store kernel just before
         tl.extra.cuda.gdc_wait()
@@ -265,12 +291,15 @@ def _grouped_suffix_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    ks_head = k_scale_ptr + kv_head
+    vs_head = v_scale_ptr + kv_head
     for n0 in range(start, seq_len, BLOCK_N):  # (one masked loop: fewer registers than a
         # split into whole tiles and a tail, which measured 115 -> 128 at (64, 4, 3))
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, bt_row, n0, seq_len,
                                     stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
-                                    scale_log2e, PAGE_SIZE, BLOCK_N, PRECISION, True,
-                                    HEAD_DIM == BLOCK_D)  # fmt: skip
+                                    scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
+                                    PAGE_SIZE, BLOCK_N, PRECISION, True, HEAD_DIM == BLOCK_D,
+                                    KV_QUANT)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     row = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SLOTS + NUM_SLOTS - 1  # the last slot
@@ -343,6 +372,8 @@ def grouped_cascade_attention(
     tuning: GroupedTuning | None = None,
     out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim]
     passes: str = "both",
+    k_scale: torch.Tensor | None = None,  # [num_pages, page_size, num_kv_heads] fp32 (1-byte)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Decode attention with the shared prefix computed once per unit (module docstring). No
     host sync; the grids depend on ``num_reqs`` and ``tuning`` only. ``passes`` = "prefix" or
@@ -355,7 +386,9 @@ def grouped_cascade_attention(
     _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim and v_cache.shape == k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert k_cache.dtype.itemsize > 1, "cascade attention reads 16/32-bit caches only"
+    assert (k_cache.dtype.itemsize > 1) == (k_scale is None), "1-byte pages come with scales"
+    k_s, v_s, stride_sp, stride_ss = scale_args(k_cache, v_cache, k_scale, v_scale)
+    scales = (k_s, v_s, stride_sp, stride_ss)
     if out is None:
         out = torch.empty_like(q)
     if num_reqs == 0:
@@ -377,7 +410,8 @@ def grouped_cascade_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
                   PAGE_SIZE=page_size, GROUP_REQS=group_reqs, BLOCK_D=block_d,
-                  PRECISION=precision, COUNT_SUFFIX=count_suffix)  # fmt: skip
+                  PRECISION=precision, COUNT_SUFFIX=count_suffix,
+                  KV_QUANT=k_scale is not None)  # fmt: skip
     cache_strides = (
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -385,13 +419,14 @@ def grouped_cascade_attention(
 
     merge_m = min(t.merge_rows, block_m)
 
-    size = k_cache.element_size()
+    # (1-byte pages: the tile as loaded plus its 16-bit copy for the MMA)
+    size = k_cache.element_size() if k_scale is None else 1 + q.element_size()
 
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
         num_stages = fit_stages(num_stages, 2 * block_n * block_d * size, block_m * block_d * size)
         _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
-            q, k_cache, v_cache, prefix_pages, prefix_len, suffix_start, out, part_out,
+            q, k_cache, v_cache, *scales, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs,
             NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
@@ -418,7 +453,7 @@ def grouped_cascade_attention(
     # side stream, ordered by an event) keeps an ordinary launch
     pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
     _grouped_suffix_kernel[(num_reqs, num_kv_heads)](
-        q, k_cache, v_cache, block_table, seq_lens, suffix_start, out, part_out, part_lse,
+        q, k_cache, v_cache, *scales, block_table, seq_lens, suffix_start, out, part_out, part_lse,
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
         out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs, MERGE_M=merge_m,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=num_warps,

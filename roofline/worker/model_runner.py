@@ -151,9 +151,8 @@ class ModelRunner:
         self.cascade: SharedPrefixDetector | None = None
         """Shared-prefix decode (``attention/cascade.py``), where the backend runs it."""
         if cascade_attention and getattr(self.backend, "supports_cascade", False):
-            if not self.kv_spec.quantized:
-                kv_bytes = self.kv_spec.bytes_per_token(1, self.num_kv_heads, cfg.head_dim)
-                self.cascade = SharedPrefixDetector(self.page_size, kv_bytes)
+            kv_bytes = self.kv_spec.bytes_per_token(1, self.num_kv_heads, cfg.head_dim)
+            self.cascade = SharedPrefixDetector(self.page_size, kv_bytes)
         self.cascade_graphs = None
         self.device_waiter: DeviceWaiter | None = DeviceWaiter() if device.type == "cuda" else None
         """How ``StepHandle.result`` waits for the device (None: spin, as cudaEventSynchronize)."""

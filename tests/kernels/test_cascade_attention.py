@@ -175,3 +175,33 @@ def test_tuning_choices_match_plain_decode(tuning: dict) -> None:
     finally:
         ca.TUNING = saved
     assert_close(out, _plain(batch, scale), torch.bfloat16)
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_cascade_over_1_byte_pages(page_dtype) -> None:
+    """Shared-prefix decode over a quantized cache (the grouped kernels, each K / V row
+    dequantized as it is loaded): plain decode over the same pages, and the reference over the
+    dequantized cache; some rows not members."""
+    from roofline.quantization.kv_cache import quantize
+
+    n, group = 9, 4
+    suffix = [1, 33, 16, 7, 50, 2, 64, 19, 3]
+    members = [True] * n
+    members[4] = False
+    q, kc, vc, table, seq_lens, pages, prefix_len, starts = shared_batch(
+        n, 4, suffix, members, group, torch.bfloat16, seed=5
+    )
+    (kq, ks), (vq, vs) = quantize(kc, page_dtype), quantize(vc, page_dtype)
+    scale = HEAD_DIM**-0.5
+    max_suffix = int((seq_lens - starts).max())
+    out = cascade_attention(q, kq, vq, table, seq_lens, pages, prefix_len, starts, scale,
+                            max_suffix_len=max_suffix, max_prefix_len=int(prefix_len),
+                            k_scale=ks, v_scale=vs).float()  # fmt: skip
+    plain = decode_attention_ref(q, kq, vq, table, seq_lens, scale, ks, vs).float()
+    torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
+    ref = cascade_attention_ref(q, kq, vq, table, seq_lens, pages, int(prefix_len), starts, scale,
+                                ks, vs).float()  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    # and the quantization is what the pages hold: far from attending the 16-bit cache exactly
+    exact = decode_attention_ref(q, kc, vc, table, seq_lens, scale).float()
+    assert (out - exact).abs().max() > (out - plain).abs().max()
