@@ -260,6 +260,35 @@ def cascade(ceil) -> None:
         torch.cuda.empty_cache()
 
 
+def verify(ceil) -> None:
+    """Speculative verification over 1-byte pages (``kernels/verify_attention.py``, 4 rows a
+    request: 1 + 3 drafts), batch 32 x 8,192: bf16 pages, then fp8 / int8 through fp32 (the
+    previous path) and widened to fp16 (``KV_F16``), each against the reference first."""
+    from roofline.kernels.verify_attention import verify_attention, verify_attention_ref
+
+    qlen = 4
+    q, kc, vc, table, seq_lens = _paged(32, 8192, 32, 8, 128, 16, torch.bfloat16)
+    q = torch.randn(32 * qlen, 32, 128, device=DEV, dtype=torch.bfloat16)
+    base = (table, seq_lens, 0.088, qlen)
+    t = time_fn(lambda: verify_attention(q, kc, vc, *base, max_seq_len=8192), DEV, iters=20)
+    row("verify b32 x 8192, 4 rows, bf16 pages", _rate(t, 2 * kc.numel() * 2, ceil))
+    for name, dtype in PAGES.items():
+        (kq, ks), (vq, vs) = quantize(kc, dtype), quantize(vc, dtype)
+        nbytes = 2 * (kq.numel() + ks.numel() * 4)
+        for f16 in (False, True):
+            da.KV_F16 = f16
+            out = verify_attention(q[:8], kq, vq, table[:2], seq_lens[:2], 0.088, qlen,
+                                   max_seq_len=8192, k_scale=ks, v_scale=vs).float()  # fmt: skip
+            ref = verify_attention_ref(q[:8], kq, vq, table[:2], seq_lens[:2], 0.088, qlen,
+                                       k_scale=ks, v_scale=vs).float()  # fmt: skip
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            t = time_fn(lambda a=kq, b=vq, c=ks, d=vs: verify_attention(
+                q, a, b, *base, max_seq_len=8192, k_scale=c, v_scale=d), DEV, iters=20)  # fmt: skip
+            row(f"verify b32 x 8192, 4 rows, {name} {'f16' if f16 else 'previous'}",
+                f"{_rate(t, nbytes, ceil)}; max err / max|ref| {err:.1e}")  # fmt: skip
+        da.KV_F16 = True
+
+
 def decode_step(ceil, best: dict) -> None:
     runs = [("auto", True, None, None), ("fp8", True, None, None), ("fp8", False, None, None),
             ("int8", True, None, None)]  # fmt: skip
@@ -329,6 +358,8 @@ def main() -> None:
                 engine_prefill(ceil)
             elif name == "cascade":
                 cascade(ceil)
+            elif name == "verify":
+                verify(ceil)
             elif name == "offline":  # gpu_kvquant's fixed-budget section (its own summary)
                 import gpu_kvquant
 

@@ -186,6 +186,20 @@ def _widen_f16(x, ANCHOR: tl.constexpr, I8_ASM: tl.constexpr):
     return y
 
 
+@triton.jit
+def _pv_f16(p, v, v_scale_ptrs, n_mask, ANCHOR: tl.constexpr, I8_ASM: tl.constexpr,
+            PRECISION: tl.constexpr):  # fmt: skip
+    """``p @ (v x scale)`` for a [BLOCK_N, BLOCK_D] tile of 1-byte V rows widened to fp16: the
+    rows' scales over the tile's largest go on the probabilities (so they stay in [0, 1], in
+    fp16's range), the largest on the product."""
+    v_s = tl.load(v_scale_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
+    v_top = tl.max(v_s, axis=0)
+    v_top = tl.where(v_top > 0.0, v_top, 1.0)
+    p = p * (v_s / v_top)[None, :]
+    v = _widen_f16(v, ANCHOR, I8_ASM)
+    return tl.dot(p.to(tl.float16), v, input_precision=PRECISION) * v_top
+
+
 # Eager decode steps (batches beyond the captured graphs) change these every step: not
 # specialized, so they never compile the kernel again in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits", "num_slots", "merge_count"])
@@ -299,14 +313,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = pages * stride_vp + rows * stride_vs
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT and KV_F16:  # V's scales over their tile's largest go on the
-            # probabilities (in [0, 1]: fp16's range), the largest on the product
-            v_s = tl.load(v_scale_head + s_off, mask=n_mask, other=0.0)  # [BLOCK_N]
-            v_top = tl.max(v_s, axis=0)
-            v_top = tl.where(v_top > 0.0, v_top, 1.0)
-            p = p * (v_s / v_top)[None, :]
-            v = _widen_f16(v, KV_ANCHOR, KV_I8_ASM)
-            pv = tl.dot(p.to(tl.float16), v, input_precision=PRECISION) * v_top
+        if KV_QUANT and KV_F16:
+            pv = _pv_f16(p, v, v_scale_head + s_off, n_mask, KV_ANCHOR, KV_I8_ASM, PRECISION)
             acc = acc * alpha[:, None] + pv
         else:
             if KV_QUANT:  # V's scale goes on the probabilities

@@ -22,11 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, num_sms
+from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels import decode_attention as _da
 from roofline.kernels.decode_attention import (
     LOG2E,
     _decode_merge_kernel,
     _pick_config,
+    _pv_f16,
+    _widen_f16,
     choose_num_splits,
     scale_args,
 )
@@ -60,8 +63,9 @@ def verify_attention_ref(
         v = v.repeat_interleave(group, dim=1)  # [S, H, D]
         rows = q[i * query_len : (i + 1) * query_len].float()  # [Q, H, D]
         scores = torch.einsum("thd,shd->ths", rows, k) * scale  # [Q, H, S]
-        pos = torch.arange(seq_len - query_len, seq_len).view(-1, 1, 1)  # [Q, 1, 1]
-        keys = torch.arange(seq_len).view(1, 1, -1)  # [1, 1, S]
+        dev = q.device
+        pos = torch.arange(seq_len - query_len, seq_len, device=dev).view(-1, 1, 1)  # [Q, 1, 1]
+        keys = torch.arange(seq_len, device=q.device).view(1, 1, -1)  # [1, 1, S]
         scores = scores.masked_fill(keys > pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Q, H, S]
         out[i * query_len : (i + 1) * query_len] = torch.einsum("ths,shd->thd", probs, v).to(
@@ -109,6 +113,8 @@ def _verify_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    KV_F16: tl.constexpr = False,  # 1-byte pages widened to fp16 (decode_attention.KV_F16)
+    KV_I8_ASM: tl.constexpr = False,  # int8 pages through decode_attention.I8_TO_F16_PTX
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,6 +134,9 @@ def _verify_split_kernel(
     last_key = context + tok  # [BLOCK_M] the last key each row may see
     q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_mma = q
+    if KV_QUANT and KV_F16:  # fp16 products with 1-byte pages, as decode_attention's
+        q_mma = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -147,8 +156,11 @@ def _verify_split_kernel(
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_QUANT:
             s_off = pages * stride_sp + rows * stride_ss
-            k = k.to(tl.float32).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            if KV_F16:
+                k = _widen_f16(k, True, KV_I8_ASM)
+            else:
+                k = k.to(tl.float32).to(q.dtype)
+        s = tl.dot(q_mma, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         if KV_QUANT:
             s = s * tl.load(k_scale_head + s_off, mask=n_mask, other=0.0)[None, :]
         s = s * scale_log2e
@@ -161,10 +173,14 @@ def _verify_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = pages * stride_vp + rows * stride_vs
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT:
-            p = p * tl.load(v_scale_head + s_off, mask=n_mask, other=0.0)[None, :]
-            v = v.to(tl.float32).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_QUANT and KV_F16:  # (decode_attention's fp16 widening)
+            pv = _pv_f16(p, v, v_scale_head + s_off, n_mask, True, KV_I8_ASM, PRECISION)
+            acc = acc * alpha[:, None] + pv
+        else:
+            if KV_QUANT:
+                p = p * tl.load(v_scale_head + s_off, mask=n_mask, other=0.0)[None, :]
+                v = v.to(tl.float32).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -212,7 +228,10 @@ def verify_attention(
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group * query_len))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n, num_warps, num_stages = _pick_config(head_dim)
+    f16 = k_scale is not None and _da.KV_F16 and q.dtype != torch.float32
+    block_n, num_warps, num_stages = (
+        _da._pick_quant_config(head_dim) if f16 else _pick_config(head_dim)
+    )
     if block_m > 64:  # many rows per program: fewer keys per iteration keep registers in bounds
         block_n, num_warps = 32, 8
     if num_splits is None:
@@ -240,6 +259,7 @@ def verify_attention(
         NUM_HEADS=num_heads, GROUP=group, QUERY_LEN=query_len, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
         SINGLE_SPLIT=single, PRECISION=precision, KV_QUANT=k_scale is not None,
+        KV_F16=f16, KV_I8_ASM=f16 and k_cache.dtype == torch.int8 and not is_interpret(),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not single:

@@ -208,6 +208,20 @@ def hopper_report() -> dict:
         kernel = compile_sm90(fn, sig, const, num_warps, strides, num_stages)
         # (16-byte copies are LDGSTS.E.BYPASS.128)
         report["prefill " + page_dtype] = (*ptxas_usage(kernel), opcodes(kernel).count("LDGSTS.E"))
+
+        from roofline.kernels import verify_attention as va  # 4 rows a request (1 + 3 drafts)
+
+        block_n, num_warps, num_stages = da._pick_config(128)
+        const = dict(NUM_HEADS=32, GROUP=4, QUERY_LEN=4, HEAD_DIM=128, PAGE_SIZE=16,
+                     BLOCK_M=16, BLOCK_D=128, BLOCK_N=block_n, SINGLE_SPLIT=False,
+                     PRECISION="tf32", KV_QUANT=True, KV_F16=True,
+                     KV_I8_ASM=page_dtype == "i8")  # fmt: skip
+        fn = va._verify_split_kernel
+        sig = {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in const}
+        sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32")
+        strides = tuple(n for n in fn.arg_names if n.startswith("stride_"))
+        kernel = compile_sm90(fn, sig, const, num_warps, strides, num_stages)
+        report["verify " + page_dtype] = (*ptxas_usage(kernel), opcodes(kernel).count("LDS.U8"))
     return report
 
 
@@ -228,3 +242,5 @@ def test_attention_over_1_byte_pages_sm90() -> None:
         # four-byte copies a build and 180 bytes of spills with the scales on the columns)
         regs, spills, scalar_copies = report["prefill " + page_dtype]
         assert spills <= 64 and scalar_copies <= 64, (page_dtype, report)
+        regs, spills, lds_u8 = report["verify " + page_dtype]  # (speculative verification)
+        assert spills == 0 and lds_u8 == 0, (page_dtype, report)

@@ -67,15 +67,30 @@ def test_fixed_grid_bounded_by_device_lengths() -> None:
 
 
 @pytest.mark.parametrize("page_dtype", [torch.float8_e4m3fn, torch.int8])
-def test_quantized_pages(page_dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_pages(page_dtype, dtype, monkeypatch) -> None:
+    """1-byte pages: fp32 queries widen them through fp32; 16-bit queries to fp16 in the load
+    layout (``decode_attention.KV_F16``, V's scales normalised per tile: V scaled by 1e-3 here
+    too) or through fp32 (``KV_F16`` off), both against the reference over the same pages."""
     from test_kv_quant import _quantized_batch
+
+    from roofline.kernels import decode_attention as da
+    from roofline.quantization.kv_cache import quantize
 
     query_len = 3
     batch, kq, vq, ks, vs = _quantized_batch(
-        page_dtype, [query_len] * 3, [0, 37, 12], torch.float32, seed=5
+        page_dtype, [query_len] * 3, [0, 37, 12], dtype, seed=5
     )
-    args = (batch.q, kq, vq, batch.block_table, batch.seq_lens, 0.125, query_len)
-    out = verify_attention(*args, max_seq_len=max(batch.seq_lens_list), num_splits=2,
-                           k_scale=ks, v_scale=vs)  # fmt: skip
-    ref = verify_attention_ref(*args, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    cases = [(1.0, True)] if dtype == torch.float32 else [(1.0, True), (1.0, False), (1e-3, True)]
+    for v_mul, f16 in cases:
+        monkeypatch.setattr(da, "KV_F16", f16)
+        if v_mul != 1.0:
+            vq, vs = quantize(batch.v_cache * v_mul, page_dtype)
+        args = (batch.q, kq, vq, batch.block_table, batch.seq_lens, 0.125, query_len)
+        out = verify_attention(*args, max_seq_len=max(batch.seq_lens_list), num_splits=2,
+                               k_scale=ks, v_scale=vs)  # fmt: skip
+        ref = verify_attention_ref(*args, k_scale=ks, v_scale=vs)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2 * v_mul
+        torch.testing.assert_close(
+            out.float(), ref.float(), atol=tol, rtol=2e-5 if tol < 1e-4 else 2e-2
+        )
