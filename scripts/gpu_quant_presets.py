@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -27,10 +28,12 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     ceil = measure(torch.device("cuda"), torch.bfloat16)
+    t0 = time.perf_counter()
     llm = LLM(
         args.model, load_format="dummy", device="cuda", max_model_len=8448, max_num_seqs=256,
         max_num_batched_tokens=8192, quantization=None if args.method == "bf16" else args.method,
     )  # fmt: skip
+    print(f"{args.method:5} start-up {time.perf_counter() - t0:.1f} s", flush=True)
     llm.generate([[7] * 600, [9] * 40], SamplingParams(max_tokens=4), use_tqdm=False)
     vocab = llm.llm_engine.model_config.vocab_size
     got = {}
@@ -42,9 +45,12 @@ def main() -> None:
             runs.append(throughput.run(llm, ceil, wl, use_tqdm=False))
         res = runs[-1]
         got[name] = {"s": res.elapsed_s, "out_tok_s": res.output_tok_s, "pct": res.roofline_pct}
+        compiles = sorted(set(runs[0].jit_compiles + res.jit_compiles))
         print(
             f"{args.method:5} {name:13} {res.elapsed_s:7.3f} s (first {runs[0].elapsed_s:.3f}), "
-            f"{res.output_tok_s:8.0f} out tok/s, {res.roofline_pct:5.1f}% of its roofline",
+            f"{res.output_tok_s:8.0f} out tok/s, {res.roofline_pct:5.1f}% of its roofline, JIT "
+            f"compiles in the runs: {len(runs[0].jit_compiles)} + {len(res.jit_compiles)} "
+            f"{compiles}",
             flush=True,
         )
     if args.json:

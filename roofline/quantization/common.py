@@ -232,6 +232,22 @@ def quantized_linear(
     return kernels.dequant_cublas_gemm(kind, x, layer.qweight, layer.scales, offsets, bias)
 
 
+def quantized_warmup_rows(model: nn.Module, max_rows: int) -> list[int]:
+    """Row counts whose prefill forwards, at start-up, compile every GEMM kernel a quantized
+    model's eager steps can reach beyond the decode sizes: the top of each row bucket of the
+    ``wo_gemm`` and ``mixed_gemm`` tables above ``DECODE_MAX_ROWS`` (a kernel's specialization
+    is per bucket: the row count itself is not specialized), then ``max_rows`` (dequantize +
+    cuBLAS past the tables). Empty for a model without quantized linear layers. Without them,
+    the first step in a new bucket compiled mid-run: H100, 8B int4, the default preset's first
+    run 13.95 s against 12.46 warm; int8, the short preset's 13.79 against 13.22."""
+    if not any(getattr(m, "qweight", None) is not None for m in model.modules()):
+        return []
+    from roofline.kernels import mixed_gemm_configs, wo_gemm_configs
+
+    buckets = set(wo_gemm_configs.M_BUCKETS) | set(mixed_gemm_configs.M_BUCKETS) | {max_rows}
+    return sorted(b for b in buckets if DECODE_MAX_ROWS < b <= max_rows)
+
+
 def wo_candidates(kind: str, layer: nn.Module) -> tuple[tuple[str, torch.Tensor | None], ...]:
     """The ``wo_gemm`` table kinds a layer tries, in order, with the offsets each passes: a
     symmetric int4 layer (offsets ``-8 s``, bf16 scales) its ``int4s`` entries without offsets

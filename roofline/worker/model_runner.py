@@ -35,6 +35,7 @@ from roofline.layers.moe import FusedMoE
 from roofline.layers.sampler import Sampler, SamplerOutput
 from roofline.models.registry import get_model_class
 from roofline.quantization.base import QuantizationConfig
+from roofline.quantization.common import quantized_warmup_rows
 from roofline.quantization.kv_cache import KVCacheSpec
 from roofline.request import Request
 from roofline.sampling_params import SamplingParams
@@ -246,6 +247,10 @@ class ModelRunner:
             gemm_rows.warm_up(self.model)  # descriptor-GEMM bands eager steps may reach
             max_rows = min(limit, self.scheduler_config.max_num_batched_tokens)
             sdpa_prefill.warm_up_model(self.backend, self.model, self.dtype, self.device, max_rows)
+            # a quantized model's GEMM kernels by row bucket (eager steps reach any of them)
+            for rows in quantized_warmup_rows(self.model, max_rows):
+                if -(-rows // self.page_size) <= self.num_pages:
+                    self._warmup_forward([(0, rows)])
 
     @torch.inference_mode()
     def _warmup_forward(self, shape: list[tuple[int, int]]) -> None:

@@ -159,3 +159,20 @@ def test_cli_flags_and_planner_precision() -> None:
         qcfg = ModelConfig.from_dict({**raw, "quantization_config": qc})
         got = resolve_quantization(None, qcfg, "hf", cpu).planner_precision()
         assert got == precision, name
+
+
+def test_quantized_warmup_rows_cover_every_gemm_bucket(tiny) -> None:
+    """The CUDA warm-up's extra prefill sizes for a quantized model: the top of every row bucket
+    of the wo_gemm and mixed_gemm tables past the decode sizes, up to the step's most rows (a
+    bucket's kernel is compiled by any count in it); none for a 16-bit model."""
+    from roofline.kernels import mixed_gemm_configs, wo_gemm_configs
+
+    quant = LLM(str(tiny), dtype="float32", device="cpu", quantization="int8")
+    rows = common.quantized_warmup_rows(quant.llm_engine.runner.model, 3000)
+    assert rows == sorted(set(rows)) and rows[-1] == 3000 and rows[0] > common.DECODE_MAX_ROWS
+    for m in range(common.DECODE_MAX_ROWS + 1, 3001):  # each count's buckets are warmed
+        warm = min(r for r in rows if r >= m)
+        assert wo_gemm_configs.m_bucket(warm) == wo_gemm_configs.m_bucket(m)
+        assert mixed_gemm_configs.m_bucket(warm) == mixed_gemm_configs.m_bucket(m)
+    plain = LLM(str(tiny), dtype="float32", device="cpu")
+    assert common.quantized_warmup_rows(plain.llm_engine.runner.model, 3000) == []
