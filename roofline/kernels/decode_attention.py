@@ -107,17 +107,15 @@ docstring); ``ROOFLINE_KV_F16=0``: the previous path."""
 KV_ANCHOR = True
 """Widen 1-byte pages in the layout they were loaded in (``_widen_f16``; False for sweeps)."""
 QUANT_CONFIG: tuple[int, int, int] | None = None
-"""(BLOCK_N, num_warps, num_stages) of the split kernel over 1-byte pages (sweeps); None:
-``_pick_quant_config``'s."""
+"""(BLOCK_N, num_warps, num_stages) of the split kernel over 1-byte pages widened to fp16
+(sweeps); None: ``_pick_quant_config``'s."""
 
 
 def _pick_quant_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel over 1-byte pages, widened to fp16
-    (``KV_F16``). H100, Llama-3.1-8B heads (``scripts/gpu_kvf16.py``): at batch 32 x 8,192
-    (128, 4, 2) 333 us against 410-560 for 64-key tiles, 256-key tiles or 8 warps, and 445 for
-    the previous path; (64, 4, 3) without ``KV_F16`` (``_pick_config``'s)."""
-    if not KV_F16:
-        return _pick_config(head_dim)
+    """(BLOCK_N, num_warps, num_stages) of the split kernel over 1-byte pages widened to fp16
+    (``KV_F16``, 16-bit q). H100, Llama-3.1-8B heads (``scripts/gpu_kvf16.py``): at batch 32 x
+    8,192 (128, 4, 2) 333 us against 410-560 for 64-key tiles, 256-key tiles or 8 warps, and 445
+    for the previous path (which keeps ``_pick_config``'s (64, 4, 3))."""
     return (128 if head_dim <= 128 else 64), 4, 2
 
 
@@ -443,13 +441,13 @@ def decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     quant = k_scale is not None
+    f16 = quant and KV_F16 and q.dtype != torch.float32
     if config is None:
-        if quant:
+        if f16:
             config = QUANT_CONFIG or _pick_quant_config(head_dim)
         else:
             config = _pick_config(head_dim)
     block_n, num_warps, num_stages = config
-    f16 = quant and KV_F16 and q.dtype != torch.float32
     if max_seq_len is None:
         max_seq_len = int(seq_lens[:num_reqs].max().item())
     if num_splits is None:
