@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret, num_sms
+from roofline.kernels.gemv import _first
 from roofline.kernels.pdl import pdl_enabled
 from roofline.quantization.kv_cache import dequantize
 
@@ -144,11 +145,6 @@ def choose_num_splits(
     return max(1, min(wanted, useful, MAX_NUM_SPLITS))
 
 
-@triton.jit
-def _first(a, b):
-    return a
-
-
 I8_TO_F16_PTX: tl.constexpr = tl.constexpr(
     """{
     .reg .b32 c, u;
@@ -182,6 +178,28 @@ def _widen_f16(x, ANCHOR: tl.constexpr, I8_ASM: tl.constexpr):
     if ANCHOR:
         y = tl.reduce(tl.reshape(y, (y.shape[0], 1, y.shape[1])), 1, _first)
     return y
+
+
+@triton.jit
+def _q_f16(q):
+    """q for fp16 products with 1-byte pages: rounded to fp16, clamped to its range."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _dequant_rows(x, scale_ptrs, n_mask, dtype: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] tile of 1-byte K or V rows dequantized in the layout it was loaded
+    in: ``value x scale`` rounded to ``dtype``, what ``kv_cache.dequantize`` (and so every
+    reference) computes; one scale loaded per row."""
+    s = tl.load(scale_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
+    return (x.to(tl.float32) * s[:, None]).to(dtype)
+
+
+def widening(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple:
+    """(``KV_F16``, ``KV_I8_ASM``) of a launch over these pages: fp16 widening for 1-byte pages
+    under 16-bit queries (``KV_F16`` on), int8 through ``I8_TO_F16_PTX`` on the GPU."""
+    f16 = k_scale is not None and KV_F16 and q.dtype != torch.float32
+    return f16, f16 and k_cache.dtype == torch.int8 and not is_interpret()
 
 
 @triton.jit
@@ -275,8 +293,8 @@ def _decode_split_kernel(
     q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     q_mma = q
-    if KV_QUANT and KV_F16:  # fp16 products with 1-byte pages (|q| past fp16's range clamped)
-        q_mma = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if KV_QUANT and KV_F16:  # fp16 products with 1-byte pages
+        q_mma = _q_f16(q)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -441,7 +459,7 @@ def decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     quant = k_scale is not None
-    f16 = quant and KV_F16 and q.dtype != torch.float32
+    f16, i8_asm = widening(q, k_cache, k_scale)
     if config is None:
         if f16:
             config = QUANT_CONFIG or _pick_quant_config(head_dim)
@@ -513,7 +531,7 @@ def decode_attention(
         KV_QUANT=quant,
         KV_F16=f16,
         KV_ANCHOR=f16 and KV_ANCHOR,
-        KV_I8_ASM=f16 and k_cache.dtype == torch.int8 and not is_interpret(),
+        KV_I8_ASM=i8_asm,
         HAS_START=ctx_start is not None,
         MERGE_PREFIX=merge_prefix,
         DEVICE_SPLIT=DEVICE_SPLIT and not single,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from roofline.kernels import check_device, is_interpret
-from roofline.kernels.decode_attention import scale_args
+from roofline.kernels.decode_attention import _dequant_rows, scale_args
 from roofline.kernels.prefix_gather import GatheredPrefix
 from roofline.quantization.kv_cache import dequantize
 
@@ -145,11 +145,9 @@ def _attend_block(
         mask=n_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if KV_QUANT:  # 1-byte K dequantized in registers, in its load layout: (k * scale) in
-        # q's dtype, what the reference computes (a scale per key row, loaded once per row)
+    if KV_QUANT:  # 1-byte K dequantized in registers, in its load layout
         s_off = pages * stride_sp + rows * stride_ss  # [BLOCK_N]
-        k_s = tl.load(ks_head + s_off, mask=n_mask, other=0.0)
-        k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+        k = _dequant_rows(k, ks_head + s_off, n_mask, q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     s = s * scale_log2e
     if CAUSAL_MASK:
@@ -166,8 +164,7 @@ def _attend_block(
         other=0.0,
     )
     if KV_QUANT:  # V dequantized the same way
-        v_s = tl.load(vs_head + s_off, mask=n_mask, other=0.0)
-        v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+        v = _dequant_rows(v, vs_head + s_off, n_mask, q.dtype)
     # Rescale, then accumulate into acc inside the MMA (no second [BLOCK_M, BLOCK_D] tile).
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i

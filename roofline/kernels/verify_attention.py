@@ -22,16 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from roofline.kernels import check_device, is_interpret, num_sms
-from roofline.kernels import decode_attention as _da
+from roofline.kernels import check_device, num_sms
 from roofline.kernels.decode_attention import (
     LOG2E,
     _decode_merge_kernel,
     _pick_config,
+    _pick_quant_config,
     _pv_f16,
+    _q_f16,
     _widen_f16,
     choose_num_splits,
     scale_args,
+    widening,
 )
 from roofline.quantization.kv_cache import dequantize
 
@@ -65,7 +67,7 @@ def verify_attention_ref(
         scores = torch.einsum("thd,shd->ths", rows, k) * scale  # [Q, H, S]
         dev = q.device
         pos = torch.arange(seq_len - query_len, seq_len, device=dev).view(-1, 1, 1)  # [Q, 1, 1]
-        keys = torch.arange(seq_len, device=q.device).view(1, 1, -1)  # [1, 1, S]
+        keys = torch.arange(seq_len, device=dev).view(1, 1, -1)  # [1, 1, S]
         scores = scores.masked_fill(keys > pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Q, H, S]
         out[i * query_len : (i + 1) * query_len] = torch.einsum("ths,shd->thd", probs, v).to(
@@ -136,7 +138,7 @@ def _verify_split_kernel(
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     q_mma = q
     if KV_QUANT and KV_F16:  # fp16 products with 1-byte pages, as decode_attention's
-        q_mma = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q_mma = _q_f16(q)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -228,10 +230,8 @@ def verify_attention(
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group * query_len))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    f16 = k_scale is not None and _da.KV_F16 and q.dtype != torch.float32
-    block_n, num_warps, num_stages = (
-        _da._pick_quant_config(head_dim) if f16 else _pick_config(head_dim)
-    )
+    f16, i8_asm = widening(q, k_cache, k_scale)
+    block_n, num_warps, num_stages = _pick_quant_config(head_dim) if f16 else _pick_config(head_dim)
     if block_m > 64:  # many rows per program: fewer keys per iteration keep registers in bounds
         block_n, num_warps = 32, 8
     if num_splits is None:
@@ -259,7 +259,7 @@ def verify_attention(
         NUM_HEADS=num_heads, GROUP=group, QUERY_LEN=query_len, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
         SINGLE_SPLIT=single, PRECISION=precision, KV_QUANT=k_scale is not None,
-        KV_F16=f16, KV_I8_ASM=f16 and k_cache.dtype == torch.int8 and not is_interpret(),
+        KV_F16=f16, KV_I8_ASM=i8_asm,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not single:
