@@ -62,12 +62,24 @@ class GroupedTuning:
     merge's registers count against the whole kernel's (the suffix kernel's occupancy is what
     keeps its loads in flight; the prefix kernel measured 251 -> 180 registers at 64 -> 32)."""
     concurrent: bool = True
-    """The prefix kernel on a side stream beside the suffix kernel."""
+    """The prefix kernel beside the suffix kernel (on a side stream, or chained by PDL:
+    ``chained``), instead of one after the other."""
+    chained: bool = False
+    """Side by side on one stream: the prefix kernel, launched as a programmatic dependent
+    of the kernel before it, lets the suffix kernel launch as soon as it starts (the suffix
+    kernel does not wait for it: both read only what the kernels before the prefix kernel
+    wrote, and the last program of a unit merges, as with two streams). No fork and join of
+    streams (in a CUDA graph their edges cost microseconds each). Without PDL, the side stream."""
     prefix_maxnreg: int | None = None
     """Register cap per thread of the prefix kernel (ptxas; None: its choice): a cap lets more
     suffix programs share an SM with a prefix program."""
     suffix_maxnreg: int | None = None
     """Register cap of the suffix kernel (96: five 4-warp programs per SM instead of four)."""
+    prefix_tma: bool = False
+    """(Experiment) consecutive shared pages read through tensor descriptors."""
+    prefix_contig: bool = False
+    """(Experiment) the shared pages are consecutive ids: positions map to addresses without
+    page-id loads."""
     prefix_priority: bool = True
     """Side by side: the prefix pass on a high-priority stream, so the block scheduler places
     its programs before the suffix pass's waiting ones (graph kernel nodes keep their stream's
@@ -81,6 +93,7 @@ def _paged_tile(
     stride_vs, offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr, FULL_D: tl.constexpr, KV_QUANT: tl.constexpr,
+    CONTIG: tl.constexpr = False,
 ):  # fmt: skip
     """Fold keys ``n0 .. n0 + BLOCK_N`` (``< end`` when ``MASKED``), position ``t`` in page
     ``pages_ptr[t // PAGE_SIZE]`` (the shared pages, or a block-table row), into the softmax;
@@ -90,7 +103,9 @@ def _paged_tile(
     from ``ks_head`` / ``vs_head``, the head's first)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     n_mask = offs_n < end
-    if MASKED:
+    if CONTIG:  # consecutive pages from the first: no page-id loads
+        pages = tl.load(pages_ptr).to(tl.int64) + (offs_n // PAGE_SIZE).to(tl.int64)
+    elif MASKED:
         pages = tl.load(pages_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0)
     else:
         pages = tl.load(pages_ptr + offs_n // PAGE_SIZE)
@@ -121,6 +136,21 @@ def _paged_tile(
     if KV_QUANT:
         v_s = tl.load(vs_head + s_off, mask=n_mask, other=0.0)
         v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _desc_tile(acc, m_i, l_i, q, k_desc, v_desc, row0, col, scale_log2e, PRECISION: tl.constexpr):
+    """(Experiment) ``_paged_tile`` over consecutive pages through tensor descriptors: the
+    whole tile's K / V rows one TMA box each."""
+    k = k_desc.load([row0, col])  # [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = v_desc.load([row0, col])
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -169,7 +199,14 @@ def _grouped_prefix_kernel(
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
     KV_QUANT: tl.constexpr = False,
+    CONTIG: tl.constexpr = False,
+    k_desc=None,
+    v_desc=None,
+    PDL: tl.constexpr = False,  # chained: wait for the kernel before, then let the suffix start
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     unit = tl.program_id(0)  # group * NUM_KV_HEADS + kv_head
     split = tl.program_id(1)
     group_id = unit // NUM_KV_HEADS
@@ -198,18 +235,33 @@ def _grouped_prefix_kernel(
     ks_head = k_scale_ptr + kv_head  # scales: head stride 1
     vs_head = v_scale_ptr + kv_head
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles: no masks
-    for n0 in range(start, full_end, BLOCK_N):
+    if k_desc is not None:  # (experiment) consecutive pages through descriptors
+        row0 = tl.load(prefix_pages_ptr).to(tl.int32) * PAGE_SIZE
+        for n0 in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _desc_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_desc,
+                v_desc,
+                row0 + n0,
+                kv_head * HEAD_DIM,
+                scale_log2e,
+                PRECISION,
+            )
+    for n0 in range(start, full_end if k_desc is None else start, BLOCK_N):
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr, n0, end,
                                      stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
                                      scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
                                      PAGE_SIZE, BLOCK_N, PRECISION, False, HEAD_DIM == BLOCK_D,
-                                     KV_QUANT)  # fmt: skip
+                                     KV_QUANT, CONTIG)  # fmt: skip
     if full_end < end:  # the last, partial tile
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr,
                                      full_end, end, stride_kp, stride_ks, stride_vp, stride_vs,
                                      offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp,
                                      stride_ss, PAGE_SIZE, BLOCK_N, PRECISION, True,
-                                     HEAD_DIM == BLOCK_D, KV_QUANT)  # fmt: skip
+                                     HEAD_DIM == BLOCK_D, KV_QUANT, CONTIG)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
@@ -268,9 +320,11 @@ def _grouped_suffix_kernel(
     COUNT_SUFFIX: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait, then trigger
     KV_QUANT: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = True,  # False: after the chained prefix kernel (already waited)
 ):
     if PDL:  # q and this step's K/V rows come from the RoPE + store kernel just before
-        tl.extra.cuda.gdc_wait()
+        if PDL_WAIT:
+            tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -422,20 +476,37 @@ def grouped_cascade_attention(
     # (1-byte pages: the tile as loaded plus its 16-bit copy for the MMA)
     size = k_cache.element_size() if k_scale is None else 1 + q.element_size()
 
+    chained = t.concurrent and t.chained and passes == "both" and q.is_cuda and _pdl()
+
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
+        descs = {}
+        if t.prefix_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            rows = k_cache.shape[0] * page_size
+            descs = {
+                name: TensorDescriptor(c.view(rows, num_kv_heads * head_dim),
+                                       [rows, num_kv_heads * head_dim],
+                                       [num_kv_heads * head_dim, 1], [block_n, head_dim])
+                for name, c in (("k_desc", k_cache), ("v_desc", v_cache))
+            }  # fmt: skip
         num_stages = fit_stages(num_stages, 2 * block_n * block_d * size, block_m * block_d * size)
+        chain = {"PDL": True, "launch_pdl": True} if chained else {}
         _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
             q, k_cache, v_cache, *scales, prefix_pages, prefix_len, suffix_start, out, part_out,
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs,
             NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
+            CONTIG=t.prefix_contig, **descs, **chain,
             num_warps=num_warps, num_stages=num_stages, **_cap(t.prefix_maxnreg), **common,
         )  # fmt: skip
 
     main = side = None
     if passes == "suffix":
         pass
+    elif chained:  # launched first, it lets the suffix kernel start beside it
+        prefix_pass()
     elif t.concurrent and q.is_cuda and passes == "both":  # the prefix pass on a side stream
         main = torch.cuda.current_stream(q.device)
         side = _side_stream(q.device, t.prefix_priority)
@@ -452,6 +523,8 @@ def grouped_cascade_attention(
     # prefix pass in turn): its launch overlaps that kernel's tail; the prefix pass (on the
     # side stream, ordered by an event) keeps an ordinary launch
     pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
+    if chained:  # (the prefix kernel waited for the kernels before: do not wait for it)
+        pdl["PDL_WAIT"] = False
     _grouped_suffix_kernel[(num_reqs, num_kv_heads)](
         q, k_cache, v_cache, *scales, block_table, seq_lens, suffix_start, out, part_out, part_lse,
         counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides, block_table.stride(0),
