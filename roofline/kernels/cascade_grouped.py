@@ -17,8 +17,10 @@ rows):
 * whichever program of a unit finishes last (an atomic counter per unit, ``last_program.py``)
   merges the unit's slots and writes the output.
 
-The two kernels may run side by side on two streams (the prefix pass is tensor-core work, the
-suffix pass memory traffic). Rows that are not members (``suffix_start = 0``) attend their whole
+The two kernels run side by side (the prefix pass is tensor-core work, the suffix pass memory
+traffic): on one stream, the prefix kernel launched first lets the suffix kernel launch as soon
+as it starts (programmatic dependent launch, ``GroupedTuning.chained``), or, without PDL, on two
+streams. Rows that are not members (``suffix_start = 0``) attend their whole
 context in the suffix pass; the prefix pass gives them ``lse = -inf`` (weight 0). ``prefix_len``
 is read on the device and the grids depend only on the batch size, so a CUDA graph captured once
 replays for any prefix. 1-byte (fp8 / int8) pages come with their scales: each K / V row is
@@ -42,11 +44,12 @@ from roofline.kernels.pdl import pdl_enabled
 
 @dataclass(frozen=True)
 class GroupedTuning:
-    """Launch choices of the grouped cascade (``scripts/gpu_prefix.py`` sweeps them at the
-    shared-prefix preset's decode shape). The defaults are its fastest on the H100 (B = 256,
-    prefix 2,000, suffix 128, CUDA graphs, the same run): 93.1 us per layer against 96.1 for
-    the previous ones (prefix (64, 4, 2), suffix (64, 4, 3), normal priority); the prefix kernel
-    alone 48-52 against 56 us."""
+    """Launch choices of the grouped cascade (``scripts/gpu_prefix.py`` and
+    ``scripts/gpu_cascade_chain.py`` sweep them at the shared-prefix preset's decode shape). The
+    defaults are the fastest on the H100 (B = 256, prefix 2,000, suffix 128, CUDA graphs): the
+    preset's decode step 11.10 ms against 11.31 with two streams and 32-key x 5-stage suffix
+    tiles (medians of four runs each, alternated in one process; the attention between the
+    RoPE / store kernel and the next GEMM 70 us a layer against 77 in a profiled step)."""
 
     block_m: int = 64
     """Query rows per unit (requests x GQA group): the prefix tile's M."""
@@ -55,8 +58,10 @@ class GroupedTuning:
     flight; fewer keep none, see docs/architecture.md; ``fit_stages`` cuts them for fp32)."""
     prefix_splits: int | None = None
     """Slices of the prefix, one program each per unit; None: ``choose_prefix_splits``."""
-    suffix: tuple[int, int, int] = (32, 4, 5)
-    """(BLOCK_N keys, num_warps, num_stages) of the suffix kernel."""
+    suffix: tuple[int, int, int] = (32, 4, 4)
+    """(BLOCK_N keys, num_warps, num_stages) of the suffix kernel (4 stages: less shared
+    memory a program than 5, so more suffix programs share an SM; chained, the preset's
+    decode step 11.10 against 11.19 ms with 5)."""
     merge_rows: int = 16
     """Rows the merging program combines at a time (every slot's loads issued together): the
     merge's registers count against the whole kernel's (the suffix kernel's occupancy is what
@@ -64,22 +69,18 @@ class GroupedTuning:
     concurrent: bool = True
     """The prefix kernel beside the suffix kernel (on a side stream, or chained by PDL:
     ``chained``), instead of one after the other."""
-    chained: bool = False
+    chained: bool = True
     """Side by side on one stream: the prefix kernel, launched as a programmatic dependent
     of the kernel before it, lets the suffix kernel launch as soon as it starts (the suffix
     kernel does not wait for it: both read only what the kernels before the prefix kernel
     wrote, and the last program of a unit merges, as with two streams). No fork and join of
-    streams (in a CUDA graph their edges cost microseconds each). Without PDL, the side stream."""
+    streams: in the engine's graphs the side stream's prefix kernel started 12.7 us after the
+    RoPE / store kernel, the chained one at once. Without PDL, the side stream."""
     prefix_maxnreg: int | None = None
     """Register cap per thread of the prefix kernel (ptxas; None: its choice): a cap lets more
     suffix programs share an SM with a prefix program."""
     suffix_maxnreg: int | None = None
     """Register cap of the suffix kernel (96: five 4-warp programs per SM instead of four)."""
-    prefix_tma: bool = False
-    """(Experiment) consecutive shared pages read through tensor descriptors."""
-    prefix_contig: bool = False
-    """(Experiment) the shared pages are consecutive ids: positions map to addresses without
-    page-id loads."""
     prefix_priority: bool = True
     """Side by side: the prefix pass on a high-priority stream, so the block scheduler places
     its programs before the suffix pass's waiting ones (graph kernel nodes keep their stream's
@@ -93,7 +94,6 @@ def _paged_tile(
     stride_vs, offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr, FULL_D: tl.constexpr, KV_QUANT: tl.constexpr,
-    CONTIG: tl.constexpr = False,
 ):  # fmt: skip
     """Fold keys ``n0 .. n0 + BLOCK_N`` (``< end`` when ``MASKED``), position ``t`` in page
     ``pages_ptr[t // PAGE_SIZE]`` (the shared pages, or a block-table row), into the softmax;
@@ -103,9 +103,7 @@ def _paged_tile(
     from ``ks_head`` / ``vs_head``, the head's first)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
     n_mask = offs_n < end
-    if CONTIG:  # consecutive pages from the first: no page-id loads
-        pages = tl.load(pages_ptr).to(tl.int64) + (offs_n // PAGE_SIZE).to(tl.int64)
-    elif MASKED:
+    if MASKED:
         pages = tl.load(pages_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0)
     else:
         pages = tl.load(pages_ptr + offs_n // PAGE_SIZE)
@@ -136,21 +134,6 @@ def _paged_tile(
     if KV_QUANT:
         v_s = tl.load(vs_head + s_off, mask=n_mask, other=0.0)
         v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _desc_tile(acc, m_i, l_i, q, k_desc, v_desc, row0, col, scale_log2e, PRECISION: tl.constexpr):
-    """(Experiment) ``_paged_tile`` over consecutive pages through tensor descriptors: the
-    whole tile's K / V rows one TMA box each."""
-    k = k_desc.load([row0, col])  # [BLOCK_N, BLOCK_D]
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = v_desc.load([row0, col])
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -199,9 +182,6 @@ def _grouped_prefix_kernel(
     PRECISION: tl.constexpr,
     COUNT_SUFFIX: tl.constexpr,
     KV_QUANT: tl.constexpr = False,
-    CONTIG: tl.constexpr = False,
-    k_desc=None,
-    v_desc=None,
     PDL: tl.constexpr = False,  # chained: wait for the kernel before, then let the suffix start
 ):
     if PDL:
@@ -235,33 +215,18 @@ def _grouped_prefix_kernel(
     ks_head = k_scale_ptr + kv_head  # scales: head stride 1
     vs_head = v_scale_ptr + kv_head
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles: no masks
-    if k_desc is not None:  # (experiment) consecutive pages through descriptors
-        row0 = tl.load(prefix_pages_ptr).to(tl.int32) * PAGE_SIZE
-        for n0 in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = _desc_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_desc,
-                v_desc,
-                row0 + n0,
-                kv_head * HEAD_DIM,
-                scale_log2e,
-                PRECISION,
-            )
-    for n0 in range(start, full_end if k_desc is None else start, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr, n0, end,
                                      stride_kp, stride_ks, stride_vp, stride_vs, offs_d, d_mask,
                                      scale_log2e, ks_head, vs_head, stride_sp, stride_ss,
                                      PAGE_SIZE, BLOCK_N, PRECISION, False, HEAD_DIM == BLOCK_D,
-                                     KV_QUANT, CONTIG)  # fmt: skip
+                                     KV_QUANT)  # fmt: skip
     if full_end < end:  # the last, partial tile
         acc, m_i, l_i = _paged_tile(acc, m_i, l_i, q, k_head, v_head, prefix_pages_ptr,
                                      full_end, end, stride_kp, stride_ks, stride_vp, stride_vs,
                                      offs_d, d_mask, scale_log2e, ks_head, vs_head, stride_sp,
                                      stride_ss, PAGE_SIZE, BLOCK_N, PRECISION, True,
-                                     HEAD_DIM == BLOCK_D, KV_QUANT, CONTIG)  # fmt: skip
+                                     HEAD_DIM == BLOCK_D, KV_QUANT)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_D]
@@ -480,17 +445,6 @@ def grouped_cascade_attention(
 
     def prefix_pass() -> None:
         block_n, num_warps, num_stages = t.prefix
-        descs = {}
-        if t.prefix_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            rows = k_cache.shape[0] * page_size
-            descs = {
-                name: TensorDescriptor(c.view(rows, num_kv_heads * head_dim),
-                                       [rows, num_kv_heads * head_dim],
-                                       [num_kv_heads * head_dim, 1], [block_n, head_dim])
-                for name, c in (("k_desc", k_cache), ("v_desc", v_cache))
-            }  # fmt: skip
         num_stages = fit_stages(num_stages, 2 * block_n * block_d * size, block_m * block_d * size)
         chain = {"PDL": True, "launch_pdl": True} if chained else {}
         _grouped_prefix_kernel[(num_groups * num_kv_heads, splits)](
@@ -498,7 +452,7 @@ def grouped_cascade_attention(
             part_lse, counter, scale * LOG2E, q.stride(0), q.stride(1), *cache_strides,
             out.stride(0), out.stride(1), num_reqs, num_slots, prefix_programs,
             NUM_SPLITS=splits, BLOCK_M=block_m, MERGE_M=merge_m, BLOCK_N=block_n,
-            CONTIG=t.prefix_contig, **descs, **chain,
+            **chain,
             num_warps=num_warps, num_stages=num_stages, **_cap(t.prefix_maxnreg), **common,
         )  # fmt: skip
 

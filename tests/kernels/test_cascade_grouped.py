@@ -113,3 +113,60 @@ def test_pipeline_stages_fit_the_shared_memory() -> None:
     assert fit_stages(5, fp32_tile, 64 * 128 * 4) == 3
     assert fit_stages(3, fp32_tile, 0) == 3 and fit_stages(2, bf16_tile, 0) == 2
     assert fit_stages(4, SMEM_BUDGET, SMEM_BUDGET) == 1  # never below one stage
+
+
+def hopper_report() -> dict:
+    """sm_90 PTX of the two grouped kernels as the chained launch runs them (compiled without
+    TRITON_INTERPRET): for each build, the offsets of its ``griddepcontrol.wait`` and
+    ``griddepcontrol.launch_dependents`` instructions in the PTX."""
+    import re
+
+    from sm90_inspect import compile_sm90
+
+    from roofline.kernels import cascade_grouped as cg
+
+    ptrs = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", k_scale_ptr="*fp32",
+                v_scale_ptr="*fp32", prefix_pages_ptr="*i32", prefix_len_ptr="*i32",
+                suffix_start_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
+                part_lse_ptr="*fp32", counter_ptr="*i32", block_table_ptr="*i32",
+                seq_lens_ptr="*i32", scale_log2e="fp32")  # fmt: skip
+    common = dict(NUM_SLOTS=2, NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=16,
+                  GROUP_REQS=16, MERGE_M=16, BLOCK_D=128, PRECISION="tf32", COUNT_SUFFIX=True,
+                  KV_QUANT=False)  # fmt: skip
+    t = cg.GroupedTuning()
+    builds = {
+        "prefix chained": (cg._grouped_prefix_kernel, t.prefix,
+                           dict(NUM_SPLITS=1, BLOCK_M=64, BLOCK_N=t.prefix[0], PDL=True)),
+        "suffix chained": (cg._grouped_suffix_kernel, t.suffix,
+                           dict(BLOCK_H=16, BLOCK_N=t.suffix[0], PDL=True, PDL_WAIT=False)),
+        "suffix alone": (cg._grouped_suffix_kernel, t.suffix,
+                         dict(BLOCK_H=16, BLOCK_N=t.suffix[0], PDL=True)),
+    }  # fmt: skip
+    report = {}
+    for name, (fn, (_, num_warps, num_stages), const) in builds.items():
+        const = {**common, **const}
+        sig = {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in const}
+        kernel = compile_sm90(fn, sig, const, num_warps, num_stages=num_stages)
+        ptx = kernel.asm["ptx"]
+        report[name] = {
+            op: [m.start() for m in re.finditer(rf"griddepcontrol\.{op}\b", ptx)]
+            for op in ("wait", "launch_dependents")
+        }
+    return report
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU compiles the kernels itself")
+def test_chained_launch_waits_once_at_the_prefix_kernel() -> None:
+    """``GroupedTuning.chained``: the prefix kernel waits for the kernels before it and only
+    then lets the suffix kernel launch; the chained suffix kernel does not wait (it would wait
+    for the whole prefix pass, in turn); launched after the RoPE / store kernel alone, it does."""
+    from sm90_inspect import report_in_subprocess
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    report = report_in_subprocess("test_cascade_grouped")
+    prefix = report["prefix chained"]
+    assert len(prefix["wait"]) == 1 and prefix["launch_dependents"], report
+    assert prefix["wait"][0] < min(prefix["launch_dependents"]), report
+    chained = report["suffix chained"]
+    assert not chained["wait"] and chained["launch_dependents"], report
+    assert len(report["suffix alone"]["wait"]) == 1, report
