@@ -13,7 +13,7 @@ default), ``chained`` (one stream, PDL) with 5- and 4-stage suffix tiles, and th
 turn. Kernel sweeps outside the engine (``scripts/gpu_shared_prefix.py``) do not predict the
 engine's step here (docs/architecture.md, Cascade).
 
-    python scripts/gpu_cascade_chain.py [--sections ab,timeline] [--rounds 4]
+    python scripts/gpu_cascade_chain.py [--sections ab,timeline] [--rounds 4] [--more]
 """
 
 from __future__ import annotations
@@ -41,8 +41,16 @@ from roofline.kernels import cascade_attention as ca  # noqa: E402
 DEV = torch.device("cuda")
 
 
-def choices() -> dict:
+def choices(more: bool = False) -> dict:
     g, r = ca.TUNING.grouped, dataclasses.replace
+    if more:  # the prefix pass in shorter programs (two slices of the prefix per unit)
+        return {
+            "chained, suffix (32, 4, 4)": r(g, chained=True, suffix=(32, 4, 4)),
+            "chained, prefix (64, 4, 3) x2": r(g, prefix=(64, 4, 3), prefix_splits=2),
+            "chained, prefix (64, 4, 5) x2": r(g, prefix_splits=2),
+            "chained, 128-row units (64, 8, 3) x2": r(g, block_m=128, prefix=(64, 8, 3),
+                                                      prefix_splits=2),
+        }  # fmt: skip
     return {
         "two streams, suffix (32, 4, 5)": r(g, chained=False, suffix=(32, 4, 5)),
         "chained, suffix (32, 4, 5)": r(g, chained=True, suffix=(32, 4, 5)),
@@ -51,9 +59,9 @@ def choices() -> dict:
     }
 
 
-def ab(llm: LLM, ceil, rounds: int) -> None:
+def ab(llm: LLM, ceil, rounds: int, more: bool = False) -> None:
     saved = ca.TUNING
-    tunings = {k: v for k, v in choices().items() if k != "in turn"}
+    tunings = {k: v for k, v in choices(more).items() if k != "in turn"}
     got: dict[str, list[tuple[float, float]]] = {k: [] for k in tunings}
     try:
         for i in range(rounds + 1):
@@ -130,14 +138,14 @@ def timeline(llm: LLM, label: str, steps: int = 6) -> None:
             f"+{med(suf_off):.1f}")  # fmt: skip
 
 
-def timelines(llm: LLM, ceil) -> None:
+def timelines(llm: LLM, ceil, more: bool = False) -> None:
     saved = ca.TUNING
     wl = workloads.preset("shared-prefix", llm.llm_engine.model_config.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in wl.output_lens]  # fmt: skip
     first = None
     try:
-        for name, t in choices().items():
+        for name, t in choices(more).items():
             set_cascade(llm, dataclasses.replace(saved, grouped=t))
             llm.llm_engine.kv_manager.reset_prefix_cache()
             tokens = [o.outputs[0].token_ids for o in llm.generate(wl.prompts, params,
@@ -156,6 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="ab,timeline")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--more", action="store_true", help="prefix slices and 128-row units")
     args = ap.parse_args()
     t0 = time.perf_counter()
     ceil = measure(DEV, torch.bfloat16)
@@ -163,9 +172,9 @@ def main() -> None:
               max_num_seqs=256, max_num_batched_tokens=8192)  # fmt: skip
     llm.generate([[7] * 600, [9] * 40], SamplingParams(max_tokens=4), use_tqdm=False)
     if "ab" in args.sections:
-        ab(llm, ceil, args.rounds)
+        ab(llm, ceil, args.rounds, args.more)
     if "timeline" in args.sections:
-        timelines(llm, ceil)
+        timelines(llm, ceil, args.more)
     print_rows("gpu_cascade_chain", ROWS, time.perf_counter() - t0)
 
 
