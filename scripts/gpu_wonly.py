@@ -21,7 +21,8 @@ Sections (each prints and goes on after an error):
 * ``engine``: decode steps at b8 / b32 / b128 and (``--offline N``) the offline workload (256
   requests, input 100-1024, output 512) run N times per method, the last (warm) run reported,
   per ``--engine`` method (bf16 / int8 / int4 / int4-asym / fp8; ``-nosilu`` appended: the
-  gate_up SiLU epilogue off), with the ratios to bf16;
+  gate_up SiLU epilogue off; ``int4-asym-fp32w``: its constants widened in fp32, as before
+  ``wo_gemm.KIND_INT4_BF16``), with the ratios to bf16;
 * ``silu`` (``--silu``): the gate_up GEMM with the SiLU-and-mul in its epilogue against the
   unfused pair, per kind at the table's warp-specialized entries; ``silu sweep``
   (``--silu-sweep``): candidates of that form against today's path + ``silu_and_mul`` per M
@@ -404,11 +405,14 @@ def pipe_stress(calls: int) -> None:
 
 
 @base.section("wo table")
-def wo_table() -> None:
-    """Every shipped ``WO_CONFIGS`` entry on its own shape: parity at bucket - 3 rows against
-    the exact reference ON THE GPU, then its time at the bucket's rows beside bf16 cuBLAS."""
+def wo_table(kinds: list[str]) -> None:
+    """Every shipped ``WO_CONFIGS`` entry (of ``kinds``; empty: all) on its own shape: parity at
+    bucket - 3 rows against the exact reference ON THE GPU, then its time at the bucket's rows
+    beside bf16 cuBLAS (asymmetric int4 also with its constants widened in fp32)."""
     wrong = 0
     for (kind, n, k, bucket), c in sorted(wg.WO_CONFIGS.items()):
+        if kinds and kind not in kinds:
+            continue
         cfg = wg.WoConfig(*c)
         qw, s, o = quantized(kind, n, k, seed=3)
         x = torch.randn(bucket - 3, k, device="cuda", dtype=BF16)
@@ -420,10 +424,18 @@ def wo_table() -> None:
         t = base.time_ring(partial(fn, xb), ring, False)
         w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
         t16 = base.time_ring(partial(F.linear, xb), w16, False)
+        also = ""
+        if kind == "int4":  # asymmetric: also widened in fp32 (the bf16x2 widening's before)
+            wg.ASYM_BF16 = False
+            try:
+                t32 = base.time_ring(partial(fn, xb), ring, False)
+            finally:
+                wg.ASYM_BF16 = True
+            also = f" (fp32 widening {t32 * 1e6:6.1f} us, {t16 / t32:.2f}x)"
         print(
             f"{kind:5} {n:5}x{k:5} M={bucket:3} {tuple(c)}: rel err {err:.1e}"
             f"{'' if err < 2e-2 else ' WRONG'}; {t * 1e6:6.1f} us vs bf16 {t16 * 1e6:6.1f} "
-            f"({t16 / t:.2f}x)",
+            f"({t16 / t:.2f}x){also}",
             flush=True,
         )
         del ring, w16
@@ -602,6 +614,8 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
             t0 = time.perf_counter()
             quant = method.removesuffix("-nosilu")  # "-nosilu": the SiLU epilogue off
             common.USE_WO_SILU = quant == method
+            wg.ASYM_BF16 = not quant.endswith("-fp32w")  # asymmetric int4 widened in fp32
+            quant = quant.removesuffix("-fp32w")
             llm = LLM(
                 base.MODEL, load_format="dummy", device="cuda", max_model_len=4096,
                 max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
@@ -719,6 +733,7 @@ def main() -> None:
     ap.add_argument("--wo-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
+    ap.add_argument("--table-kinds", default="", help="kinds of --wo-table (default: all)")
     ap.add_argument("--silu", default="", help="M buckets of the SiLU-epilogue check")
     ap.add_argument("--silu-sweep", default="", help="M buckets of the SiLU-epilogue sweep")
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
@@ -751,7 +766,7 @@ def main() -> None:
     if args.silu:
         silu_check([int(v) for v in args.silu.split(",")])
     if args.wo_table and wg.WO_CONFIGS:
-        wo_table()
+        wo_table([kd for kd in args.table_kinds.split(",") if kd])
     if wo_ms:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "wo_tuned.json")

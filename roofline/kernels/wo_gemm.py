@@ -14,7 +14,9 @@ tile's A registers among its ``deps``: ptxas sees them read at the wait, so it c
 the next tile's widening while an MMA still reads them (the hazard ptxas before 13.3 otherwise
 creates, triton-lang/triton#9433; ``tests/kernels/sm90_inspect.register_a_hazards`` checks the
 SASS). int8 row scales multiply the finished accumulator; int4 group scales and offsets are
-applied per element in fp32 (``w = q s + offset``, rounded once, as ``formats`` does).
+applied per element: with bf16 scales and offsets (a bf16 model's RTN) in bf16x2 arithmetic,
+one FMA a pair of weights (``INT4_ASYM_TO_BF16_PTX``), else in fp32 (``w = q s + offset``,
+rounded once, as ``formats`` does).
 
 ``PIPE`` (``WoConfig.ws == PIPELINED``) keeps two K tiles' MMAs in flight instead: tile k's
 MMAs are issued, ``warpgroup_mma_wait(1)`` retires tile k - 1's (whose stage then goes back to
@@ -68,7 +70,14 @@ __all__ = [
     "wo_gemm",
 ]
 
-KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8 = 0, 1, 2, 3
+KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8, KIND_INT4_BF16 = 0, 1, 2, 3, 4
+INT4_KINDS = (KIND_INT4, KIND_INT4_SYM, KIND_INT4_BF16)
+"""``KIND_INT4``: asymmetric int4, scales and offsets of any float dtype, widened in fp32;
+``KIND_INT4_BF16``: the same with bf16 scales and offsets, widened in bf16x2 arithmetic
+(``INT4_ASYM_TO_BF16_PTX``); ``KIND_INT4_SYM``: symmetric (offset ``-8 s``)."""
+ASYM_BF16 = True
+"""Asymmetric int4 with bf16 scales and offsets widened in bf16x2 (``KIND_INT4_BF16``); False
+(sweeps): in fp32, as with other constants."""
 
 
 INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
@@ -108,6 +117,30 @@ bf16x2 multiply by the scale rounds ``(q - 8) s`` once, as ``formats.dequantize_
 the offset is ``-8 s``."""
 
 
+INT4_ASYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
+    """{
+    .reg .b32 b, p, l, h, c;
+    cvt.u32.u16 b, $2;
+    prmt.b32 p, b, 0, 0x4140;
+    lop3.b32 l, p, 0x000F000F, 0x43004300, 0xEA;
+    shr.u32 h, p, 4;
+    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;
+    mov.b32 c, 0x43004300;
+    sub.rn.bf16x2 l, l, c;
+    sub.rn.bf16x2 h, h, c;
+    fma.rn.bf16x2 $0, l, $3, $4;
+    fma.rn.bf16x2 $1, h, $3, $4;
+    }"""
+)
+"""Two bytes of asymmetric int4 ($2), their rows' bf16 scales ($3) and offsets ($4) -> the bf16
+weights of their low nibbles ($0) and of their high nibbles ($1): each nibble goes into the
+mantissa of bf16 128 and a bf16x2 subtract of 128 leaves ``q`` exactly; one bf16x2 FMA forms
+``q s + offset`` exactly and rounds it once. ``formats.dequantize_int4`` rounds ``q s + offset``
+to fp32, then to bf16: the same bits whenever that fp32 sum is exact, which it is when the
+offset is a bf16-rounded ``-z s`` with ``z`` in 0..15 (RTN's, GPTQ's and AWQ's zero points):
+``q s`` has at most 12 significant bits and the offset's magnitude is within 16 s of it."""
+
+
 @gluon.jit
 def _int8_to_bf16(q):
     """int8 -> bf16, exact, two at a time (the pair a thread holds of wgmma's A operand: one
@@ -125,6 +158,16 @@ def _int4_sym_halves(b, s):
     weights of symmetric int4 (``INT4_SYM_TO_BF16_PTX``)."""
     return gl.inline_asm_elementwise(
         INT4_SYM_TO_BF16_PTX, "=r,=r,h,r", [b, s], dtype=(gl.bfloat16, gl.bfloat16),
+        is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _int4_asym_halves(b, s, o):
+    """Bytes ``b`` (uint8), scales ``s`` and offsets ``o`` (bf16, broadcast) -> (low-nibble,
+    high-nibble) bf16 weights of asymmetric int4 (``INT4_ASYM_TO_BF16_PTX``)."""
+    return gl.inline_asm_elementwise(
+        INT4_ASYM_TO_BF16_PTX, "=r,=r,h,r,r", [b, s, o], dtype=(gl.bfloat16, gl.bfloat16),
         is_pure=True, pack=2,
     )  # fmt: skip
 
@@ -218,7 +261,7 @@ def _wo_gemm_kernel(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) else BLOCK_K  # bytes a row
+    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) | (KIND == 4) else BLOCK_K
 
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -368,8 +411,8 @@ def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, KIND: gl.const
                   GROUP: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
     """The per-row constants of a K tile's group ([BN] each; loaded a tile ahead of their use,
     their latency under the MMAs): int4 fp32 ``16 s`` and ``offset - 16 s``; symmetric int4 the
-    bf16 scale (rows in the byte layout) twice; int8 zeros (row scales multiply the
-    accumulator)."""
+    bf16 scale (rows in the byte layout) twice; int4 with bf16 constants the scale and the
+    offset (rows in the byte layout); int8 zeros (row scales multiply the accumulator)."""
     if KIND == 1:
         col = (k_tile * BLOCK_K) // GROUP
         sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)
@@ -380,6 +423,10 @@ def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, KIND: gl.const
         col = (k_tile * BLOCK_K) // GROUP
         span = gl.load(s_ptr + rows_b * stride_s + col)
         base = span
+    elif KIND == 4:
+        col = (k_tile * BLOCK_K) // GROUP
+        span = gl.load(s_ptr + rows_b * stride_s + col)
+        base = gl.load(o_ptr + rows_b * stride_s + col)
     else:
         span = rows_n.to(gl.float32) * 0.0
         base = span
@@ -407,6 +454,12 @@ def _widen(
         lo, hi = _int4_halves(b)
         v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
         w = (v * span[:, None] + base[:, None]).to(gl.bfloat16)
+    elif KIND == 4:
+        b = q_tile.load(a_layout_bytes(a_layout))
+        sb, b = gl.broadcast(span[:, None], b)
+        ob, b = gl.broadcast(base[:, None], b)
+        lo, hi = _int4_asym_halves(b, sb, ob)
+        w = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)
     else:
         b = q_tile.load(a_layout_bytes(a_layout))
         sb, b = gl.broadcast(span[:, None], b)
@@ -485,9 +538,11 @@ def kind_and_descriptors(
         if scales.dtype != torch.bfloat16:
             raise ValueError(f"{caller}: symmetric int4 (no offsets) takes bf16 scales")
         code = KIND_INT4_SYM
+    elif ASYM_BF16 and scales.dtype == offsets.dtype == torch.bfloat16:  # bf16x2 widening
+        code = KIND_INT4_BF16
     else:
         code = KIND_INT4
-    int4 = code in (KIND_INT4, KIND_INT4_SYM)
+    int4 = code in INT4_KINDS
     qk = cfg.block_k // 2 if int4 else cfg.block_k
     x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
     q_dtype = gl.uint8 if int4 else gl.int8
@@ -511,7 +566,7 @@ def scale_args(
     offsets, bias, stride_s, GROUP). Absent offsets and bias stand in as ``scales`` (never read);
     int4 scales and offsets share one row stride; int8 / fp8 row scales have stride 1 and no
     group."""
-    int4 = code in (KIND_INT4, KIND_INT4_SYM)
+    int4 = code in INT4_KINDS
     if offsets is not None and offsets.stride() != scales.stride():
         scales, offsets = scales.contiguous(), offsets.contiguous()
     return (

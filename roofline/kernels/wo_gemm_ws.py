@@ -163,7 +163,7 @@ def _wo_ws_kernel(
     has 64-row boxes, and a program owns 64 columns of ``out[M, I] = silu(gate) * up``."""
     gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
     NWG: gl.constexpr = BLOCK_N // 64
-    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) else BLOCK_K
+    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) | (KIND == 4) else BLOCK_K
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     if SILU:

@@ -63,6 +63,22 @@ def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 bits = prod.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
                 halves.append(bits.astype(np.uint32) << shift)
             out = halves[0] | halves[1]
+        elif op == "shr.u32":
+            out = a[0] >> a[1]
+        elif op == "lop3.b32":  # only the (a & b) | c table the widenings use
+            assert int(a[3][0]) == 0xEA, line
+            out = (a[0] & a[1]) | a[2]
+        elif op in ("sub.rn.bf16x2", "fma.rn.bf16x2"):  # each half exact, rounded once to bf16
+            halves = []
+            for shift in (0, 16):
+                f = [as_f32(((v >> shift) & 0xFFFF) << 16).astype(np.float64) for v in a]
+                exact = f[0] - f[1] if op.startswith("sub") else f[0] * f[1] + f[2]
+                assert np.array_equal(exact.astype(np.float32).astype(np.float64), exact), line
+                res = torch.from_numpy(exact.astype(np.float32)).to(torch.bfloat16)
+                halves.append(
+                    res.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << shift
+                )
+            out = halves[0] | halves[1]
         elif op == "prmt.b32":
             both = np.stack([(a[j] >> (8 * i)) & 0xFF for j in (0, 1) for i in range(4)])
             out = np.zeros_like(a[0])
@@ -96,6 +112,36 @@ def test_fp8_widening_ptx_is_exact_for_every_pair() -> None:
     ok = ~np.isnan(want).any(axis=1)  # 0x7F / 0xFF: NaN, never a quantized weight
     assert ok.sum() == 254 * 254
     assert np.array_equal(lo[ok], want[ok, 0]) and np.array_equal(hi[ok], want[ok, 1])
+
+
+def test_int4_asymmetric_widening_ptx_matches_the_reference() -> None:
+    """``INT4_ASYM_TO_BF16_PTX`` over every byte value, with the bf16 scales and offsets RTN
+    gives (``-z s`` rounded, z in 0..15), scales over six orders of magnitude: the same bits as
+    ``formats.dequantize_int4`` (fp32, then bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    scales = torch.rand(n, generator=gen) * 2.0 ** torch.randint(-20, 0, (n,), generator=gen)
+    scales = scales.to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n,), generator=gen).float()
+    offsets = (-zeros * scales.float()).to(torch.bfloat16)
+    byte = torch.arange(n) % 256  # each byte value with 16 scales
+    pairs = byte.view(-1, 2)  # two bytes (rows) a register, each with its row's constants
+    s2, o2 = scales.view(-1, 2), offsets.view(-1, 2)
+
+    def u32(t: torch.Tensor) -> np.ndarray:  # [n / 2, 2] 16-bit halves -> one uint32 each
+        v = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+        return v[:, 0] | (v[:, 1] << 16)
+
+    asm = re.sub(r"\$(\d)", r"R\1", wg.INT4_ASYM_TO_BF16_PTX.value)
+    regs = _run_ptx(asm, {"R2": (pairs[:, 0] | (pairs[:, 1] << 8)).numpy(), "R3": u32(s2),
+                          "R4": u32(o2)})  # fmt: skip
+    got_lo, got_hi = regs["R0"], regs["R1"]
+    ref = formats.dequantize_int4(
+        byte.to(torch.uint8).view(n, 1), scales.view(n, 1), offsets.view(n, 1), torch.bfloat16
+    )  # [n, 2]: low, high nibble
+    want_lo, want_hi = u32(ref[:, 0].reshape(-1, 2)), u32(ref[:, 1].reshape(-1, 2))
+    assert (ref != 0).float().mean() > 0.9  # (scales of zero would prove nothing)
+    assert np.array_equal(got_lo, want_lo) and np.array_equal(got_hi, want_hi)
 
 
 def test_layout_checks() -> None:
@@ -157,6 +203,12 @@ def test_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wg.pick("int4", 200, 6144, 4096) is None
 
 
+KINDS = {"int8": wg.KIND_INT8, "int4": wg.KIND_INT4_BF16, "int4s": wg.KIND_INT4_SYM,
+         "fp8": wg.KIND_FP8, "int4f": wg.KIND_INT4}  # fmt: skip
+"""The table's kinds as the kernel runs them: ``int4`` (asymmetric, a bf16 model's RTN scales
+and offsets) widened in bf16x2; ``int4f``: asymmetric with other constants (fp16 GPTQ / AWQ
+zero points), widened in fp32."""
+
 REPRESENTATIVE = [  # (kind, config)
     ("int8", (256, 128, 64, 1, 4)),
     ("int4", (256, 128, 64, 2, 4)),
@@ -177,6 +229,10 @@ REPRESENTATIVE = [  # (kind, config)
     ("fp8", (128, 64, 128, 1, 4)),  # e4m3 bytes widened by bit moves
     ("fp8", (256, 128, 64, 1, 4, 8, 1)),
     ("fp8", (128, 128, 128, 1, 4, 8, 2)),
+    ("int4f", (256, 128, 64, 2, 4)),  # asymmetric int4 widened in fp32, each form
+    ("int4f", (128, 128, 128, 1, 4, 8, 1)),
+    ("int4f", (64, 128, 128, 1, 4, 8, 2)),
+    ("int4f", (128, 64, 128, 2, 4, 8, 3)),
 ]
 
 
@@ -188,7 +244,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    int4 = kind != "int8"
+    int4 = kind.startswith("int4")
     qk = cfg.block_k // 2 if int4 else cfg.block_k
     x = torch.empty(256, k, dtype=torch.bfloat16)
     q = torch.empty(4096, qk * (k // cfg.block_k), dtype=torch.uint8 if int4 else torch.int8)
@@ -217,7 +273,7 @@ def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om", "dp_tiles")})
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
-        KIND={"int8": 0, "int4": 1, "int4s": 2, "fp8": 3}[kind], GROUP=128 if int4 else 0,
+        KIND=KINDS[kind], GROUP=128 if int4 else 0,
         HAS_BIAS=True,
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.stages, GROUP_M=cfg.group_m, CONSUMER_REGS=224,
