@@ -95,14 +95,20 @@ INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
 """Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact."""
 
 
-INT4_SYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
-    """{
+INT4_NIBBLES_PTX = """
     .reg .b32 b, p, l, h, c;
     cvt.u32.u16 b, $2;
     prmt.b32 p, b, 0, 0x4140;
     lop3.b32 l, p, 0x000F000F, 0x43004300, 0xEA;
     shr.u32 h, p, 4;
-    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;
+    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;"""
+"""The int4 widenings' first half: the two bytes in ``$2`` spread over two 16-bit halves, each
+low nibble (``l``) and each high nibble (``h``) under the mantissa of bf16 128 (``128 + q``)."""
+
+INT4_SYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
+    "{"
+    + INT4_NIBBLES_PTX
+    + """
     mov.b32 c, 0x43084308;
     sub.rn.bf16x2 l, l, c;
     sub.rn.bf16x2 h, h, c;
@@ -118,13 +124,9 @@ the offset is ``-8 s``."""
 
 
 INT4_ASYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
-    """{
-    .reg .b32 b, p, l, h, c;
-    cvt.u32.u16 b, $2;
-    prmt.b32 p, b, 0, 0x4140;
-    lop3.b32 l, p, 0x000F000F, 0x43004300, 0xEA;
-    shr.u32 h, p, 4;
-    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;
+    "{"
+    + INT4_NIBBLES_PTX
+    + """
     mov.b32 c, 0x43004300;
     sub.rn.bf16x2 l, l, c;
     sub.rn.bf16x2 h, h, c;
