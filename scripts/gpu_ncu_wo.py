@@ -1,5 +1,6 @@
-"""The 256-row qkv GEMM (Llama-3.1-8B, N 6144, K 4096) for Nsight Compute: bf16 cuBLAS, then the
-int8 weight-only kernel in its dealt warp-specialized form and its stream-K form, each run once
+"""The 256-row qkv GEMM (Llama-3.1-8B, N 6144, K 4096; ``--n`` / ``--k`` another) for Nsight
+Compute: bf16 cuBLAS, then the weight-only kernel of each ``--kinds`` in each ``--configs`` form
+(by default int8, dealt warp-specialized and stream-K), each run once
 between ``cudaProfilerStart`` / ``Stop`` after warm-up, so that
 
     ncu --clock-control none --profile-from-start off --set full python scripts/gpu_ncu_wo.py
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_mixedgemm as base  # noqa: E402
 
 from roofline.kernels import wo_gemm as wg  # noqa: E402
+from roofline.quantization import formats  # noqa: E402
 
 
 def timed(fn, reps: int = 50) -> float:
@@ -43,25 +45,36 @@ def main() -> None:
     ap.add_argument(
         "--configs", default="128,128,128,1,4,8,1;128,128,128,1,4,8,2;256,128,64,1,4,8,2"
     )
+    ap.add_argument("--kinds", default="int8", help="int8, int4 (asymmetric), int4s, fp8")
     args = ap.parse_args()
     m, n, k = args.m, args.n, args.k
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    qw, s, o = base.quantized("int8", n, k)
-    runs = [("cublas bf16", lambda: F.linear(x, w16))]
-    for c in args.configs.split(";"):
-        cfg = wg.WoConfig(*(int(v) for v in c.split(",")))
-        fn = lambda cfg=cfg: wg.wo_gemm("int8", x, qw, s, o, None, cfg)  # noqa: E731
-        runs.append((f"int8 {tuple(cfg)}", fn))
-    ref = base.exact_ref("int8", x, qw, s, o)
-    for name, fn in runs[1:]:
+    runs = [("cublas bf16", lambda: F.linear(x, w16), None)]
+    for kind in args.kinds.split(","):
+        if kind == "int4s":  # symmetric int4 g128: offsets -8 s, passed as none
+            qw, s, _ = formats.quantize_int4(w16.float(), 128, True, torch.bfloat16)
+            o = None
+        else:
+            qw, s, o = base.quantized(kind, n, k)
+        ref = base.exact_ref("int4" if kind == "int4s" else kind, x, qw, s,
+                             o if o is not None else -8.0 * s.float())  # fmt: skip
+        for c in args.configs.split(";"):
+            cfg = wg.WoConfig(*(int(v) for v in c.split(",")))
+            fn = (
+                lambda cfg=cfg, kind=kind, qw=qw, s=s, o=o: wg.wo_gemm(  # noqa: E731
+                    kind[:4], x, qw, s, o, None, cfg
+                )
+            )
+            runs.append((f"{kind} {tuple(cfg)}", fn, ref))
+    for name, fn, ref in runs[1:]:
         err = base.rel_err(fn(), ref)
         print(f"{name}: max rel err {err:.1e}", flush=True)
-    for name, fn in runs:
+    for name, fn, _ in runs:
         print(f"{name}: {timed(fn):.1f} us (warm, weights in L2 where they fit)", flush=True)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for _, fn in runs:
+    for _, fn, _ in runs:
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
