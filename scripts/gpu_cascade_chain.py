@@ -31,7 +31,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import print_rows  # noqa: E402
-from gpu_presets import RESULTS, ROWS, row, run_preset, set_cascade  # noqa: E402
+from gpu_presets import (  # noqa: E402
+    RESULTS,
+    ROWS,
+    queued_preset,
+    row,
+    run_preset,
+    set_cascade,
+)
 
 from roofline import LLM, SamplingParams  # noqa: E402
 from roofline.bench import workloads  # noqa: E402
@@ -85,13 +92,7 @@ def timeline(llm: LLM, label: str, steps: int = 6) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    engine.kv_manager.reset_prefix_cache()
-    wl = workloads.preset("shared-prefix", engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    ids = [f"tl-{label}-{i}" for i in range(wl.num_requests)]
-    for rid, p in zip(ids, wl.prompts):
-        engine.add_request(rid, p, params, stream=False)
-    try:
+    with queued_preset(engine, "shared-prefix", f"tl-{label}"):
         for _ in range(20):
             engine.step()
         torch.cuda.synchronize()
@@ -99,10 +100,6 @@ def timeline(llm: LLM, label: str, steps: int = 6) -> None:
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
-    finally:
-        engine.abort_request(ids)
-        while engine.has_unfinished_requests():
-            engine.step()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as src:

@@ -46,6 +46,7 @@ from gpu_presets import (  # noqa: E402
     PhaseClock,
     free,
     graph_time,
+    queued_preset,
     row,
     run_preset,
     section,
@@ -54,7 +55,7 @@ from gpu_presets import (  # noqa: E402
 )
 from gpu_shared_prefix import greedy_parity, grouped  # noqa: E402
 
-from roofline import LLM, SamplingParams  # noqa: E402
+from roofline import LLM  # noqa: E402
 from roofline.bench import workloads  # noqa: E402
 from roofline.bench.ceilings import measure  # noqa: E402
 from roofline.bench.latency import precision_of  # noqa: E402
@@ -246,23 +247,13 @@ def _profile_window(engine, steps: range, label: str, num_steps_total: int) -> d
 )
 def profile_steps(llm: LLM, ceil) -> None:
     engine = llm.llm_engine
-    engine.kv_manager.reset_prefix_cache()
-    wl = workloads.preset("shared-prefix", engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    ids = [f"prof-{i}" for i in range(wl.num_requests)]
-    for rid, p in zip(ids, wl.prompts):
-        engine.add_request(rid, p, params, stream=False)
-    try:
+    with queued_preset(engine, "shared-prefix", "prof"):
         RESULTS["profile admission"] = _profile_window(engine, range(4), "admission (steps 0-3)", 0)
         for _ in range(16):
             engine.step()
         RESULTS["profile decode"] = _profile_window(engine, range(24), "decode (steps 20-43)", 0)
         running = engine.scheduler.running
         ctx = [r.num_tokens for r in running]
-    finally:
-        engine.abort_request(ids)
-        while engine.has_unfinished_requests():
-            engine.step()
     spec = ceil.as_gpu_spec()
     mc = engine.model_config
     members = len(ctx)

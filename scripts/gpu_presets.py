@@ -29,6 +29,7 @@ A table last; JSON into $OUT/presets.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -134,6 +135,25 @@ def set_cascade(llm: LLM, tuning: ca.CascadeTuning | None) -> None:
             cg.seq_lens.fill_(1)
             cg.suffix_start.fill_(0)
             cg.capture(next(iter(runner.graphs.graphs.values())).pool())
+
+
+@contextlib.contextmanager
+def queued_preset(engine, name: str, tag: str, max_tokens: int = 128):
+    """The preset's prompts queued on ``engine`` (the prefix cache reset first; greedy,
+    ``max_tokens`` each, ids ``tag-i``) for a caller that steps the engine itself; on exit the
+    rest is aborted and the engine drained."""
+    engine.kv_manager.reset_prefix_cache()
+    wl = workloads.preset(name, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(wl.num_requests)]
+    for rid, p in zip(ids, wl.prompts):
+        engine.add_request(rid, p, params, stream=False)
+    try:
+        yield ids
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def run_preset(llm: LLM, ceil, name: str, tag: str = "", count_cascade: bool = False):

@@ -657,6 +657,7 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
             print(f"engine {method} FAILED: {type(e).__name__}: {e}", flush=True)
         finally:
             llm = None
+            wg.ASYM_BF16 = True  # ("-fp32w" is this method's alone)
             gc.collect()
             torch.cuda.empty_cache()
 

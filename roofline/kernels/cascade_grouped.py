@@ -473,9 +473,10 @@ def grouped_cascade_attention(
         return out
     block_n, num_warps, num_stages = t.suffix
     num_stages = fit_stages(num_stages, 2 * block_n * block_d * size, 0)
-    # a programmatic dependent of the kernel before it on this stream (RoPE + store, or the
-    # prefix pass in turn): its launch overlaps that kernel's tail; the prefix pass (on the
-    # side stream, ordered by an event) keeps an ordinary launch
+    # a programmatic dependent of the kernel before it on this stream (RoPE + store, the
+    # prefix pass in turn, or the chained prefix pass, which lets it start at once: it does not
+    # wait then); its launch overlaps that kernel's tail; the prefix pass on the side stream
+    # (ordered by an event) keeps an ordinary launch
     pdl = {"PDL": True, "launch_pdl": True} if q.is_cuda and _pdl() else {}
     if chained:  # (the prefix kernel waited for the kernels before: do not wait for it)
         pdl["PDL_WAIT"] = False

@@ -263,7 +263,7 @@ def _wo_gemm_kernel(
         version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) | (KIND == 4) else BLOCK_K
+    QK: gl.constexpr = q_row_bytes(KIND, BLOCK_K)  # bytes a row
 
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -421,14 +421,12 @@ def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, KIND: gl.const
         off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)
         span = 16.0 * sc
         base = off - span
-    elif KIND == 2:
+    elif (KIND == 2) | (KIND == 4):
         col = (k_tile * BLOCK_K) // GROUP
         span = gl.load(s_ptr + rows_b * stride_s + col)
         base = span
-    elif KIND == 4:
-        col = (k_tile * BLOCK_K) // GROUP
-        span = gl.load(s_ptr + rows_b * stride_s + col)
-        base = gl.load(o_ptr + rows_b * stride_s + col)
+        if KIND == 4:
+            base = gl.load(o_ptr + rows_b * stride_s + col)
     else:
         span = rows_n.to(gl.float32) * 0.0
         base = span
@@ -456,18 +454,22 @@ def _widen(
         lo, hi = _int4_halves(b)
         v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
         w = (v * span[:, None] + base[:, None]).to(gl.bfloat16)
-    elif KIND == 4:
+    else:  # int4 widened in bf16x2: symmetric, or with bf16 offsets
         b = q_tile.load(a_layout_bytes(a_layout))
         sb, b = gl.broadcast(span[:, None], b)
-        ob, b = gl.broadcast(base[:, None], b)
-        lo, hi = _int4_asym_halves(b, sb, ob)
-        w = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)
-    else:
-        b = q_tile.load(a_layout_bytes(a_layout))
-        sb, b = gl.broadcast(span[:, None], b)
-        lo, hi = _int4_sym_halves(b, sb)
+        if KIND == 4:
+            ob, b = gl.broadcast(base[:, None], b)
+            lo, hi = _int4_asym_halves(b, sb, ob)
+        else:
+            lo, hi = _int4_sym_halves(b, sb)
         w = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)
     return w
+
+
+@gluon.constexpr_function
+def q_row_bytes(kind, block_k):
+    """Bytes a packed weight row takes in a ``block_k`` tile: half for the int4 kinds."""
+    return block_k // 2 if kind in INT4_KINDS else block_k
 
 
 @gluon.constexpr_function

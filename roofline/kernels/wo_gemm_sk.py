@@ -51,6 +51,7 @@ from roofline.kernels.wo_gemm import (
     _widen,
     a_layout_bytes,
     kind_and_descriptors,
+    q_row_bytes,
     scale_args,
 )
 
@@ -338,7 +339,7 @@ def _wo_sk_kernel(
     gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
     NWG: gl.constexpr = BLOCK_N // 64
     gl.static_assert(NWG == 2, "two consumer warpgroups")
-    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) | (KIND == 4) else BLOCK_K
+    QK: gl.constexpr = q_row_bytes(KIND, BLOCK_K)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)

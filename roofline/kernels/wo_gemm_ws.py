@@ -32,6 +32,7 @@ from roofline.kernels.wo_gemm import (
     _widen,
     a_layout_bytes,
     kind_and_descriptors,
+    q_row_bytes,
     scale_args,
 )
 
@@ -163,7 +164,7 @@ def _wo_ws_kernel(
     has 64-row boxes, and a program owns 64 columns of ``out[M, I] = silu(gate) * up``."""
     gl.static_assert(STAGES >= 2, "tile k + 1 is awaited while tile k is in flight")
     NWG: gl.constexpr = BLOCK_N // 64
-    QK: gl.constexpr = BLOCK_K // 2 if (KIND == 1) | (KIND == 2) | (KIND == 4) else BLOCK_K
+    QK: gl.constexpr = q_row_bytes(KIND, BLOCK_K)
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     if SILU:
