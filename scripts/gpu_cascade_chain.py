@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import print_rows  # noqa: E402
+from gpu_common import print_rows, profiled_steps  # noqa: E402
 from gpu_presets import (  # noqa: E402
     RESULTS,
     ROWS,
@@ -89,17 +89,9 @@ def ab(llm: LLM, ceil, rounds: int, more: bool = False) -> None:
 
 
 def timeline(llm: LLM, label: str, steps: int = 6) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     engine = llm.llm_engine
     with queued_preset(engine, "shared-prefix", f"tl-{label}"):
-        for _ in range(20):
-            engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
+        prof = profiled_steps(engine, 20, steps)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as src:

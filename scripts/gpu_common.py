@@ -67,3 +67,19 @@ def print_rows(script: str, rows: list[tuple[str, str]], seconds: float) -> None
     width = max(len(n) for n, _ in rows)
     for name, value in rows:
         print(f"{name.ljust(width)}  {value}")
+
+
+def profiled_steps(engine, warm: int, steps: int):
+    """torch.profiler's record (CUDA activity) of ``steps`` engine steps, after ``warm`` steps
+    outside it; the device synchronized before and after the profiled ones."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warm):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    return prof

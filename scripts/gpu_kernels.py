@@ -18,6 +18,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from gpu_common import profiled_steps
 from gpu_kernels_prefill import (
     CONFIGS,
     DEV,
@@ -148,15 +149,7 @@ def load(model: str, **kw):
 
 def kernels_per_step(engine, steps: int = 10, top_n: int = 8) -> tuple[float, float, list[str]]:
     """(kernels per step, kernel-busy ms per step, top kernels) of decode steps, torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    prof = profiled_steps(engine, 3, steps)
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

@@ -45,7 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_moe2 as m2  # noqa: E402 - the expert builders and helpers of the last session
+import gpu_moe2 as m2  # noqa: E402
+from gpu_common import profiled_steps  # noqa: E402 - the expert builders and helpers of the last session
 
 from roofline import LLM, SamplingParams  # noqa: E402
 from roofline.bench import latency, peers, throughput, workloads  # noqa: E402
@@ -327,17 +328,9 @@ def sweep_weight_left(kind, x, router, w13, w2, scales, nbytes, bw) -> None:
 def profiled_kernels(engine, steps: int, label: str) -> list[tuple[float, float, str]]:
     """(start, end, name) of every CUDA kernel, in start order, over ``steps`` profiled decode
     steps of one request (prompt 128 tokens, 20 steps in before the profile)."""
-    from torch.profiler import ProfilerActivity, profile
-
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     engine.add_request(f"prof {label}", list(range(1000, 1128)), params)
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    prof = profiled_steps(engine, 20, steps)
     while engine.has_unfinished_requests():
         engine.step()
     kernels = sorted(

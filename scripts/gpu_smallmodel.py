@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from gpu_common import sections  # scripts/ is on sys.path when run as a script
+from gpu_common import profiled_steps, sections  # scripts/ is on sys.path when run as a script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.e2e.hf_reference
 
@@ -286,15 +286,7 @@ def load(model: str, **kw):
 
 def kernels_per_step(engine, steps: int = 10, top_n: int = 10) -> tuple[float, list[str]]:
     """(kernels per step, top kernels by time) over decode steps, torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+    prof = profiled_steps(engine, 3, steps)
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
