@@ -21,8 +21,10 @@ Sections (each prints and goes on after an error):
 * ``engine``: decode steps at b8 / b32 / b128 and (``--offline N``) the offline workload (256
   requests, input 100-1024, output 512) run N times per method, the last (warm) run reported,
   per ``--engine`` method (bf16 / int8 / int4 / int4-asym / fp8; ``-nosilu`` appended: the
-  gate_up SiLU epilogue off; ``int4-asym-fp32w``: its constants widened in fp32, as before
-  ``wo_gemm.KIND_INT4_BF16``), with the ratios to bf16;
+  gate_up SiLU epilogue off; ``@fp16`` appended: fp16 activations, as a GPTQ / AWQ checkpoint
+  saved in fp16 runs (``bf16@fp16``: the unquantized fp16 model); ``int4-asym-fp32w``: its
+  constants widened in fp32, as before
+  ``wo_gemm.KIND_INT4_HALF2``), with the ratios to bf16;
 * ``silu`` (``--silu``): the gate_up GEMM with the SiLU-and-mul in its epilogue against the
   unfused pair, per kind at the table's warp-specialized entries; ``silu sweep``
   (``--silu-sweep``): candidates of that form against today's path + ``silu_and_mul`` per M
@@ -270,19 +272,26 @@ def silu_fn(kind: str, cfg: wg.WoConfig):
     return lambda x, qw, s, o: wo_gemm_ws(kind, x, qw, s, o, None, cfg, silu_mul=True)
 
 
-def quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple:
-    """gpu_mixedgemm's random weights; int4s: symmetric int4 g128 (offsets -8 s, bf16)."""
-    if kind != "int4s":
+def quantized(kind: str, n: int, k: int, seed: int = 0, dtype: torch.dtype = BF16) -> tuple:
+    """gpu_mixedgemm's random weights; int4s: symmetric int4 g128 (offsets -8 s). ``dtype``
+    fp16: the scales and offsets in fp16 (as a GPTQ / AWQ checkpoint stores them)."""
+    if kind != "int4s" and dtype == BF16:
         return base.quantized(kind, n, k, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-    return tuple(formats.quantize_int4(w, 128, True, BF16))
+    if kind == "int8":
+        q = formats.quantize_int8(w, k, dtype)
+        return q.qweight, q.scales, None
+    if kind == "fp8":
+        q, s = formats.quantize_fp8(w)
+        return q, s, None
+    return tuple(formats.quantize_int4(w, 128, kind == "int4s", dtype))
 
 
-def make_ring(kind: str, n: int, k: int, ring_bytes: int = 0) -> list[tuple]:
+def make_ring(kind: str, n: int, k: int, ring_bytes: int = 0, dtype: torch.dtype = BF16) -> list:
     """Copies of one random weight (at least ``ring_bytes``, default gpu_mixedgemm's 256 MiB),
     cycled by the timed calls so each reads its weight from HBM, not L2."""
-    first = quantized(kind, n, k)
+    first = quantized(kind, n, k, dtype=dtype)
     copies = max(2, math.ceil((ring_bytes or base.RING_BYTES) / base.nbytes(*first)))
     return [first] + [
         tuple(None if t is None else t.clone() for t in first) for _ in range(copies - 1)
@@ -404,6 +413,20 @@ def pipe_stress(calls: int) -> None:
     mma.TABLE.append(f"pipelined entries under stress: {wrong} of {total} calls wrong")
 
 
+DTYPE = BF16
+"""``--table-dtype fp16``: ``wo_table`` runs x and the constants in fp16 (int8 / fp8 / int4
+widened into fp16, as a GPTQ / AWQ checkpoint saved in fp16 runs), its peer the fp16 GEMM."""
+NAME16 = "bf16"
+GROUP_MAJOR = False
+"""``--group-major``: ``wo_table`` also times int4 entries with their constants stored
+group-major (``[K / group, N]`` in memory, the ``[N, K / group]`` view passed)."""
+
+
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[N, G]`` stored as ``[G, N]`` (the same values, a transposed view)."""
+    return t.t().contiguous().t()
+
+
 @base.section("wo table")
 def wo_table(kinds: list[str]) -> None:
     """Every shipped ``WO_CONFIGS`` entry (of ``kinds``; empty: all) on its own shape: parity at
@@ -414,27 +437,36 @@ def wo_table(kinds: list[str]) -> None:
         if kinds and kind not in kinds:
             continue
         cfg = wg.WoConfig(*c)
-        qw, s, o = quantized(kind, n, k, seed=3)
-        x = torch.randn(bucket - 3, k, device="cuda", dtype=BF16)
+        qw, s, o = quantized(kind, n, k, seed=3, dtype=DTYPE)
+        x = torch.randn(bucket - 3, k, device="cuda", dtype=DTYPE)
         fn = wo_fn(kind, cfg)
         err = base.rel_err(fn(x, qw, s, o), base.exact_ref(kind[:4], x, qw, s, o))
         wrong += not err < 2e-2
-        xb = torch.randn(bucket, k, device="cuda", dtype=BF16)
-        ring = make_ring(kind, n, k, 128 << 20)
+        xb = torch.randn(bucket, k, device="cuda", dtype=DTYPE)
+        ring = make_ring(kind, n, k, 128 << 20, DTYPE)
         t = base.time_ring(partial(fn, xb), ring, False)
-        w16 = [(torch.randn(n, k, device="cuda", dtype=BF16),) for _ in range(4)]
+        w16 = [(torch.randn(n, k, device="cuda", dtype=DTYPE),) for _ in range(4)]
         t16 = base.time_ring(partial(F.linear, xb), w16, False)
         also = ""
         if kind == "int4":  # asymmetric: also widened in fp32 (the bf16x2 widening's before)
-            wg.ASYM_BF16 = False
+            wg.ASYM_HALF2 = False
             try:
                 t32 = base.time_ring(partial(fn, xb), ring, False)
             finally:
-                wg.ASYM_BF16 = True
+                wg.ASYM_HALF2 = True
             also = f" (fp32 widening {t32 * 1e6:6.1f} us, {t16 / t32:.2f}x)"
+        if GROUP_MAJOR and kind in ("int4", "int4s"):  # the constants stored group-major
+            gm_ring = [(q, group_major(sc), None if of is None else group_major(of))
+                       for q, sc, of in ring]  # fmt: skip
+            same = torch.equal(fn(xb, *ring[0]), fn(xb, *gm_ring[0]))
+            tg = base.time_ring(partial(fn, xb), gm_ring, False)
+            also += (f"; group-major {tg * 1e6:6.1f} us ({t16 / tg:.2f}x, {t / tg:.3f}x of "
+                     f"canonical, {'same bits' if same else 'BITS DIFFER'})")  # fmt: skip
+            wrong += not same
+            del gm_ring
         print(
             f"{kind:5} {n:5}x{k:5} M={bucket:3} {tuple(c)}: rel err {err:.1e}"
-            f"{'' if err < 2e-2 else ' WRONG'}; {t * 1e6:6.1f} us vs bf16 {t16 * 1e6:6.1f} "
+            f"{'' if err < 2e-2 else ' WRONG'}; {t * 1e6:6.1f} us vs {NAME16} {t16 * 1e6:6.1f} "
             f"({t16 / t:.2f}x){also}",
             flush=True,
         )
@@ -612,14 +644,15 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
         llm = None
         try:
             t0 = time.perf_counter()
-            quant = method.removesuffix("-nosilu")  # "-nosilu": the SiLU epilogue off
-            common.USE_WO_SILU = quant == method
-            wg.ASYM_BF16 = not quant.endswith("-fp32w")  # asymmetric int4 widened in fp32
+            dtype = "float16" if method.endswith("@fp16") else "auto"  # fp16 activations
+            quant = method.removesuffix("@fp16").removesuffix("-nosilu")  # the SiLU epilogue off
+            common.USE_WO_SILU = not method.removesuffix("@fp16").endswith("-nosilu")
+            wg.ASYM_HALF2 = not quant.endswith("-fp32w")  # asymmetric int4 widened in fp32
             quant = quant.removesuffix("-fp32w")
             llm = LLM(
                 base.MODEL, load_format="dummy", device="cuda", max_model_len=4096,
                 max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                quantization=None if quant == "bf16" else quant,
+                quantization=None if quant == "bf16" else quant, dtype=dtype,
             )  # fmt: skip
             startup = time.perf_counter() - t0
             rows = latency.run(llm.llm_engine, ceil, batches, 128, 32)
@@ -657,7 +690,7 @@ def engine(methods: list[str], batches: list[int], offline: int) -> None:
             print(f"engine {method} FAILED: {type(e).__name__}: {e}", flush=True)
         finally:
             llm = None
-            wg.ASYM_BF16 = True  # ("-fp32w" is this method's alone)
+            wg.ASYM_HALF2 = True  # ("-fp32w" is this method's alone)
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -735,6 +768,10 @@ def main() -> None:
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
     ap.add_argument("--table-kinds", default="", help="kinds of --wo-table (default: all)")
+    ap.add_argument("--table-dtype", default="bf16", help="--wo-table: x's dtype (bf16, fp16)")
+    ap.add_argument(
+        "--group-major", action="store_true", help="--wo-table: int4 constants also group-major"
+    )
     ap.add_argument("--silu", default="", help="M buckets of the SiLU-epilogue check")
     ap.add_argument("--silu-sweep", default="", help="M buckets of the SiLU-epilogue sweep")
     ap.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
@@ -766,6 +803,10 @@ def main() -> None:
         silu_sweep([int(v) for v in args.silu_sweep.split(",")])
     if args.silu:
         silu_check([int(v) for v in args.silu.split(",")])
+    global GROUP_MAJOR, DTYPE, NAME16
+    GROUP_MAJOR = args.group_major
+    if args.table_dtype == "fp16":
+        DTYPE, NAME16 = torch.float16, "fp16"
     if args.wo_table and wg.WO_CONFIGS:
         wo_table([kd for kd in args.table_kinds.split(",") if kd])
     if wo_ms:

@@ -1,22 +1,25 @@
 """Weight-only int8 / int4 GEMM for Hopper at batch sizes (about 64-512 rows), written in Gluon
-(Triton's explicit-layout dialect): ``out[M, N] = x[M, K] @ dequantize(W)^T (+ bias)``, x bf16,
-W in the canonical layouts of ``roofline.quantization.formats`` (int8 ``[N, K]`` with one scale per
-row, int4 nibbles ``[N, K // 2]`` with group scales and offsets), read as stored.
+(Triton's explicit-layout dialect): ``out[M, N] = x[M, K] @ dequantize(W)^T (+ bias)``, x bf16
+or fp16 (the output's dtype too), W in the canonical layouts of ``roofline.quantization.formats``
+(int8 ``[N, K]`` with one scale per row, int4 nibbles ``[N, K // 2]`` with group scales and
+offsets), read as stored.
 
 Swap-AB: a program owns a ``[BLOCK_N, BLOCK_M]`` tile of ``out^T``; each warpgroup's 64 weight
 rows are wgmma's M side and the rows of x its N side (up to 256: at 256 rows every weight element
 is widened exactly once). TMA copies x tiles and packed weight tiles into a ``STAGES``-deep ring
 (one mbarrier per stage). Each K tile's packed weight is read from shared memory straight into
-the wgmma A-operand register layout, widened there to bf16 by integer bit moves and fp32 adds (no
-int-to-float conversions, quarter rate on Hopper) and issued as a register-A ``wgmma``; while the
-tile's MMAs run, the next tile is widened, then ``warpgroup_mma_wait`` retires the MMAs with the
-tile's A registers among its ``deps``: ptxas sees them read at the wait, so it cannot hand them to
-the next tile's widening while an MMA still reads them (the hazard ptxas before 13.3 otherwise
-creates, triton-lang/triton#9433; ``tests/kernels/sm90_inspect.register_a_hazards`` checks the
-SASS). int8 row scales multiply the finished accumulator; int4 group scales and offsets are
-applied per element: with bf16 scales and offsets (a bf16 model's RTN) in bf16x2 arithmetic,
-one FMA a pair of weights (``INT4_ASYM_TO_BF16_PTX``), else in fp32 (``w = q s + offset``,
-rounded once, as ``formats`` does).
+the wgmma A-operand register layout, widened there to x's dtype by integer bit moves and 16- or
+32-bit float adds (no int-to-float conversions, quarter rate on Hopper) and issued as a
+register-A ``wgmma``; while the tile's MMAs run, the next tile is widened, then
+``warpgroup_mma_wait`` retires the MMAs with the tile's A registers among its ``deps``: ptxas
+sees them read at the wait, so it cannot hand them to the next tile's widening while an MMA
+still reads them (the hazard ptxas before 13.3 otherwise creates, triton-lang/triton#9433;
+``tests/kernels/sm90_inspect.register_a_hazards`` checks the SASS). int8 row scales multiply
+the finished accumulator; int4 group scales and offsets are applied per element: with scales and
+offsets of x's dtype (a bf16 model's RTN; a GPTQ or AWQ checkpoint's fp16 constants in an fp16
+model) in bf16x2 / f16x2 arithmetic, one FMA a pair of weights (``INT4_ASYM_TO_BF16_PTX``,
+``INT4_ASYM_TO_F16_PTX``), else in fp32 (``w = q s + offset``, rounded once, as ``formats``
+does).
 
 ``PIPE`` (``WoConfig.ws == PIPELINED``) keeps two K tiles' MMAs in flight instead: tile k's
 MMAs are issued, ``warpgroup_mma_wait(1)`` retires tile k - 1's (whose stage then goes back to
@@ -70,13 +73,17 @@ __all__ = [
     "wo_gemm",
 ]
 
-KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8, KIND_INT4_BF16 = 0, 1, 2, 3, 4
-INT4_KINDS = (KIND_INT4, KIND_INT4_SYM, KIND_INT4_BF16)
+KIND_INT8, KIND_INT4, KIND_INT4_SYM, KIND_FP8, KIND_INT4_HALF2 = 0, 1, 2, 3, 4
+INT4_KINDS = (KIND_INT4, KIND_INT4_SYM, KIND_INT4_HALF2)
 """``KIND_INT4``: asymmetric int4, scales and offsets of any float dtype, widened in fp32;
-``KIND_INT4_BF16``: the same with bf16 scales and offsets, widened in bf16x2 arithmetic
-(``INT4_ASYM_TO_BF16_PTX``); ``KIND_INT4_SYM``: symmetric (offset ``-8 s``)."""
-ASYM_BF16 = True
-"""Asymmetric int4 with bf16 scales and offsets widened in bf16x2 (``KIND_INT4_BF16``); False
+``KIND_INT4_HALF2``: the same with scales and offsets of x's dtype, widened in 16-bit pair
+arithmetic (bf16x2: ``INT4_ASYM_TO_BF16_PTX``, f16x2: ``INT4_ASYM_TO_F16_PTX``);
+``KIND_INT4_SYM``: symmetric (offset ``-8 s``, scales of x's dtype)."""
+HALF_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+"""x's dtypes (the output's, and the widened weight's): bf16, or fp16 (a GPTQ / AWQ checkpoint
+saved in fp16 runs in fp16)."""
+ASYM_HALF2 = True
+"""Asymmetric int4 with constants of x's dtype widened in pairs (``KIND_INT4_HALF2``); False
 (sweeps): in fp32, as with other constants."""
 
 
@@ -94,46 +101,68 @@ INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
 )
 """Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact."""
 
+INT8_TO_F16_PTX: gl.constexpr = gl.constexpr(
+    """{
+    .reg .b32 u, c;
+    cvt.u32.u16 u, $1;
+    xor.b32 u, u, 0x8080;
+    prmt.b32 $0, u, 0x64646464, 0x4140;
+    mov.b32 c, 0x64806480;
+    sub.rn.f16x2 $0, $0, c;
+    }"""
+)
+"""Two int8 ($1) -> two fp16 ($0), exact: ``q + 128`` (the sign bits flipped) goes under the
+exponent of fp16 1024 (one byte permute for the pair) and an f16x2 subtract of 1152 leaves
+``q`` (as ``decode_attention.I8_TO_F16_PTX``, two at a time)."""
+
 
 INT4_NIBBLES_PTX = """
     .reg .b32 b, p, l, h, c;
     cvt.u32.u16 b, $2;
     prmt.b32 p, b, 0, 0x4140;
-    lop3.b32 l, p, 0x000F000F, 0x43004300, 0xEA;
+    lop3.b32 l, p, 0x000F000F, {one}, 0xEA;
     shr.u32 h, p, 4;
-    lop3.b32 h, h, 0x000F000F, 0x43004300, 0xEA;"""
+    lop3.b32 h, h, 0x000F000F, {one}, 0xEA;"""
 """The int4 widenings' first half: the two bytes in ``$2`` spread over two 16-bit halves, each
-low nibble (``l``) and each high nibble (``h``) under the mantissa of bf16 128 (``128 + q``)."""
+low nibble (``l``) and each high nibble (``h``) under the mantissa of ``one``, a pair of 16-bit
+numbers whose last mantissa bit is worth 1: bf16 128 (``128 + q``) or fp16 1024 (``1024 + q``)."""
 
-INT4_SYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
-    "{"
-    + INT4_NIBBLES_PTX
-    + """
-    mov.b32 c, 0x43084308;
-    sub.rn.bf16x2 l, l, c;
-    sub.rn.bf16x2 h, h, c;
-    mul.rn.bf16x2 $0, l, $3;
-    mul.rn.bf16x2 $1, h, $3;
-    }"""
-)
+INT4_SYM_PTX = """
+    mov.b32 c, {c};
+    sub.rn.{t} l, l, c;
+    sub.rn.{t} h, h, c;
+    mul.rn.{t} $0, l, $3;
+    mul.rn.{t} $1, h, $3;
+    }}"""
+INT4_ASYM_PTX = """
+    mov.b32 c, {one};
+    sub.rn.{t} l, l, c;
+    sub.rn.{t} h, h, c;
+    fma.rn.{t} $0, l, $3, $4;
+    fma.rn.{t} $1, h, $3, $4;
+    }}"""
+HALF2 = {  # x's dtype: (its pair type, the pair of ones, the pair of ones + 8)
+    "bf16": ("bf16x2", "0x43004300", "0x43084308"),
+    "f16": ("f16x2", "0x64006400", "0x64086408"),
+}
+
+
+def _int4_ptx(dtype: str, rest: str) -> str:
+    """An int4 widening into pairs of ``dtype`` (``HALF2``): the nibbles, then ``rest``."""
+    t, one, one8 = HALF2[dtype]
+    return "{" + INT4_NIBBLES_PTX.format(one=one) + rest.format(t=t, one=one, c=one8)
+
+
+INT4_SYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(_int4_ptx("bf16", INT4_SYM_PTX))
 """Two bytes of symmetric int4 (one 16-bit register, $2) and their rows' bf16 scales ($3) -> the
 bf16 weights of their low nibbles ($0) and of their high nibbles ($1): each nibble goes into the
 mantissa of bf16 128 (``128 + q``, exact), a bf16x2 subtract of 136 gives ``q - 8`` exactly and a
 bf16x2 multiply by the scale rounds ``(q - 8) s`` once, as ``formats.dequantize_int4`` does when
 the offset is ``-8 s``."""
+INT4_SYM_TO_F16_PTX: gl.constexpr = gl.constexpr(_int4_ptx("f16", INT4_SYM_PTX))
+"""The same into fp16 (nibbles under fp16 1024, a subtract of 1032, f16x2 arithmetic)."""
 
-
-INT4_ASYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(
-    "{"
-    + INT4_NIBBLES_PTX
-    + """
-    mov.b32 c, 0x43004300;
-    sub.rn.bf16x2 l, l, c;
-    sub.rn.bf16x2 h, h, c;
-    fma.rn.bf16x2 $0, l, $3, $4;
-    fma.rn.bf16x2 $1, h, $3, $4;
-    }"""
-)
+INT4_ASYM_TO_BF16_PTX: gl.constexpr = gl.constexpr(_int4_ptx("bf16", INT4_ASYM_PTX))
 """Two bytes of asymmetric int4 ($2), their rows' bf16 scales ($3) and offsets ($4) -> the bf16
 weights of their low nibbles ($0) and of their high nibbles ($1): each nibble goes into the
 mantissa of bf16 128 and a bf16x2 subtract of 128 leaves ``q`` exactly; one bf16x2 FMA forms
@@ -141,37 +170,63 @@ mantissa of bf16 128 and a bf16x2 subtract of 128 leaves ``q`` exactly; one bf16
 to fp32, then to bf16: the same bits whenever that fp32 sum is exact, which it is when the
 offset is a bf16-rounded ``-z s`` with ``z`` in 0..15 (RTN's, GPTQ's and AWQ's zero points):
 ``q s`` has at most 12 significant bits and the offset's magnitude is within 16 s of it."""
+INT4_ASYM_TO_F16_PTX: gl.constexpr = gl.constexpr(_int4_ptx("f16", INT4_ASYM_PTX))
+"""The same into fp16, for fp16 scales and offsets (a GPTQ or AWQ checkpoint saved in fp16, run
+in fp16): ``q s`` has at most 15 significant bits, and the fp32 sum is exact for an fp16-rounded
+``-z s`` offset."""
 
 
 @gluon.jit
-def _int8_to_bf16(q):
-    """int8 -> bf16, exact, two at a time (the pair a thread holds of wgmma's A operand: one
-    16-bit shared-memory load): u = q ^ 0x80 (= q + 128) goes into the mantissa of 2^23 (one byte
-    permute per element), an fp32 subtract of 2^23 + 128 gives q, and the upper halves of the
-    two fp32 values are one bf16x2 (|q| <= 128 has at most 8 significant bits)."""
-    return gl.inline_asm_elementwise(
-        INT8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
-    )
+def _int8_to_half(q, DT: gl.constexpr):
+    """int8 -> ``DT`` (bf16 or fp16), exact, two at a time (the pair a thread holds of wgmma's A
+    operand: one 16-bit shared-memory load). bf16: u = q ^ 0x80 (= q + 128) goes into the
+    mantissa of 2^23 (one byte permute per element), an fp32 subtract of 2^23 + 128 gives q,
+    and the upper halves of the two fp32 values are one bf16x2 (|q| <= 128 has at most 8
+    significant bits); fp16: ``INT8_TO_F16_PTX``."""
+    if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
+        w = gl.inline_asm_elementwise(
+            INT8_TO_F16_PTX, "=r,h", [q], dtype=gl.float16, is_pure=True, pack=2
+        )
+    else:
+        w = gl.inline_asm_elementwise(
+            INT8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+    return w
 
 
 @gluon.jit
-def _int4_sym_halves(b, s):
-    """Bytes ``b`` (uint8) and scales ``s`` (bf16, broadcast) -> (low-nibble, high-nibble) bf16
-    weights of symmetric int4 (``INT4_SYM_TO_BF16_PTX``)."""
-    return gl.inline_asm_elementwise(
-        INT4_SYM_TO_BF16_PTX, "=r,=r,h,r", [b, s], dtype=(gl.bfloat16, gl.bfloat16),
-        is_pure=True, pack=2,
-    )  # fmt: skip
+def _int4_sym_halves(b, s, DT: gl.constexpr):
+    """Bytes ``b`` (uint8) and scales ``s`` (``DT``, broadcast) -> (low-nibble, high-nibble)
+    ``DT`` weights of symmetric int4 (``INT4_SYM_TO_BF16_PTX`` / ``INT4_SYM_TO_F16_PTX``)."""
+    if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
+        w = gl.inline_asm_elementwise(
+            INT4_SYM_TO_F16_PTX, "=r,=r,h,r", [b, s], dtype=(gl.float16, gl.float16),
+            is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        w = gl.inline_asm_elementwise(
+            INT4_SYM_TO_BF16_PTX, "=r,=r,h,r", [b, s], dtype=(gl.bfloat16, gl.bfloat16),
+            is_pure=True, pack=2,
+        )  # fmt: skip
+    return w
 
 
 @gluon.jit
-def _int4_asym_halves(b, s, o):
-    """Bytes ``b`` (uint8), scales ``s`` and offsets ``o`` (bf16, broadcast) -> (low-nibble,
-    high-nibble) bf16 weights of asymmetric int4 (``INT4_ASYM_TO_BF16_PTX``)."""
-    return gl.inline_asm_elementwise(
-        INT4_ASYM_TO_BF16_PTX, "=r,=r,h,r,r", [b, s, o], dtype=(gl.bfloat16, gl.bfloat16),
-        is_pure=True, pack=2,
-    )  # fmt: skip
+def _int4_asym_halves(b, s, o, DT: gl.constexpr):
+    """Bytes ``b`` (uint8), scales ``s`` and offsets ``o`` (``DT``, broadcast) -> (low-nibble,
+    high-nibble) ``DT`` weights of asymmetric int4 (``INT4_ASYM_TO_BF16_PTX`` /
+    ``INT4_ASYM_TO_F16_PTX``)."""
+    if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
+        w = gl.inline_asm_elementwise(
+            INT4_ASYM_TO_F16_PTX, "=r,=r,h,r,r", [b, s, o], dtype=(gl.float16, gl.float16),
+            is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        w = gl.inline_asm_elementwise(
+            INT4_ASYM_TO_BF16_PTX, "=r,=r,h,r,r", [b, s, o], dtype=(gl.bfloat16, gl.bfloat16),
+            is_pure=True, pack=2,
+        )  # fmt: skip
+    return w
 
 
 @gluon.jit
@@ -205,12 +260,24 @@ restores the scale (a power of two: exact). NaN bytes (0x7F, 0xFF) do not occur 
 weights."""
 
 
+FP8_TO_F16_PTX: gl.constexpr = gl.constexpr("cvt.rn.f16x2.e4m3x2 $0, $1;")
+"""Two e4m3 bytes ($1) -> two fp16 ($0), the low byte into the low half: exact (every e4m3
+value is an fp16), one conversion for the pair (sm_89 and later)."""
+
+
 @gluon.jit
-def _fp8_to_bf16(q):
-    """e4m3 bytes (as int8) -> bf16, exact, two at a time (``FP8_TO_BF16_PTX``)."""
-    return gl.inline_asm_elementwise(
-        FP8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
-    )
+def _fp8_to_half(q, DT: gl.constexpr):
+    """e4m3 bytes (as int8) -> ``DT`` (bf16 or fp16), exact, two at a time (``FP8_TO_BF16_PTX``,
+    ``FP8_TO_F16_PTX``)."""
+    if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
+        w = gl.inline_asm_elementwise(
+            FP8_TO_F16_PTX, "=r,h", [q], dtype=gl.float16, is_pure=True, pack=2
+        )
+    else:
+        w = gl.inline_asm_elementwise(
+            FP8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+    return w
 
 
 @gluon.jit
@@ -233,18 +300,19 @@ def _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, k, tile_first, 
 
 @gluon.jit(do_not_specialize=["M"])
 def _wo_gemm_kernel(
-    x_desc,  # TMA [M, K] bf16, block [BLOCK_M, BLOCK_K]
+    x_desc,  # TMA [M, K] bf16 / fp16, block [BLOCK_M, BLOCK_K]
     q_desc,  # TMA int8 [N, K] (block [BLOCK_N, BLOCK_K]) or uint8 [N, K // 2] (BLOCK_K // 2)
     s_ptr,  # int8: [N] row scales; int4: [N, K // GROUP]
     o_ptr,  # int4: [N, K // GROUP] offsets
     bias_ptr,  # [N]
-    out_ptr,  # [M, N] bf16
+    out_ptr,  # [M, N], x's dtype
     ws_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1)
     lock_ptr,  # int32 [tiles] arrival counters, zero between launches
     M,
     N,
     K,
     stride_s,
+    stride_g,
     stride_om,
     KIND: gl.constexpr,
     GROUP: gl.constexpr,
@@ -264,6 +332,7 @@ def _wo_gemm_kernel(
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     QK: gl.constexpr = q_row_bytes(KIND, BLOCK_K)  # bytes a row
+    DT: gl.constexpr = x_desc.dtype  # bf16 or fp16: the weight's widened dtype, the output's
 
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -280,7 +349,7 @@ def _wo_gemm_kernel(
     tile_first = (slice_id * k_tiles_all) // SPLIT_K
     k_tiles = ((slice_id + 1) * k_tiles_all) // SPLIT_K - tile_first
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, QK], q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -304,10 +373,10 @@ def _wo_gemm_kernel(
     rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     span, base = _group_scales(
-        s_ptr, o_ptr, rows_n, rows_b, tile_first, stride_s, KIND, GROUP, BLOCK_K
+        s_ptr, o_ptr, rows_n, rows_b, tile_first, stride_s, stride_g, KIND, GROUP, BLOCK_K
     )
     mbarrier.wait(ready.index(0), 0)
-    w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+    w = _widen(q_smem.index(0), span, base, a_layout, KIND, BLOCK_N, BLOCK_K, DT)
     if PIPE:  # two K tiles' MMAs in flight (module docstring): two tiles a trip, k_tiles even
         w1 = w  # (no MMA reads it before the first wait)
         for kk in range(0, k_tiles, 2):
@@ -318,10 +387,10 @@ def _wo_gemm_kernel(
             _refill(x_desc, q_desc, x_smem, q_smem, ready, off_m, off_n, kk - 1, tile_first,
                     k_tiles, kk > 0, BLOCK_K, QK, STAGES, tile_bytes)  # fmt: skip
             span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, tile_first + kk + 1,
-                                       stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+                                       stride_s, stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
             mbarrier.wait(ready.index((kk + 1) % STAGES), ((kk + 1) // STAGES) & 1)
             w1 = _widen(q_smem.index((kk + 1) % STAGES), span, base, a_layout, KIND, BLOCK_N,
-                        BLOCK_K)  # fmt: skip
+                        BLOCK_K, DT)  # fmt: skip
             acc = warpgroup_mma(w1, x_smem.index((kk + 1) % STAGES).permute((1, 0)), acc,
                                 is_async=True)  # fmt: skip
             acc, w, w1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, w, w1])  # tile kk
@@ -329,10 +398,10 @@ def _wo_gemm_kernel(
                     k_tiles, True, BLOCK_K, QK, STAGES, tile_bytes)  # fmt: skip
             kn = kk + 2
             span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
-                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
-                                       GROUP, BLOCK_K)  # fmt: skip
+                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s,
+                                       stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
             mbarrier.wait(ready.index(kn % STAGES), (kn // STAGES) & 1, pred=kn < k_tiles)
-            w = _widen(q_smem.index(kn % STAGES), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+            w = _widen(q_smem.index(kn % STAGES), span, base, a_layout, KIND, BLOCK_N, BLOCK_K, DT)
         acc, w1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w1])
     else:
         for k in range(k_tiles):
@@ -340,11 +409,11 @@ def _wo_gemm_kernel(
             kn = k + 1  # widened while tile k's MMAs run (after the last tile: a stale stage)
             sn = kn % STAGES
             span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b,
-                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s, KIND,
-                                       GROUP, BLOCK_K)  # fmt: skip
+                                       tile_first + gl.minimum(kn, k_tiles - 1), stride_s,
+                                       stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
             mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
             acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-            w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K)
+            w_next = _widen(q_smem.index(sn), span, base, a_layout, KIND, BLOCK_N, BLOCK_K, DT)
             # every MMA of tile k retires before the loop goes on: no A register is reused early
             acc, w, w_next = warpgroup_mma_wait(num_outstanding=0, deps=[acc, w, w_next])
             gl.thread_barrier()  # every warpgroup is done with stage s
@@ -378,7 +447,7 @@ def _wo_gemm_kernel(
         if ((KIND == 0) | (KIND == 3)) and not HAS_BIAS:
             res = res * gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
         out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
-        gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
+        gl.store(out_ptrs, res.to(DT), mask=mask)
     else:
         slice_size = M.to(gl.int64) * N
         offs_ws = offs_m[None, :] * N + offs_n[:, None]  # int32: SPLIT_K * M * N < 2^31
@@ -404,29 +473,30 @@ def _wo_gemm_kernel(
                     bias = gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
                     total += bias[:, None]
                 out_c = out_ptr + offs_c.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
-                gl.store(out_c, total.to(gl.bfloat16), mask=mask_c)
+                gl.store(out_c, total.to(DT), mask=mask_c)
             gl.atomic_xchg(lock_ptr + pid, 0)
 
 
 @gluon.jit
-def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, KIND: gl.constexpr,
+def _group_scales(s_ptr, o_ptr, rows_n, rows_b, k_tile, stride_s, stride_g, KIND: gl.constexpr,
                   GROUP: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
     """The per-row constants of a K tile's group ([BN] each; loaded a tile ahead of their use,
     their latency under the MMAs): int4 fp32 ``16 s`` and ``offset - 16 s``; symmetric int4 the
-    bf16 scale (rows in the byte layout) twice; int4 with bf16 constants the scale and the
-    offset (rows in the byte layout); int8 zeros (row scales multiply the accumulator)."""
+    scale (x's dtype, rows in the byte layout) twice; int4 with constants of x's dtype the scale
+    and the offset (rows in the byte layout); int8 zeros (row scales multiply the
+    accumulator)."""
     if KIND == 1:
         col = (k_tile * BLOCK_K) // GROUP
-        sc = gl.load(s_ptr + rows_n * stride_s + col).to(gl.float32)
-        off = gl.load(o_ptr + rows_n * stride_s + col).to(gl.float32)
+        sc = gl.load(s_ptr + rows_n * stride_s + col * stride_g).to(gl.float32)
+        off = gl.load(o_ptr + rows_n * stride_s + col * stride_g).to(gl.float32)
         span = 16.0 * sc
         base = off - span
     elif (KIND == 2) | (KIND == 4):
         col = (k_tile * BLOCK_K) // GROUP
-        span = gl.load(s_ptr + rows_b * stride_s + col)
+        span = gl.load(s_ptr + rows_b * stride_s + col * stride_g)
         base = span
         if KIND == 4:
-            base = gl.load(o_ptr + rows_b * stride_s + col)
+            base = gl.load(o_ptr + rows_b * stride_s + col * stride_g)
     else:
         span = rows_n.to(gl.float32) * 0.0
         base = span
@@ -442,26 +512,27 @@ def _widen(
     KIND: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
+    DT: gl.constexpr,
 ):
-    """The tile in bf16, in wgmma's A-operand register layout."""
+    """The tile in ``DT`` (x's dtype: bf16 or fp16), in wgmma's A-operand register layout."""
     if KIND == 0:
-        w = _int8_to_bf16(q_tile.load(a_layout))
+        w = _int8_to_half(q_tile.load(a_layout), DT)
     elif KIND == 3:
-        w = _fp8_to_bf16(q_tile.load(a_layout))
+        w = _fp8_to_half(q_tile.load(a_layout), DT)
     elif KIND == 1:
         # bytes in the A layout of a [BN, BK / 2] tile: each thread's byte holds its k pair
         b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
         lo, hi = _int4_halves(b)
         v = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)  # same layout
-        w = (v * span[:, None] + base[:, None]).to(gl.bfloat16)
-    else:  # int4 widened in bf16x2: symmetric, or with bf16 offsets
+        w = (v * span[:, None] + base[:, None]).to(DT)
+    else:  # int4 widened in pairs of DT: symmetric, or with offsets of DT
         b = q_tile.load(a_layout_bytes(a_layout))
         sb, b = gl.broadcast(span[:, None], b)
         if KIND == 4:
             ob, b = gl.broadcast(base[:, None], b)
-            lo, hi = _int4_asym_halves(b, sb, ob)
+            lo, hi = _int4_asym_halves(b, sb, ob, DT)
         else:
-            lo, hi = _int4_sym_halves(b, sb)
+            lo, hi = _int4_sym_halves(b, sb, DT)
         w = gl.convert_layout(gl.join(lo, hi).reshape(BLOCK_N, BLOCK_K), a_layout)
     return w
 
@@ -489,10 +560,10 @@ def supports(
 def fits(
     kind: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cfg: WoConfig
 ) -> bool:
-    """The layout checks of ``supports`` (any device): bf16 x with 16-byte aligned rows (TMA),
-    K a multiple of BLOCK_K, int8 or fp8 (e4m3) with one scale per row, or int4 whose groups
+    """The layout checks of ``supports`` (any device): bf16 or fp16 x with 16-byte aligned rows
+    (TMA), K a multiple of BLOCK_K, int8 or fp8 (e4m3) with one scale per row, or int4 whose groups
     hold whole K tiles (shapes, strides and pointers only, no sync)."""
-    if kind not in ("int8", "int4", "fp8") or x.dtype != torch.bfloat16 or x.dim() != 2:
+    if kind not in ("int8", "int4", "fp8") or x.dtype not in HALF_DTYPES or x.dim() != 2:
         return False
     if cfg.ws in (1, 2) and cfg.block_n != 128:  # two consumer warpgroups
         return False
@@ -522,7 +593,7 @@ def fits(
 def kind_and_descriptors(
     caller: str,
     kind: str,
-    x: torch.Tensor,  # [M, K] bf16
+    x: torch.Tensor,  # [M, K] bf16 or fp16
     qweight: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
@@ -530,7 +601,7 @@ def kind_and_descriptors(
 ) -> tuple[int, object, object]:
     """The kernel's ``KIND`` code and the TMA descriptors of x and the packed weight (boxes
     ``[BLOCK_M, BLOCK_K]`` and ``[BLOCK_N, BLOCK_K]`` bytes, halved for int4); ``caller`` names
-    the function in the error for symmetric int4 without bf16 scales."""
+    the function in the error for symmetric int4 whose scales are not of x's dtype."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if kind == "int8":
@@ -538,17 +609,21 @@ def kind_and_descriptors(
     elif kind == "fp8":  # e4m3 bytes, read as int8
         code = KIND_FP8
         qweight = qweight.view(torch.int8)
-    elif offsets is None:  # symmetric int4: offset = -8 s (bf16 scales)
-        if scales.dtype != torch.bfloat16:
-            raise ValueError(f"{caller}: symmetric int4 (no offsets) takes bf16 scales")
+    elif offsets is None:  # symmetric int4: offset = -8 s (scales of x's dtype)
+        if scales.dtype != x.dtype:
+            raise ValueError(
+                f"{caller}: symmetric int4 (no offsets) takes scales of x's dtype ({x.dtype}), "
+                f"got {scales.dtype}"
+            )
         code = KIND_INT4_SYM
-    elif ASYM_BF16 and scales.dtype == offsets.dtype == torch.bfloat16:  # bf16x2 widening
-        code = KIND_INT4_BF16
+    elif ASYM_HALF2 and scales.dtype == offsets.dtype == x.dtype:  # widened in pairs
+        code = KIND_INT4_HALF2
     else:
         code = KIND_INT4
     int4 = code in INT4_KINDS
     qk = cfg.block_k // 2 if int4 else cfg.block_k
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.bfloat16)
+    x_type = HALF_DTYPES[x.dtype]
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], x_type)
     q_dtype = gl.uint8 if int4 else gl.int8
     q_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, qk], q_dtype)
     x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k], x_layout)
@@ -565,11 +640,12 @@ def scale_args(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """The launch arguments every form of the kernel takes for a weight's constants: (scales,
-    offsets, bias, stride_s, GROUP). Absent offsets and bias stand in as ``scales`` (never read);
-    int4 scales and offsets share one row stride; int8 / fp8 row scales have stride 1 and no
-    group."""
+    offsets, bias, stride_s, stride_g, GROUP). Absent offsets and bias stand in as ``scales``
+    (never read); int4 scales and offsets share their strides (a row's, ``stride_s``, and a
+    group's, ``stride_g``: 1 in the canonical layout, N when stored group-major, see
+    ``formats.group_major``); int8 / fp8 row scales have strides 1 and no group."""
     int4 = code in INT4_KINDS
     if offsets is not None and offsets.stride() != scales.stride():
         scales, offsets = scales.contiguous(), offsets.contiguous()
@@ -578,23 +654,24 @@ def scale_args(
         offsets if offsets is not None else scales,
         bias if bias is not None else scales,
         scales.stride(0) if int4 else 1,
+        scales.stride(1) if int4 else 1,
         k // scales.shape[1] if int4 else 0,
     )
 
 
 def wo_gemm(
     kind: str,
-    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    x: torch.Tensor,  # [M, K] bf16 or fp16, rows contiguous
     qweight: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
     cfg: WoConfig,
-) -> torch.Tensor:  # [M, N] bf16
+) -> torch.Tensor:  # [M, N], x's dtype
     """``x @ dequantize(W)^T (+ bias)`` (see the module doc); the caller checks ``supports``.
     int8 ``scales`` hold one value per row ([N] or [N, 1]); int4 ``scales`` / ``offsets`` are
-    ``[N, K // group]``; int4 with ``offsets=None`` is symmetric (offset ``-8 s``, bf16 scales:
-    widened in bf16x2 arithmetic, two instructions a weight)."""
+    ``[N, K // group]``; int4 with ``offsets=None`` is symmetric (offset ``-8 s``, scales of
+    x's dtype: widened in bf16x2 / f16x2 arithmetic, two instructions a weight)."""
     if cfg.ws == 2:
         from roofline.kernels.wo_gemm_sk import sk_gemm
 
@@ -616,10 +693,12 @@ def wo_gemm(
         ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         # (kernels of one stream run in turn; each leaves its counters at 0)
         locks = stream_counters(x.device, MAX_TILES, "wo_gemm")
-    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
+    scales, offsets, bias_arg, stride_s, stride_g, group = scale_args(
+        code, k, scales, offsets, bias
+    )
     _wo_gemm_kernel[(tiles, split_k)](
-        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s, out.stride(0),
-        KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s, stride_g,
+        out.stride(0), KIND=code, GROUP=group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, PIPE=cfg.ws == PIPELINED, num_warps=cfg.block_n // 16,
     )  # fmt: skip

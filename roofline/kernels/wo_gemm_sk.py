@@ -144,8 +144,8 @@ def _loader(x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_s
 
 
 @gluon.jit
-def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, k0, k1,
-                 c, acc, acc1, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
+def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, stride_s, stride_g,
+                 k0, k1, c, acc, acc1, a_layout: gl.constexpr, WG: gl.constexpr, KIND: gl.constexpr,
                  GROUP: gl.constexpr, HALVES: gl.constexpr, BLOCK_K: gl.constexpr,
                  STAGES: gl.constexpr):  # fmt: skip
     """``wo_gemm_ws``'s consumer loop (kept apart there: its SASS is the measured one) for one
@@ -155,18 +155,21 @@ def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, str
     accumulator (``acc1``; 1: ``acc1`` is not touched), fed by the same widened tile."""
     HM: gl.constexpr = acc.shape[1]
     last = k1 - 1
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, KIND, GROUP, BLOCK_K)
+    span, base = _group_scales(
+        s_ptr, o_ptr, rows_n, rows_b, k0, stride_s, stride_g, KIND, GROUP, BLOCK_K
+    )
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
-    w = _widen(q_smem.index(s0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K)
+    DT: gl.constexpr = x_smem.dtype  # bf16 or fp16
+    w = _widen(q_smem.index(s0).slice(WG * 64, 64), span, base, a_layout, KIND, 64, BLOCK_K, DT)
     span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k0 + 1, last), stride_s,
-                               KIND, GROUP, BLOCK_K)  # fmt: skip
+                               stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
     for kk in range(k0, k1):
         s = c % STAGES
         cn = c + 1
         sn = cn % STAGES
         span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(kk + 2, last),
-                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+                                     stride_s, stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
         # (after the last tile: a stage not awaited, widened and dropped)
         mbarrier.wait(ready.index(sn), (cn // STAGES) & 1, pred=kk < last)
         if HALVES == 2:
@@ -176,7 +179,7 @@ def _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b, str
         else:
             acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
         w_next = _widen(q_smem.index(sn).slice(WG * 64, 64), span, base, a_layout, KIND, 64,
-                        BLOCK_K)  # fmt: skip
+                        BLOCK_K, DT)  # fmt: skip
         span = span2
         base = base2
         if HALVES == 2:
@@ -248,9 +251,10 @@ def _finish(res, s_ptr, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, KIND
 @gluon.jit
 def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
               M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles, num_pid_m, num_pid_n,
-              stride_s, stride_om, WG: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr,
-              HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              stride_s, stride_g, stride_om, WG: gl.constexpr, KIND: gl.constexpr,
+              GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
     """One warpgroup: rows ``64 WG .. 64 WG + 63`` of every tile of the program's list; a tile of
     256 rows of x is two halves of 128 (``HALVES``), each its own accumulator."""
     HALVES: gl.constexpr = 2 if BLOCK_M > 128 else 1
@@ -286,12 +290,12 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
         if HALVES == 2:
             acc1 = gl.zeros([64, HM], gl.float32, acc_layout)
             acc, acc1, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
-                                        stride_s, k0, k1, c, acc, acc1, a_layout, WG, KIND, GROUP,
-                                        2, BLOCK_K, STAGES)  # fmt: skip
+                                        stride_s, stride_g, k0, k1, c, acc, acc1, a_layout, WG,
+                                        KIND, GROUP, 2, BLOCK_K, STAGES)  # fmt: skip
         else:
             acc, _, c = _mma_widened(x_smem, q_smem, ready, empty, s_ptr, o_ptr, rows_n, rows_b,
-                                     stride_s, k0, k1, c, acc, acc, a_layout, WG, KIND, GROUP, 1,
-                                     BLOCK_K, STAGES)  # fmt: skip
+                                     stride_s, stride_g, k0, k1, c, acc, acc, a_layout, WG, KIND,
+                                     GROUP, 1, BLOCK_K, STAGES)  # fmt: skip
         offs_n = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
         if (k0 == 0) & (k1 == k_tiles):
             _half_out(acc, off_m, 0, offs_n, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
@@ -330,7 +334,7 @@ def _consumer(x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_
 
 @gluon.jit(do_not_specialize=["M"])
 def _wo_sk_kernel(
-    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_s,
+    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_s, stride_g,
     stride_om, dp_tiles,
     KIND: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -362,12 +366,12 @@ def _wo_sk_kernel(
         [
             (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr,
                          lock_ptr, M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles,
-                         num_pid_m, num_pid_n, stride_s, stride_om, 0, KIND, GROUP, HAS_BIAS,
-                         GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                         num_pid_m, num_pid_n, stride_s, stride_g, stride_om, 0, KIND, GROUP,
+                         HAS_BIAS, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             (_consumer, (x_smem, q_smem, ready, empty, s_ptr, o_ptr, bias_ptr, out_ptr, ws_ptr,
                          lock_ptr, M, N, pid, P, dp_tiles, sk_start, sk_end, sk_units, k_tiles,
-                         num_pid_m, num_pid_n, stride_s, stride_om, 1, KIND, GROUP, HAS_BIAS,
-                         GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                         num_pid_m, num_pid_n, stride_s, stride_g, stride_om, 1, KIND, GROUP,
+                         HAS_BIAS, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             (_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, pid, P, dp_tiles, sk_start,
                        sk_end, k_tiles, num_pid_m, num_pid_n, GROUP_M, BLOCK_M, BLOCK_N,
                        BLOCK_K, QK, STAGES)),
@@ -379,14 +383,14 @@ def _wo_sk_kernel(
 
 def sk_gemm(
     kind: str,
-    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    x: torch.Tensor,  # [M, K] bf16 or fp16, rows contiguous
     qweight: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
     cfg: WoConfig,
     programs: int | None = None,
-) -> torch.Tensor:  # [M, N] bf16
+) -> torch.Tensor:  # [M, N], x's dtype
     """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), one persistent
     program per SM (or ``programs``, at most the SMs: a tile's first part waits for its later
     parts, so every program must be resident); ``cfg.block_n`` must be 128."""
@@ -406,9 +410,11 @@ def sk_gemm(
     # slot p: program p's first segment where that is a later part of a tile
     ws = torch.empty(grid, cfg.block_n * cfg.block_m, dtype=torch.float32, device=x.device)
     locks = stream_counters(x.device, MAX_TILES, "wo_gemm_sk")  # 2 per tile, zero between launches
-    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
+    scales, offsets, bias_arg, stride_s, stride_g, group = scale_args(
+        code, k, scales, offsets, bias
+    )
     _wo_sk_kernel[(grid,)](
-        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s,
+        x_desc, q_desc, scales, offsets, bias_arg, out, ws, locks, m, n, k, stride_s, stride_g,
         out.stride(0), dp_tiles,
         KIND=code, GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,

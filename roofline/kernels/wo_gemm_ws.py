@@ -75,7 +75,7 @@ def _q_rows(q_smem, s, WG: gl.constexpr, SILU: gl.constexpr):
 
 @gluon.jit
 def _consumer(x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr, out_ptr, M, N,
-              inter, off_m, off_n, k_tiles, stride_s, stride_om, WG: gl.constexpr,
+              inter, off_m, off_n, k_tiles, stride_s, stride_g, stride_om, WG: gl.constexpr,
               KIND: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               SILU: gl.constexpr):  # fmt: skip
@@ -95,21 +95,24 @@ def _consumer(x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr, o
     rows_b = gl.minimum(rows_b, N - 1).to(gl.int64)
     last = k_tiles - 1
     acc = gl.zeros([64, BLOCK_M], gl.float32, acc_layout)
-    span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, 0, stride_s, KIND, GROUP, BLOCK_K)
+    span, base = _group_scales(
+        s_ptr, o_ptr, rows_n, rows_b, 0, stride_s, stride_g, KIND, GROUP, BLOCK_K
+    )
     mbarrier.wait(ready.index(0), 0)
-    w = _widen(_q_rows(q_smem, 0, WG, SILU), span, base, a_layout, KIND, 64, BLOCK_K)
+    DT: gl.constexpr = x_smem.dtype  # bf16 or fp16: the widened weight's, the output's
+    w = _widen(_q_rows(q_smem, 0, WG, SILU), span, base, a_layout, KIND, 64, BLOCK_K, DT)
     span, base = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(1, last), stride_s,
-                               KIND, GROUP, BLOCK_K)  # fmt: skip
+                               stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
     for k in range(k_tiles):
         s = k % STAGES
         kn = k + 1
         sn = kn % STAGES
         span2, base2 = _group_scales(s_ptr, o_ptr, rows_n, rows_b, gl.minimum(k + 2, last),
-                                     stride_s, KIND, GROUP, BLOCK_K)  # fmt: skip
+                                     stride_s, stride_g, KIND, GROUP, BLOCK_K)  # fmt: skip
         mbarrier.wait(ready.index(sn), (kn // STAGES) & 1, pred=kn < k_tiles)
         acc = warpgroup_mma(w, x_smem.index(s).permute((1, 0)), acc, is_async=True)
         w_next = _widen(_q_rows(q_smem, sn, WG, SILU), span, base, a_layout, KIND, 64,
-                        BLOCK_K)  # fmt: skip
+                        BLOCK_K, DT)  # fmt: skip
         span = span2
         base = base2
         # tile k's MMAs retire before any A register is written again
@@ -127,7 +130,7 @@ def _consumer(x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr, o
     if HAS_BIAS:
         res += gl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     if SILU:  # out[:, j] = silu(gate_j) * up_j, each rounded as the unfused GEMM stores it
-        half = res.to(gl.bfloat16)
+        half = res.to(DT)
         if WG == 1:  # the up rows go to the gate warpgroup through shared memory
             xch.store(half)
             gl.thread_barrier()  # (this warpgroup's named barrier) every row stored
@@ -138,24 +141,24 @@ def _consumer(x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr, o
             # division: a different bf16 only where the fp32 value lies within a few ulp of a
             # rounding boundary (none of 73M on the H100); libdevice's expf measured 102.0
             # against 97.8 us (int8, 256 rows), the correctly rounded division spilled there.
-            # Kept in bf16: half the registers of fp32 beside the up rows
-            act = gl.fdiv(g, 1.0 + gl.exp2(g * -1.4426950408889634)).to(gl.bfloat16)
+            # Kept in x's dtype: half the registers of fp32 beside the up rows
+            act = gl.fdiv(g, 1.0 + gl.exp2(g * -1.4426950408889634)).to(DT)
             mbarrier.wait(xbar, 0)
             up = xch.load(out_layout)
             cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))
             mask = (cols < inter)[:, None] & (offs_m[None, :] < M)
             out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + cols[:, None]
             prod = act.to(gl.float32) * up.to(gl.float32)
-            gl.store(out_ptrs, prod.to(gl.bfloat16), mask=mask)
+            gl.store(out_ptrs, prod.to(DT), mask=mask)
     else:
         mask = n_ok[:, None] & (offs_m[None, :] < M)
         out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
-        gl.store(out_ptrs, res.to(gl.bfloat16), mask=mask)
+        gl.store(out_ptrs, res.to(DT), mask=mask)
 
 
 @gluon.jit(do_not_specialize=["M"])
 def _wo_ws_kernel(
-    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, stride_s, stride_om,
+    x_desc, q_desc, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, stride_s, stride_g, stride_om,
     KIND: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, SILU: gl.constexpr = False,
@@ -185,7 +188,7 @@ def _wo_ws_kernel(
         off_n = pid_n * BLOCK_N
     k_tiles = K // BLOCK_K
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     if SILU:  # one 64-row box per consumer a stage (gate, up)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * STAGES, 64, QK], q_desc.layout)
     else:
@@ -197,7 +200,7 @@ def _wo_ws_kernel(
         mbarrier.init(empty.index(i), count=NWG)
     if SILU:  # the up warpgroup's rounded result, handed to the gate warpgroup
         xch = gl.allocate_shared_memory(
-            gl.bfloat16, [64, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
+            x_desc.dtype, [64, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
         )  # rows contiguous: a warp of the epilogue layout touches 64 consecutive rows
         xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(xbar, count=1)
@@ -211,11 +214,11 @@ def _wo_ws_kernel(
     gl.warp_specialize(
         [
             (_consumer, (x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr,
-                         out_ptr, M, N, inter, off_m, off_n, k_tiles, stride_s, stride_om, 0,
-                         KIND, GROUP, HAS_BIAS, BLOCK_M, BLOCK_K, STAGES, SILU)),
+                         out_ptr, M, N, inter, off_m, off_n, k_tiles, stride_s, stride_g,
+                         stride_om, 0, KIND, GROUP, HAS_BIAS, BLOCK_M, BLOCK_K, STAGES, SILU)),
             (_consumer, (x_smem, q_smem, ready, empty, xch, xbar, s_ptr, o_ptr, bias_ptr,
-                         out_ptr, M, N, inter, off_m, off_n, k_tiles, stride_s, stride_om, 1,
-                         KIND, GROUP, HAS_BIAS, BLOCK_M, BLOCK_K, STAGES, SILU)),
+                         out_ptr, M, N, inter, off_m, off_n, k_tiles, stride_s, stride_g,
+                         stride_om, 1, KIND, GROUP, HAS_BIAS, BLOCK_M, BLOCK_K, STAGES, SILU)),
             (_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, inter,
                        k_tiles, BLOCK_K, QK, STAGES, SILU)),
         ],
@@ -226,19 +229,19 @@ def _wo_ws_kernel(
 
 def wo_gemm_ws(
     kind: str,
-    x: torch.Tensor,  # [M, K] bf16, rows contiguous
+    x: torch.Tensor,  # [M, K] bf16 or fp16, rows contiguous
     qweight: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     bias: torch.Tensor | None,
     cfg: WoConfig,
     silu_mul: bool = False,
-) -> torch.Tensor:  # [M, N] bf16 ([M, N / 2] with silu_mul)
+) -> torch.Tensor:  # [M, N] of x's dtype ([M, N / 2] with silu_mul)
     """``wo_gemm.wo_gemm``'s contract (``offsets=None`` for symmetric int4), warp-specialized;
     ``cfg.split_k`` must be 1 and ``cfg.block_n`` 128 (two consumer warpgroups; four spill at the
     120 registers a thread that 17 warps leave). ``silu_mul``: the weight is an MLP's merged
     ``[gate; up]`` (N even) and the result ``silu(x W_gate^T) * (x W_up^T)``, each product
-    rounded to bf16 first as the unfused GEMM stores it, then ``kernels/activation.py``'s
+    rounded to x's dtype first as the unfused GEMM stores it, then ``kernels/activation.py``'s
     arithmetic: the unfused pair's values, without the ``[M, N]`` product in memory."""
     if cfg.split_k != 1 or cfg.block_n != 128:
         raise ValueError(f"wo_gemm_ws: no split-K, 128 weight rows ({cfg})")
@@ -252,11 +255,13 @@ def wo_gemm_ws(
     )  # fmt: skip
     cols = n // 2 if silu_mul else n
     out = torch.empty(m, cols, dtype=x.dtype, device=x.device)
-    scales, offsets, bias_arg, stride_s, group = scale_args(code, k, scales, offsets, bias)
+    scales, offsets, bias_arg, stride_s, stride_g, group = scale_args(
+        code, k, scales, offsets, bias
+    )
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(cols, 64 if silu_mul else cfg.block_n)
     regs = 224  # per consumer thread (setmaxnreg; the loader warp keeps 24)
     _wo_ws_kernel[(tiles,)](
-        x_desc, q_desc, scales, offsets, bias_arg, out, m, n, k, stride_s, out.stride(0),
+        x_desc, q_desc, scales, offsets, bias_arg, out, m, n, k, stride_s, stride_g, out.stride(0),
         KIND=code, GROUP=group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, CONSUMER_REGS=regs, SILU=silu_mul,

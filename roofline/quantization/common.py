@@ -208,7 +208,7 @@ def quantized_linear(
     if USE_WO_GEMM and x.shape[0] > DECODE_MAX_ROWS and kind in ("int8", "int4", "fp8"):
         from roofline.kernels import wo_gemm
 
-        for name, offs in wo_candidates(kind, layer):
+        for name, offs in wo_candidates(kind, layer, x.dtype):
             cfg = wo_gemm.pick(name, x.shape[0], n, k)
             if cfg is not None and wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg):
                 return wo_gemm.wo_gemm(kind, x, layer.qweight, layer.scales, offs, bias, cfg)
@@ -248,12 +248,16 @@ def quantized_warmup_rows(model: nn.Module, max_rows: int) -> list[int]:
     return sorted(b for b in buckets if DECODE_MAX_ROWS < b <= max_rows)
 
 
-def wo_candidates(kind: str, layer: nn.Module) -> tuple[tuple[str, torch.Tensor | None], ...]:
-    """The ``wo_gemm`` table kinds a layer tries, in order, with the offsets each passes: a
-    symmetric int4 layer (offsets ``-8 s``, bf16 scales) its ``int4s`` entries without offsets
-    first, then every layer its own kind's with its offsets."""
+def wo_candidates(
+    kind: str, layer: nn.Module, dtype: torch.dtype
+) -> tuple[tuple[str, torch.Tensor | None], ...]:
+    """The ``wo_gemm`` table kinds a layer tries for x of ``dtype``, in order, with the offsets
+    each passes: a symmetric int4 layer (offsets ``-8 s``) whose scales are of ``dtype`` its
+    ``int4s`` entries without offsets first, then every layer its own kind's with its offsets."""
     own = ((kind, getattr(layer, "offsets", None)),)
-    return (("int4s", None),) + own if getattr(layer, "int4_symmetric", False) else own
+    if getattr(layer, "int4_symmetric", False) and layer.scales.dtype == dtype:
+        return (("int4s", None),) + own
+    return own
 
 
 def silu_out_choice(
@@ -277,7 +281,7 @@ def silu_out_choice(
     def fits(cfg) -> bool:
         return wo_gemm.supports(kind, x, layer.qweight, layer.scales, cfg)
 
-    candidates = wo_candidates(kind, layer)
+    candidates = wo_candidates(kind, layer, x.dtype)
     for name, offs in candidates:  # entries measured faster than the unfused pair
         cfg = wo_gemm.pick_silu(name, m, n, k)
         if cfg is not None and fits(cfg):
@@ -409,7 +413,8 @@ class CanonicalLinearMethod(LinearMethod):
         prepare_kernel_layout(self.kind, layer)
         if self.kind == "int4" and layer.qweight.is_cuda:  # kernels.wo_gemm's symmetric form
             s, o = layer.scales, layer.offsets
-            layer.int4_symmetric = s.dtype == torch.bfloat16 and torch.equal(o, s * -8)
+            half = s.dtype in (torch.bfloat16, torch.float16)
+            layer.int4_symmetric = half and torch.equal(o, s * -8)
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """A repacked layer's decode reads its kernel copy (the same bytes as the canonical

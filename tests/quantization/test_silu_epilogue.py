@@ -20,15 +20,15 @@ from roofline.quantization.int8 import Int8LinearMethod
 N, K = 28672, 4096  # Llama-3.1-8B's merged gate_up: table entries at every bucket
 
 
-def _fake_x(rows: int) -> SimpleNamespace:
-    """What ``silu_out_choice`` reads of x: a CUDA tensor's shape (no GPU here)."""
-    return SimpleNamespace(is_cuda=True, dim=lambda: 2, shape=(rows, K))
+def _fake_x(rows: int, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+    """What ``silu_out_choice`` reads of x: a CUDA tensor's shape and dtype (no GPU here)."""
+    return SimpleNamespace(is_cuda=True, dim=lambda: 2, shape=(rows, K), dtype=dtype)
 
 
-def _layer(symmetric: bool = False) -> SimpleNamespace:
+def _layer(symmetric: bool = False, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
     return SimpleNamespace(
         qweight=torch.empty(N, K, dtype=torch.int8),
-        scales=torch.empty(N),
+        scales=torch.empty(N, dtype=dtype),
         offsets=None,
         int4_symmetric=symmetric,
     )
@@ -73,6 +73,11 @@ def test_symmetric_int4_takes_its_own_entries(hopper) -> None:
     got = common.silu_out_choice("int4", asym, _fake_x(256))
     assert got is not None and got[0] == wo_gemm.pick("int4", 256, N, K)
     assert got[1] is asym.offsets
+    # the symmetric form takes scales of x's dtype only: fp16 scales with fp16 x (a GPTQ
+    # checkpoint run in fp16), not with bf16 x (its own kind's entries, offsets passed)
+    fp16 = _layer(symmetric=True, dtype=torch.float16)
+    assert common.silu_out_choice("int4", fp16, _fake_x(256, torch.float16)) == (cfg, None)
+    assert common.silu_out_choice("int4", fp16, _fake_x(256))[1] is fp16.offsets
 
 
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
