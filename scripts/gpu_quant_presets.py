@@ -5,6 +5,7 @@ each in its own process (a finished engine's memory is not given back in-process
 
     python scripts/gpu_quant_presets.py --method bf16 --json bf16.json
     python scripts/gpu_quant_presets.py --method int8 --json int8.json
+    python scripts/gpu_quant_presets.py --method int4 --dtype float16   # a GPTQ / AWQ fp16 run
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--presets", default="short,long-prompt,shared-prefix")
     ap.add_argument("--json", default="")
+    ap.add_argument("--dtype", default="auto", help="the model's dtype (float16: fp16 x)")
     args = ap.parse_args()
     ceil = measure(torch.device("cuda"), torch.bfloat16)
     t0 = time.perf_counter()
     llm = LLM(
         args.model, load_format="dummy", device="cuda", max_model_len=8448, max_num_seqs=256,
         max_num_batched_tokens=8192, quantization=None if args.method == "bf16" else args.method,
+        dtype=args.dtype,
     )  # fmt: skip
     print(f"{args.method:5} start-up {time.perf_counter() - t0:.1f} s", flush=True)
     llm.generate([[7] * 600, [9] * 40], SamplingParams(max_tokens=4), use_tqdm=False)

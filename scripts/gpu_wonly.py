@@ -57,6 +57,7 @@ import gpu_mixedmma as mma  # noqa: E402
 
 from roofline.kernels import mixed_gemm as mg  # noqa: E402
 from roofline.kernels import wo_gemm as wg  # noqa: E402
+from roofline.kernels.wo_gemm_configs import M_BUCKETS  # noqa: E402
 from roofline.quantization import formats  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -417,6 +418,9 @@ DTYPE = BF16
 """``--table-dtype fp16``: ``wo_table`` runs x and the constants in fp16 (int8 / fp8 / int4
 widened into fp16, as a GPTQ / AWQ checkpoint saved in fp16 runs), its peer the fp16 GEMM."""
 NAME16 = "bf16"
+PAIRS = False
+"""``--pairs``: ``wo_table`` also times asymmetric int4 entries reading each group's scale and
+offset side by side (the ``[N, G, 2]`` pairs ``int4_gemv`` reads, as two strided views)."""
 GROUP_MAJOR = False
 """``--group-major``: ``wo_table`` also times int4 entries with their constants stored
 group-major (``[K / group, N]`` in memory, the ``[N, K / group]`` view passed)."""
@@ -455,6 +459,17 @@ def wo_table(kinds: list[str]) -> None:
             finally:
                 wg.ASYM_HALF2 = True
             also = f" (fp32 widening {t32 * 1e6:6.1f} us, {t16 / t32:.2f}x)"
+        if PAIRS and kind == "int4":  # scale and offset side by side ([N, G, 2], gemv_pairs)
+            pr_ring = []
+            for q, sc, of in ring:
+                pairs = torch.stack([sc, of], dim=-1)
+                pr_ring.append((q, pairs[..., 0], pairs[..., 1]))
+            same = torch.equal(fn(xb, *ring[0]), fn(xb, *pr_ring[0]))
+            tp = base.time_ring(partial(fn, xb), pr_ring, False)
+            also += (f"; pairs {tp * 1e6:6.1f} us ({t16 / tp:.2f}x, {t / tp:.3f}x of "
+                     f"canonical, {'same bits' if same else 'BITS DIFFER'})")  # fmt: skip
+            wrong += not same
+            del pr_ring
         if GROUP_MAJOR and kind in ("int4", "int4s"):  # the constants stored group-major
             gm_ring = [(q, group_major(sc), None if of is None else group_major(of))
                        for q, sc, of in ring]  # fmt: skip
@@ -472,6 +487,62 @@ def wo_table(kinds: list[str]) -> None:
         )
         del ring, w16
     mma.TABLE.append(f"shipped wo_gemm table: {len(wg.WO_CONFIGS)} configs, {wrong} wrong")
+
+
+@base.section("wo borrow")
+def wo_borrow(kinds: list[str], buckets: list[int]) -> None:
+    """Each entry of ``buckets`` beside every other bucket's entry of its shape (a 256-row tile
+    runs 129-192 rows in one tile, its rows past M zero-filled by TMA): all timed at the
+    bucket's smallest and largest row counts (weights cycled from HBM), each candidate checked
+    against the exact reference there first; a candidate faster by 3% at both counts is
+    printed as the entry to take (``BORROW``)."""
+    better = {}
+    for (kind, n, k, bucket), c in sorted(wg.WO_CONFIGS.items()):
+        if (kinds and kind not in kinds) or bucket not in buckets:
+            continue
+        i = M_BUCKETS.index(bucket)
+        lo = M_BUCKETS[i - 1] + 1 if i else 17
+        others = {v for (kd, nn, kk, _), v in wg.WO_CONFIGS.items() if (kd, nn, kk) == (kind, n, k)}
+        others.discard(c)
+        ring = make_ring(kind, n, k, 128 << 20, DTYPE)
+        xs = {m: torch.randn(m, k, device="cuda", dtype=DTYPE) for m in (lo, bucket)}
+        cfgs = [c] + sorted(others)
+        times = {}
+        for cand in cfgs:
+            cfg = wg.WoConfig(*cand)
+            fn = wo_fn(kind, cfg)
+            try:
+                if not all(wg.supports(kind[:4], x, *ring[0][:2], cfg) for x in xs.values()):
+                    continue
+                errs = [base.rel_err(fn(x, *ring[0]), base.exact_ref(kind[:4], x, *ring[0]))
+                        for x in xs.values()]  # fmt: skip
+                if max(errs) >= 2e-2:
+                    print(f"  {kind} {n}x{k} M={bucket} {cand}: WRONG ({max(errs):.1e})")
+                    continue
+                times[cand] = [base.time_ring(partial(fn, x), ring, False) for x in xs.values()]
+                again = base.time_ring(partial(fn, xs[lo]), ring, False)  # after a warm GPU
+                print(f"  {kind} {n}x{k} M={bucket} {cand}: {lo} rows {times[cand][0] * 1e6:.1f}"
+                      f" then {bucket} rows {times[cand][1] * 1e6:.1f}, {lo} rows again "
+                      f"{again * 1e6:.1f} us", flush=True)  # fmt: skip
+                times[cand][0] = again
+            except Exception as e:  # noqa: BLE001
+                print(f"  {kind} {n}x{k} M={bucket} {cand}: {type(e).__name__}: {e}"[:200])
+        if c not in times:
+            continue
+        base_t = times[c]
+        best = min(times, key=lambda cand: max(t / b for t, b in zip(times[cand], base_t)))
+        gain = [b / t for t, b in zip(times[best], base_t)]
+        line = (f"{kind:5} {n:5}x{k:5} M={bucket:4} ({lo}..{bucket} rows): entry {c} "
+                f"{base_t[0] * 1e6:6.1f} / {base_t[1] * 1e6:6.1f} us; best {best} "
+                f"{times[best][0] * 1e6:6.1f} / {times[best][1] * 1e6:6.1f} us "
+                f"({gain[0]:.2f}x / {gain[1]:.2f}x)")  # fmt: skip
+        if best != c and min(gain) > 1.03:
+            better[(kind, n, k, bucket)] = best
+            line += "  <- take"
+        print(line, flush=True)
+        del ring
+    print(f"BORROW {better}", flush=True)
+    mma.TABLE.append(f"wo borrow: {len(better)} entries faster with another bucket's config")
 
 
 @base.section("silu")
@@ -768,6 +839,8 @@ def main() -> None:
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wo-table", action="store_true", help="check and time the shipped table")
     ap.add_argument("--table-kinds", default="", help="kinds of --wo-table (default: all)")
+    ap.add_argument("--borrow", default="", help="M buckets whose entries meet the others'")
+    ap.add_argument("--pairs", action="store_true", help="--wo-table: int4 constants as pairs")
     ap.add_argument("--table-dtype", default="bf16", help="--wo-table: x's dtype (bf16, fp16)")
     ap.add_argument(
         "--group-major", action="store_true", help="--wo-table: int4 constants also group-major"
@@ -803,10 +876,13 @@ def main() -> None:
         silu_sweep([int(v) for v in args.silu_sweep.split(",")])
     if args.silu:
         silu_check([int(v) for v in args.silu.split(",")])
-    global GROUP_MAJOR, DTYPE, NAME16
-    GROUP_MAJOR = args.group_major
+    global GROUP_MAJOR, DTYPE, NAME16, PAIRS
+    GROUP_MAJOR, PAIRS = args.group_major, args.pairs
     if args.table_dtype == "fp16":
         DTYPE, NAME16 = torch.float16, "fp16"
+    if args.borrow:
+        kinds = [kd for kd in args.table_kinds.split(",") if kd]
+        wo_borrow(kinds, [int(v) for v in args.borrow.split(",")])
     if args.wo_table and wg.WO_CONFIGS:
         wo_table([kd for kd in args.table_kinds.split(",") if kd])
     if wo_ms:
