@@ -1,7 +1,11 @@
 """Why the weight-only GEMM is slower at row counts just past a tile multiple (int4 o_proj,
 pipelined (128, 64, 128, 1, 4, 8, 3): 129 rows 38 us, 192 rows 26 us): the same entries timed
-at M rows, at M rows read from a buffer padded to the tile multiple (the descriptor's rows
-rounded up: no box reaches past the tensor), and at the padded count itself.
+at M rows, at M rows read from a buffer padded to the tile multiple (no TMA box reaches past the
+tensor's last row), and with the padding copy inside the timed call.
+
+On the H100 (sixteenth session) padding made these GEMMs 1.35-1.85x faster alone, but a padding
+copy in the kernels' wrappers moved the engine's decode steps by -7% to +4% (int8 / int4,
+136-200 rows, CUDA graphs): not shipped; see BENCHMARKS.md.
 
     python scripts/gpu_wo_oob.py
 """

@@ -634,22 +634,6 @@ def kind_and_descriptors(
 MAX_TILES = 1 << 16
 
 
-def whole_tiles(x: torch.Tensor, block_m: int) -> torch.Tensor:
-    """x itself when its rows fill whole ``block_m``-row tiles; else x copied into the first rows
-    of a buffer of the next multiple of ``block_m`` rows (the rest left as they are: a row of x
-    reaches only its own row of the output, and the callers return the first M rows). A TMA box
-    that reaches past the tensor's last row costs the kernel far more than the copy (H100, int4
-    o_proj, 128-row tiles: 129 rows 38.0 us, the same rows padded to 256 20.6 us, 21.9 with
-    the copy; gate_up at 137 rows 143.3 -> 108.4 us; ``scripts/gpu_wo_oob.py``)."""
-    m = x.shape[0]
-    rows = -(-m // block_m) * block_m
-    if rows == m:
-        return x
-    padded = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
-    padded[:m].copy_(x)
-    return padded
-
-
 def scale_args(
     code: int,
     k: int,
@@ -696,8 +680,6 @@ def wo_gemm(
         from roofline.kernels.wo_gemm_ws import wo_gemm_ws
 
         return wo_gemm_ws(kind, x, qweight, scales, offsets, bias, cfg)
-    rows = x.shape[0]
-    x = whole_tiles(x, cfg.block_m)
     m, k = x.shape
     n = qweight.shape[0]
     code, x_desc, q_desc = kind_and_descriptors("wo_gemm", kind, x, qweight, scales, offsets, cfg)
@@ -720,4 +702,4 @@ def wo_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, PIPE=cfg.ws == PIPELINED, num_warps=cfg.block_n // 16,
     )  # fmt: skip
-    return out[:rows]
+    return out

@@ -53,7 +53,6 @@ from roofline.kernels.wo_gemm import (
     kind_and_descriptors,
     q_row_bytes,
     scale_args,
-    whole_tiles,
 )
 
 
@@ -397,8 +396,6 @@ def sk_gemm(
     parts, so every program must be resident); ``cfg.block_n`` must be 128."""
     if cfg.block_n != 128 or cfg.block_m not in (64, 128, 256):
         raise ValueError(f"wo_gemm_sk: 128 weight rows and 64, 128 or 256 rows of x ({cfg})")
-    rows = x.shape[0]
-    x = whole_tiles(x, cfg.block_m)
     m, k = x.shape
     n = qweight.shape[0]
     code, x_desc, q_desc = kind_and_descriptors(
@@ -423,4 +420,4 @@ def sk_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         GROUP_M=cfg.group_m, CONSUMER_REGS=224, num_warps=4,
     )  # fmt: skip
-    return out[:rows]
+    return out

@@ -34,7 +34,6 @@ from roofline.kernels.wo_gemm import (
     kind_and_descriptors,
     q_row_bytes,
     scale_args,
-    whole_tiles,
 )
 
 
@@ -246,8 +245,6 @@ def wo_gemm_ws(
     arithmetic: the unfused pair's values, without the ``[M, N]`` product in memory."""
     if cfg.split_k != 1 or cfg.block_n != 128:
         raise ValueError(f"wo_gemm_ws: no split-K, 128 weight rows ({cfg})")
-    rows = x.shape[0]
-    x = whole_tiles(x, cfg.block_m)
     m, k = x.shape
     n = qweight.shape[0]
     if silu_mul and n % 2:
@@ -270,4 +267,4 @@ def wo_gemm_ws(
         GROUP_M=cfg.group_m, CONSUMER_REGS=regs, SILU=silu_mul,
         num_warps=4,
     )  # fmt: skip
-    return out[:rows]
+    return out

@@ -226,17 +226,6 @@ def test_kind_follows_the_dtypes_of_x_and_the_constants() -> None:
             code(q4o, None)
 
 
-def test_whole_tiles_pads_the_rows_to_the_tile() -> None:
-    """x reaches the kernel in whole BLOCK_M-row tiles (no TMA box past its last row): copied
-    into a taller buffer when it does not fill them, else passed as it is."""
-    x = torch.randn(129, 64).to(torch.bfloat16)
-    padded = wg.whole_tiles(x, 128)
-    assert padded.shape == (256, 64) and torch.equal(padded[:129], x)
-    assert padded.stride() == (64, 1) and padded.dtype == x.dtype
-    view = x[:128]  # two whole tiles of 64: as it is, no copy
-    assert wg.whole_tiles(padded, 128) is padded and wg.whole_tiles(view, 64) is view
-
-
 def test_scale_args() -> None:
     w = torch.randn(256, 512)
     q8 = formats.quantize_int8(w, 512, torch.bfloat16)
