@@ -11,16 +11,45 @@ import datetime
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 
 from roofline.bench.ceilings import measure
 
 
-def sampler() -> subprocess.Popen:
-    cmd = ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-           "--format=csv,noheader,nounits", "-lms", "25"]  # fmt: skip
+def sampler(extra: str = "temperature.gpu") -> subprocess.Popen:
+    """``nvidia-smi`` sampling every 25 ms: time, SM clock, power and ``extra``."""
+    query = f"timestamp,clocks.sm,power.draw,{extra}"
+    cmd = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "25"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+def report(proc: subprocess.Popen, marks: list, extra_name: str, extra: Callable) -> None:
+    """Stop ``sampler`` and print, per phase of ``marks`` ((name, start, end) in unix time), the
+    SM clock (median, min), the power (median, max) and ``extra`` of the phase's values of the
+    extra field (as text), headed ``extra_name``."""
+    time.sleep(0.3)
+    proc.terminate()
+    stamps = []
+    for line in proc.communicate()[0].splitlines():
+        try:
+            ts, clk, pw, more = (x.strip() for x in line.split(","))
+            when = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            stamps.append((when, float(clk), float(pw), more))
+        except ValueError:
+            continue
+    print(f"\n{len(stamps)} samples; per phase: SM clock MHz (median, min), power W (median, "
+          f"max), {extra_name}")  # fmt: skip
+    for name, t0, t1 in marks:
+        rows = [st[1:] for st in stamps if t0 <= st[0] <= t1]
+        if not rows:
+            print(f"  {name}: no samples")
+            continue
+        clk, pw = [r[0] for r in rows], [r[1] for r in rows]
+        print(f"  {name:<34} n {len(rows):3}  clock {statistics.median(clk):6.0f} (min "
+              f"{min(clk):5.0f})  power {statistics.median(pw):5.0f} (max {max(pw):5.0f})  "
+              f"{extra([r[2] for r in rows])}", flush=True)  # fmt: skip
 
 
 MARKS: list[tuple[str, float, float]] = []
@@ -40,7 +69,6 @@ def main() -> None:
     torch.cuda.synchronize()
     time.sleep(2.0)  # cool down: the ceiling is usually measured on an idle GPU
     proc = sampler()
-    stamps: list[tuple[float, float, float, float]] = []
     time.sleep(0.5)
     t = time.time()
     ceil = measure(dev, torch.bfloat16)
@@ -92,28 +120,8 @@ def main() -> None:
     print(f"8192 prefill median {med * 1e3:.1f} ms = {rate / 1e12:.0f} TFLOP/s: "
           f"{100 * rate / ceil.matmul_flops_per_s:.1f}% of the ceiling as measured, "
           f"{100 * rate / sustained:.1f}% of the sustained GEMM rate", flush=True)  # fmt: skip
-    time.sleep(0.3)
-    proc.terminate()
-    out = proc.communicate()[0]
-    for line in out.splitlines():
-        try:
-            ts, clk, pw, temp = (x.strip() for x in line.split(","))
-            when = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            stamps.append((when, float(clk), float(pw), float(temp)))
-        except ValueError:
-            continue
-    print(f"\n{len(stamps)} samples; per phase: SM clock MHz (median, min), power W (median, "
-          "max), temperature C (max)")  # fmt: skip
-    for name, t0, t1 in MARKS:
-        rows = [s[1:] for s in stamps if t0 <= s[0] <= t1]
-        if not rows:
-            print(f"  {name}: no samples")
-            continue
-        clk = [r[0] for r in rows]
-        pw = [r[1] for r in rows]
-        print(f"  {name:<22} clock {statistics.median(clk):6.0f} (min {min(clk):5.0f})  power "
-              f"{statistics.median(pw):5.0f} (max {max(pw):5.0f})  temp max "
-              f"{max(r[2] for r in rows):3.0f}", flush=True)  # fmt: skip
+    report(proc, MARKS, "temperature C (max)",
+           lambda temps: f"temp max {max(float(t) for t in temps):3.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,22 +16,19 @@ clocks of the same-run ceiling. This script samples the SM clock and power (``nv
 from __future__ import annotations
 
 import argparse
-import datetime
+import os
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_clocks  # noqa: E402
+
 BF16 = torch.bfloat16
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MARKS: list[tuple[str, float, float]] = []
-
-
-def sampler() -> subprocess.Popen:
-    query = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
-    cmd = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "25"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
 def gemms(rows: int, seconds: float) -> None:
@@ -161,31 +158,6 @@ class _StampClock:
         gp.PhaseClock.__call__ = self._orig
 
 
-def report(proc: subprocess.Popen) -> None:
-    time.sleep(0.3)
-    proc.terminate()
-    stamps = []
-    for line in proc.communicate()[0].splitlines():
-        try:
-            ts, clk, pw, why = (x.strip() for x in line.split(","))
-            when = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            stamps.append((when, float(clk), float(pw), why))
-        except ValueError:
-            continue
-    print(f"\n{len(stamps)} samples; per phase: SM clock MHz (median, min), power W (median, "
-          "max), throttle reasons seen")  # fmt: skip
-    for name, t0, t1 in MARKS:
-        rows = [s[1:] for s in stamps if t0 <= s[0] <= t1]
-        if not rows:
-            print(f"  {name}: no samples")
-            continue
-        clk, pw = [r[0] for r in rows], [r[1] for r in rows]
-        why = sorted({r[2] for r in rows})
-        print(f"  {name:<34} n {len(rows):3}  clock {statistics.median(clk):6.0f} (min "
-              f"{min(clk):5.0f})  power {statistics.median(pw):5.0f} (max {max(pw):5.0f})  "
-              f"{' '.join(why)}", flush=True)  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
@@ -193,7 +165,7 @@ def main() -> None:
     ap.add_argument("--presets", default="shared-prefix")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    proc = sampler()
+    proc = gpu_clocks.sampler("clocks_throttle_reasons.active")
     time.sleep(0.5)
     try:
         gemms(args.rows, args.seconds)
@@ -201,7 +173,8 @@ def main() -> None:
         if args.presets:
             presets(args.presets.split(","))
     finally:
-        report(proc)
+        gpu_clocks.report(proc, MARKS, "throttle reasons seen",
+                          lambda why: " ".join(sorted(set(why))))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -431,6 +431,18 @@ def group_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def as_group_major(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor | None) -> tuple:
+    """(weight, scales, offsets) with the constants stored group-major."""
+    return q, group_major(s), None if o is None else group_major(o)
+
+
+def as_pairs(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple:
+    """(weight, scales, offsets) with each group's scale and offset side by side (``[N, G, 2]``,
+    as ``int4_gemv`` reads them), passed as two strided views."""
+    pairs = torch.stack([s, o], dim=-1)
+    return q, pairs[..., 0], pairs[..., 1]
+
+
 @base.section("wo table")
 def wo_table(kinds: list[str]) -> None:
     """Every shipped ``WO_CONFIGS`` entry (of ``kinds``; empty: all) on its own shape: parity at
@@ -459,26 +471,19 @@ def wo_table(kinds: list[str]) -> None:
             finally:
                 wg.ASYM_HALF2 = True
             also = f" (fp32 widening {t32 * 1e6:6.1f} us, {t16 / t32:.2f}x)"
-        if PAIRS and kind == "int4":  # scale and offset side by side ([N, G, 2], gemv_pairs)
-            pr_ring = []
-            for q, sc, of in ring:
-                pairs = torch.stack([sc, of], dim=-1)
-                pr_ring.append((q, pairs[..., 0], pairs[..., 1]))
-            same = torch.equal(fn(xb, *ring[0]), fn(xb, *pr_ring[0]))
-            tp = base.time_ring(partial(fn, xb), pr_ring, False)
-            also += (f"; pairs {tp * 1e6:6.1f} us ({t16 / tp:.2f}x, {t / tp:.3f}x of "
+        layouts = {}  # other layouts of the same constants: the same bits, timed
+        if PAIRS and kind == "int4":
+            layouts["pairs"] = as_pairs
+        if GROUP_MAJOR and kind in ("int4", "int4s"):
+            layouts["group-major"] = as_group_major
+        for name, relayout in layouts.items():
+            alt = [relayout(*w) for w in ring]
+            same = torch.equal(fn(xb, *ring[0]), fn(xb, *alt[0]))
+            ta = base.time_ring(partial(fn, xb), alt, False)
+            also += (f"; {name} {ta * 1e6:6.1f} us ({t16 / ta:.2f}x, {t / ta:.3f}x of "
                      f"canonical, {'same bits' if same else 'BITS DIFFER'})")  # fmt: skip
             wrong += not same
-            del pr_ring
-        if GROUP_MAJOR and kind in ("int4", "int4s"):  # the constants stored group-major
-            gm_ring = [(q, group_major(sc), None if of is None else group_major(of))
-                       for q, sc, of in ring]  # fmt: skip
-            same = torch.equal(fn(xb, *ring[0]), fn(xb, *gm_ring[0]))
-            tg = base.time_ring(partial(fn, xb), gm_ring, False)
-            also += (f"; group-major {tg * 1e6:6.1f} us ({t16 / tg:.2f}x, {t / tg:.3f}x of "
-                     f"canonical, {'same bits' if same else 'BITS DIFFER'})")  # fmt: skip
-            wrong += not same
-            del gm_ring
+            del alt
         print(
             f"{kind:5} {n:5}x{k:5} M={bucket:3} {tuple(c)}: rel err {err:.1e}"
             f"{'' if err < 2e-2 else ' WRONG'}; {t * 1e6:6.1f} us vs {NAME16} {t16 * 1e6:6.1f} "

@@ -99,7 +99,10 @@ INT8_TO_BF16_PTX: gl.constexpr = gl.constexpr(
     prmt.b32 $0, f0, f1, 0x7632;
     }"""
 )
-"""Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact."""
+"""Two int8 (one 16-bit register, $1) -> two bf16 (one 32-bit register, $0), exact: u = q ^ 0x80
+(= q + 128) goes into the mantissa of 2^23 (one byte permute per element), an fp32 subtract of
+2^23 + 128 gives q, and the upper halves of the two fp32 values are one bf16x2 (|q| <= 128 has
+at most 8 significant bits)."""
 
 INT8_TO_F16_PTX: gl.constexpr = gl.constexpr(
     """{
@@ -177,19 +180,14 @@ in fp16): ``q s`` has at most 15 significant bits, and the fp32 sum is exact for
 
 
 @gluon.jit
-def _int8_to_half(q, DT: gl.constexpr):
-    """int8 -> ``DT`` (bf16 or fp16), exact, two at a time (the pair a thread holds of wgmma's A
-    operand: one 16-bit shared-memory load). bf16: u = q ^ 0x80 (= q + 128) goes into the
-    mantissa of 2^23 (one byte permute per element), an fp32 subtract of 2^23 + 128 gives q,
-    and the upper halves of the two fp32 values are one bf16x2 (|q| <= 128 has at most 8
-    significant bits); fp16: ``INT8_TO_F16_PTX``."""
+def _bytes_to_half(q, F16_PTX: gl.constexpr, BF16_PTX: gl.constexpr, DT: gl.constexpr):
+    """Bytes (int8 or e4m3, as int8) -> ``DT`` (bf16 or fp16), two at a time (the pair a thread
+    holds of wgmma's A operand: one 16-bit shared-memory load), by the PTX for ``DT``."""
     if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
-        w = gl.inline_asm_elementwise(
-            INT8_TO_F16_PTX, "=r,h", [q], dtype=gl.float16, is_pure=True, pack=2
-        )
+        w = gl.inline_asm_elementwise(F16_PTX, "=r,h", [q], dtype=gl.float16, is_pure=True, pack=2)
     else:
         w = gl.inline_asm_elementwise(
-            INT8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
+            BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
         )
     return w
 
@@ -263,21 +261,6 @@ weights."""
 FP8_TO_F16_PTX: gl.constexpr = gl.constexpr("cvt.rn.f16x2.e4m3x2 $0, $1;")
 """Two e4m3 bytes ($1) -> two fp16 ($0), the low byte into the low half: exact (every e4m3
 value is an fp16), one conversion for the pair (sm_89 and later)."""
-
-
-@gluon.jit
-def _fp8_to_half(q, DT: gl.constexpr):
-    """e4m3 bytes (as int8) -> ``DT`` (bf16 or fp16), exact, two at a time (``FP8_TO_BF16_PTX``,
-    ``FP8_TO_F16_PTX``)."""
-    if DT == gl.float16:  # (compiled alone; one return: Triton types every return)
-        w = gl.inline_asm_elementwise(
-            FP8_TO_F16_PTX, "=r,h", [q], dtype=gl.float16, is_pure=True, pack=2
-        )
-    else:
-        w = gl.inline_asm_elementwise(
-            FP8_TO_BF16_PTX, "=r,h", [q], dtype=gl.bfloat16, is_pure=True, pack=2
-        )
-    return w
 
 
 @gluon.jit
@@ -516,9 +499,9 @@ def _widen(
 ):
     """The tile in ``DT`` (x's dtype: bf16 or fp16), in wgmma's A-operand register layout."""
     if KIND == 0:
-        w = _int8_to_half(q_tile.load(a_layout), DT)
+        w = _bytes_to_half(q_tile.load(a_layout), INT8_TO_F16_PTX, INT8_TO_BF16_PTX, DT)
     elif KIND == 3:
-        w = _fp8_to_half(q_tile.load(a_layout), DT)
+        w = _bytes_to_half(q_tile.load(a_layout), FP8_TO_F16_PTX, FP8_TO_BF16_PTX, DT)
     elif KIND == 1:
         # bytes in the A layout of a [BN, BK / 2] tile: each thread's byte holds its k pair
         b = q_tile.load(a_layout_bytes(a_layout)).to(gl.uint32)
