@@ -554,8 +554,8 @@ def wo_borrow(kinds: list[str], buckets: list[int]) -> None:
 def silu_check(ms: list[int]) -> None:
     """The gate_up GEMM with the SiLU-and-mul in its epilogue (``wo_gemm_ws(silu_mul=True)``)
     at the table's warp-specialized entries: against the unfused pair (the same kernel, then
-    ``silu_and_mul``) on the GPU (bf16 elements that differ, and the largest difference), then
-    both timed (weights cycled from HBM)."""
+    ``silu_and_mul``) on the GPU (elements that differ, and the largest difference), then both
+    timed (weights cycled from HBM); x and the constants in ``--table-dtype``."""
     from roofline.kernels.activation import silu_and_mul
 
     n, k = base.SHAPES["gate_up"]
@@ -571,17 +571,17 @@ def silu_check(ms: list[int]) -> None:
             def pair(x, qw, s, o, cfg=cfg, kind=kind):
                 return silu_and_mul(wo_fn(kind, cfg)(x, qw, s, o))
 
-            qw, s, o = quantized(kind, n, k, seed=5)
+            qw, s, o = quantized(kind, n, k, seed=5, dtype=DTYPE)
             worst, differ = 0.0, 0
             for rows in (m - 3, m):
-                x = torch.randn(rows, k, device="cuda", dtype=BF16)
+                x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
                 a, b = fused(x, qw, s, o).float(), pair(x, qw, s, o).float()
                 differ += int((a != b).sum())
                 worst = max(worst, (a - b).abs().max().item() / b.abs().max().item())
             bad = not worst < 2e-2
             wrong += bad
-            ring = make_ring(kind, n, k)
-            xb = torch.randn(m, k, device="cuda", dtype=BF16)
+            ring = make_ring(kind, n, k, dtype=DTYPE)
+            xb = torch.randn(m, k, device="cuda", dtype=DTYPE)
             t_f = base.time_ring(partial(fused, xb), ring, False)
             t_p = base.time_ring(partial(pair, xb), ring, False)
             line = (
@@ -846,7 +846,9 @@ def main() -> None:
     ap.add_argument("--table-kinds", default="", help="kinds of --wo-table (default: all)")
     ap.add_argument("--borrow", default="", help="M buckets whose entries meet the others'")
     ap.add_argument("--pairs", action="store_true", help="--wo-table: int4 constants as pairs")
-    ap.add_argument("--table-dtype", default="bf16", help="--wo-table: x's dtype (bf16, fp16)")
+    ap.add_argument(
+        "--table-dtype", default="bf16", help="x's dtype in --wo-table, --silu, --borrow"
+    )
     ap.add_argument(
         "--group-major", action="store_true", help="--wo-table: int4 constants also group-major"
     )
@@ -877,14 +879,14 @@ def main() -> None:
             json.dump({"tuned": [[*k, v] for k, v in tuned.items()], "table": mma.TABLE}, f)
         return
     parity()
-    if args.silu_sweep:
-        silu_sweep([int(v) for v in args.silu_sweep.split(",")])
-    if args.silu:
-        silu_check([int(v) for v in args.silu.split(",")])
     global GROUP_MAJOR, DTYPE, NAME16, PAIRS
     GROUP_MAJOR, PAIRS = args.group_major, args.pairs
     if args.table_dtype == "fp16":
         DTYPE, NAME16 = torch.float16, "fp16"
+    if args.silu_sweep:
+        silu_sweep([int(v) for v in args.silu_sweep.split(",")])
+    if args.silu:
+        silu_check([int(v) for v in args.silu.split(",")])
     if args.borrow:
         kinds = [kd for kd in args.table_kinds.split(",") if kd]
         wo_borrow(kinds, [int(v) for v in args.borrow.split(",")])
