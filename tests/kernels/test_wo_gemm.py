@@ -302,9 +302,7 @@ REPRESENTATIVE = [  # (kind, config)
 ]
 
 
-def _build(
-    kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False, group_major: bool = False
-):
+def _build(kind: str, cfg: wg.WoConfig, k: int = 4096, silu: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -342,12 +340,7 @@ def _build(
     half = "*fp16" if f16 else "*bf16"  # constants, bias and output of x's dtype
     types.update({n: half for n in ("s_ptr", "o_ptr", "bias_ptr", "out_ptr")})
     types.update({"ws_ptr": "*fp32", "lock_ptr": "*i32"})
-    types.update(
-        {n: "i32" for n in ("M", "N", "K", "stride_s", "stride_g", "stride_om", "dp_tiles")}
-    )
-    # the constants' strides: a row's and a group's; the one that is 1 is specialized, as at run
-    # time (canonical: the group's; stored group-major: the row's)
-    types.pop("stride_s" if group_major else "stride_g")
+    types.update({n: "i32" for n in ("M", "N", "K", "stride_s", "stride_om", "dp_tiles")})
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = dict(
         KIND=KINDS[kind], GROUP=128 if int4 else 0,
@@ -355,17 +348,17 @@ def _build(
         SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.stages, GROUP_M=cfg.group_m, CONSUMER_REGS=224,
     )  # fmt: skip
-    constexprs["stride_s" if group_major else "stride_g"] = 1
+    constexprs["stride_g"] = 1  # a group's stride in the canonical layout: specialized at run time
     if silu:
         constexprs["SILU"] = True
     if cfg.ws == wg.PIPELINED:
         constexprs["PIPE"] = True
     constexprs = {n: v for n, v in constexprs.items() if n in names}
-    aligned = ("N", "K", "stride_om", "stride_g")
+    aligned = ("N", "K", "stride_om")
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
         for n, t in signature.items()
-        if t.startswith("*") or (n in aligned and t != "constexpr")
+        if t.startswith("*") or n in aligned
     }
     return triton.compile(
         GluonASTSource(fn, signature, constexprs, attrs),
